@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Sets up everything kvbridge needs on a fresh machine, and reuses it on the next run.
+# Called by `make setup` (and so by `make demo` / `make test`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+# Debian libraries that Mooncake's wheel links against; iproute2 for the netns tests.
+need_apt=()
+for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1 libcurl.so.4; do
+    if ! ldconfig -p 2>/dev/null | grep -q "$lib"; then need_apt+=("$lib"); fi
+done
+command -v ip >/dev/null 2>&1 || need_apt+=(ip)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Debian packages for: ${need_apt[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            libibverbs1 librdmacm1 libnuma1 libcurl4 iproute2 >/dev/null
+    else
+        echo "setup: missing system libraries (${need_apt[*]}); install libibverbs1 librdmacm1 libnuma1 libcurl4 iproute2" >&2
+    fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    mooncake_extra=mooncake
+else
+    mooncake_extra=mooncake-cpu
+    # A CPU build of torch: an unpinned torch would pull several GB of CUDA.
+    if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+        echo "setup: installing CPU torch"
+        "${PIP[@]}" install "torch==2.13.0"
+    fi
+fi
+
+echo "setup: installing kvbridge[test,$mooncake_extra] (editable)"
+"${PIP[@]}" install -e ".[test,$mooncake_extra]"
+touch "$VENV/.kvbridge-setup"

@@ -1,0 +1,36 @@
+# The two README commands: `make demo` and `make test`. Each does its own set-up.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvbridge-setup
+export UCX_MODULES ?= ^ib
+export NIXL_LOG_LEVEL ?= WARN
+export MC_LOG_LEVEL ?= WARNING
+
+.PHONY: setup demo test lint typecheck pytest test-slow clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml .ci/setup.sh
+	bash .ci/setup.sh
+
+demo: $(STAMP)
+	$(VENV)/bin/kvbridge demo $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# mypy resolves `kvbridge` through a symlink: the repository root is the package.
+typecheck: $(STAMP)
+	mkdir -p $(VENV)/typecheck && ln -sfn $(CURDIR) $(VENV)/typecheck/kvbridge
+	MYPYPATH=$(VENV)/typecheck $(VENV)/bin/mypy --config-file pyproject.toml -p kvbridge
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The `kvbridge` command-line interface (a thin layer over library calls)."""
