@@ -21,8 +21,8 @@ lint: $(STAMP)
 
 # mypy resolves `kvbridge` through a symlink: the repository root is the package.
 typecheck: $(STAMP)
-	mkdir -p $(VENV)/typecheck && ln -sfn $(CURDIR) $(VENV)/typecheck/kvbridge
-	MYPYPATH=$(VENV)/typecheck $(VENV)/bin/mypy --config-file pyproject.toml -p kvbridge
+	mkdir -p .typecheck && ln -sfn $(CURDIR) .typecheck/kvbridge
+	MYPYPATH=.typecheck $(VENV)/bin/mypy --config-file pyproject.toml -p kvbridge
 
 pytest: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
