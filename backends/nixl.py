@@ -1,0 +1,710 @@
+"""A thin, leak-counted adapter over one NIXL agent (UCX backend) per worker rank.
+
+Why this layer exists: NIXL's Python API is powerful but has sharp edges that
+every caller would otherwise rediscover (see ``BACKENDS.md``):
+
+* failures are *exceptions* (``nixlRemoteDisconnectError`` ...), not states;
+* there is no transfer timeout: a stalled peer leaves a transfer in ``PROC``
+  forever, so the deadline is enforced here (``TIMED_OUT``);
+* without a progress thread (we run with ``enable_prog_thread=False`` because
+  the thread spins and halves bandwidth on small machines) the *passive* side
+  must progress its worker, which :meth:`NixlTransport.get_notifs` does;
+* handles must be released exactly once, and only when NIXL agrees; a handle
+  NIXL refuses to release is parked in a *zombie* list and retried later
+  (:meth:`NixlTransport.reap`, :meth:`NixlTransport.close`).
+
+Model: memory is registered once (:meth:`register_regions`); descriptor lists
+are prepared once (local per region with :meth:`prepare_local`, or arbitrary
+``(addr, len)`` rows with :meth:`prepare_local_descs` for sub-block / head-slice
+reads; remote ones with :meth:`prepare_remote` right after the handshake); a
+transfer then only passes *indices* into those lists (:meth:`post`).
+
+Invariants (checked by the tests through :meth:`counters`):
+
+* every registration, prepared list, transfer handle and peer that is created
+  is counted, and :meth:`close` brings every counter back to zero;
+* a :class:`Transfer` reaches exactly one terminal state (DONE, FAILED or
+  TIMED_OUT) and never leaves it; its NIXL handle is released at that moment
+  or, if NIXL refuses, parked as a zombie (counted, not lost).
+
+The transport is thread-safe through one lock around the agent, because the
+agent is created with ``NIXL_THREAD_SYNC_NONE`` (no listener thread).
+
+Nothing else of kvbridge is imported here (dependency rule of ``backends``).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import apply_env_defaults
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DescList",
+    "NixlTransport",
+    "NixlTransportError",
+    "NixlUnavailableError",
+    "PeerHandle",
+    "Region",
+    "Transfer",
+    "TransportCounters",
+    "XferOp",
+    "XferState",
+    "block_descs",
+    "load_nixl_api",
+    "sub_block_descs",
+]
+
+
+class NixlTransportError(RuntimeError):
+    """A misuse of the transport (bad argument, unknown handle, closed transport)."""
+
+
+class NixlUnavailableError(NixlTransportError):
+    """NIXL cannot be imported or has no UCX backend on this machine."""
+
+
+class XferOp(str, enum.Enum):
+    """Direction of a transfer, seen from the initiator (the side that posts)."""
+
+    READ = "READ"  # remote -> local
+    WRITE = "WRITE"  # local -> remote
+
+
+class XferState(str, enum.Enum):
+    """Lifecycle of a :class:`Transfer`. Only PENDING is non-terminal."""
+
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    TIMED_OUT = "TIMED_OUT"
+
+    @property
+    def terminal(self) -> bool:
+        return self is not XferState.PENDING
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered memory region (host DRAM). ``region_id`` indexes :meth:`register_regions` order."""
+
+    region_id: int
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PeerHandle:
+    """A remote agent added from its metadata.
+
+    ``generation`` increases every time a peer of the same name is (re-)added,
+    so lists prepared for an earlier incarnation are refused instead of
+    silently addressing a restarted process's memory.
+    """
+
+    name: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class DescList:
+    """A prepared descriptor list; transfers refer to its rows by index.
+
+    ``peer`` is ``None`` for a local list. ``num_descs`` bounds valid indices.
+    """
+
+    list_id: int
+    num_descs: int
+    peer: PeerHandle | None
+
+
+@dataclass(frozen=True)
+class TransportCounters:
+    """Live-object counts for leak checks, plus lifetime totals."""
+
+    registrations: int
+    dlists: int
+    xfer_handles: int
+    peers: int
+    zombies: int
+    posted: int
+    done: int
+    failed: int
+    timed_out: int
+    bytes_done: int
+
+    @property
+    def live(self) -> int:
+        """Sum of the live counts; zero after :meth:`NixlTransport.close`."""
+        return self.registrations + self.dlists + self.xfer_handles + self.peers + self.zombies
+
+
+@dataclass
+class Transfer:
+    """One posted transfer. Created by :meth:`NixlTransport.post`, advanced by ``poll``.
+
+    Telemetry: ``nbytes`` and ``num_descs`` are computed from the prepared
+    lists at post time; ``duration_s`` is post-to-terminal as observed by
+    ``poll`` (so its resolution is the caller's polling interval).
+    """
+
+    transfer_id: int
+    op: XferOp
+    peer: PeerHandle
+    nbytes: int
+    num_descs: int
+    notif: bytes
+    posted_at: float
+    deadline: float
+    state: XferState = XferState.PENDING
+    error: str | None = None
+    finished_at: float | None = None
+    _handle: Any = field(default=None, repr=False)
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.posted_at
+
+    @property
+    def gbps(self) -> float | None:
+        d = self.duration_s
+        return None if not d else self.nbytes / d / 1e9
+
+
+def load_nixl_api() -> Any:
+    """Return NIXL's ``_api`` module (``nixl_cu12._api``, else ``nixl._api``)."""
+    apply_env_defaults()  # UCX_MODULES=^ib must be set before the first agent
+    errors = []
+    for name in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a shared library that fails to load
+            errors.append(f"{name}: {exc!r}")
+    raise NixlUnavailableError("NIXL is not importable (" + "; ".join(errors) + ")")
+
+
+def block_descs(addr: int, block_bytes: int, num_blocks: int) -> np.ndarray:
+    """Rows ``(addr + i*block_bytes, block_bytes, 0)`` for ``i < num_blocks`` (uint64[N,3])."""
+    return sub_block_descs(addr, block_bytes, num_blocks, 0, block_bytes)
+
+
+def sub_block_descs(
+    addr: int, block_bytes: int, num_blocks: int, offset: int, length: int
+) -> np.ndarray:
+    """Rows for a slice ``[offset, offset+length)`` of every block (uint64[N,3]).
+
+    Heterogeneous-TP plans read a head slice of each remote block; the
+    connector prepares one such list per slice and indexes it by block id.
+    """
+    if block_bytes <= 0 or num_blocks < 0:
+        raise NixlTransportError(
+            f"block_bytes must be > 0 and num_blocks >= 0, got {block_bytes}, {num_blocks}"
+        )
+    if offset < 0 or length <= 0 or offset + length > block_bytes:
+        raise NixlTransportError(
+            f"slice offset={offset} length={length} must lie inside block_bytes={block_bytes}"
+        )
+    out = np.zeros((num_blocks, 3), dtype=np.uint64)
+    out[:, 0] = addr + offset + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    out[:, 1] = length
+    return out
+
+
+def _as_desc_array(descs: Any, what: str) -> np.ndarray:
+    """Validate ``descs`` as (addr, len) or (addr, len, dev) rows -> uint64[N,3]."""
+    arr = np.asarray(descs)
+    if arr.ndim != 2 or arr.shape[1] not in (2, 3) or arr.shape[0] == 0:
+        raise NixlTransportError(
+            f"{what}: expected a non-empty array of shape (N, 2) or (N, 3), got {arr.shape}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise NixlTransportError(f"{what}: expected integer rows, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and (arr < 0).any():
+        raise NixlTransportError(f"{what}: addresses and lengths must be >= 0")
+    out = np.zeros((arr.shape[0], 3), dtype=np.uint64)
+    out[:, : arr.shape[1]] = arr.astype(np.uint64)
+    if (out[:, 1] == 0).any():
+        raise NixlTransportError(f"{what}: every descriptor length must be > 0")
+    return out
+
+
+def _as_indices(idx: Any, bound: int, what: str) -> np.ndarray:
+    arr = np.ascontiguousarray(np.asarray(idx, dtype=np.int64).reshape(-1))
+    if arr.size == 0:
+        raise NixlTransportError(f"{what}: expected at least one index")
+    if arr.min() < 0 or arr.max() >= bound:
+        raise NixlTransportError(
+            f"{what}: indices must lie in [0, {bound}), got min {arr.min()} max {arr.max()}"
+        )
+    return arr.astype(np.int32)
+
+
+@dataclass
+class _DListEntry:
+    handle: Any
+    lengths: np.ndarray  # uint64[N]
+    peer: PeerHandle | None
+
+
+class NixlTransport:
+    """One NIXL agent (UCX, no progress thread) for one worker rank.
+
+    ``name`` must be unique among agents that talk to each other; the default
+    adds a random suffix so that a restarted process gets a new identity.
+    """
+
+    def __init__(self, name: str | None = None, *, num_threads: int = 0) -> None:
+        api = load_nixl_api()
+        self.name = name or f"kvbridge-{uuid.uuid4().hex[:12]}"
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=["UCX"],
+            num_threads=num_threads,
+        )
+        self._api = api
+        self._lock = threading.RLock()
+        try:
+            self._agent = api.nixl_agent(self.name, config)
+        except Exception as exc:
+            raise NixlUnavailableError(f"cannot create NIXL agent {self.name!r}: {exc!r}") from exc
+        if "UCX" not in self._agent.backends:
+            raise NixlUnavailableError(
+                f"NIXL agent {self.name!r} has no UCX backend (plugins: {self._agent.plugin_list})"
+            )
+        self._closed = False
+        self._regions: list[Region] = []
+        self._reg_descs: list[Any] = []
+        self._dlists: dict[int, _DListEntry] = {}
+        self._peers: dict[str, PeerHandle] = {}
+        self._peer_md: dict[str, bytes] = {}
+        self._generations: dict[str, int] = {}
+        self._pending: dict[int, Transfer] = {}
+        self._zombies: list[Transfer] = []
+        self._ids = itertools.count(1)
+        self._posted = self._done = self._failed = self._timed_out = 0
+        self._bytes_done = 0
+
+    # ------------------------------------------------------------------ memory
+
+    def register_regions(self, regions: Sequence[Any]) -> list[Region]:
+        """Register host memory once: each item a contiguous CPU tensor or ``(addr, nbytes)``.
+
+        The caller keeps the memory alive until :meth:`close`.
+        """
+        self._check_open()
+        rows: list[tuple[int, int]] = []
+        for i, item in enumerate(regions):
+            if isinstance(item, tuple):
+                if len(item) != 2:
+                    raise NixlTransportError(f"regions[{i}]: expected (addr, nbytes), got {item!r}")
+                addr, nbytes = int(item[0]), int(item[1])
+            else:
+                if not getattr(item, "is_contiguous", lambda: False)():
+                    raise NixlTransportError(f"regions[{i}]: expected a contiguous tensor")
+                if item.device.type != "cpu":
+                    raise NixlTransportError(
+                        f"regions[{i}]: only host (cpu) memory is supported, got {item.device}"
+                    )
+                addr, nbytes = int(item.data_ptr()), int(item.numel() * item.element_size())
+            if addr <= 0 or nbytes <= 0:
+                raise NixlTransportError(
+                    f"regions[{i}]: expected addr > 0 and nbytes > 0, got {addr}, {nbytes}"
+                )
+            rows.append((addr, nbytes))
+        out = []
+        with self._lock:
+            for addr, nbytes in rows:
+                reg = self._agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+                region = Region(len(self._regions), addr, nbytes)
+                self._regions.append(region)
+                self._reg_descs.append(reg)
+                out.append(region)
+        return out
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return tuple(self._regions)
+
+    # ---------------------------------------------------------- descriptor lists
+
+    def prepare_local(self, region_id: int, block_bytes: int, num_blocks: int) -> DescList:
+        """Prepare one descriptor per block of a registered region (block i = addr + i*block_bytes)."""
+        region = self._region(region_id)
+        if block_bytes * num_blocks > region.nbytes:
+            raise NixlTransportError(
+                f"region {region_id}: {num_blocks} blocks of {block_bytes} B exceed its "
+                f"{region.nbytes} B"
+            )
+        return self.prepare_local_descs(block_descs(region.addr, block_bytes, num_blocks))
+
+    def prepare_local_descs(self, descs: Any) -> DescList:
+        """Prepare arbitrary local ``(addr, len[, dev])`` rows (e.g. head slices of blocks).
+
+        Every row must lie inside one registered region; transfers then name rows by index.
+        """
+        arr = _as_desc_array(descs, "local descs")
+        self._check_inside_regions(arr)
+        return self._prep(arr, None)
+
+    def prepare_remote(self, peer: PeerHandle, descs: Any) -> DescList:
+        """Prepare the peer's ``(addr, len[, dev])`` rows (from its handshake) once per peer."""
+        self._check_peer(peer)
+        return self._prep(_as_desc_array(descs, "remote descs"), peer)
+
+    def release_dlist(self, dlist: DescList) -> None:
+        """Release a prepared list (no transfer may be using it; idempotent)."""
+        with self._lock:
+            entry = self._dlists.pop(dlist.list_id, None)
+            if entry is not None:
+                entry.handle.release()
+
+    def _prep(self, arr: np.ndarray, peer: PeerHandle | None) -> DescList:
+        with self._lock:
+            self._check_open()
+            target = "NIXL_INIT_AGENT" if peer is None else peer.name
+            try:
+                handle = self._agent.prep_xfer_dlist(target, arr, "DRAM", ["UCX"])
+            except Exception as exc:
+                raise NixlTransportError(
+                    f"prep_xfer_dlist for {'local' if peer is None else peer.name} "
+                    f"({arr.shape[0]} descs) failed: {exc!r}"
+                ) from exc
+            list_id = next(self._ids)
+            self._dlists[list_id] = _DListEntry(handle, arr[:, 1].copy(), peer)
+            return DescList(list_id, int(arr.shape[0]), peer)
+
+    # ------------------------------------------------------------------- peers
+
+    def agent_metadata(self) -> bytes:
+        """This agent's metadata (connection info + registrations) for the handshake."""
+        with self._lock:
+            self._check_open()
+            return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, peer_name: str, metadata: bytes) -> PeerHandle:
+        """Load a peer's metadata. Re-adding a name with *new* metadata (a restarted
+        peer) first removes the old incarnation, failing its transfers; identical
+        metadata returns the current handle."""
+        with self._lock:
+            self._check_open()
+            old = self._peers.get(peer_name)
+            if old is not None:
+                if self._peer_md.get(peer_name) == metadata:
+                    return old
+                self.remove_peer(old)
+            try:
+                loaded = self._agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise NixlTransportError(f"add_remote_agent({peer_name!r}) failed: {exc!r}") from exc
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != peer_name:
+                self._agent.remove_remote_agent(loaded)
+                raise NixlTransportError(
+                    f"peer_name {peer_name!r} does not match the metadata's agent name {loaded!r}"
+                )
+            gen = self._generations.get(peer_name, 0) + 1
+            self._generations[peer_name] = gen
+            handle = PeerHandle(peer_name, gen)
+            self._peers[peer_name] = handle
+            self._peer_md[peer_name] = bytes(metadata)
+            return handle
+
+    def remove_peer(self, peer: PeerHandle) -> None:
+        """Drop a peer: fail its pending transfers, release its lists, disconnect (idempotent)."""
+        with self._lock:
+            if self._peers.get(peer.name) != peer:
+                return
+            for xfer in [t for t in self._pending.values() if t.peer == peer]:
+                self._finish(xfer, XferState.FAILED, f"peer {peer.name} removed")
+            for list_id in [k for k, e in self._dlists.items() if e.peer == peer]:
+                self._dlists.pop(list_id).handle.release()
+            del self._peers[peer.name]
+            del self._peer_md[peer.name]
+            try:
+                self._agent.remove_remote_agent(peer.name)
+            except Exception as exc:  # already disconnected: nothing left to free
+                logger.warning("remove_remote_agent(%s) failed: %r", peer.name, exc)
+            self._reap_locked()
+
+    def peer(self, name: str) -> PeerHandle | None:
+        return self._peers.get(name)
+
+    # --------------------------------------------------------------- transfers
+
+    def post(
+        self,
+        op: XferOp | str,
+        local: DescList,
+        local_idx: Any,
+        remote: DescList,
+        remote_idx: Any,
+        notif: bytes = b"",
+        deadline_s: float = 30.0,
+    ) -> Transfer:
+        """Post one transfer of ``local[local_idx[k]] <-> remote[remote_idx[k]]`` rows.
+
+        ``notif`` (if non-empty) is delivered to the peer after the data. A
+        failure to create or post the transfer returns a FAILED transfer (the
+        caller handles one failure path); argument errors raise.
+        """
+        op = XferOp(op)
+        with self._lock:
+            self._check_open()
+            lentry = self._dlist(local, want_peer=None)
+            if remote.peer is None:
+                raise NixlTransportError("remote: expected a list from prepare_remote, got a local one")
+            rentry = self._dlist(remote, want_peer=remote.peer)
+            li = _as_indices(local_idx, local.num_descs, "local_idx")
+            ri = _as_indices(remote_idx, remote.num_descs, "remote_idx")
+            if li.size != ri.size:
+                raise NixlTransportError(
+                    f"local_idx and remote_idx must have equal length, got {li.size} and {ri.size}"
+                )
+            llen, rlen = lentry.lengths[li], rentry.lengths[ri]
+            if not np.array_equal(llen, rlen):
+                k = int(np.flatnonzero(llen != rlen)[0])
+                raise NixlTransportError(
+                    f"descriptor {k}: local length {int(llen[k])} != remote length {int(rlen[k])}"
+                )
+            now = time.monotonic()
+            xfer = Transfer(
+                transfer_id=next(self._ids),
+                op=op,
+                peer=remote.peer,
+                nbytes=int(llen.sum()),
+                num_descs=int(li.size),
+                notif=bytes(notif),
+                posted_at=now,
+                deadline=now + deadline_s,
+            )
+            self._posted += 1
+            try:
+                xfer._handle = self._agent.make_prepped_xfer(
+                    op.value, lentry.handle, li, rentry.handle, ri, bytes(notif), ["UCX"]
+                )
+            except Exception as exc:
+                self._finish(xfer, XferState.FAILED, f"make_prepped_xfer: {exc!r}")
+                return xfer
+            self._pending[xfer.transfer_id] = xfer
+            try:
+                status = self._agent.transfer(xfer._handle)
+            except Exception as exc:
+                self._finish(xfer, XferState.FAILED, f"transfer: {exc!r}")
+                return xfer
+            self._advance(xfer, status, "transfer")
+            return xfer
+
+    def poll(self, xfer: Transfer) -> XferState:
+        """Advance ``xfer``: PENDING until NIXL says DONE, an error turns it FAILED
+        (``xfer.error`` has the message), and its deadline turns it TIMED_OUT."""
+        with self._lock:
+            if xfer.state.terminal:
+                return xfer.state
+            try:
+                status = self._agent.check_xfer_state(xfer._handle)
+            except Exception as exc:
+                self._finish(xfer, XferState.FAILED, f"check_xfer_state: {exc!r}")
+                return xfer.state
+            self._advance(xfer, status, "check_xfer_state")
+            return xfer.state
+
+    def wait(self, xfer: Transfer, interval_s: float = 0.0) -> XferState:
+        """Poll until terminal (bounded by the transfer's own deadline)."""
+        while self.poll(xfer) is XferState.PENDING:
+            if interval_s:
+                time.sleep(interval_s)
+        return xfer.state
+
+    def _advance(self, xfer: Transfer, status: str, where: str) -> None:
+        if status == "DONE":
+            self._finish(xfer, XferState.DONE, None)
+        elif status == "PROC":
+            if time.monotonic() >= xfer.deadline:
+                self._finish(
+                    xfer,
+                    XferState.TIMED_OUT,
+                    f"still in progress {time.monotonic() - xfer.posted_at:.3f} s after post "
+                    f"(deadline {xfer.deadline - xfer.posted_at:.3f} s)",
+                )
+        else:
+            self._finish(xfer, XferState.FAILED, f"{where} returned {status!r}")
+
+    def _finish(self, xfer: Transfer, state: XferState, error: str | None) -> None:
+        xfer.state = state
+        xfer.error = error
+        xfer.finished_at = time.monotonic()
+        self._pending.pop(xfer.transfer_id, None)
+        if state is XferState.DONE:
+            self._done += 1
+            self._bytes_done += xfer.nbytes
+        elif state is XferState.FAILED:
+            self._failed += 1
+        else:
+            self._timed_out += 1
+        if error:
+            logger.warning(
+                "nixl transfer %d %s to %s (%d descs, %d B) %s: %s",
+                xfer.transfer_id, xfer.op.value, xfer.peer.name, xfer.num_descs,
+                xfer.nbytes, state.value, error,
+            )
+        if xfer._handle is not None and not self._try_release(xfer):
+            self._zombies.append(xfer)
+
+    def _try_release(self, xfer: Transfer) -> bool:
+        """Release the NIXL handle; False if NIXL refuses (transfer still active)."""
+        try:
+            xfer._handle.release()
+        except Exception as exc:
+            logger.info("nixl transfer %d: release refused (%r); kept as zombie", xfer.transfer_id, exc)
+            return False
+        xfer._handle = None
+        return True
+
+    def reap(self) -> int:
+        """Retry releasing zombie handles; returns how many remain."""
+        with self._lock:
+            return self._reap_locked()
+
+    def _reap_locked(self) -> int:
+        if self._zombies:
+            self._zombies = [z for z in self._zombies if not self._try_release(z)]
+        return len(self._zombies)
+
+    def pending(self) -> list[Transfer]:
+        with self._lock:
+            return list(self._pending.values())
+
+    # ----------------------------------------------------------- notifications
+
+    def send_notif(self, peer: PeerHandle, msg: bytes) -> None:
+        """Send a standalone notification; raises NixlTransportError if the peer is gone."""
+        with self._lock:
+            self._check_peer(peer)
+            try:
+                self._agent.send_notif(peer.name, bytes(msg))
+            except Exception as exc:
+                raise NixlTransportError(f"send_notif to {peer.name}: {exc!r}") from exc
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications by sender agent name. Also progresses the UCX worker, which
+        the passive side of a READ/WRITE must do regularly (no progress thread)."""
+        with self._lock:
+            self._check_open()
+            out = self._agent.get_new_notifs()
+            if self._zombies:
+                self._reap_locked()
+        return {str(k): [bytes(m) for m in v] for k, v in out.items() if v}
+
+    # ---------------------------------------------------------------- counters
+
+    def counters(self) -> TransportCounters:
+        with self._lock:
+            return TransportCounters(
+                registrations=len(self._reg_descs),
+                dlists=len(self._dlists),
+                xfer_handles=len(self._pending) + len(self._zombies),
+                peers=len(self._peers),
+                zombies=len(self._zombies),
+                posted=self._posted,
+                done=self._done,
+                failed=self._failed,
+                timed_out=self._timed_out,
+                bytes_done=self._bytes_done,
+            )
+
+    # ---------------------------------------------------------------- shutdown
+
+    def close(self, *, strict: bool = True) -> TransportCounters:
+        """Release everything (idempotent): pending transfers are failed, peers
+        removed, lists released, memory deregistered, zombies retried last.
+
+        Returns the final counters; with ``strict`` raises if any live count is
+        not zero (a leak)."""
+        with self._lock:
+            if self._closed:
+                return self.counters()
+            for xfer in list(self._pending.values()):
+                self._finish(xfer, XferState.FAILED, "transport closed")
+            for peer in list(self._peers.values()):
+                self.remove_peer(peer)
+            for list_id in list(self._dlists):
+                self._dlists.pop(list_id).handle.release()
+            self._reap_locked()
+            while self._reg_descs:
+                reg = self._reg_descs.pop()
+                self._regions.pop()
+                try:
+                    self._agent.deregister_memory(reg)
+                except Exception as exc:
+                    logger.error("deregister_memory failed: %r", exc)
+            self._closed = True
+            final = self.counters()
+            if final.zombies:
+                logger.error("nixl transport %s closed with %d zombie handles", self.name, final.zombies)
+        if strict and final.live:
+            raise NixlTransportError(f"nixl transport {self.name} leaked at close: {final}")
+        return final
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(strict=False)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NixlTransportError(f"nixl transport {self.name} is closed")
+
+    def _check_peer(self, peer: PeerHandle) -> None:
+        self._check_open()
+        if self._peers.get(peer.name) != peer:
+            raise NixlTransportError(
+                f"peer {peer.name} generation {peer.generation} is not current "
+                f"(current: {self._peers.get(peer.name)})"
+            )
+
+    def _region(self, region_id: int) -> Region:
+        if not 0 <= region_id < len(self._regions):
+            raise NixlTransportError(
+                f"region_id must be in [0, {len(self._regions)}), got {region_id}"
+            )
+        return self._regions[region_id]
+
+    def _dlist(self, dlist: DescList, want_peer: PeerHandle | None) -> _DListEntry:
+        entry = self._dlists.get(dlist.list_id)
+        if entry is None:
+            raise NixlTransportError(f"descriptor list {dlist.list_id} was released or never prepared")
+        if want_peer is None and entry.peer is not None:
+            raise NixlTransportError("local: expected a list from prepare_local*, got a remote one")
+        if want_peer is not None:
+            self._check_peer(want_peer)
+        return entry
+
+    def _check_inside_regions(self, arr: np.ndarray) -> None:
+        starts = arr[:, 0].astype(np.int64)
+        ends = starts + arr[:, 1].astype(np.int64)
+        inside = np.zeros(arr.shape[0], dtype=bool)
+        for r in self._regions:
+            inside |= (starts >= r.addr) & (ends <= r.addr + r.nbytes)
+        if not inside.all():
+            k = int(np.flatnonzero(~inside)[0])
+            raise NixlTransportError(
+                f"local descs row {k} (addr {int(starts[k]):#x}, len {int(arr[k, 1])}) "
+                "is not inside any registered region"
+            )
