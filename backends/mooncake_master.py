@@ -1,0 +1,430 @@
+"""Start and stop a local ``mooncake_master`` (with its embedded HTTP metadata server).
+
+The master is the Mooncake store's control plane: it allocates space in the
+clients' segments and keeps the key -> replica map. Its embedded HTTP metadata
+server is what clients use to find each other's transfer endpoints, so one
+process gives a complete store for tests, the CLI and demos.
+
+Facts this module is built around (measured, see BACKENDS.md):
+
+- The RPC port accepts about 1.1 s after start; that is the readiness signal
+  (a client's ``setup()`` against a master that is not listening blocks ~90 s).
+- ``--rpc_address`` and ``--metrics_host`` are honoured (127.0.0.1 here), but
+  the HTTP metadata port listens on **0.0.0.0** whatever host is given; an
+  operator must firewall it (and the clients' transfer-engine ports).
+- A killed and restarted master has lost every key; clients re-mount their
+  segments by themselves within about a second.
+
+Invariants: every process this class starts is reaped by :meth:`stop` or
+:meth:`kill` (also on ``__exit__``); every wait is bounded; ports are chosen
+on 127.0.0.1 and kept across :meth:`restart` so clients can reconnect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+logger = logging.getLogger(__name__)
+
+MASTER_BINARY = "mooncake_master"
+INSTALL_HINT = (
+    "install the Mooncake wheel into this environment: "
+    "`pip install mooncake-transfer-engine-non-cuda` on machines without a GPU driver "
+    "(or `mooncake-transfer-engine` where libcuda.so.1 exists); it ships `mooncake_master` "
+    "and needs the Debian packages libibverbs1 librdmacm1 libnuma1 libcurl4"
+)
+LOOPBACK = "127.0.0.1"
+# Only ports we picked ourselves are re-picked when the master fails to bind them
+# (another process may grab a "free" port between our probe and the master's bind).
+_PORT_PICK_ATTEMPTS = 3
+
+
+class MooncakeMasterError(RuntimeError):
+    """The master could not be found, started, or stopped as asked."""
+
+
+class MooncakeMasterNotFound(MooncakeMasterError):
+    """No ``mooncake_master`` executable was found."""
+
+
+def find_master_binary() -> str:
+    """Path of ``mooncake_master``: the venv's ``bin/`` next to ``sys.executable``, then PATH.
+
+    The venv entry is a small Python shim that ``execv``s the real binary (so the
+    PID we hold is the master's). Raises :class:`MooncakeMasterNotFound` with
+    install instructions when neither exists.
+    """
+    candidate = Path(sys.executable).parent / MASTER_BINARY
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which(MASTER_BINARY)
+    if found:
+        return found
+    raise MooncakeMasterNotFound(
+        f"`{MASTER_BINARY}` not found next to {sys.executable} nor on PATH; {INSTALL_HINT}"
+    )
+
+
+def pick_free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that was free a moment ago (the caller must tolerate a race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
+    """True when a TCP connect to ``host:port`` succeeds within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class MasterPorts:
+    """The three TCP ports of one master (all on 127.0.0.1 except the metadata port, see module doc)."""
+
+    rpc_port: int
+    http_port: int
+    metrics_port: int
+
+    @staticmethod
+    def pick(host: str = LOOPBACK) -> MasterPorts:
+        ports: set[int] = set()
+        while len(ports) < 3:
+            ports.add(pick_free_port(host))
+        rpc, http, metrics = sorted(ports)
+        return MasterPorts(rpc_port=rpc, http_port=http, metrics_port=metrics)
+
+
+def master_command(
+    binary: str,
+    ports: MasterPorts,
+    *,
+    host: str = LOOPBACK,
+    lease_ttl_ms: int | None = None,
+    rpc_threads: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The argv that starts a master on ``host`` with its embedded HTTP metadata server."""
+    argv = [
+        binary,
+        f"--rpc_address={host}",
+        f"--rpc_port={ports.rpc_port}",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_host={host}",
+        f"--http_metadata_server_port={ports.http_port}",
+        f"--metrics_host={host}",
+        f"--metrics_port={ports.metrics_port}",
+        "--logtostderr=true",
+    ]
+    if lease_ttl_ms is not None:
+        if lease_ttl_ms <= 0:
+            raise ValueError(f"lease_ttl_ms must be > 0 milliseconds, got {lease_ttl_ms}")
+        argv.append(f"--default_kv_lease_ttl={lease_ttl_ms}")
+    if rpc_threads is not None:
+        if rpc_threads <= 0:
+            raise ValueError(f"rpc_threads must be > 0, got {rpc_threads}")
+        argv.append(f"--rpc_thread_num={rpc_threads}")
+    argv.extend(extra_args)
+    return argv
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # PR_SET_PDEATHSIG survives execve: the master gets SIGTERM if the thread that
+    # started it dies, so a crashed test run cannot leave masters behind.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` child process on 127.0.0.1; a context manager.
+
+    >>> with MooncakeMaster() as master:            # doctest: +SKIP
+    ...     cfg = MooncakeConfig(master.rpc_address, master.metadata_url)
+
+    Ports left as ``None`` are picked free on 127.0.0.1 (and re-picked if the
+    master fails to bind them at first start); they stay fixed across
+    :meth:`restart`. Logs (stdout and stderr, glog format) go to ``log_path``,
+    or to a temporary file deleted by :meth:`stop` unless ``keep_log``.
+
+    ``die_with_parent`` (Linux) makes the master receive SIGTERM when the
+    *thread* that started it exits, so start it from a long-lived thread
+    (pytest's and the CLI's main thread are) or pass ``False``.
+    """
+
+    def __init__(
+        self,
+        *,
+        rpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        keep_log: bool = False,
+        start_timeout_s: float = 20.0,
+        stop_timeout_s: float = 5.0,
+        lease_ttl_ms: int | None = None,
+        rpc_threads: int | None = 2,
+        extra_args: Sequence[str] = (),
+        binary: str | None = None,
+        die_with_parent: bool = True,
+    ) -> None:
+        if start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s must be > 0 seconds, got {start_timeout_s}")
+        if stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0 seconds, got {stop_timeout_s}")
+        self._fixed_ports = (rpc_port, http_port, metrics_port)
+        self._ports: MasterPorts | None = None
+        if all(p is not None for p in self._fixed_ports):
+            assert rpc_port is not None and http_port is not None and metrics_port is not None
+            self._ports = MasterPorts(rpc_port, http_port, metrics_port)
+        self._user_log_path = Path(log_path) if log_path is not None else None
+        self._keep_log = keep_log or log_path is not None
+        self._log_path: Path | None = self._user_log_path
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self._lease_ttl_ms = lease_ttl_ms
+        self._rpc_threads = rpc_threads
+        self._extra_args = tuple(extra_args)
+        self._binary = binary
+        self._die_with_parent = die_with_parent
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: BinaryIO | None = None
+
+    # ---- addresses -------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        return LOOPBACK
+
+    @property
+    def ports(self) -> MasterPorts:
+        if self._ports is None:
+            raise MooncakeMasterError("ports are chosen at start(); start the master first")
+        return self._ports
+
+    @property
+    def rpc_port(self) -> int:
+        return self.ports.rpc_port
+
+    @property
+    def http_port(self) -> int:
+        return self.ports.http_port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.ports.metrics_port
+
+    @property
+    def rpc_address(self) -> str:
+        """``host:port`` of the master RPC service (a client's ``master_server_addr``)."""
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """URL of the embedded HTTP metadata server (a client's ``metadata_server``)."""
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_path
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def is_serving(self, timeout_s: float = 0.2) -> bool:
+        """True when the process runs and its RPC port accepts a TCP connection."""
+        return self.is_running and port_accepts(self.host, self.rpc_port, timeout_s)
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        """The end of the master's log, for error messages and debugging."""
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        with open(self._log_path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            return fh.read().decode("utf-8", "replace")
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self) -> MooncakeMaster:
+        """Start the master and wait (bounded by ``start_timeout_s``) until its RPC port accepts."""
+        if self.is_running:
+            raise MooncakeMasterError(f"master already running (pid {self.pid})")
+        binary = self._binary or find_master_binary()
+        may_repick = any(p is None for p in self._fixed_ports) and self._ports is None
+        attempts = _PORT_PICK_ATTEMPTS if may_repick else 1
+        last_error: MooncakeMasterError | None = None
+        for _ in range(attempts):
+            if self._ports is None or may_repick:
+                self._ports = self._choose_ports()
+            try:
+                self._spawn(binary)
+                self._wait_ready()
+                logger.info(
+                    "mooncake_master pid %s serving rpc=%s metadata=%s log=%s",
+                    self.pid, self.rpc_address, self.metadata_url, self._log_path,
+                )
+                return self
+            except MooncakeMasterError as exc:
+                last_error = exc
+                self._reap(force=True)
+        assert last_error is not None
+        raise last_error
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait up to ``stop_timeout_s``, then SIGKILL; returns the exit code (None if never started).
+
+        Idempotent. Deletes the temporary log unless ``keep_log`` or a ``log_path`` was given.
+        """
+        rc = self._reap(force=False)
+        self._close_log()
+        if not self._keep_log and self._log_path is not None:
+            with contextlib.suppress(OSError):
+                self._log_path.unlink()
+            self._log_path = None
+        return rc
+
+    def kill(self) -> int | None:
+        """SIGKILL the master now (fault injection); keeps ports and log for :meth:`restart`."""
+        return self._reap(force=True)
+
+    def restart(self) -> MooncakeMaster:
+        """Stop (if running) and start again on the same ports. The new master has no keys."""
+        if self.is_running:
+            self._reap(force=False)
+        binary = self._binary or find_master_binary()
+        self._spawn(binary)
+        try:
+            self._wait_ready()
+        except MooncakeMasterError:
+            self._reap(force=True)
+            raise
+        return self
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self.rpc_address if self._ports is not None else "unstarted"
+        return f"MooncakeMaster({where}, pid={self.pid}, running={self.is_running})"
+
+    # ---- internals -------------------------------------------------------------
+    def _choose_ports(self) -> MasterPorts:
+        picked = MasterPorts.pick(self.host)
+        rpc, http, metrics = self._fixed_ports
+        return MasterPorts(
+            rpc_port=rpc if rpc is not None else picked.rpc_port,
+            http_port=http if http is not None else picked.http_port,
+            metrics_port=metrics if metrics is not None else picked.metrics_port,
+        )
+
+    def _open_log(self) -> BinaryIO:
+        if self._log_path is None:
+            fd, name = tempfile.mkstemp(prefix="mooncake_master-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(name)
+        self._close_log()
+        self._log_file = open(self._log_path, "ab")  # noqa: SIM115  (lives as long as the process)
+        return self._log_file
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            with contextlib.suppress(OSError):
+                self._log_file.close()
+            self._log_file = None
+
+    def _spawn(self, binary: str) -> None:
+        argv = master_command(
+            binary,
+            self.ports,
+            host=self.host,
+            lease_ttl_ms=self._lease_ttl_ms,
+            rpc_threads=self._rpc_threads,
+            extra_args=self._extra_args,
+        )
+        log_file = self._open_log()
+        logger.debug("starting %s", " ".join(argv))
+        self._proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            # Its own session: a terminal's Ctrl-C reaches only us, and we stop it cleanly.
+            start_new_session=True,
+            preexec_fn=_die_with_parent if self._die_with_parent else None,
+        )
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        assert self._proc is not None
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                raise MooncakeMasterError(
+                    f"mooncake_master exited with code {rc} during start "
+                    f"(rpc {self.rpc_address}, metadata {self.metadata_url}); "
+                    f"log {self._log_path}:\n{self.log_tail()}"
+                )
+            if port_accepts(self.host, self.rpc_port, timeout_s=0.2):
+                return
+            if time.monotonic() >= deadline:
+                raise MooncakeMasterError(
+                    f"mooncake_master did not accept on {self.rpc_address} within "
+                    f"{self.start_timeout_s:.1f} s; log {self._log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def _reap(self, *, force: bool) -> int | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                if force:
+                    proc.kill()
+                else:
+                    proc.terminate()
+            try:
+                proc.wait(timeout=self.stop_timeout_s if not force else 5.0)
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "mooncake_master pid %s ignored SIGTERM for %.1f s; sending SIGKILL",
+                    proc.pid, self.stop_timeout_s,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait(timeout=5.0)
+        return proc.returncode
