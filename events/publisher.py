@@ -1,0 +1,345 @@
+"""ZMQ publisher of KV event batches, with a replay ROUTER (vLLM-compatible).
+
+One background thread owns both sockets: it encodes queued batches, sends them
+on the PUB socket, keeps the last ``replay_buffer_batches`` payloads in a ring,
+and answers replay requests on the ROUTER socket between sends.
+
+Invariants:
+
+- Sequence numbers are assigned in ``publish`` under one lock, in call order,
+  starting at 0 for every publisher (incarnation). A batch that cannot be
+  queued within ``enqueue_timeout_s`` is dropped *with its sequence number
+  consumed*, so subscribers see the hole and report it as lost instead of
+  silently missing it (``stats.dropped_batches`` counts them).
+- The ring holds payloads in increasing seq order; a replay streams exactly
+  the ring entries of the requested range, then the end marker.
+- ``close`` stops accepting batches, lets the thread drain the queue until a
+  deadline, flushes the PUB socket within what is left of it, and reports how
+  many queued batches were abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from .errors import EventDecodeError, PublisherClosedError
+from .schema import EventBatch, KVEvent
+from .wire import (
+    END_SEQ_BYTES,
+    REPLAY_MAGIC,
+    EventWireFormat,
+    ReplayInfo,
+    encode_events,
+    encode_replay_info,
+    encode_seq,
+    parse_replay_request,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:*"
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    """Where and how to publish. ``tcp://127.0.0.1:*`` binds a free port; read
+    the resolved address from ``KVEventPublisher.endpoint``. Endpoints are
+    always bound (the publisher is the stable side, as in vLLM's default)."""
+
+    endpoint: str = DEFAULT_ENDPOINT
+    replay_endpoint: str | None = DEFAULT_ENDPOINT
+    topic: str = ""
+    data_parallel_rank: int | None = 0
+    wire_format: EventWireFormat = EventWireFormat.MAP
+    #: vLLM >= PR #45177 replies [topic, seq, payload]; older vLLM [seq, payload].
+    replay_includes_topic: bool = True
+    replay_buffer_batches: int = 10_000
+    max_queue_batches: int = 100_000
+    #: ZMQ send high-water mark of the PUB socket, in messages (batches).
+    hwm: int = 100_000
+    #: How long ``publish`` waits for queue space before dropping the batch.
+    enqueue_timeout_s: float = 1.0
+    #: Identifies this publisher's life; None: derived from the start time (ns).
+    incarnation: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("replay_buffer_batches", "max_queue_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive number of batches")
+        if self.hwm < 0:
+            raise ValueError("hwm: expected >= 0 (0 means unlimited)")
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    published_batches: int
+    published_events: int
+    dropped_batches: int
+    replay_requests: int
+    replayed_batches: int
+    bad_replay_requests: int
+    queued_batches: int
+    next_seq: int
+
+
+_SENTINEL: Any = object()
+
+
+class KVEventPublisher:
+    """Publishes batches of KV events; satisfies the ``EventSink`` protocol.
+
+    Usage::
+
+        with KVEventPublisher(PublisherConfig(topic="kv-events")) as pub:
+            pub.publish([BlockStored(...), BlockRemoved(...)])
+    """
+
+    def __init__(
+        self, config: PublisherConfig | None = None, *, context: zmq.Context[Any] | None = None
+    ) -> None:
+        self.config = config or PublisherConfig()
+        self.incarnation = (
+            self.config.incarnation if self.config.incarnation is not None else time.time_ns()
+        )
+        self._topic = self.config.topic.encode("utf-8")
+        self._ctx = context or zmq.Context.instance()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self.config.max_queue_batches)
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=self.config.replay_buffer_batches)
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._closed = False
+        self._abort = threading.Event()
+        self._published_batches = 0
+        self._published_events = 0
+        self._dropped_batches = 0
+        self._replay_requests = 0
+        self._replayed_batches = 0
+        self._bad_replay_requests = 0
+        self._linger_ms = 0
+        self._sent_next = 0  # seq after the newest batch sent (thread-owned)
+
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket[Any] | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self.config.endpoint)
+            self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint: str | None = None
+            if self.config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                # A reply stream is bounded by the ring; never drop part of it silently.
+                self._replay.setsockopt(zmq.SNDHWM, 0)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self._replay.bind(self.config.replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            raise
+
+        self._thread = threading.Thread(
+            target=self._run, name="kvbridge-events-publisher", daemon=True
+        )
+        self._thread.start()
+        logger.info(
+            "KV event publisher on %s (replay %s), topic %r, incarnation %d",
+            self.endpoint,
+            self.replay_endpoint,
+            self.config.topic,
+            self.incarnation,
+        )
+
+    # ------------------------------------------------------------ caller side
+
+    def publish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> int | None:
+        """Queue one batch (one engine step). Returns its seq, or None when the
+        batch was empty or had to be dropped because the queue stayed full."""
+        if not events:
+            return None
+        stamp = time.time() if ts is None else ts
+        with self._lock:
+            if self._closed:
+                raise PublisherClosedError("publish() after close()")
+            seq = self._next_seq
+            self._next_seq += 1
+            try:
+                self._queue.put((seq, stamp, tuple(events)), timeout=self.config.enqueue_timeout_s)
+            except queue.Full:
+                self._dropped_batches += 1
+                logger.warning(
+                    "KV event queue full for %.3f s: dropped batch seq=%d (%d events); "
+                    "subscribers will see it as lost",
+                    self.config.enqueue_timeout_s,
+                    seq,
+                    len(events),
+                )
+                return None
+        return seq
+
+    def publish_batch(self, batch: EventBatch) -> int | None:
+        return self.publish(batch.events, ts=batch.ts)
+
+    @property
+    def stats(self) -> PublisherStats:
+        with self._lock:
+            next_seq = self._next_seq
+        return PublisherStats(
+            published_batches=self._published_batches,
+            published_events=self._published_events,
+            dropped_batches=self._dropped_batches,
+            replay_requests=self._replay_requests,
+            replayed_batches=self._replayed_batches,
+            bad_replay_requests=self._bad_replay_requests,
+            queued_batches=self._queue.qsize(),
+            next_seq=next_seq,
+        )
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued batch has been sent (True) or the timeout passed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                target = self._next_seq
+            if self._published_batches + self._dropped_batches >= target:
+                return True
+            time.sleep(0.001)
+        return False
+
+    def close(self, timeout_s: float = 2.0) -> int:
+        """Stop accepting batches, drain the queue until ``timeout_s``, close the
+        sockets. Returns the number of queued batches that were abandoned."""
+        with self._lock:
+            if self._closed:
+                return 0
+            self._closed = True
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        try:
+            self._queue.put(_SENTINEL, timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            self._abort.set()
+        self._linger_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._abort.set()
+            self._thread.join(1.0)
+        abandoned = sum(1 for item in list(self._queue.queue) if item is not _SENTINEL)
+        if abandoned:
+            logger.warning("KV event publisher closed with %d batches unsent", abandoned)
+        return abandoned
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ thread side
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # keep the reason; the engine must not die of its events
+            logger.exception("KV event publisher thread failed")
+        finally:
+            # Flush what is in the PUB socket within the remaining close() budget.
+            self._pub.close(linger=self._linger_ms)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _loop(self) -> None:
+        wire_format = self.config.wire_format
+        dp_rank = self.config.data_parallel_rank
+        topic = self._topic
+        while not self._abort.is_set():
+            self._serve_replays()
+            try:
+                item = self._queue.get(timeout=0.002)
+            except queue.Empty:
+                continue
+            # Drain a burst before looking at replay requests again.
+            for _ in range(256):
+                if item is _SENTINEL:
+                    return
+                seq, ts, events = item
+                payload = encode_events(ts, events, dp_rank, wire_format)
+                self._pub.send_multipart((topic, encode_seq(seq), payload), copy=False)
+                self._ring.append((seq, payload))
+                self._sent_next = seq + 1
+                self._published_batches += 1
+                self._published_events += len(events)
+                if self._abort.is_set():
+                    return
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+
+    def _serve_replays(self) -> None:
+        replay = self._replay
+        if replay is None:
+            return
+        for _ in range(16):
+            try:
+                frames = replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._serve_one(replay, frames)
+            except zmq.ZMQError as exc:  # client went away mid-stream
+                logger.info("replay client vanished during reply: %s", exc)
+
+    def _serve_one(self, replay: zmq.Socket[Any], frames: list[bytes]) -> None:
+        identity, rest = frames[0], frames[1:]
+        # REQ (and DEALER clients imitating it) put an empty delimiter first.
+        delim: tuple[bytes, ...] = (b"",) if len(rest) >= 2 and rest[0] == b"" else ()
+        body = rest[len(delim) :]
+        self._replay_requests += 1
+        try:
+            if len(body) != 1:
+                raise EventDecodeError("replay_request", f"expected 1 frame, got {len(body)}")
+            request = parse_replay_request(body[0])
+        except EventDecodeError as exc:
+            self._bad_replay_requests += 1
+            logger.warning("invalid replay request: %s", exc)
+            self._send_end(replay, identity, delim)
+            return
+        ring = list(self._ring)
+        oldest = ring[0][0] if ring else self._sent_next
+        newest_next = self._sent_next
+        if body[0].startswith(REPLAY_MAGIC):
+            matched = request.incarnation is None or request.incarnation == self.incarnation
+            info = ReplayInfo(self.incarnation, oldest, newest_next, matched)
+            replay.send_multipart((identity, *delim, REPLAY_MAGIC, encode_replay_info(info)))
+            if not matched:
+                self._send_end(replay, identity, delim)
+                return
+        end = request.end_seq
+        sent = 0
+        for seq, payload in ring:
+            if seq < request.start_seq or (end is not None and seq >= end):
+                continue
+            if self.config.replay_includes_topic:
+                replay.send_multipart((identity, *delim, self._topic, encode_seq(seq), payload))
+            else:
+                replay.send_multipart((identity, *delim, encode_seq(seq), payload))
+            sent += 1
+        self._replayed_batches += sent
+        self._send_end(replay, identity, delim)
+
+    def _send_end(self, replay: zmq.Socket[Any], identity: bytes, delim: tuple[bytes, ...]) -> None:
+        if self.config.replay_includes_topic:
+            replay.send_multipart((identity, *delim, b"", END_SEQ_BYTES, b""))
+        else:
+            replay.send_multipart((identity, *delim, END_SEQ_BYTES, b""))

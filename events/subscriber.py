@@ -1,0 +1,469 @@
+"""Subscriber client: live stream plus replay, merged in order, with gaps and
+restarts made visible.
+
+``KVEventSubscriber.get(timeout_s)`` returns the next ``StreamItem``:
+
+- ``ReceivedBatch``      a decoded batch, live or replayed, in sequence order;
+- ``GapDetected``        sequence numbers were skipped; a replay follows;
+- ``GapLost``            part of a gap could not be replayed (evicted from the
+                         publisher's ring, dropped by it, no replay endpoint,
+                         replay timed out);
+- ``PublisherRestarted`` a new publisher incarnation; sequence numbers restart;
+- ``MalformedFrame``     a frame or payload that does not parse (also counted
+                         and logged; never fatal).
+
+It works against vLLM's publisher (plain 8-byte replay requests) and against
+kvbridge's (replay requests that carry the incarnation, so that a restart is
+never mistaken for a gap and another incarnation's batches are never spliced
+in). All sequencing decisions are made by ``SequenceTracker`` (sans-I/O).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .errors import EventDecodeError
+from .schema import EventBatch
+from .sequencer import Gap, LiveVerdict, ReplayVerdict, SequenceTracker
+from .wire import (
+    ReplayInfo,
+    ReplayRequest,
+    decode_batch,
+    encode_replay_request,
+    encode_seq,
+    parse_pub_frames,
+    parse_replay_reply,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SubscriberConfig:
+    endpoint: str
+    replay_endpoint: str | None = None
+    #: ZMQ prefix filter on the topic frame ("" receives every topic).
+    topic: str = ""
+    #: None: start with whatever arrives live. 0 (or N): first replay the
+    #: publisher's buffered history from that seq (a late joiner catching up).
+    start_seq: int | None = None
+    replay_timeout_s: float = 2.0
+    #: ZMQ receive high-water mark, in messages (batches).
+    rcvhwm: int = 100_000
+    #: Ask a kvbridge publisher for its incarnation after every reconnect.
+    check_incarnation_on_reconnect: bool = True
+
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    seq: int
+    batch: EventBatch
+    topic: bytes
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class GapDetected:
+    start_seq: int
+    end_seq: int  # exclusive
+
+    @property
+    def num_batches(self) -> int:
+        return self.end_seq - self.start_seq
+
+
+@dataclass(frozen=True)
+class GapLost:
+    start_seq: int
+    end_seq: int  # exclusive
+    reason: str
+
+    @property
+    def num_batches(self) -> int:
+        return self.end_seq - self.start_seq
+
+
+@dataclass(frozen=True)
+class PublisherRestarted:
+    previous_incarnation: int | None
+    incarnation: int | None
+    last_seq: int | None  # last seq delivered from the previous incarnation
+    seq: int  # the seq that revealed the restart
+    reason: str
+
+
+@dataclass(frozen=True)
+class MalformedFrame:
+    source: str  # "live" or "replay"
+    reason: str
+    seq: int | None = None
+
+
+StreamItem: TypeAlias = ReceivedBatch | GapDetected | GapLost | PublisherRestarted | MalformedFrame
+
+
+@dataclass(frozen=True)
+class SubscriberStats:
+    received_batches: int
+    received_events: int
+    replayed_batches: int
+    duplicates_dropped: int
+    gaps: int
+    lost_batches: int
+    restarts: int
+    malformed_frames: int
+    replay_requests: int
+    replay_timeouts: int
+
+
+@dataclass
+class _ReplayResult:
+    info: ReplayInfo | None
+    batches: list[tuple[int, bytes, bytes | None]]
+    complete: bool
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.received_batches = 0
+        self.received_events = 0
+        self.replayed_batches = 0
+        self.duplicates_dropped = 0
+        self.gaps = 0
+        self.lost_batches = 0
+        self.restarts = 0
+        self.malformed_frames = 0
+        self.replay_requests = 0
+        self.replay_timeouts = 0
+
+
+class KVEventSubscriber:
+    """One subscriber of one publisher (one endpoint, one incarnation at a time).
+
+    Not thread-safe: use it from one thread. ``close()`` releases the sockets.
+    """
+
+    _POLL_SLICE_MS = 50
+
+    def __init__(self, config: SubscriberConfig, *, context: zmq.Context[Any] | None = None) -> None:
+        self.config = config
+        self._ctx = context or zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, config.rcvhwm)
+        self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode("utf-8"))
+        self._monitor: zmq.Socket[Any] | None = None
+        if config.replay_endpoint is not None and config.check_incarnation_on_reconnect:
+            self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._sub.connect(config.endpoint)
+        self._dealer: zmq.Socket[Any] | None = None
+        self._tracker = SequenceTracker(config.start_seq)
+        self._ready: deque[StreamItem] = deque()
+        self._counters = _Counters()
+        self.incarnation: int | None = None
+        #: None: unknown yet; False: a vLLM publisher (plain replay protocol only).
+        self.publisher_supports_incarnation: bool | None = None
+        self._needs_catch_up = config.start_seq is not None and config.replay_endpoint is not None
+        self._connects = 0
+        self._verify_incarnation = False
+        self._closed = False
+
+    # ------------------------------------------------------------ public API
+
+    def get(self, timeout_s: float | None = None) -> StreamItem | None:
+        """The next item, or None when ``timeout_s`` passed with nothing to report
+        (``None`` waits until something arrives)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self._ready:
+                return self._ready.popleft()
+            if self._closed:
+                return None
+            if self._needs_catch_up:
+                self._needs_catch_up = False
+                self._catch_up()
+                continue
+            self._drain_monitor()
+            if deadline is None:
+                wait_ms = self._POLL_SLICE_MS
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                wait_ms = max(1, min(self._POLL_SLICE_MS, int(remaining * 1000)))
+            if self._sub.poll(wait_ms, zmq.POLLIN):
+                self._on_live(self._sub.recv_multipart(zmq.NOBLOCK))
+
+    def items(
+        self, *, idle_timeout_s: float | None = None, max_items: int | None = None
+    ) -> Iterator[StreamItem]:
+        """Iterate items; stops after ``idle_timeout_s`` without any, or ``max_items``."""
+        count = 0
+        while max_items is None or count < max_items:
+            item = self.get(idle_timeout_s)
+            if item is None:
+                return
+            count += 1
+            yield item
+
+    def batches(
+        self, *, idle_timeout_s: float | None = None, max_batches: int | None = None
+    ) -> Iterator[ReceivedBatch]:
+        """Only the batches (gaps, restarts and malformed frames are still counted)."""
+        count = 0
+        for item in self.items(idle_timeout_s=idle_timeout_s):
+            if isinstance(item, ReceivedBatch):
+                yield item
+                count += 1
+                if max_batches is not None and count >= max_batches:
+                    return
+
+    def __iter__(self) -> Iterator[StreamItem]:
+        return self.items()
+
+    @property
+    def stats(self) -> SubscriberStats:
+        c = self._counters
+        return SubscriberStats(
+            received_batches=c.received_batches,
+            received_events=c.received_events,
+            replayed_batches=c.replayed_batches,
+            duplicates_dropped=c.duplicates_dropped,
+            gaps=c.gaps,
+            lost_batches=c.lost_batches,
+            restarts=c.restarts,
+            malformed_frames=c.malformed_frames,
+            replay_requests=c.replay_requests,
+            replay_timeouts=c.replay_timeouts,
+        )
+
+    @property
+    def next_seq(self) -> int | None:
+        """The seq the subscriber expects next (None before the first batch)."""
+        return self._tracker.expected
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            self._monitor.close(linger=0)
+        self._sub.close(linger=0)
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    def __enter__(self) -> KVEventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ live path
+
+    def _malformed(self, source: str, reason: str, seq: int | None = None) -> None:
+        self._counters.malformed_frames += 1
+        logger.warning("malformed KV event frame (%s, seq=%s): %s", source, seq, reason)
+        self._ready.append(MalformedFrame(source=source, reason=reason, seq=seq))
+
+    def _on_live(self, frames: list[bytes]) -> None:
+        try:
+            live = parse_pub_frames(frames)
+        except EventDecodeError as exc:
+            self._malformed("live", str(exc))
+            return
+        if self._verify_incarnation:
+            self._verify_incarnation = False
+            new_incarnation = self._current_incarnation_if_changed()
+            if new_incarnation is not None:
+                self._restart(live.seq, "new incarnation after reconnect", new_incarnation)
+        self._process_live(live.seq, live.payload, live.topic, allow_restart=True)
+
+    def _process_live(self, seq: int, payload: bytes, topic: bytes, allow_restart: bool) -> None:
+        verdict = self._tracker.on_live(seq)
+        if verdict is LiveVerdict.RESTART and allow_restart:
+            self._restart(seq, "sequence number went backwards")
+            verdict = self._tracker.on_live(seq)
+        if verdict is LiveVerdict.DUPLICATE or verdict is LiveVerdict.RESTART:
+            self._counters.duplicates_dropped += 1
+            return
+        if verdict is LiveVerdict.GAP:
+            gap = self._tracker.gap_before(seq)
+            self._counters.gaps += 1
+            self._ready.append(GapDetected(gap.start_seq, gap.end_seq))
+            if self._repair(gap):
+                # The replay revealed a new incarnation: start over with this seq.
+                self._process_live(seq, payload, topic, allow_restart=False)
+                return
+            self._declare_lost(self._tracker.skip_to(seq), "not in the publisher's replay ring")
+        self._deliver(seq, payload, topic, replayed=False)
+
+    def _deliver(self, seq: int, payload: bytes, topic: bytes, replayed: bool) -> None:
+        self._tracker.delivered(seq)
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            self._malformed("replay" if replayed else "live", str(exc), seq)
+            return
+        self._counters.received_batches += 1
+        self._counters.received_events += len(batch.events)
+        if replayed:
+            self._counters.replayed_batches += 1
+        self._ready.append(ReceivedBatch(seq=seq, batch=batch, topic=topic, replayed=replayed))
+
+    def _declare_lost(self, lost: Gap | None, reason: str) -> None:
+        if lost is None or lost.num_batches <= 0:
+            return
+        self._counters.lost_batches += lost.num_batches
+        logger.warning("KV event batches %d..%d lost: %s", lost.start_seq, lost.end_seq - 1, reason)
+        self._ready.append(GapLost(lost.start_seq, lost.end_seq, reason))
+
+    def _restart(self, seq: int, reason: str, incarnation: int | None = None) -> None:
+        expected = self._tracker.expected
+        last = None if expected is None else expected - 1
+        self._counters.restarts += 1
+        logger.warning(
+            "KV event publisher restarted (%s): incarnation %s -> %s, last seq %s, now seq %d",
+            reason,
+            self.incarnation,
+            incarnation,
+            last,
+            seq,
+        )
+        self._ready.append(PublisherRestarted(self.incarnation, incarnation, last, seq, reason))
+        self.incarnation = incarnation
+        # A new incarnation starts at 0: replay what this one already sent, if we can.
+        self._tracker.reset(0 if self.config.replay_endpoint is not None else None)
+
+    # ------------------------------------------------------------ replay path
+
+    def _catch_up(self) -> None:
+        start = self.config.start_seq or 0
+        result = self._request_replay(start, None)
+        if result.info is not None and result.info.oldest_seq > start:
+            self._declare_lost(
+                self._tracker.skip_to(result.info.oldest_seq), "evicted from the replay ring"
+            )
+        self._apply_replay(result, end=None)
+
+    def _repair(self, gap: Gap) -> bool:
+        """Replay ``gap``; True when the publisher turned out to be a new incarnation."""
+        if self.config.replay_endpoint is None:
+            self._declare_lost(self._tracker.skip_to(gap.end_seq), "no replay endpoint")
+            return False
+        result = self._request_replay(gap.start_seq, gap.end_seq)
+        if result.info is not None and not result.info.matched:
+            self._restart(gap.end_seq, "replay answered by a new incarnation", result.info.incarnation)
+            return True
+        self._apply_replay(result, end=gap.end_seq)
+        if not result.complete:
+            self._declare_lost(self._tracker.skip_to(gap.end_seq), "replay timed out")
+        return False
+
+    def _apply_replay(self, result: _ReplayResult, end: int | None) -> None:
+        for seq, payload, topic in result.batches:
+            if end is not None and seq >= end:
+                continue  # the live stream delivers these
+            verdict = self._tracker.on_replayed(seq)
+            if verdict is ReplayVerdict.DUPLICATE:
+                self._counters.duplicates_dropped += 1
+                continue
+            if verdict is ReplayVerdict.LOST_BEFORE:
+                self._declare_lost(self._tracker.skip_to(seq), "not in the publisher's replay ring")
+            self._deliver(seq, payload, topic if topic is not None else b"", replayed=True)
+
+    def _dealer_socket(self) -> zmq.Socket[Any]:
+        if self._dealer is None:
+            assert self.config.replay_endpoint is not None
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(self.config.replay_endpoint)
+        return self._dealer
+
+    def _discard_dealer(self) -> None:
+        # Late replies to an abandoned request must never be read as a new answer.
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    def _request_replay(self, start: int, end: int | None) -> _ReplayResult:
+        self._counters.replay_requests += 1
+        use_ext = self.publisher_supports_incarnation is not False
+        sock = self._dealer_socket()
+        if use_ext:
+            request = ReplayRequest(start_seq=start, end_seq=end, incarnation=self.incarnation)
+            sock.send_multipart((b"", encode_replay_request(request)))
+        else:
+            sock.send_multipart((b"", encode_seq(start)))
+        info: ReplayInfo | None = None
+        batches: list[tuple[int, bytes, bytes | None]] = []
+        deadline = time.monotonic() + self.config.replay_timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+                self._counters.replay_timeouts += 1
+                logger.warning("KV event replay from seq %d timed out", start)
+                self._discard_dealer()
+                return _ReplayResult(info, batches, complete=False)
+            frames = sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            try:
+                reply = parse_replay_reply(frames)
+            except EventDecodeError as exc:
+                self._malformed("replay", str(exc))
+                continue
+            if reply.info is not None:
+                info = reply.info
+                self.publisher_supports_incarnation = True
+                if info.matched:
+                    self.incarnation = info.incarnation
+                continue
+            if reply.end:
+                if use_ext and info is None:
+                    # A vLLM publisher read our request as an out-of-range seq.
+                    self.publisher_supports_incarnation = False
+                    use_ext = False
+                    sock.send_multipart((b"", encode_seq(start)))
+                    continue
+                return _ReplayResult(info, batches, complete=True)
+            batches.append((reply.seq, reply.payload, reply.topic))
+
+    def _current_incarnation_if_changed(self) -> int | None:
+        """Ask a kvbridge publisher who it is now (an empty-range replay request).
+
+        Returns the new incarnation when it differs from the known one, else None.
+        """
+        known = self.incarnation
+        if known is None or self.publisher_supports_incarnation is False:
+            return None
+        if self.config.replay_endpoint is None:
+            return None
+        info = self._request_replay(0, 0).info
+        if info is None or info.matched:
+            return None
+        return info.incarnation
+
+    def _drain_monitor(self) -> None:
+        if self._monitor is None:
+            return
+        while self._monitor.poll(0, zmq.POLLIN):
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event.get("event") == zmq.EVENT_CONNECTED:
+                self._connects += 1
+                if self._connects > 1:
+                    self._verify_incarnation = True

@@ -1,0 +1,488 @@
+"""The KV-event wire format, byte-compatible with vLLM's ZMQ event publisher.
+
+Pure functions only (no sockets): encode/decode a batch, build/parse frames.
+
+Followed revision
+-----------------
+vLLM ``main`` as of 2026-09 (``vllm/distributed/kv_events.py``), i.e. after
+
+- PR #42892 (merged 2026-06-09, released in v0.23+): event structs dropped
+  ``array_like=True``; each event is a msgpack **map** tagged by a ``"type"`` key,
+  encoded by msgspec with ``omit_defaults=True``; the outer ``EventBatch`` stays a
+  positional array ``[ts, events, data_parallel_rank]``;
+- PR #48281 (v0.26) ``locality`` and PR #52067 ``ownership`` as trailing optional
+  fields of ``BlockStored``/``BlockRemoved``; PR #48123 ``medium="STORAGE"``;
+- PR #45177 (merged 2026-06-10): replay replies carry the topic frame.
+
+``EventWireFormat.ARRAY`` produces the older encoding (vLLM before #42892):
+each event a positional array whose first element is the tag, every field
+present, as msgspec encodes ``array_like`` structs. kvbridge's decoder reads both.
+
+Encoding (MAP, the default)::
+
+    multipart  [topic, seq (8-byte big-endian signed), payload]
+    payload    [ts: float64, events: [event...], data_parallel_rank: int | nil]
+    BlockStored   {"type": "BlockStored", "block_hashes", "parent_block_hash",
+                   "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                   then only when not None: "extra_keys", "group_idx",
+                   "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                   "locality", "ownership"}
+    BlockRemoved  {"type": "BlockRemoved", "block_hashes", "medium",
+                   then only when not None: "group_idx", "locality", "ownership"}
+    AllBlocksCleared {"type": "AllBlocksCleared"}
+
+Keys appear in declaration order, so the bytes equal msgspec's encoding of
+vLLM's own structs (tests check this against msgspec when it is installed).
+Block hashes are ints (uint64) or bytes (msgpack bin).
+
+Replay (vLLM protocol): a client (REQ or DEALER) sends one frame, the 8-byte
+start sequence; the publisher's ROUTER answers ``[topic, seq, payload]`` for
+every buffered batch with ``seq >= start``, then ``[b"", END_SEQ, b""]``
+(``END_SEQ`` = -1). ``replay_includes_topic=False`` gives the pre-#45177 replies
+``[seq, payload]`` / ``[END_SEQ, b""]``.
+
+kvbridge extension (incarnations): a request frame that starts with
+``REPLAY_MAGIC`` followed by a msgpack map ``{"incarnation", "start_seq",
+"end_seq"}``. A kvbridge publisher first answers ``[REPLAY_MAGIC, info]`` where
+``info`` is ``{"incarnation", "oldest_seq", "next_seq", "matched"}``, then (only
+when ``matched``) the batches in ``[start_seq, end_seq)`` and the end marker. A
+vLLM publisher reads the frame as a huge start sequence and answers with the
+end marker alone, which tells the client to fall back to the plain protocol.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import EventDecodeError
+from .schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+
+SEQ_BYTES = 8
+END_SEQ = -1
+END_SEQ_BYTES = END_SEQ.to_bytes(SEQ_BYTES, "big", signed=True)
+#: Starts every kvbridge replay-extension frame. The leading NUL keeps it apart
+#: from any plausible topic and makes vLLM read it as an out-of-range sequence.
+REPLAY_MAGIC = b"\x00kvbridge-replay/1"
+
+TAG_KEY = "type"
+_U64_MAX = (1 << 64) - 1
+
+
+class EventWireFormat(enum.Enum):
+    """How events inside a batch are encoded."""
+
+    MAP = "map"  # vLLM >= PR #42892 (v0.23+): tagged maps, omit defaults
+    ARRAY = "array"  # vLLM before PR #42892: tagged positional arrays
+
+
+# ---------------------------------------------------------------- sequence numbers
+
+
+def encode_seq(seq: int) -> bytes:
+    """8-byte big-endian signed, as vLLM writes it (``seq.to_bytes(8, "big")``)."""
+    return seq.to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+def decode_seq(frame: bytes, field: str = "seq") -> int:
+    if len(frame) != SEQ_BYTES:
+        raise EventDecodeError(field, f"expected {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _stored_map(event: BlockStored) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        TAG_KEY: "BlockStored",
+        "block_hashes": list(event.block_hashes),
+        "parent_block_hash": event.parent_block_hash,
+        "token_ids": list(event.token_ids),
+        "block_size": event.block_size,
+        "lora_id": event.lora_id,
+        "medium": event.medium,
+        "lora_name": event.lora_name,
+    }
+    # Fields with a default in vLLM's struct: omitted when None (omit_defaults).
+    for name in (
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+    ):
+        value = getattr(event, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _removed_map(event: BlockRemoved) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        TAG_KEY: "BlockRemoved",
+        "block_hashes": list(event.block_hashes),
+        "medium": event.medium,
+    }
+    for name in ("group_idx", "locality", "ownership"):
+        value = getattr(event, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _stored_array(event: BlockStored) -> list[Any]:
+    # Every field of the last array-era struct (through sliding_window), as msgspec
+    # writes array_like structs; locality/ownership postdate that era and are
+    # appended only when set (array decoders ignore extra trailing elements).
+    out: list[Any] = [
+        "BlockStored",
+        list(event.block_hashes),
+        event.parent_block_hash,
+        list(event.token_ids),
+        event.block_size,
+        event.lora_id,
+        event.medium,
+        event.lora_name,
+        event.extra_keys,
+        event.group_idx,
+        event.kv_cache_spec_kind,
+        event.kv_cache_spec_sliding_window,
+    ]
+    if event.locality is not None or event.ownership is not None:
+        out.append(event.locality)
+    if event.ownership is not None:
+        out.append(event.ownership)
+    return out
+
+
+def _removed_array(event: BlockRemoved) -> list[Any]:
+    out: list[Any] = ["BlockRemoved", list(event.block_hashes), event.medium, event.group_idx]
+    if event.locality is not None or event.ownership is not None:
+        out.append(event.locality)
+    if event.ownership is not None:
+        out.append(event.ownership)
+    return out
+
+
+def event_to_wire(event: KVEvent, wire_format: EventWireFormat = EventWireFormat.MAP) -> Any:
+    """The msgpack-ready object for one event."""
+    if wire_format is EventWireFormat.MAP:
+        if isinstance(event, BlockStored):
+            return _stored_map(event)
+        if isinstance(event, BlockRemoved):
+            return _removed_map(event)
+        if isinstance(event, AllBlocksCleared):
+            return {TAG_KEY: "AllBlocksCleared"}
+    else:
+        if isinstance(event, BlockStored):
+            return _stored_array(event)
+        if isinstance(event, BlockRemoved):
+            return _removed_array(event)
+        if isinstance(event, AllBlocksCleared):
+            return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV event: {type(event).__name__}")
+
+
+def encode_events(
+    ts: float,
+    events: Sequence[KVEvent],
+    data_parallel_rank: int | None,
+    wire_format: EventWireFormat = EventWireFormat.MAP,
+) -> bytes:
+    """The msgpack payload ``[ts, [event...], data_parallel_rank]``."""
+    return msgpack.packb(
+        [float(ts), [event_to_wire(e, wire_format) for e in events], data_parallel_rank],
+        use_bin_type=True,
+    )
+
+
+def encode_batch(batch: EventBatch, wire_format: EventWireFormat = EventWireFormat.MAP) -> bytes:
+    return encode_events(batch.ts, batch.events, batch.data_parallel_rank, wire_format)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _check_hash(value: object, where: str) -> int | bytes:
+    if isinstance(value, bool) or not isinstance(value, int | bytes):
+        raise EventDecodeError(where, f"expected int or bytes block hash, got {type(value).__name__}")
+    if isinstance(value, int) and not (-(1 << 63) <= value <= _U64_MAX):
+        raise EventDecodeError(where, "block hash does not fit 64 bits")
+    return value
+
+
+def _hashes(value: object, where: str) -> tuple[int | bytes, ...]:
+    if not isinstance(value, list):
+        raise EventDecodeError(where, f"expected array of block hashes, got {type(value).__name__}")
+    return tuple(_check_hash(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+
+def _int(value: object, where: str, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        want = "int or nil" if optional else "int"
+        raise EventDecodeError(where, f"expected {want}, got {type(value).__name__}")
+    return value
+
+
+def _str(value: object, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise EventDecodeError(where, f"expected str or nil, got {type(value).__name__}")
+
+
+def _token_ids(value: object, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise EventDecodeError(where, f"expected array of token ids, got {type(value).__name__}")
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise EventDecodeError(f"{where}[{i}]", f"expected int, got {type(token).__name__}")
+    return tuple(value)
+
+
+def _extra_keys(value: object, where: str) -> tuple[object, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise EventDecodeError(where, f"expected array or nil, got {type(value).__name__}")
+    return tuple(value)
+
+
+_STORED_ORDER = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+)
+_STORED_REQUIRED = frozenset(("block_hashes", "parent_block_hash", "token_ids", "block_size"))
+_REMOVED_ORDER = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+_REMOVED_REQUIRED = frozenset(("block_hashes",))
+
+
+def _fields(raw: object, where: str) -> tuple[str, dict[str, Any]]:
+    """(tag, fields by name) from either encoding; unknown map keys are ignored."""
+    if isinstance(raw, dict):
+        tag = raw.get(TAG_KEY)
+        if not isinstance(tag, str):
+            raise EventDecodeError(f"{where}.{TAG_KEY}", "missing or non-string event tag")
+        return tag, {k: v for k, v in raw.items() if k != TAG_KEY}
+    if isinstance(raw, list):
+        if not raw or not isinstance(raw[0], str):
+            raise EventDecodeError(f"{where}[0]", "missing or non-string event tag")
+        tag = raw[0]
+        order = {"BlockStored": _STORED_ORDER, "BlockRemoved": _REMOVED_ORDER}.get(tag, ())
+        # Extra trailing elements beyond the known fields are ignored (forward compat).
+        return tag, dict(zip(order, raw[1:], strict=False))
+    raise EventDecodeError(where, f"expected event map or array, got {type(raw).__name__}")
+
+
+def decode_event(raw: object, where: str = "event") -> KVEvent:
+    tag, f = _fields(raw, where)
+    if tag == "BlockStored":
+        missing = sorted(_STORED_REQUIRED - f.keys())
+        if missing:
+            raise EventDecodeError(f"{where}.{missing[0]}", "required field missing")
+        return BlockStored(
+            block_hashes=_hashes(f["block_hashes"], f"{where}.block_hashes"),
+            parent_block_hash=(
+                None
+                if f["parent_block_hash"] is None
+                else _check_hash(f["parent_block_hash"], f"{where}.parent_block_hash")
+            ),
+            token_ids=_token_ids(f["token_ids"], f"{where}.token_ids"),
+            block_size=_int(f["block_size"], f"{where}.block_size") or 0,
+            lora_id=_int(f.get("lora_id"), f"{where}.lora_id", optional=True),
+            medium=_str(f.get("medium"), f"{where}.medium"),
+            lora_name=_str(f.get("lora_name"), f"{where}.lora_name"),
+            extra_keys=_extra_keys(f.get("extra_keys"), f"{where}.extra_keys"),
+            group_idx=_int(f.get("group_idx"), f"{where}.group_idx", optional=True),
+            kv_cache_spec_kind=_str(f.get("kv_cache_spec_kind"), f"{where}.kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=_int(
+                f.get("kv_cache_spec_sliding_window"),
+                f"{where}.kv_cache_spec_sliding_window",
+                optional=True,
+            ),
+            locality=_str(f.get("locality"), f"{where}.locality"),
+            ownership=_str(f.get("ownership"), f"{where}.ownership"),
+        )
+    if tag == "BlockRemoved":
+        if "block_hashes" not in f:
+            raise EventDecodeError(f"{where}.block_hashes", "required field missing")
+        return BlockRemoved(
+            block_hashes=_hashes(f["block_hashes"], f"{where}.block_hashes"),
+            medium=_str(f.get("medium"), f"{where}.medium"),
+            group_idx=_int(f.get("group_idx"), f"{where}.group_idx", optional=True),
+            locality=_str(f.get("locality"), f"{where}.locality"),
+            ownership=_str(f.get("ownership"), f"{where}.ownership"),
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise EventDecodeError(f"{where}.{TAG_KEY}", f"unknown event type {tag!r}")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Parse and validate one payload (either event encoding).
+
+    Raises ``EventDecodeError`` naming the first offending field; never returns a
+    partially decoded batch.
+    """
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise EventDecodeError("payload", f"not valid msgpack ({exc})") from exc
+    if isinstance(raw, dict):
+        # A map-encoded EventBatch (not what vLLM sends, but cheap to accept).
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise EventDecodeError("payload", "expected array [ts, events, data_parallel_rank]")
+    ts = raw[0]
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        raise EventDecodeError("payload.ts", f"expected finite number, got {ts!r}")
+    events_raw = raw[1]
+    if not isinstance(events_raw, list):
+        raise EventDecodeError("payload.events", f"expected array, got {type(events_raw).__name__}")
+    dp_rank = _int(raw[2] if len(raw) > 2 else None, "payload.data_parallel_rank", optional=True)
+    events = tuple(decode_event(e, f"events[{i}]") for i, e in enumerate(events_raw))
+    return EventBatch(ts=float(ts), events=events, data_parallel_rank=dp_rank)
+
+
+# ---------------------------------------------------------------- frames
+
+
+def pub_frames(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, bytes]:
+    return (topic, encode_seq(seq), payload)
+
+
+@dataclass(frozen=True)
+class LiveFrame:
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+def parse_pub_frames(frames: Sequence[bytes]) -> LiveFrame:
+    """``[topic, seq, payload]`` as a SUB socket receives it."""
+    if len(frames) != 3:
+        raise EventDecodeError("frames", f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    return LiveFrame(bytes(frames[0]), decode_seq(frames[1], "frames[1] (seq)"), bytes(frames[2]))
+
+
+@dataclass(frozen=True)
+class ReplayInfo:
+    """The kvbridge publisher's answer header: who it is and what its ring holds."""
+
+    incarnation: int
+    oldest_seq: int
+    next_seq: int
+    matched: bool
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    start_seq: int
+    end_seq: int | None = None  # exclusive; None: up to the newest batch
+    incarnation: int | None = None  # None: any incarnation
+
+
+def encode_replay_request(request: ReplayRequest) -> bytes:
+    return REPLAY_MAGIC + msgpack.packb(
+        {
+            "incarnation": request.incarnation,
+            "start_seq": request.start_seq,
+            "end_seq": request.end_seq,
+        }
+    )
+
+
+def parse_replay_request(frame: bytes) -> ReplayRequest:
+    """A ROUTER request payload: vLLM's 8-byte start seq, or the kvbridge extension."""
+    if frame.startswith(REPLAY_MAGIC):
+        try:
+            body = msgpack.unpackb(frame[len(REPLAY_MAGIC) :], raw=False)
+        except Exception as exc:
+            raise EventDecodeError("replay_request", f"not valid msgpack ({exc})") from exc
+        if not isinstance(body, dict):
+            raise EventDecodeError("replay_request", "expected a map")
+        start = _int(body.get("start_seq"), "replay_request.start_seq")
+        end = _int(body.get("end_seq"), "replay_request.end_seq", optional=True)
+        inc = _int(body.get("incarnation"), "replay_request.incarnation", optional=True)
+        return ReplayRequest(start_seq=start or 0, end_seq=end, incarnation=inc)
+    # vLLM reads the request unsigned; accept both 8-byte readings identically.
+    if len(frame) != SEQ_BYTES:
+        raise EventDecodeError("replay_request", f"expected {SEQ_BYTES}-byte start sequence")
+    return ReplayRequest(start_seq=int.from_bytes(frame, "big", signed=True))
+
+
+def encode_replay_info(info: ReplayInfo) -> bytes:
+    return msgpack.packb(
+        {
+            "incarnation": info.incarnation,
+            "oldest_seq": info.oldest_seq,
+            "next_seq": info.next_seq,
+            "matched": info.matched,
+        }
+    )
+
+
+def decode_replay_info(frame: bytes) -> ReplayInfo:
+    try:
+        body = msgpack.unpackb(frame, raw=False)
+    except Exception as exc:
+        raise EventDecodeError("replay_info", f"not valid msgpack ({exc})") from exc
+    if not isinstance(body, dict):
+        raise EventDecodeError("replay_info", "expected a map")
+    return ReplayInfo(
+        incarnation=_int(body.get("incarnation"), "replay_info.incarnation") or 0,
+        oldest_seq=_int(body.get("oldest_seq"), "replay_info.oldest_seq") or 0,
+        next_seq=_int(body.get("next_seq"), "replay_info.next_seq") or 0,
+        matched=bool(body.get("matched")),
+    )
+
+
+@dataclass(frozen=True)
+class ReplayReply:
+    """One message a replay client receives (delimiter already stripped).
+
+    Exactly one of: ``info`` (kvbridge header), ``end`` (end marker), or a batch
+    (``seq`` + ``payload``).
+    """
+
+    info: ReplayInfo | None = None
+    end: bool = False
+    seq: int = END_SEQ
+    payload: bytes = b""
+    topic: bytes | None = None
+
+
+def parse_replay_reply(frames: Sequence[bytes]) -> ReplayReply:
+    """Any replay reply shape: ``[MAGIC, info]``, ``[topic, seq, payload]``,
+    ``[seq, payload]`` (pre-#45177), or the end markers of both."""
+    if len(frames) == 2 and frames[0] == REPLAY_MAGIC:
+        return ReplayReply(info=decode_replay_info(frames[1]))
+    if len(frames) == 3:
+        topic, seq_frame, payload = frames
+    elif len(frames) == 2:
+        topic, (seq_frame, payload) = None, frames
+    else:
+        raise EventDecodeError("replay_reply", f"expected 2 or 3 frames, got {len(frames)}")
+    seq = decode_seq(seq_frame, "replay_reply.seq")
+    if seq == END_SEQ:
+        return ReplayReply(end=True)
+    return ReplayReply(seq=seq, payload=bytes(payload), topic=None if topic is None else bytes(topic))
