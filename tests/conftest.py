@@ -47,3 +47,45 @@ def free_port() -> int:
 @pytest.fixture
 def tcp_port() -> Iterator[int]:
     yield free_port()
+
+
+# ---- Mooncake (section owned by the Mooncake backend; append-only) ------------------
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:
+    from kvbridge.backends.mooncake_master import MooncakeMaster
+
+
+def _start_mooncake_master(log_dir: object) -> MooncakeMaster:
+    """Start a real mooncake_master on 127.0.0.1, or skip/fail when Mooncake is missing."""
+    require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    from kvbridge.backends.mooncake_master import MooncakeMaster, MooncakeMasterNotFound  # noqa: F811
+
+    master = MooncakeMaster(log_path=os.path.join(str(log_dir), "mooncake_master.log"))
+    try:
+        master.start()
+    except MooncakeMasterNotFound as exc:
+        missing_backend(str(exc))
+    return master
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """One mooncake_master for the whole run (``.rpc_address``, ``.metadata_url``).
+
+    Shared: never kill or restart it (use ``mooncake_master_fresh``), and
+    namespace your keys so tests cannot see each other's objects.
+    """
+    master = _start_mooncake_master(tmp_path_factory.mktemp("mooncake_master"))
+    yield master
+    master.stop()
+
+
+@pytest.fixture
+def mooncake_master_fresh(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    """A mooncake_master of this test's own, free to ``kill()`` and ``restart()``."""
+    master = _start_mooncake_master(tmp_path)
+    yield master
+    master.stop()

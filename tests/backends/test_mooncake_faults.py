@@ -1,0 +1,100 @@
+"""Fault injection on a real mooncake_master: killed -> bounded error results; restarted -> works again.
+
+The master is this module's own (``mooncake_master_fresh``) so killing it
+cannot disturb other tests. Bounds asserted here are generous "does not hang"
+limits, not performance claims.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeConfig, MooncakeStoreClient
+from kvbridge.backends.mooncake_master import MooncakeMaster
+from tests.conftest import require
+
+torch = require("torch")
+require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
+
+MiB = 1 << 20
+OP_TIMEOUT_S = 1.0
+# Seconds a call may take beyond its deadline (thread hand-off, a loaded 2-core machine).
+SLACK_S = 2.0
+
+
+def _config(master: MooncakeMaster, *, check_first: bool) -> MooncakeConfig:
+    return MooncakeConfig(
+        master.rpc_address,
+        master.metadata_url,
+        global_segment_size=16 * MiB,
+        local_buffer_size=16 * MiB,
+        op_timeout_s=OP_TIMEOUT_S,
+        check_master_before_ops=check_first,
+    )
+
+
+def test_killed_master_gives_bounded_errors_and_restart_recovers(
+    mooncake_master_fresh: MooncakeMaster,
+) -> None:
+    master = mooncake_master_fresh
+    src = torch.randint(0, 255, (4, 16 << 10), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    keys = [f"kvbridge-test/fault/{i}" for i in range(4)]
+    ptrs, dst_ptrs, sizes = (
+        [src[i].data_ptr() for i in range(4)], [dst[i].data_ptr() for i in range(4)], [src[0].nbytes] * 4,
+    )
+    # Two clients on one master: one fails fast on the reachability check, the other
+    # goes straight to Mooncake and relies on the deadline.
+    with MooncakeStoreClient(_config(master, check_first=True)) as checked, MooncakeStoreClient(
+        _config(master, check_first=False)
+    ) as unchecked:
+        for c in (checked, unchecked):
+            c.register_buffer(src.data_ptr(), src.nbytes)
+            c.register_buffer(dst.data_ptr(), dst.nbytes)
+        assert all(r.ok for r in checked.batch_put_from(keys, ptrs, sizes))
+        assert checked.is_master_reachable()
+
+        master.kill()
+        assert not checked.is_master_reachable()
+
+        started = time.monotonic()
+        failed = checked.batch_get_into(keys, dst_ptrs, sizes)
+        assert [r.code for r in failed] == [McStatus.MASTER_UNREACHABLE] * 4
+        assert checked.batch_exists(keys) == [False] * 4  # a failed check is a miss
+        assert time.monotonic() - started < SLACK_S
+        assert checked.stats().unreachable == 2
+
+        # Without the check each call blocks inside Mooncake (~4.4 s per RPC to a dead
+        # master); the caller still gets per-key errors within op_timeout_s.
+        for call in (
+            lambda: unchecked.batch_put_from(keys, ptrs, sizes),
+            lambda: unchecked.batch_get_into(keys, dst_ptrs, sizes),
+            lambda: unchecked.batch_exists_results(keys),
+            lambda: unchecked.batch_put_from(keys, ptrs, sizes),
+        ):
+            started = time.monotonic()
+            results = call()
+            elapsed = time.monotonic() - started
+            assert elapsed < OP_TIMEOUT_S + SLACK_S, elapsed
+            assert len(results) == 4 and all(r.status is KeyStatus.ERROR for r in results)
+            assert {r.code_name for r in results} <= {"TIMEOUT", "RPC_FAIL"}
+        assert unchecked.wait_idle(15.0)  # abandoned calls end (Mooncake bounds them itself)
+        assert not dst.any()  # the failed gets wrote nothing, not even late
+
+        master.restart()
+        # Clients re-mount their segments by themselves; puts fail with
+        # NO_AVAILABLE_HANDLE until then. Poll, bounded.
+        deadline = time.monotonic() + 20.0
+        while True:
+            put = checked.batch_put_from(keys[:1], ptrs[:1], sizes[:1])
+            if put[0].ok or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert put[0].ok, str(put[0])
+        # The restarted master lost every key it had.
+        assert checked.batch_exists(keys) == [True, False, False, False]
+        got = unchecked.batch_get_into(keys[:2], dst_ptrs[:2], sizes[:2])
+        assert [r.status for r in got] == [KeyStatus.OK, KeyStatus.NOT_FOUND]
+        assert torch.equal(dst[0], src[0])
+        assert all(r.ok for r in unchecked.batch_put_from(keys[1:], ptrs[1:], sizes[1:]))
+        assert checked.batch_exists(keys) == [True] * 4

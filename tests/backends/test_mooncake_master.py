@@ -1,0 +1,96 @@
+"""MooncakeMaster: a real mooncake_master process started, probed, killed, restarted, stopped."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbridge.backends.mooncake import MooncakeConfig, MooncakeSetupError, MooncakeStoreClient
+from kvbridge.backends.mooncake_master import (
+    MasterPorts,
+    MooncakeMaster,
+    MooncakeMasterError,
+    MooncakeMasterNotFound,
+    find_master_binary,
+    master_command,
+    port_accepts,
+)
+from tests.conftest import require
+
+
+def _listening_hosts(port: int) -> set[str]:
+    """Local addresses with a LISTEN socket on ``port`` (from /proc/net/tcp)."""
+    hosts: set[str] = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state = fields[1], fields[3]
+        addr_hex, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:
+            hosts.add(socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1]))
+    return hosts
+
+
+def test_missing_binary_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(MooncakeMasterNotFound, match="mooncake-transfer-engine-non-cuda"):
+        find_master_binary()
+
+
+def test_command_binds_loopback_and_enables_metadata_server() -> None:
+    argv = master_command("mm", MasterPorts(1, 2, 3), lease_ttl_ms=500)
+    assert "--rpc_address=127.0.0.1" in argv and "--rpc_port=1" in argv
+    assert "--enable_http_metadata_server=true" in argv
+    assert "--http_metadata_server_port=2" in argv and "--metrics_port=3" in argv
+    assert "--metrics_host=127.0.0.1" in argv and "--default_kv_lease_ttl=500" in argv
+    with pytest.raises(ValueError, match="lease_ttl_ms"):
+        master_command("mm", MasterPorts(1, 2, 3), lease_ttl_ms=0)
+
+
+def test_start_kill_restart_stop_on_same_ports() -> None:
+    require("mooncake.store")
+    master = MooncakeMaster(start_timeout_s=20)
+    with master:
+        ports = master.ports
+        assert master.rpc_address == f"127.0.0.1:{ports.rpc_port}"
+        assert master.metadata_url == f"http://127.0.0.1:{ports.http_port}/metadata"
+        assert master.is_serving()
+        assert _listening_hosts(ports.rpc_port) == {"127.0.0.1"}
+        assert _listening_hosts(ports.metrics_port) == {"127.0.0.1"}
+        # Documented Mooncake behaviour: the metadata port ignores the host it is given.
+        assert _listening_hosts(ports.http_port) <= {"127.0.0.1", "0.0.0.0"}
+        log_path = master.log_path
+        assert log_path is not None and "Master service started" in master.log_tail()
+        first_pid = master.pid
+
+        assert master.kill() == -9
+        assert not master.is_running and not port_accepts("127.0.0.1", ports.rpc_port)
+
+        master.restart()
+        assert master.ports == ports and master.pid != first_pid and master.is_serving()
+    assert not master.is_running
+    assert master.stop() == 0  # idempotent, returns the same exit code
+    assert not log_path.exists()  # temporary log removed on stop
+
+
+def test_failed_start_reports_exit_code_and_log() -> None:
+    require("mooncake.store")
+    master = MooncakeMaster(extra_args=["--no_such_flag_for_kvbridge=1"], start_timeout_s=10)
+    with pytest.raises(MooncakeMasterError, match="exited with code"):
+        master.start()
+    assert not master.is_running
+    master.stop()
+
+
+def test_setup_without_master_fails_fast_instead_of_blocking(tcp_port: int) -> None:
+    require("mooncake.store")
+    config = MooncakeConfig(f"127.0.0.1:{tcp_port}", f"http://127.0.0.1:{tcp_port}/metadata")
+    started = time.monotonic()
+    with pytest.raises(MooncakeSetupError, match="does not accept connections"):
+        MooncakeStoreClient.connect(config)
+    # Mooncake's own setup() would block ~90 s here.
+    assert time.monotonic() - started < 10
