@@ -1,0 +1,882 @@
+"""Wire schema of the handshake side channel: typed, versioned msgpack records.
+
+Every record has one encode and one decode function. Decoding is strict: the
+message size is bounded before anything is parsed, every map must have exactly
+the known keys, every value is type- and range-checked, and any failure raises
+:class:`HandshakeError` naming the field (``"ranks[3].regions[0].base_addrs[2]"``).
+No pickle, no msgpack extension types: a peer can send us nothing but plain
+maps, lists, strings, bytes, integers, floats, booleans and nil.
+
+Records (``PROTOCOL_VERSION`` 1):
+
+* **CompatHeader** — protocol version plus the compatibility fingerprint: model,
+  layer count, transfer mode (pull or push) and, per region, its layout kind,
+  dtype, head size, KV heads, key-only and token sharding. It deliberately
+  leaves out TP/PP/DCP sizes, block size and memory order: those may differ
+  between producer and consumer and are checked when a transfer plan is made.
+* **AgentMetadata** — one rank of one engine: engine id, NIXL agent name and
+  opaque agent blob, per-region memory (one base address per layer of the
+  region on that rank, since each layer is its own tensor; bytes of one block
+  of one layer; number of blocks; memory order; block size), the rank's
+  topology, its registration generation and the full KVCacheSpec.
+* **EngineMetadata** — an engine document: the header, then a body with the
+  engine id, incarnation, generation, spec, topology sizes and the selected
+  ranks. The body travels as opaque bytes inside the document, so a reader
+  decodes and checks the header first and interprets the body only if the
+  header matches what it expects (:func:`decode_engine`). The same bytes are
+  what ``kvbridge probe --save`` writes to a file.
+* **MetadataRequest** and the replies **MetadataReply**, **StatusReply**,
+  **ErrorReply** — the request/response pair of the ZMQ side channel. Every
+  reply carries the server's clock so a client can estimate a clock offset.
+
+Invariants checked on decode (and on :func:`check_agent` before a server
+publishes a rank): per-region memory agrees with what the spec says this rank
+holds (block bytes, layer count, block size, memory order), address ranges
+neither wrap past 2**64 nor overlap, and the header's fingerprint matches its
+own fields and the spec in the body.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import msgpack
+
+from kvbridge.handshake.errors import HandshakeError
+from kvbridge.layouts import (
+    KVCacheSpec,
+    LayoutError,
+    MemoryOrder,
+    ParallelTopology,
+    RegionLayout,
+)
+from kvbridge.layouts.plan import LayerMemory, rank_index
+
+PROTOCOL_VERSION = 1
+
+#: Largest message (request, reply or saved document) either side accepts, in bytes.
+MAX_MESSAGE_BYTES = 1 << 20
+#: Largest engine document: leaves room for the reply envelope around it.
+MAX_DOCUMENT_BYTES = MAX_MESSAGE_BYTES - 4096
+#: Largest request a server accepts, in bytes (requests are a few dozen bytes).
+MAX_REQUEST_BYTES = 4096
+MAX_NAME_CHARS = 256
+MAX_BLOB_BYTES = 256 * 1024
+MAX_RANKS = 4096
+MAX_REGIONS = 64
+MAX_LAYERS = 8192
+MAX_NUM_BLOCKS = (1 << 31) - 1
+MAX_BLOCK_BYTES = 1 << 40
+U64_MAX = (1 << 64) - 1
+
+
+class TransferMode(str, Enum):
+    """Who moves the bytes: the consumer READs (pull) or the producer WRITEs (push)."""
+
+    PULL = "pull"
+    PUSH = "push"
+
+
+class RankKey(NamedTuple):
+    """Coordinates of one rank inside an engine; orders like ParallelTopology.ranks()."""
+
+    pp_rank: int
+    pcp_rank: int
+    tp_rank: int
+
+    @classmethod
+    def of(cls, topology: ParallelTopology) -> RankKey:
+        return cls(topology.pp_rank, topology.pcp_rank, topology.tp_rank)
+
+    def describe(self) -> str:
+        return f"pp{self.pp_rank}/pcp{self.pcp_rank}/tp{self.tp_rank}"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: object, what: str, max_bytes: int) -> object:
+    """Parse one msgpack object from ``data`` after bounding its size."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise HandshakeError(what, f"expected bytes, got {type(data).__name__}")
+    size = len(data)
+    if size > max_bytes:
+        raise HandshakeError(what, f"message of {size} bytes exceeds the limit of "
+                                   f"{max_bytes} bytes")
+    if size == 0:
+        raise HandshakeError(what, "empty message")
+    try:
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise HandshakeError(what, f"not a valid msgpack message ({type(exc).__name__}: "
+                                   f"{exc})") from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _prefixed(path: str, exc: HandshakeError | LayoutError) -> HandshakeError:
+    return HandshakeError(_join(path, exc.field), exc.reason)
+
+
+class _Reader:
+    """Typed access to one decoded msgpack map with exactly the allowed keys."""
+
+    def __init__(self, obj: object, path: str, required: Iterable[str],
+                 optional: Iterable[str] = ()) -> None:
+        label = path or "message"
+        if not isinstance(obj, dict):
+            raise HandshakeError(label, f"expected a map, got {_kind(obj)}")
+        required = tuple(required)
+        allowed = set(required) | set(optional)
+        for key in obj:
+            if key not in allowed:
+                raise HandshakeError(_join(path, str(key)[:64]),
+                                     f"unknown field; expected {sorted(allowed)}")
+        for key in required:
+            if key not in obj:
+                raise HandshakeError(_join(path, key), "missing")
+        self.obj: dict[str, object] = obj
+        self.path = path
+
+    def where(self, key: str) -> str:
+        return _join(self.path, key)
+
+    def has(self, key: str) -> bool:
+        return self.obj.get(key) is not None
+
+    def raw(self, key: str) -> object:
+        return self.obj.get(key)
+
+    def get_int(self, key: str, lo: int = 0, hi: int = U64_MAX) -> int:
+        return _check_int(self.obj.get(key), self.where(key), lo, hi)
+
+    def opt_int(self, key: str, lo: int = 0, hi: int = U64_MAX) -> int | None:
+        value = self.obj.get(key)
+        return None if value is None else _check_int(value, self.where(key), lo, hi)
+
+    def get_str(self, key: str, max_chars: int = MAX_NAME_CHARS, allow_empty: bool = False) -> str:
+        return _check_str(self.obj.get(key), self.where(key), max_chars, allow_empty)
+
+    def opt_str(self, key: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
+        value = self.obj.get(key)
+        return None if value is None else _check_str(value, self.where(key), max_chars)
+
+    def get_bytes(self, key: str, max_bytes: int, allow_empty: bool = False) -> bytes:
+        value = self.obj.get(key)
+        if not isinstance(value, bytes):
+            raise HandshakeError(self.where(key), f"expected bytes, got {_kind(value)}")
+        if len(value) > max_bytes:
+            raise HandshakeError(self.where(key), f"{len(value)} bytes exceeds the limit of "
+                                                  f"{max_bytes}")
+        if not value and not allow_empty:
+            raise HandshakeError(self.where(key), "expected non-empty bytes")
+        return value
+
+    def get_bool(self, key: str) -> bool:
+        value = self.obj.get(key)
+        if not isinstance(value, bool):
+            raise HandshakeError(self.where(key), f"expected true or false, got {_kind(value)}")
+        return value
+
+    def get_float(self, key: str) -> float:
+        value = self.obj.get(key)
+        if isinstance(value, bool) or not isinstance(value, float | int):
+            raise HandshakeError(self.where(key), f"expected a number, got {_kind(value)}")
+        result = float(value)
+        if not math.isfinite(result):
+            raise HandshakeError(self.where(key), f"expected a finite number, got {result}")
+        return result
+
+    def get_list(self, key: str, max_items: int, min_items: int = 0) -> list[object]:
+        value = self.obj.get(key)
+        if not isinstance(value, list):
+            raise HandshakeError(self.where(key), f"expected a list, got {_kind(value)}")
+        if not min_items <= len(value) <= max_items:
+            raise HandshakeError(self.where(key), f"expected {min_items}..{max_items} items, "
+                                                  f"got {len(value)}")
+        return value
+
+    def get_enum(self, key: str, enum: type[Any]) -> Any:
+        value = self.obj.get(key)
+        choices = [m.value for m in enum]
+        if not isinstance(value, str) or value not in choices:
+            raise HandshakeError(self.where(key), f"expected one of {choices}, got "
+                                                  f"{_short(value)}")
+        return enum(value)
+
+
+def _kind(value: object) -> str:
+    return "nil" if value is None else type(value).__name__
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _printable(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars`` with anything non-printable escaped (for error replies)."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text[:max_chars]
+
+
+def _check_int(value: object, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HandshakeError(where, f"expected an integer, got {_kind(value)}")
+    if not lo <= value <= hi:
+        raise HandshakeError(where, f"expected an integer in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _check_str(value: object, where: str, max_chars: int, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise HandshakeError(where, f"expected a string, got {_kind(value)}")
+    if not value and not allow_empty:
+        raise HandshakeError(where, "expected a non-empty string")
+    if len(value) > max_chars:
+        raise HandshakeError(where, f"string of {len(value)} chars exceeds {max_chars}")
+    if not value.isprintable():
+        raise HandshakeError(where, "contains non-printable characters")
+    return value
+
+
+def _version(reader: _Reader) -> None:
+    """Check the protocol version first, with a message that says what to do."""
+    version = reader.obj.get("v")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise HandshakeError("protocol_version", f"expected an integer protocol version, "
+                                                 f"got {_kind(version)}")
+    if version != PROTOCOL_VERSION:
+        raise HandshakeError("protocol_version",
+                             f"peer speaks handshake protocol v{version}, this kvbridge speaks "
+                             f"v{PROTOCOL_VERSION}; run the same kvbridge version on both sides")
+
+
+def _top(data: object, what: str, max_bytes: int, required: Sequence[str],
+         optional: Sequence[str] = ()) -> _Reader:
+    obj = _unpack(data, what, max_bytes)
+    if isinstance(obj, dict) and "v" in obj:
+        _version(_Reader({"v": obj["v"]}, "", ("v",)))
+    return _Reader(obj, "", ("v", *required), optional)
+
+
+# --------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class RegionCompat:
+    """The fields of one region that producer and consumer must agree on exactly."""
+
+    name: str
+    layout: RegionLayout
+    dtype: str
+    head_dim: int
+    num_kv_heads: int
+    key_only: bool
+    token_sharded: bool
+    layer_ids: tuple[int, ...]
+
+    def to_map(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "layout": self.layout.value, "dtype": self.dtype,
+            "head_dim": self.head_dim, "num_kv_heads": self.num_kv_heads,
+            "key_only": self.key_only, "token_sharded": self.token_sharded,
+            "layer_ids": list(self.layer_ids),
+        }
+
+
+@dataclass(frozen=True)
+class CompatHeader:
+    """What must match before anything else of a peer's metadata is read.
+
+    ``fingerprint`` is a digest of every field except the protocol version (which
+    is compared on its own, first). Two engines with equal fingerprints run the
+    same model with the same KV formats and the same transfer mode; they may
+    still differ in TP/PP/DCP sizes, block size or memory order, which a
+    transfer plan handles or refuses.
+    """
+
+    model: str
+    num_layers: int
+    transfer_mode: TransferMode
+    regions: tuple[RegionCompat, ...]
+    protocol_version: int = PROTOCOL_VERSION
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, transfer_mode: TransferMode) -> CompatHeader:
+        regions = tuple(
+            RegionCompat(r.name, r.layout, r.dtype, r.head_dim, r.num_kv_heads, r.key_only,
+                         r.token_sharded, tuple(r.layer_ids))
+            for r in spec.regions
+        )
+        return cls(spec.model, spec.num_layers, TransferMode(transfer_mode), regions)
+
+    def compat_map(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "num_layers": self.num_layers,
+            "transfer_mode": self.transfer_mode.value,
+            "regions": [r.to_map() for r in self.regions],
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        canonical = json.dumps(self.compat_map(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def differences(self, other: CompatHeader) -> list[tuple[str, object, object]]:
+        """Every field that differs, as ``(field, ours, theirs)``; regions matched by name."""
+        diffs: list[tuple[str, object, object]] = []
+        if self.protocol_version != other.protocol_version:
+            diffs.append(("protocol_version", self.protocol_version, other.protocol_version))
+        for name in ("model", "num_layers"):
+            if getattr(self, name) != getattr(other, name):
+                diffs.append((name, getattr(self, name), getattr(other, name)))
+        if self.transfer_mode != other.transfer_mode:
+            diffs.append(("transfer_mode", self.transfer_mode.value, other.transfer_mode.value))
+        ours = {r.name: r for r in self.regions}
+        theirs = {r.name: r for r in other.regions}
+        if list(ours) != list(theirs):
+            diffs.append(("regions", list(ours), list(theirs)))
+        for name in ours.keys() & theirs.keys():
+            a, b = ours[name].to_map(), theirs[name].to_map()
+            for key in a:
+                if a[key] != b[key]:
+                    diffs.append((f"regions[{name}].{key}", a[key], b[key]))
+        return diffs
+
+
+def _header_to_map(header: CompatHeader) -> dict[str, Any]:
+    return {"protocol_version": header.protocol_version, "fingerprint": header.fingerprint,
+            **header.compat_map()}
+
+
+def _header_from_map(obj: object, path: str) -> CompatHeader:
+    r = _Reader(obj, path, ("protocol_version", "fingerprint", "model", "num_layers",
+                            "transfer_mode", "regions"))
+    version = r.get_int("protocol_version", 0, 1 << 32)
+    if version != PROTOCOL_VERSION:
+        raise HandshakeError("protocol_version", f"peer header is v{version}, this kvbridge "
+                                                 f"speaks v{PROTOCOL_VERSION}")
+    regions = []
+    for index, item in enumerate(r.get_list("regions", MAX_REGIONS, 1)):
+        rr = _Reader(item, r.where(f"regions[{index}]"),
+                     ("name", "layout", "dtype", "head_dim", "num_kv_heads", "key_only",
+                      "token_sharded", "layer_ids"))
+        layer_ids = tuple(_check_int(x, rr.where(f"layer_ids[{i}]"), 0, MAX_LAYERS)
+                          for i, x in enumerate(rr.get_list("layer_ids", MAX_LAYERS, 1)))
+        regions.append(RegionCompat(
+            rr.get_str("name", 64), rr.get_enum("layout", RegionLayout), rr.get_str("dtype", 32),
+            rr.get_int("head_dim", 1, 1 << 20), rr.get_int("num_kv_heads", 1, 1 << 20),
+            rr.get_bool("key_only"), rr.get_bool("token_sharded"), layer_ids))
+    header = CompatHeader(r.get_str("model"), r.get_int("num_layers", 1, MAX_LAYERS),
+                          r.get_enum("transfer_mode", TransferMode), tuple(regions), version)
+    carried = r.get_str("fingerprint", 64)
+    if carried != header.fingerprint:
+        raise HandshakeError(r.where("fingerprint"),
+                             f"{carried!r} does not match the header's own fields "
+                             f"({header.fingerprint!r}): corrupted or forged header")
+    return header
+
+
+def check_compatible(local: CompatHeader, remote: CompatHeader) -> None:
+    """Raise a HandshakeError naming the first differing field (and listing all)."""
+    diffs = local.differences(remote)
+    if not diffs:
+        return
+    listed = "; ".join(f"{f}: ours {a!r}, theirs {b!r}" for f, a, b in diffs)
+    raise HandshakeError(f"fingerprint.{diffs[0][0]}",
+                         f"peer is incompatible (fingerprint {remote.fingerprint} != ours "
+                         f"{local.fingerprint}): {listed}")
+
+
+# --------------------------------------------------------------------------- per rank
+
+
+@dataclass(frozen=True)
+class RegionMemory:
+    """Where one region's KV blocks sit on one rank.
+
+    ``base_addrs[i]`` is the address of the tensor of the i-th layer of the region
+    held by this rank (``RankRegionShape.layer_ids`` order); block ``b`` of that
+    layer spans ``[base + b * block_bytes_per_layer, base + (b+1) * block_bytes_per_layer)``.
+    A region with no layer on this pipeline stage has no addresses.
+    """
+
+    name: str
+    base_addrs: tuple[int, ...]
+    block_bytes_per_layer: int  # bytes of one block of one layer on this rank
+    num_blocks: int
+    memory_order: MemoryOrder
+    block_size: int  # tokens per block on this rank
+
+    def to_map(self) -> dict[str, Any]:
+        return {"name": self.name, "base_addrs": list(self.base_addrs),
+                "block_bytes_per_layer": self.block_bytes_per_layer,
+                "num_blocks": self.num_blocks, "memory_order": self.memory_order.value,
+                "block_size": self.block_size}
+
+    @classmethod
+    def from_map(cls, obj: object, path: str) -> RegionMemory:
+        r = _Reader(obj, path, ("name", "base_addrs", "block_bytes_per_layer", "num_blocks",
+                                "memory_order", "block_size"))
+        addrs = tuple(_check_int(x, r.where(f"base_addrs[{i}]"), 1, U64_MAX)
+                      for i, x in enumerate(r.get_list("base_addrs", MAX_LAYERS)))
+        return cls(r.get_str("name", 64), addrs, r.get_int("block_bytes_per_layer", 1, MAX_BLOCK_BYTES),
+                   r.get_int("num_blocks", 0, MAX_NUM_BLOCKS), r.get_enum("memory_order", MemoryOrder),
+                   r.get_int("block_size", 1, 1 << 20))
+
+
+@dataclass(frozen=True)
+class AgentMetadata:
+    """Everything a peer needs to move KV to or from one rank of an engine."""
+
+    engine_id: str
+    agent_name: str
+    agent_blob: bytes  # opaque NIXL agent metadata (nixl_agent.get_agent_metadata())
+    topology: ParallelTopology  # sizes of the engine plus this rank's coordinates
+    regions: tuple[RegionMemory, ...]  # in spec region order
+    spec: KVCacheSpec
+    generation: int = 0  # registration generation; the server stamps it on publish
+
+    @property
+    def rank(self) -> RankKey:
+        return RankKey.of(self.topology)
+
+    @property
+    def rank_index(self) -> int:
+        """Flat rank index as the transfer planner numbers ranks."""
+        return rank_index(self.topology)
+
+    def layer_memory(self) -> dict[int, LayerMemory]:
+        """Layer id -> where that layer's tensor sits (the planner's LayerMemory)."""
+        out: dict[int, LayerMemory] = {}
+        shapes = self.spec.rank_shapes(self.topology)
+        for memory, shape in zip(self.regions, shapes, strict=True):
+            for layer, addr in zip(shape.layer_ids, memory.base_addrs, strict=True):
+                out[layer] = LayerMemory(addr, memory.block_bytes_per_layer, memory.num_blocks)
+        return out
+
+    def region(self, name: str) -> RegionMemory:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise HandshakeError("regions", f"no region {name!r} on rank {self.rank.describe()}")
+
+
+def check_agent(meta: AgentMetadata) -> None:
+    """Raise a HandshakeError (field relative to the rank) unless ``meta`` is consistent.
+
+    Checks that the memory described agrees with what ``spec`` says this rank
+    holds, and that no address range wraps or overlaps another: a peer will post
+    RDMA descriptors into these ranges, so they must be exactly right.
+    """
+    _check_str(meta.engine_id, "engine_id", MAX_NAME_CHARS)
+    _check_str(meta.agent_name, "agent_name", MAX_NAME_CHARS)
+    if not isinstance(meta.agent_blob, bytes) or len(meta.agent_blob) > MAX_BLOB_BYTES:
+        raise HandshakeError("agent_blob", f"expected at most {MAX_BLOB_BYTES} bytes")
+    _check_int(meta.generation, "generation", 0, U64_MAX)
+    try:
+        meta.spec.validate_topology(meta.topology)
+        shapes = meta.spec.rank_shapes(meta.topology)
+    except LayoutError as exc:
+        raise HandshakeError(exc.field, exc.reason) from None
+    if len(meta.regions) != len(shapes):
+        raise HandshakeError("regions", f"expected {len(shapes)} regions (one per spec "
+                                        f"region), got {len(meta.regions)}")
+    ranges: list[tuple[int, int, str]] = []
+    for index, (memory, shape) in enumerate(zip(meta.regions, shapes, strict=True)):
+        where = f"regions[{index}]"
+        spec_region = shape.region
+        if memory.name != spec_region.name:
+            raise HandshakeError(f"{where}.name", f"expected {spec_region.name!r} (spec order), "
+                                                  f"got {memory.name!r}")
+        if memory.block_size != spec_region.block_size:
+            raise HandshakeError(f"{where}.block_size", f"spec says {spec_region.block_size}, "
+                                                        f"got {memory.block_size}")
+        if memory.memory_order is not spec_region.memory_order:
+            raise HandshakeError(f"{where}.memory_order",
+                                 f"spec says {spec_region.memory_order.value}, "
+                                 f"got {memory.memory_order.value}")
+        if memory.block_bytes_per_layer != shape.block_bytes_per_layer:
+            raise HandshakeError(f"{where}.block_bytes_per_layer",
+                                 f"spec and topology give {shape.block_bytes_per_layer} bytes "
+                                 f"per block per layer on this rank, got "
+                                 f"{memory.block_bytes_per_layer}")
+        if len(memory.base_addrs) != len(shape.layer_ids):
+            raise HandshakeError(f"{where}.base_addrs",
+                                 f"expected one address per layer of the region on this stage "
+                                 f"({len(shape.layer_ids)}), got {len(memory.base_addrs)}")
+        if shape.layer_ids and memory.num_blocks < 1:
+            raise HandshakeError(f"{where}.num_blocks", "expected at least one block")
+        span = memory.num_blocks * memory.block_bytes_per_layer
+        for layer_index, addr in enumerate(memory.base_addrs):
+            if addr + span > U64_MAX + 1:
+                raise HandshakeError(f"{where}.base_addrs[{layer_index}]",
+                                     f"range of {span} bytes from {addr:#x} wraps past 2**64")
+            ranges.append((addr, addr + span, f"{where}.base_addrs[{layer_index}]"))
+    ranges.sort()
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:], strict=False):
+        if start < end:
+            raise HandshakeError(second, f"tensor overlaps {first}: each layer of each region "
+                                         f"must be its own non-overlapping tensor")
+
+
+def _agent_to_map(meta: AgentMetadata, include_spec: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "engine_id": meta.engine_id, "agent_name": meta.agent_name,
+        "agent_blob": meta.agent_blob, "topology": meta.topology.to_dict(),
+        "regions": [r.to_map() for r in meta.regions], "generation": meta.generation,
+    }
+    if include_spec:
+        out["spec"] = meta.spec.to_dict()
+    return out
+
+
+def _spec_from(obj: object, path: str) -> KVCacheSpec:
+    try:
+        return KVCacheSpec.from_dict(obj)
+    except LayoutError as exc:
+        raise _prefixed(path, exc) from None
+    except (TypeError, ValueError) as exc:  # from_dict trusts value types in places
+        raise HandshakeError(path, f"invalid spec: {exc}") from None
+
+
+def _topology_from(obj: object, path: str) -> ParallelTopology:
+    try:
+        return ParallelTopology.from_dict(obj, path)
+    except LayoutError as exc:
+        raise HandshakeError(exc.field, exc.reason) from None
+    except TypeError as exc:
+        raise HandshakeError(path, f"invalid topology: {exc}") from None
+
+
+def _agent_from_map(obj: object, path: str, spec: KVCacheSpec | None) -> AgentMetadata:
+    keys = ("engine_id", "agent_name", "agent_blob", "topology", "regions", "generation")
+    r = _Reader(obj, path, keys + (("spec",) if spec is None else ()))
+    if spec is None:
+        spec = _spec_from(r.raw("spec"), r.where("spec"))
+    regions = tuple(RegionMemory.from_map(item, r.where(f"regions[{i}]"))
+                    for i, item in enumerate(r.get_list("regions", MAX_REGIONS, 1)))
+    meta = AgentMetadata(
+        engine_id=r.get_str("engine_id"), agent_name=r.get_str("agent_name"),
+        agent_blob=r.get_bytes("agent_blob", MAX_BLOB_BYTES, allow_empty=True),
+        topology=_topology_from(r.raw("topology"), r.where("topology")),
+        regions=regions, spec=spec, generation=r.get_int("generation"))
+    try:
+        check_agent(meta)
+    except HandshakeError as exc:
+        raise _prefixed(path, exc) from None
+    return meta
+
+
+def encode_agent(meta: AgentMetadata) -> bytes:
+    """One rank's metadata as a standalone record (e.g. worker -> scheduler process)."""
+    check_agent(meta)
+    return _pack({"v": PROTOCOL_VERSION, **_agent_to_map(meta, include_spec=True)})
+
+
+def decode_agent(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> AgentMetadata:
+    obj = _unpack(data, "message", max_bytes)
+    if isinstance(obj, dict) and "v" in obj:
+        _version(_Reader({"v": obj["v"]}, "", ("v",)))
+    if not isinstance(obj, dict):
+        raise HandshakeError("message", f"expected a map, got {_kind(obj)}")
+    if "v" not in obj:
+        raise HandshakeError("protocol_version", "missing")
+    rest = {k: v for k, v in obj.items() if k != "v"}
+    return _agent_from_map(rest, "", None)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@dataclass(frozen=True)
+class EngineMetadata:
+    """One engine's metadata as served: header, identity and the selected ranks.
+
+    ``incarnation`` is random per server start, so a restarted engine at the same
+    address is told apart; ``generation`` grows every time a rank re-registers.
+    ``ranks`` holds the ranks that were asked for, ordered by ``RankKey``.
+    """
+
+    header: CompatHeader
+    engine_id: str
+    incarnation: str
+    generation: int
+    spec: KVCacheSpec
+    topology: ParallelTopology  # sizes; rank coordinates are 0
+    ranks: tuple[AgentMetadata, ...] = field(default=())
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header.fingerprint
+
+    @property
+    def transfer_mode(self) -> TransferMode:
+        return self.header.transfer_mode
+
+    def rank(self, pp_rank: int = 0, tp_rank: int = 0, pcp_rank: int = 0) -> AgentMetadata:
+        key = RankKey(pp_rank, pcp_rank, tp_rank)
+        for meta in self.ranks:
+            if meta.rank == key:
+                return meta
+        raise HandshakeError("ranks", f"rank {key.describe()} not in this metadata "
+                                      f"(have {[m.rank.describe() for m in self.ranks]})")
+
+    def memory_by_rank(self) -> dict[int, dict[int, LayerMemory]]:
+        """Planner rank index -> layer id -> LayerMemory, for ``absolute_descriptors``."""
+        return {meta.rank_index: meta.layer_memory() for meta in self.ranks}
+
+    def missing_ranks(self) -> list[RankKey]:
+        """Ranks of the topology that this document does not hold."""
+        have = {m.rank for m in self.ranks}
+        return [RankKey.of(t) for t in self.topology.ranks() if RankKey.of(t) not in have]
+
+
+def _body_to_map(meta: EngineMetadata) -> dict[str, Any]:
+    return {"engine_id": meta.engine_id, "incarnation": meta.incarnation,
+            "generation": meta.generation, "spec": meta.spec.to_dict(),
+            "topology": meta.topology.to_dict(),
+            "ranks": [_agent_to_map(m, include_spec=False) for m in meta.ranks]}
+
+
+def encode_engine(meta: EngineMetadata) -> bytes:
+    """The engine document: ``{"v", "header", "body": <msgpack bytes>}``."""
+    if meta.header != CompatHeader.from_spec(meta.spec, meta.header.transfer_mode):
+        raise HandshakeError("header", "does not describe the spec it is sent with")
+    for index, rank in enumerate(meta.ranks):
+        try:
+            check_agent(rank)
+        except HandshakeError as exc:
+            raise _prefixed(f"ranks[{index}]", exc) from None
+    body = _pack(_body_to_map(meta))
+    data = _pack({"v": PROTOCOL_VERSION, "header": _header_to_map(meta.header), "body": body})
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise HandshakeError("ranks", f"engine document of {len(data)} bytes exceeds "
+                                      f"{MAX_DOCUMENT_BYTES}; ask for fewer ranks at a time")
+    return data
+
+
+def decode_header(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> CompatHeader:
+    """Decode only the header of an engine document (the body stays unread)."""
+    r = _top(data, "message", max_bytes, ("header", "body"))
+    return _header_from_map(r.raw("header"), "header")
+
+
+def decode_engine(data: bytes, expected: CompatHeader | None = None,
+                  max_bytes: int = MAX_MESSAGE_BYTES) -> EngineMetadata:
+    """Decode an engine document; with ``expected``, refuse a peer whose header differs.
+
+    The header is decoded and compared first; the body is parsed only after it
+    matched, so an incompatible peer is refused with a HandshakeError naming the
+    first differing field (``"fingerprint.regions[attn].dtype"``) before any of its
+    per-rank data is interpreted.
+    """
+    r = _top(data, "message", max_bytes, ("header", "body"))
+    header = _header_from_map(r.raw("header"), "header")
+    if expected is not None:
+        check_compatible(expected, header)
+    body_bytes = r.get_bytes("body", max_bytes)
+    body = _Reader(_unpack(body_bytes, "body", max_bytes), "body",
+                   ("engine_id", "incarnation", "generation", "spec", "topology", "ranks"))
+    spec = _spec_from(body.raw("spec"), "body.spec")
+    if CompatHeader.from_spec(spec, header.transfer_mode) != header:
+        raise HandshakeError("body.spec", "does not match the header it came with")
+    topology = _topology_from(body.raw("topology"), "body.topology")
+    if topology != topology.sizes():
+        raise HandshakeError("body.topology", "engine topology must have every rank set to 0")
+    engine_id = body.get_str("engine_id")
+    ranks = tuple(_agent_from_map(item, f"body.ranks[{i}]", spec)
+                  for i, item in enumerate(body.get_list("ranks", MAX_RANKS)))
+    seen: set[RankKey] = set()
+    for index, rank in enumerate(ranks):
+        where = f"body.ranks[{index}]"
+        if rank.topology.sizes() != topology:
+            raise HandshakeError(f"{where}.topology", f"sizes {rank.topology.describe()} differ "
+                                                      f"from the engine's {topology.describe()}")
+        if rank.engine_id != engine_id:
+            raise HandshakeError(f"{where}.engine_id", f"{rank.engine_id!r} in an engine "
+                                                       f"document of {engine_id!r}")
+        if rank.rank in seen:
+            raise HandshakeError(f"{where}.topology", f"rank {rank.rank.describe()} twice")
+        seen.add(rank.rank)
+    generation = body.get_int("generation")
+    if any(rank.generation > generation for rank in ranks):
+        raise HandshakeError("body.generation", "older than one of its ranks' generations")
+    return EngineMetadata(header, engine_id, body.get_str("incarnation", 64), generation, spec,
+                          topology, tuple(sorted(ranks, key=lambda m: m.rank)))
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class RequestKind(str, Enum):
+    GET = "get"  # metadata of the selected ranks (or "unchanged")
+    PING = "ping"  # identity, generation and clock only
+
+
+@dataclass(frozen=True)
+class MetadataRequest:
+    """Ask a server for metadata.
+
+    Selection: each of ``pp_rank``, ``tp_rank``, ``pcp_rank`` is a number or None
+    (= every value). ``tp_rank=1`` alone asks for TP rank 1 of every pipeline
+    stage (the PP-aware aggregation a consumer rank needs); all None asks for
+    the whole engine. With ``known_incarnation`` and ``known_generation`` set
+    (both or neither), a server whose incarnation and generation are unchanged
+    answers with a small StatusReply(unchanged=True) instead of the document.
+    """
+
+    request_id: int
+    kind: RequestKind = RequestKind.GET
+    pp_rank: int | None = None
+    tp_rank: int | None = None
+    pcp_rank: int | None = None
+    known_incarnation: str | None = None
+    known_generation: int | None = None
+
+    def selects(self, key: RankKey) -> bool:
+        return ((self.pp_rank is None or self.pp_rank == key.pp_rank)
+                and (self.tp_rank is None or self.tp_rank == key.tp_rank)
+                and (self.pcp_rank is None or self.pcp_rank == key.pcp_rank))
+
+
+_RANK_LIMIT = 1 << 16
+
+
+def encode_request(request: MetadataRequest) -> bytes:
+    _check_int(request.request_id, "request_id", 0, U64_MAX)
+    out: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": RequestKind(request.kind).value,
+                           "id": request.request_id}
+    if request.kind is RequestKind.GET:
+        out.update(pp=request.pp_rank, tp=request.tp_rank, pcp=request.pcp_rank,
+                   known_incarnation=request.known_incarnation,
+                   known_generation=request.known_generation)
+    return _pack(out)
+
+
+def decode_request(data: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> MetadataRequest:
+    obj = _unpack(data, "message", max_bytes)
+    if isinstance(obj, dict) and "v" in obj:
+        _version(_Reader({"v": obj["v"]}, "", ("v",)))
+    kind_reader = _Reader(obj, "", ("v", "kind", "id"),
+                          ("pp", "tp", "pcp", "known_incarnation", "known_generation"))
+    kind = kind_reader.get_enum("kind", RequestKind)
+    if kind is RequestKind.PING:
+        r = _Reader(obj, "", ("v", "kind", "id"))
+        return MetadataRequest(r.get_int("id"), kind)
+    r = kind_reader
+    known_incarnation = r.opt_str("known_incarnation", 64)
+    known_generation = r.opt_int("known_generation")
+    if (known_incarnation is None) != (known_generation is None):
+        raise HandshakeError("known_generation" if known_generation is None
+                             else "known_incarnation",
+                             "known_incarnation and known_generation go together")
+    return MetadataRequest(r.get_int("id"), kind, r.opt_int("pp", 0, _RANK_LIMIT),
+                           r.opt_int("tp", 0, _RANK_LIMIT), r.opt_int("pcp", 0, _RANK_LIMIT),
+                           known_incarnation, known_generation)
+
+
+def peek_request_id(data: bytes) -> int:
+    """Best-effort request id of a malformed request (0 when there is none)."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False) if \
+            0 < len(data) <= MAX_REQUEST_BYTES else None
+    except Exception:
+        return 0
+    if isinstance(obj, dict):
+        value = obj.get("id")
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX:
+            return value
+    return 0
+
+
+# --------------------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True)
+class ServerClock:
+    """The server's clocks when it built the reply (seconds)."""
+
+    wall_s: float  # time.time()
+    monotonic_s: float  # time.monotonic() of the server process (its own epoch)
+
+
+@dataclass(frozen=True)
+class MetadataReply:
+    request_id: int
+    clock: ServerClock
+    engine_doc: bytes  # an engine document; decode with decode_engine()
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    request_id: int
+    clock: ServerClock
+    engine_id: str
+    incarnation: str
+    generation: int
+    unchanged: bool  # answer to a conditional GET whose known state is current
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    request_id: int
+    clock: ServerClock
+    field: str  # the request field the server rejected
+    message: str
+    retryable: bool = False  # e.g. a rank that has not registered yet
+
+
+Reply = MetadataReply | StatusReply | ErrorReply
+
+
+def encode_reply(reply: Reply) -> bytes:
+    out: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": reply.request_id,
+                           "wall": reply.clock.wall_s, "mono": reply.clock.monotonic_s}
+    if isinstance(reply, MetadataReply):
+        out.update(kind="metadata", engine=reply.engine_doc)
+    elif isinstance(reply, StatusReply):
+        out.update(kind="status", engine_id=reply.engine_id, incarnation=reply.incarnation,
+                   generation=reply.generation, unchanged=reply.unchanged)
+    else:
+        out.update(kind="error", field=_printable(reply.field, MAX_NAME_CHARS),
+                   message=_printable(reply.message, 4096), retryable=reply.retryable)
+    return _pack(out)
+
+
+def decode_reply(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Reply:
+    obj = _unpack(data, "message", max_bytes)
+    if isinstance(obj, dict) and "v" in obj:
+        _version(_Reader({"v": obj["v"]}, "", ("v",)))
+    common = ("v", "kind", "id", "wall", "mono")
+    kind = _Reader(obj, "", common, ("engine", "engine_id", "incarnation", "generation",
+                                     "unchanged", "field", "message", "retryable")).raw("kind")
+    if kind == "metadata":
+        r = _Reader(obj, "", common + ("engine",))
+        return MetadataReply(r.get_int("id"), ServerClock(r.get_float("wall"), r.get_float("mono")),
+                             r.get_bytes("engine", max_bytes))
+    if kind == "status":
+        r = _Reader(obj, "", common + ("engine_id", "incarnation", "generation", "unchanged"))
+        return StatusReply(r.get_int("id"), ServerClock(r.get_float("wall"), r.get_float("mono")),
+                           r.get_str("engine_id"), r.get_str("incarnation", 64), r.get_int("generation"),
+                           r.get_bool("unchanged"))
+    if kind == "error":
+        r = _Reader(obj, "", common + ("field", "message", "retryable"))
+        return ErrorReply(r.get_int("id"), ServerClock(r.get_float("wall"), r.get_float("mono")),
+                          r.get_str("field", MAX_NAME_CHARS, allow_empty=True),
+                          r.get_str("message", 4096, allow_empty=True), r.get_bool("retryable"))
+    raise HandshakeError("kind", f"expected 'metadata', 'status' or 'error', got {_short(kind)}")

@@ -1,0 +1,385 @@
+"""The handshake server: a sans-I/O metadata store and a thin ZMQ ROUTER around it.
+
+:class:`MetadataStore` is the protocol: it holds one engine's per-rank
+metadata, stamps generations, and turns request bytes into reply bytes with
+:meth:`MetadataStore.handle_request`, a pure function of its state and the
+clock that never raises. :class:`HandshakeServer` owns the ROUTER socket and
+only moves frames between the socket and ``handle_request``, either on its own
+thread (:meth:`start` / :meth:`stop`) or when its owner calls :meth:`poll`.
+
+Invariants:
+
+* A malformed request of any shape gets exactly one error reply naming the
+  field, and the server goes on serving (nothing a peer sends can raise out of
+  the loop).
+* ``generation`` only grows: every publish or withdrawal of a rank bumps it,
+  and a published rank carries the generation of its publication. A client
+  that saw ``(incarnation, generation)`` may reuse what it saw as long as both
+  are unchanged.
+* ``incarnation`` is random per store, i.e. per engine process start, so a
+  client tells a restarted engine at the same address from the old one.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import zmq
+
+from kvbridge.handshake.address import format_address, zmq_endpoint
+from kvbridge.handshake.errors import HandshakeError
+from kvbridge.handshake.schema import (
+    MAX_MESSAGE_BYTES,
+    MAX_REQUEST_BYTES,
+    AgentMetadata,
+    CompatHeader,
+    EngineMetadata,
+    ErrorReply,
+    MetadataReply,
+    MetadataRequest,
+    RankKey,
+    Reply,
+    RequestKind,
+    ServerClock,
+    StatusReply,
+    TransferMode,
+    check_agent,
+    decode_request,
+    encode_engine,
+    encode_reply,
+    peek_request_id,
+)
+from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology
+
+logger = logging.getLogger(__name__)
+
+_Selection = tuple[int | None, int | None, int | None]
+
+
+class MetadataStore:
+    """One engine's handshake state and the sans-I/O request handler.
+
+    Thread-safe: workers (or the connector) may :meth:`publish` while a server
+    thread calls :meth:`handle_request`.
+    """
+
+    def __init__(self, engine_id: str, spec: KVCacheSpec, topology: ParallelTopology,
+                 transfer_mode: TransferMode = TransferMode.PULL, *,
+                 incarnation: str | None = None,
+                 wall_clock: Callable[[], float] = time.time,
+                 monotonic_clock: Callable[[], float] = time.monotonic) -> None:
+        try:
+            spec.validate_topology(topology)
+        except LayoutError as exc:
+            raise HandshakeError(exc.field, exc.reason) from None
+        if not isinstance(engine_id, str) or not engine_id or not engine_id.isprintable() \
+                or len(engine_id) > 256:
+            raise HandshakeError("engine_id", f"expected a printable name of 1..256 chars, "
+                                              f"got {engine_id!r}")
+        self.engine_id = engine_id
+        self.spec = spec
+        self.topology = topology.sizes()
+        self.header = CompatHeader.from_spec(spec, TransferMode(transfer_mode))
+        self.incarnation = incarnation or secrets.token_hex(8)
+        self._wall = wall_clock
+        self._mono = monotonic_clock
+        self._lock = threading.Lock()
+        self._ranks: dict[RankKey, AgentMetadata] = {}
+        self._generation = 0
+        self._doc_cache: dict[_Selection, tuple[int, bytes]] = {}
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header.fingerprint
+
+    def publish(self, meta: AgentMetadata) -> AgentMetadata:
+        """Add or replace one rank's metadata; returns it stamped with the new generation.
+
+        Call it when a rank registers (or re-registers) its KV memory. Raises a
+        HandshakeError naming the field if the metadata is inconsistent with
+        this engine (other engine id, spec or topology sizes) or with itself.
+        """
+        if meta.engine_id != self.engine_id:
+            raise HandshakeError("engine_id", f"{meta.engine_id!r} published to the store of "
+                                              f"{self.engine_id!r}")
+        if meta.spec != self.spec:
+            raise HandshakeError("spec", "differs from the spec this store serves")
+        if meta.topology.sizes() != self.topology:
+            raise HandshakeError("topology", f"sizes {meta.topology.describe()} differ from "
+                                             f"the engine's {self.topology.describe()}")
+        check_agent(meta)
+        with self._lock:
+            self._generation += 1
+            stamped = replace(meta, generation=self._generation)
+            self._ranks[stamped.rank] = stamped
+            self._doc_cache.clear()
+        logger.debug("handshake: published %s of %s at generation %d",
+                     stamped.rank.describe(), self.engine_id, stamped.generation)
+        return stamped
+
+    def withdraw(self, pp_rank: int = 0, tp_rank: int = 0, pcp_rank: int = 0) -> bool:
+        """Forget one rank (it deregistered its memory); bumps the generation."""
+        with self._lock:
+            removed = self._ranks.pop(RankKey(pp_rank, pcp_rank, tp_rank), None)
+            if removed is not None:
+                self._generation += 1
+                self._doc_cache.clear()
+        return removed is not None
+
+    def registered(self) -> list[RankKey]:
+        with self._lock:
+            return sorted(self._ranks)
+
+    def snapshot(self, pp_rank: int | None = None, tp_rank: int | None = None,
+                 pcp_rank: int | None = None) -> EngineMetadata:
+        """The engine metadata of the selected ranks (only those registered)."""
+        probe = MetadataRequest(0, RequestKind.GET, pp_rank, tp_rank, pcp_rank)
+        with self._lock:
+            ranks = tuple(m for k, m in sorted(self._ranks.items()) if probe.selects(k))
+            generation = self._generation
+        return EngineMetadata(self.header, self.engine_id, self.incarnation, generation,
+                              self.spec, self.topology, ranks)
+
+    # ------------------------------------------------------------------ protocol
+
+    def clock(self) -> ServerClock:
+        return ServerClock(self._wall(), self._mono())
+
+    def handle_request(self, data: bytes) -> bytes:
+        """Reply bytes for request bytes. Never raises; errors become an ErrorReply."""
+        return encode_reply(self.respond(data))
+
+    def respond(self, data: bytes) -> Reply:
+        """The typed reply to request bytes. Never raises."""
+        try:
+            return self._reply(data)
+        except Exception as exc:  # a bug of ours must not kill the server either
+            logger.exception("handshake: internal error answering a request")
+            return ErrorReply(peek_request_id(data), self.clock(), "server",
+                              f"internal error: {type(exc).__name__}")
+
+    def _reply(self, data: bytes) -> Reply:
+        try:
+            request = decode_request(data, MAX_REQUEST_BYTES)
+        except HandshakeError as exc:
+            return ErrorReply(peek_request_id(data), self.clock(), exc.field, exc.reason)
+        if request.kind is RequestKind.PING:
+            with self._lock:
+                generation = self._generation
+            return StatusReply(request.request_id, self.clock(), self.engine_id,
+                               self.incarnation, generation, unchanged=False)
+        for name, value, size in (("pp_rank", request.pp_rank, self.topology.pp_size),
+                                  ("tp_rank", request.tp_rank, self.topology.tp_size),
+                                  ("pcp_rank", request.pcp_rank, self.topology.pcp_size)):
+            if value is not None and value >= size:
+                return ErrorReply(request.request_id, self.clock(), name,
+                                  f"{value} out of range: engine {self.engine_id!r} has "
+                                  f"{self.topology.describe()}")
+        selection: _Selection = (request.pp_rank, request.tp_rank, request.pcp_rank)
+        wanted = [RankKey.of(t) for t in self.topology.ranks() if request.selects(RankKey.of(t))]
+        with self._lock:
+            generation = self._generation
+            missing = [k for k in wanted if k not in self._ranks]
+            cached = self._doc_cache.get(selection)
+        if missing:
+            return ErrorReply(request.request_id, self.clock(), "ranks",
+                              f"rank(s) {', '.join(k.describe() for k in missing[:8])} of "
+                              f"engine {self.engine_id!r} have not registered yet",
+                              retryable=True)
+        if (request.known_incarnation == self.incarnation
+                and request.known_generation == generation):
+            return StatusReply(request.request_id, self.clock(), self.engine_id,
+                               self.incarnation, generation, unchanged=True)
+        if cached is not None and cached[0] == generation:
+            doc = cached[1]
+        else:
+            snapshot = self.snapshot(*selection)
+            try:
+                doc = encode_engine(snapshot)
+            except HandshakeError as exc:
+                return ErrorReply(request.request_id, self.clock(), exc.field, exc.reason)
+            with self._lock:
+                if self._generation == snapshot.generation:
+                    self._doc_cache[selection] = (snapshot.generation, doc)
+        return MetadataReply(request.request_id, self.clock(), doc)
+
+
+class HandshakeServer:
+    """A ZMQ ROUTER serving one :class:`MetadataStore`.
+
+    Accepts requests from DEALER or REQ sockets: the reply goes back with the
+    envelope the request came with. Use either ``start()`` (own thread) or
+    ``bind()`` + ``poll()`` (the owner's loop), not both.
+    """
+
+    def __init__(self, store: MetadataStore, host: str = "127.0.0.1", port: int = 0, *,
+                 context: zmq.Context | None = None, poll_interval_s: float = 0.05) -> None:
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise HandshakeError("port", f"expected 0..65535 (0 = any free port), got {port!r}")
+        self.store = store
+        self.host = host
+        self._requested_port = port
+        self._context = context or zmq.Context.instance()
+        self._poll_interval_s = poll_interval_s
+        self._socket: zmq.Socket | None = None
+        self._port: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._bind_error: BaseException | None = None
+        #: counters a test or the CLI can read (only the serving thread writes them)
+        self.requests_served = 0
+        self.error_replies = 0
+        self.replies_dropped = 0
+
+    # ------------------------------------------------------------------ addresses
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise HandshakeError("port", "server is not bound yet; call start() or bind()")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` that clients connect to."""
+        return format_address(self.host, self.port)
+
+    # ------------------------------------------------------------------ owner-polled mode
+
+    def bind(self) -> int:
+        """Create and bind the ROUTER in the calling thread; returns the bound port."""
+        if self._socket is not None:
+            return self.port
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            if ":" in self.host:
+                sock.setsockopt(zmq.IPV6, 1)
+            if self._requested_port == 0:
+                sock.bind(zmq_endpoint(self.host, "*"))
+            else:
+                sock.bind(zmq_endpoint(self.host, self._requested_port))
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._port = int(endpoint.rsplit(":", 1)[1])
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise HandshakeError("port", f"cannot bind {self.host}:{self._requested_port}: "
+                                         f"{exc}") from None
+        self._socket = sock
+        logger.info("handshake: engine %s serving on %s", self.store.engine_id, self.address)
+        return self._port
+
+    def poll(self, timeout_s: float = 0.0, max_requests: int = 256) -> int:
+        """Serve what is pending (waiting up to ``timeout_s`` for the first); returns count."""
+        sock = self._socket
+        if sock is None:
+            raise HandshakeError("server", "not bound; call bind() first")
+        served = 0
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return 0
+        while served < max_requests:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._serve(sock, frames)
+            served += 1
+        return served
+
+    def _serve(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        # frames = identity, [envelope..., b""], payload. A REQ peer adds the empty
+        # delimiter, a DEALER peer usually does not; reply with the same envelope.
+        try:
+            split = frames.index(b"", 1) + 1
+        except ValueError:
+            split = 1
+        envelope, body = frames[:split], frames[split:]
+        reply: Reply
+        if len(body) == 1:
+            reply = self.store.respond(body[0])
+        else:
+            reply = ErrorReply(0, self.store.clock(), "frames",
+                               f"expected one payload frame, got {len(body)}")
+        self.requests_served += 1
+        if isinstance(reply, ErrorReply):
+            self.error_replies += 1
+            logger.debug("handshake: rejected a request: %s: %s", reply.field, reply.message)
+        try:
+            sock.send_multipart([*envelope, encode_reply(reply)], zmq.NOBLOCK)
+        except zmq.Again:  # peer not reading (high-water mark): drop, never block
+            self.replies_dropped += 1
+        except zmq.ZMQError as exc:
+            self.replies_dropped += 1
+            logger.debug("handshake: reply dropped: %s", exc)
+
+    # ------------------------------------------------------------------ thread mode
+
+    def start(self, bind_timeout_s: float = 5.0) -> HandshakeServer:
+        """Serve on a daemon thread; returns once bound (raises if binding failed)."""
+        if self._thread is not None:
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvbridge-handshake",
+                                        daemon=True)
+        self._thread.start()
+        if not self._bound.wait(bind_timeout_s):
+            raise HandshakeError("port", "server thread did not bind in time")
+        if self._bind_error is not None:
+            self._thread.join(1.0)
+            self._thread = None
+            raise self._bind_error
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.bind()
+        except BaseException as exc:
+            self._bind_error = exc
+            self._bound.set()
+            return
+        self._bound.set()
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.poll(self._poll_interval_s)
+                except zmq.ZMQError as exc:
+                    if self._stop.is_set():
+                        break
+                    logger.warning("handshake: socket error, continuing: %s", exc)
+        finally:
+            self._close_socket()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop serving and close the socket; joins the thread for at most ``timeout_s``."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                logger.warning("handshake: server thread did not stop within %.1fs", timeout_s)
+        else:
+            self._close_socket()
+        self._bound.clear()
+
+    def _close_socket(self) -> None:
+        sock, self._socket = self._socket, None
+        if sock is not None:
+            sock.close(linger=0)
+
+    def __enter__(self) -> HandshakeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
