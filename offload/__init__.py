@@ -1,1 +1,33 @@
-"""kvbridge.offload"""
+"""Tiered offload store: CPU primary tier, fs/obj secondary tiers, failed-load correction.
+
+Public surface (scheduler side): ``OffloadManager`` with ``CpuTier`` and
+secondary tiers (``FsTier``; ``ObjTier`` in ``kvbridge.offload.obj``).
+See ``kvbridge.offload.manager`` for the life of a request and the rules.
+"""
+
+from kvbridge.offload.async_lookup import LookupCache, ProbeRunner
+from kvbridge.offload.cpu import CpuTier, SlotState
+from kvbridge.offload.faults import FaultKind, FaultPlan, FaultyFsIO
+from kvbridge.offload.fs import FsTier
+from kvbridge.offload.manager import LoadSpec, ManagerStats, OffloadManager, StoreSpec
+from kvbridge.offload.policy import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from kvbridge.offload.tier import BlockBuffers, SecondaryTier
+from kvbridge.offload.types import (
+    BatchIOError,
+    EventKind,
+    JobResult,
+    LookupResult,
+    LookupStatus,
+    OffloadError,
+    OffloadEvent,
+    OffloadKey,
+    ShortReadError,
+)
+
+__all__ = [
+    "ARCPolicy", "BatchIOError", "BlockBuffers", "CpuTier", "EventKind", "EvictionPolicy",
+    "FaultKind", "FaultPlan", "FaultyFsIO", "FsTier", "JobResult", "LRUPolicy", "LoadSpec",
+    "LookupCache", "LookupResult", "LookupStatus", "ManagerStats", "OffloadError",
+    "OffloadEvent", "OffloadKey", "OffloadManager", "ProbeRunner", "SecondaryTier",
+    "ShortReadError", "SlotState", "StoreSpec", "make_policy",
+]

@@ -1,0 +1,199 @@
+"""Primary tier: fixed-size CPU memory slots with reference counts.
+
+The slot memory is one anonymous ``mmap`` (page aligned, so a slot whose size
+is a multiple of the page size can be read or written with O_DIRECT, and the
+whole buffer can be viewed as a torch tensor without a copy).
+
+A slot is WRITING (a store from the engine or a promotion from a secondary
+tier is filling it) or READY. It is *evictable* only when READY, pinned by no
+request and read by no in-flight cascade job. Invariant: ``evict`` never
+returns a pinned or in-flight slot (the policy is asked with ``can_evict``).
+Scheduler-thread only; the slot bytes are touched by I/O threads but the
+bookkeeping here is not.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvbridge.offload.policy import EvictionPolicy, make_policy
+from kvbridge.offload.types import EventKind, OffloadError, OffloadEvent, OffloadKey
+
+MEDIUM_CPU = "CPU"
+
+
+class SlotState(enum.Enum):
+    WRITING_STORE = "writing_store"          # the engine is copying a computed block in
+    WRITING_PROMOTION = "writing_promotion"  # a secondary tier is loading the block in
+    READY = "ready"
+
+
+@dataclass
+class Slot:
+    key: OffloadKey
+    index: int
+    state: SlotState
+    #: requests holding this block (lookup hit or load in progress)
+    pinned_by: set[str] = field(default_factory=set)
+    #: in-flight jobs reading the slot (cascade to secondary tiers)
+    io_refs: int = 0
+
+    @property
+    def evictable(self) -> bool:
+        return self.state is SlotState.READY and not self.pinned_by and self.io_refs == 0
+
+
+class CpuTier:
+    """Slots of ``block_bytes`` each, ``num_slots`` of them, evicted by ``policy``."""
+
+    medium = MEDIUM_CPU
+
+    def __init__(self, num_slots: int, block_bytes: int, policy: str | EvictionPolicy = "lru"
+                 ) -> None:
+        if num_slots <= 0:
+            raise OffloadError("num_slots", f"expected a positive count, got {num_slots}")
+        if block_bytes <= 0:
+            raise OffloadError("block_bytes", f"expected a positive size, got {block_bytes}")
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self.policy = policy if isinstance(policy, EvictionPolicy) else make_policy(policy, num_slots)
+        self._mmap = mmap.mmap(-1, num_slots * block_bytes)
+        self._buffer = memoryview(self._mmap)
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._slots: dict[OffloadKey, Slot] = {}
+        self._events: list[OffloadEvent] = []
+        self.evictions = 0
+
+    # -- memory -------------------------------------------------------------
+    @property
+    def buffer(self) -> memoryview:
+        """The whole slot memory (``num_slots * block_bytes`` bytes)."""
+        return self._buffer
+
+    def view(self, index: int) -> memoryview:
+        """Bytes of slot ``index`` (a view into the shared buffer, no copy)."""
+        start = index * self.block_bytes
+        return self._buffer[start:start + self.block_bytes]
+
+    def as_tensor(self) -> object:
+        """The slot memory as a torch uint8 tensor ``[num_slots, block_bytes]`` (no copy)."""
+        import torch
+
+        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return flat.view(self.num_slots, self.block_bytes)
+
+    # -- bookkeeping ---------------------------------------------------------
+    def get(self, key: OffloadKey) -> Slot | None:
+        return self._slots.get(key)
+
+    def is_ready(self, key: OffloadKey) -> bool:
+        slot = self._slots.get(key)
+        return slot is not None and slot.state is SlotState.READY
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, keys: Sequence[OffloadKey], state: SlotState) -> list[Slot]:
+        """Slots for the leading ``keys`` not yet resident, evicting as needed.
+
+        Best effort: stops at the first key no slot can be found for (every
+        resident block pinned or in flight) and returns the slots made so far,
+        in key order. Keys already resident are skipped (the caller checks).
+        """
+        assert state is not SlotState.READY, "new slots start WRITING"
+        made: list[Slot] = []
+        evicted: list[OffloadKey] = []
+        for key in keys:
+            if key in self._slots:
+                continue
+            self.policy.admit(key)
+            if not self._free:
+                victim = self.policy.evict(self._can_evict)
+                if victim is None:
+                    break
+                old = self._slots.pop(victim)
+                assert old.evictable, "policy returned a pinned or in-flight slot"
+                self._free.append(old.index)
+                evicted.append(victim)
+            slot = Slot(key=key, index=self._free.pop(), state=state)
+            self._slots[key] = slot
+            self.policy.insert(key)
+            made.append(slot)
+        if evicted:
+            self.evictions += len(evicted)
+            self._events.append(OffloadEvent(EventKind.REMOVED, tuple(evicted), MEDIUM_CPU))
+        return made
+
+    def _can_evict(self, key: OffloadKey) -> bool:
+        slot = self._slots.get(key)
+        return slot is not None and slot.evictable
+
+    def mark_ready(self, keys: Iterable[OffloadKey]) -> None:
+        """WRITING slots whose bytes are now complete become READY (emits STORED)."""
+        done: list[OffloadKey] = []
+        for key in keys:
+            slot = self._slots[key]
+            assert slot.state is not SlotState.READY, "slot completed twice"
+            slot.state = SlotState.READY
+            done.append(key)
+        if done:
+            self._events.append(OffloadEvent(EventKind.STORED, tuple(done), MEDIUM_CPU))
+
+    def discard(self, keys: Iterable[OffloadKey]) -> list[str]:
+        """Free WRITING slots whose write failed; returns the requests that had pinned them."""
+        dropped_pins: list[str] = []
+        for key in keys:
+            slot = self._slots.pop(key, None)
+            if slot is None:
+                continue
+            assert slot.state is not SlotState.READY, "discard is for failed writes only"
+            assert slot.io_refs == 0, "a WRITING slot cannot be read by a job"
+            dropped_pins.extend(slot.pinned_by)
+            self.policy.remove(key)
+            self._free.append(slot.index)
+        return dropped_pins
+
+    def pin(self, key: OffloadKey, request_id: str) -> None:
+        self._slots[key].pinned_by.add(request_id)
+
+    def unpin(self, key: OffloadKey, request_id: str) -> None:
+        slot = self._slots.get(key)
+        if slot is not None:
+            slot.pinned_by.discard(request_id)
+
+    def add_io_ref(self, key: OffloadKey) -> None:
+        slot = self._slots[key]
+        assert slot.state is SlotState.READY, "only READY slots are read by jobs"
+        slot.io_refs += 1
+
+    def drop_io_ref(self, key: OffloadKey) -> None:
+        slot = self._slots[key]
+        assert slot.io_refs > 0, "io ref dropped twice"
+        slot.io_refs -= 1
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            if key in self._slots:
+                self.policy.access(key)
+
+    def take_events(self) -> list[OffloadEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        """Unmap the slots; if views are still exported (a tensor), the GC unmaps later."""
+        try:
+            self._buffer.release()
+            self._mmap.close()
+        except BufferError:
+            pass

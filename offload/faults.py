@@ -1,0 +1,182 @@
+"""Fault injection around the real fs tier I/O (per key or per rate, seeded).
+
+``FaultyFsIO`` wraps a real ``FsIO``; every fault goes through the real code
+path of the tier, and most are produced by the kernel itself:
+
+* SHORT_READ  — the real block file is truncated to half (a torn block) just
+  before it is opened, so the tier sees a genuine EOF before ``block_bytes``.
+* ELOOP       — the open is redirected to a real symlink loop, so the kernel
+  answers ELOOP (this holds as root, unlike ``chmod 000``); the block file is
+  left as it was.
+* EIO         — the file is opened for real, then the read raises EIO.
+* CLOSE_ERROR — the file is read and closed for real, then close raises EIO
+  (after a full read this is *not* a load failure).
+* SLOW        — the open sleeps ``slow_s`` first.
+
+Decisions are deterministic: a per-key fault fires on every open of that key's
+file; a rate fault is drawn from ``(seed, path, nth open of that path)``, so
+thread interleaving never changes which opens fail.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvbridge.offload.fs_io import FsIO
+from kvbridge.offload.types import OffloadError, OffloadKey
+
+
+class FaultKind(enum.Enum):
+    SHORT_READ = "short_read"
+    ELOOP = "eloop"
+    EIO = "eio"
+    CLOSE_ERROR = "close_error"
+    SLOW = "slow"
+
+
+#: kinds that make a load fail (CLOSE_ERROR after a full read and SLOW do not)
+LOAD_FAILURE_KINDS = frozenset({FaultKind.SHORT_READ, FaultKind.ELOOP, FaultKind.EIO})
+ALL_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Which opens of block files fail, and how.
+
+    ``per_key`` faults fire on every open of that key's file; otherwise each
+    open fails with probability ``rate`` and a kind drawn from ``kinds``.
+    """
+
+    per_key: Mapping[OffloadKey, FaultKind] = field(default_factory=dict)
+    rate: float = 0.0
+    kinds: tuple[FaultKind, ...] = ALL_KINDS
+    seed: int = 0
+    slow_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise OffloadError("rate", f"expected a probability in [0, 1], got {self.rate}")
+        if self.rate and not self.kinds:
+            raise OffloadError("kinds", "expected at least one fault kind with a rate > 0")
+        if self.slow_s < 0:
+            raise OffloadError("slow_s", f"expected >= 0 seconds, got {self.slow_s}")
+
+    def draw(self, path: str, nth: int) -> FaultKind | None:
+        """The rate fault for the ``nth`` open of ``path`` (pure, deterministic)."""
+        if not self.rate:
+            return None
+        digest = hashlib.blake2b(f"{self.seed}:{path}:{nth}".encode(), digest_size=16).digest()
+        u = int.from_bytes(digest[:8], "little") / 2.0**64
+        if u >= self.rate:
+            return None
+        return self.kinds[int.from_bytes(digest[8:], "little") % len(self.kinds)]
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    path: str
+    kind: FaultKind
+
+
+class FaultyFsIO(FsIO):
+    """``FsIO`` that injects the faults of ``plan`` into reads of block files."""
+
+    def __init__(self, plan: FaultPlan, path_of: Callable[[OffloadKey], str],
+                 inner: FsIO | None = None) -> None:
+        self.plan = plan
+        self.inner = inner or FsIO()
+        self._per_path = {path_of(key): kind for key, kind in plan.per_key.items()}
+        self._lock = threading.Lock()
+        self._opens: dict[str, int] = {}
+        self._fd_faults: dict[int, FaultKind] = {}
+        self.injected: list[InjectedFault] = []
+        self._loop_dir = tempfile.mkdtemp(prefix="kvbridge-faults-")
+        self.loop_path = os.path.join(self._loop_dir, "loop-a")
+        os.symlink(os.path.join(self._loop_dir, "loop-b"), self.loop_path)
+        os.symlink(self.loop_path, os.path.join(self._loop_dir, "loop-b"))
+
+    def _decide(self, path: str) -> FaultKind | None:
+        with self._lock:
+            nth = self._opens.get(path, 0)
+            self._opens[path] = nth + 1
+        kind = self._per_path.get(path)
+        if kind is None:
+            kind = self.plan.draw(path, nth)
+        if kind is not None:
+            with self._lock:
+                self.injected.append(InjectedFault(path, kind))
+        return kind
+
+    def open_read(self, path: str, direct: bool) -> int:
+        kind = self._decide(path)
+        if kind is FaultKind.SLOW:
+            time.sleep(self.plan.slow_s)
+        elif kind is FaultKind.ELOOP:
+            return self.inner.open_read(self.loop_path, direct)  # raises ELOOP for real
+        elif kind is FaultKind.SHORT_READ:
+            try:
+                size = os.stat(path).st_size
+                os.truncate(path, size // 2)
+            except OSError:
+                pass  # the open below reports what is wrong with the file
+        fd = self.inner.open_read(path, direct)
+        if kind in (FaultKind.EIO, FaultKind.CLOSE_ERROR):
+            with self._lock:
+                self._fd_faults[fd] = kind
+        return fd
+
+    def readv(self, fd: int, views: list[memoryview]) -> int:
+        with self._lock:
+            kind = self._fd_faults.get(fd)
+        if kind is FaultKind.EIO:
+            raise OSError(errno.EIO, "injected I/O error")
+        return self.inner.readv(fd, views)
+
+    def close(self, fd: int) -> None:
+        with self._lock:
+            kind = self._fd_faults.pop(fd, None)
+        self.inner.close(fd)
+        if kind is FaultKind.CLOSE_ERROR:
+            raise OSError(errno.EIO, "injected close error")
+
+    # everything else is the real call
+    def file_size(self, fd: int) -> int:
+        return self.inner.file_size(fd)
+
+    def open_write(self, path: str, direct: bool) -> int:
+        return self.inner.open_write(path, direct)
+
+    def writev(self, fd: int, views: list[memoryview]) -> int:
+        return self.inner.writev(fd, views)
+
+    def fsync(self, fd: int) -> None:
+        self.inner.fsync(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.inner.rename(src, dst)
+
+    def remove(self, path: str) -> None:
+        self.inner.remove(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def injected_kinds(self) -> dict[FaultKind, int]:
+        with self._lock:
+            out: dict[FaultKind, int] = {}
+            for fault in self.injected:
+                out[fault.kind] = out.get(fault.kind, 0) + 1
+            return out
+
+    def close_injector(self) -> None:
+        """Remove the symlink loop directory."""
+        shutil.rmtree(self._loop_dir, ignore_errors=True)

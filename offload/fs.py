@@ -1,0 +1,157 @@
+"""The ``fs`` secondary tier: one file per block under a content-addressed path.
+
+Store directory layout (``fsck`` reads the same constants)::
+
+    ROOT/layout-<fingerprint>.json          header: format, fingerprint, block_bytes
+    ROOT/ab/cd/<32 hex>.<fingerprint>.kvb   one block (exactly block_bytes)
+    ROOT/ab/cd/<...>.kvb.<pid>.<tid>.<n>.tmp a store in progress (or orphaned)
+
+The 32 hex digits are blake2b-128 of the key and ``ab``/``cd`` its first two
+bytes: a file name is derived from the key's hash only, so nothing a peer
+sends becomes a path. The fingerprint in the name lets ``fsck`` tell blocks
+of another layout apart; several layouts may share one directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+
+from kvbridge.offload.faults import FaultPlan, FaultyFsIO
+from kvbridge.offload.fs_io import (
+    FsIO,
+    direct_ok,
+    load_block,
+    probe_o_direct,
+    store_block,
+)
+from kvbridge.offload.tier import BlockBuffers, SecondaryTier
+from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey
+
+logger = logging.getLogger(__name__)
+
+MEDIUM_DISK = "DISK"
+BLOCK_SUFFIX = ".kvb"
+HEADER_FORMAT = 1
+FINGERPRINT_RE = re.compile(r"^[0-9a-f]{8,64}$")
+#: block file name: <hash>.<fingerprint>.kvb
+BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
+HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
+
+
+def header_name(fingerprint: str) -> str:
+    return f"layout-{fingerprint}.json"
+
+
+class FileMapper:
+    """Key -> block file path (hash of the key only)."""
+
+    def __init__(self, root: str, fingerprint: str) -> None:
+        if not FINGERPRINT_RE.match(fingerprint):
+            raise OffloadError("fingerprint",
+                               f"expected 8-64 lowercase hex digits, got {fingerprint!r}")
+        self.root = root
+        self.fingerprint = fingerprint
+
+    @staticmethod
+    def key_hash(key: OffloadKey) -> str:
+        return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+    def directory(self, key_hash: str) -> str:
+        return os.path.join(self.root, key_hash[0:2], key_hash[2:4])
+
+    def path(self, key: OffloadKey) -> str:
+        digest = self.key_hash(key)
+        return os.path.join(self.directory(digest), f"{digest}.{self.fingerprint}{BLOCK_SUFFIX}")
+
+
+def ensure_header(root: str, fingerprint: str, block_bytes: int) -> None:
+    """Create or check ``layout-<fp>.json``; a different block size is an error."""
+    path = os.path.join(root, header_name(fingerprint))
+    wanted = {"format": HEADER_FORMAT, "fingerprint": fingerprint, "block_bytes": block_bytes}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        # write-then-rename is overkill for a tiny file made once; O_EXCL decides who writes
+        with os.fdopen(fd, "w") as fh:
+            json.dump(wanted, fh)
+        return
+    try:
+        with open(path) as fh:
+            found = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise OffloadError("store_header", f"{path} unreadable: {exc}") from None
+    if not isinstance(found, dict) or found.get("block_bytes") != block_bytes:
+        got = found.get("block_bytes") if isinstance(found, dict) else found
+        raise OffloadError("block_bytes",
+                           f"store {root} holds fingerprint {fingerprint} with block_bytes={got}, "
+                           f"expected {block_bytes}")
+
+
+class FsTier(SecondaryTier):
+    """Blocks as files under ``root``; see the module docstring for the layout."""
+
+    medium = MEDIUM_DISK
+
+    def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
+                 use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,
+                 write_threads: int = 1, io: FsIO | None = None,
+                 faults: FaultPlan | None = None, name: str = "fs") -> None:
+        self.mapper = FileMapper(root, fingerprint)
+        super().__init__(name, block_bytes, read_threads, write_threads)
+        self.root = root
+        self.io = io or FsIO()
+        #: set when ``faults`` is given: the injector wrapping the real I/O
+        self.injector: FaultyFsIO | None = None
+        if faults is not None:
+            self.injector = FaultyFsIO(faults, self.mapper.path, self.io)
+            self.io = self.injector
+        self.fsync = fsync
+        os.makedirs(root, exist_ok=True)
+        ensure_header(root, fingerprint, block_bytes)
+        # probed once for the store directory (the fan-out dirs are on the same file system)
+        self.o_direct = bool(use_o_direct) and probe_o_direct(root, FsIO())
+        self._made_dirs: set[str] = set()
+
+    def path(self, key: OffloadKey) -> str:
+        return self.mapper.path(key)
+
+    def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        return [self.io.exists(self.mapper.path(key)) for key in keys]
+
+    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+        for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
+            direct = self.o_direct and direct_ok(views)
+            try:
+                outcome = load_block(self.io, self.mapper.path(key), views, self.block_bytes,
+                                     direct)
+            except OSError as exc:
+                raise BatchIOError(i, exc) from exc
+            if outcome.close_error:
+                with self._stats_lock:
+                    self.stats.close_errors_ignored += 1
+
+    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+        for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
+            path = self.mapper.path(key)
+            directory = os.path.dirname(path)
+            try:
+                if directory not in self._made_dirs:
+                    os.makedirs(directory, exist_ok=True)
+                    self._made_dirs.add(directory)
+                direct = self.o_direct and direct_ok(views)
+                if not store_block(self.io, path, views, self.block_bytes, direct, self.fsync):
+                    self.count("store_existing")
+            except OSError as exc:
+                raise BatchIOError(i, exc) from exc
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.injector is not None:
+            self.injector.close_injector()

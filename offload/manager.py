@@ -1,0 +1,399 @@
+"""Scheduler-side manager of the tiered offload store.
+
+The manager is the whole scheduler half of an offloading connector: it never
+blocks on I/O, and every call is made from the scheduler thread. The worker
+half only copies bytes between the engine's KV blocks and primary slots
+(``LoadSpec``/``StoreSpec`` name the slots; ``slot_buffers`` gives the views).
+
+Life of a request::
+
+    lookup(req, keys)            # every step until .ready (HIT or MISS)
+    prepare_load(req, keys[:n])  # n = result.num_blocks; copy slots -> engine
+    complete_load(req, keys[:n])
+    ... compute the rest ...
+    prepare_store(req, new_keys) # copy engine -> the returned slots
+    complete_store(new_keys)     # READY in CPU, cascaded to every secondary tier
+    request_finished(req)        # drops pins and lookup references
+    step()                       # once per scheduler step, for all requests
+
+Rules (each has a test):
+
+* A key that is only in a secondary tier is *promoted* into a primary slot
+  first (HIT_PENDING until the load job finishes); the request is told HIT
+  only for blocks ready in CPU memory, so a load failure never reaches the
+  engine: the block is simply not a hit and gets recomputed.
+* A failed promotion frees its slots; the tier flips exactly the failed keys
+  to a miss in its own lookup cache (``mark_miss``, no re-probe), so the next
+  lookup of every request referencing them returns the prefix before them —
+  no request can loop on a failed load. Keys loaded before the failure
+  (``successful_keys``) become READY and are kept.
+* A request that waited for a promotion that failed never counts that key
+  (or any after it) as a hit again: it recomputes it, exactly once, even if
+  another request stores the block meanwhile (``failed_loads``).
+* A slot pinned by a request (hit or promotion it waits for) or read by an
+  in-flight cascade is never evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from kvbridge.offload.cpu import CpuTier, SlotState
+from kvbridge.offload.tier import SecondaryTier
+from kvbridge.offload.types import (
+    JobKind,
+    JobResult,
+    LookupResult,
+    LookupStatus,
+    OffloadError,
+    OffloadEvent,
+    OffloadKey,
+    RequestId,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Primary slots to copy into the engine's blocks, in key order."""
+
+    request_id: RequestId
+    keys: tuple[OffloadKey, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Primary slots to copy the engine's blocks into (the keys that need storing).
+
+    ``keys`` may be fewer than asked: keys already stored are skipped, and
+    storing stops at the first key for which no slot could be freed.
+    """
+
+    request_id: RequestId
+    keys: tuple[OffloadKey, ...]
+    slots: tuple[int, ...]
+    already_stored: tuple[OffloadKey, ...] = ()
+
+
+@dataclass
+class ManagerStats:
+    lookups: int = 0
+    hit_blocks_primary: int = 0        # blocks reported as HIT (final verdicts)
+    promotions_started: int = 0        # blocks
+    promotions_ok: int = 0             # blocks
+    promotions_failed: int = 0         # blocks
+    promotions_skipped_no_slot: int = 0
+    stores_started: int = 0            # blocks
+    stores_ok: int = 0
+    stores_failed: int = 0
+    stores_skipped_no_slot: int = 0
+    cascades_ok: int = 0               # blocks x tiers
+    cascades_failed: int = 0
+    hits_by_medium: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Job:
+    kind: JobKind
+    tier: SecondaryTier
+    keys: tuple[OffloadKey, ...]
+
+
+class OffloadManager:
+    """Tiered offload store: a CPU primary tier and zero or more secondary tiers."""
+
+    def __init__(self, primary: CpuTier, secondaries: Sequence[SecondaryTier] = ()) -> None:
+        for tier in secondaries:
+            if tier.block_bytes != primary.block_bytes:
+                raise OffloadError(f"secondaries[{tier.name}].block_bytes",
+                                   f"expected {primary.block_bytes}, got {tier.block_bytes}")
+        self.primary = primary
+        self.secondaries = tuple(secondaries)
+        self._stats = ManagerStats()
+        self._pins: dict[RequestId, set[OffloadKey]] = {}
+        self._failed_loads: dict[RequestId, dict[OffloadKey, None]] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        #: where each READY-by-promotion key came from (stats: hits per medium)
+        self._origin: dict[OffloadKey, str] = {}
+        self._closed = False
+
+    # -- lookup ----------------------------------------------------------------
+    def lookup(self, request_id: RequestId, keys: Sequence[OffloadKey]) -> LookupResult:
+        """How many leading ``keys`` are ready in CPU memory; never blocks.
+
+        Pins every counted block for ``request_id`` (released by
+        ``complete_load`` or ``request_finished``) and starts promotions for
+        leading keys found in a secondary tier.
+        """
+        self._check_open()
+        self._stats.lookups += 1
+        for tier in self.secondaries:
+            tier.drain_results()
+        primary = self.primary
+        pins = self._pins.setdefault(request_id, set())
+        num_ready = 0
+        pending = False
+        unknown = False
+        to_promote: list[tuple[OffloadKey, SecondaryTier]] = []
+        failed = self._failed_loads.get(request_id)
+        for key in keys:
+            if failed is not None and key in failed:
+                break  # its load failed while this request waited: recompute, never retry
+            slot = primary.get(key)
+            if slot is not None:
+                if slot.state is SlotState.WRITING_STORE:
+                    break  # not readable yet; the prefix ends here (best effort)
+                if key not in pins:
+                    primary.pin(key, request_id)
+                    pins.add(key)
+                if slot.state is SlotState.WRITING_PROMOTION:
+                    pending = True
+                elif not pending:
+                    num_ready += 1
+                continue
+            source: SecondaryTier | None = None
+            for tier in self.secondaries:
+                verdict = tier.lookup(request_id, key)
+                if verdict is None:
+                    unknown = True
+                    break
+                if verdict:
+                    source = tier
+                    break
+            if unknown or source is None:
+                break
+            to_promote.append((key, source))
+            pending = True  # keys after this one are not ready before it is
+        if to_promote:
+            started = self._promote(request_id, to_promote, pins)
+            # nothing started (no free slot): the prefix ends at the first key to promote,
+            # unless an earlier promotion is in flight
+            pending = started or any(
+                (s := primary.get(k)) is not None and s.state is SlotState.WRITING_PROMOTION
+                for k in pins)
+        if unknown:
+            return LookupResult(LookupStatus.RETRY, num_ready)
+        if pending:
+            return LookupResult(LookupStatus.HIT_PENDING, num_ready)
+        # final verdict: keep pins only on the reported prefix
+        counted = set(keys[:num_ready])
+        for key in [k for k in pins if k not in counted]:
+            primary.unpin(key, request_id)
+            pins.discard(key)
+        if num_ready:
+            self._stats.hit_blocks_primary += num_ready
+            return LookupResult(LookupStatus.HIT, num_ready)
+        return LookupResult(LookupStatus.MISS, 0)
+
+    def _promote(self, request_id: RequestId, plan: list[tuple[OffloadKey, SecondaryTier]],
+                 pins: set[OffloadKey]) -> bool:
+        """Start loads of ``plan`` (leading keys, in order) into new primary slots."""
+        per_tier: dict[str, tuple[SecondaryTier, list[OffloadKey], list[int]]] = {}
+        started = 0
+        for key, tier in plan:
+            made = self.primary.allocate([key], SlotState.WRITING_PROMOTION)
+            if not made:
+                self._stats.promotions_skipped_no_slot += 1
+                break  # no room: the prefix ends here; best effort
+            self.primary.pin(key, request_id)
+            pins.add(key)
+            entry = per_tier.setdefault(tier.name, (tier, [], []))
+            entry[1].append(key)
+            entry[2].append(made[0].index)
+            started += 1
+        for tier, keys, slots in per_tier.values():
+            job_id = self._new_job(JobKind.LOAD, tier, keys)
+            tier.submit_load(job_id, keys, self.slot_buffers(slots))
+        self._stats.promotions_started += started
+        return started > 0
+
+    # -- loads into the engine -------------------------------------------------
+    def prepare_load(self, request_id: RequestId, keys: Sequence[OffloadKey]) -> LoadSpec:
+        """Slots of ``keys`` (all READY and pinned by an earlier HIT) for the worker to copy."""
+        self._check_open()
+        pins = self._pins.setdefault(request_id, set())
+        slots: list[int] = []
+        for i, key in enumerate(keys):
+            slot = self.primary.get(key)
+            if slot is None or slot.state is not SlotState.READY:
+                raise OffloadError(f"keys[{i}]", "expected a block ready in CPU memory "
+                                   "(load only what lookup reported as HIT)")
+            if key not in pins:
+                self.primary.pin(key, request_id)
+                pins.add(key)
+            slots.append(slot.index)
+            # the first load after a promotion is credited to the tier it came from
+            medium = self._origin.pop(key, self.primary.medium)
+            self._stats.hits_by_medium[medium] = self._stats.hits_by_medium.get(medium, 0) + 1
+        self.primary.touch(keys)
+        return LoadSpec(request_id, tuple(keys), tuple(slots))
+
+    def complete_load(self, request_id: RequestId, keys: Iterable[OffloadKey]) -> None:
+        """The worker finished copying ``keys``: unpin them for the request."""
+        pins = self._pins.get(request_id)
+        for key in keys:
+            self.primary.unpin(key, request_id)
+            if pins is not None:
+                pins.discard(key)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """Mark blocks as recently used (eviction order)."""
+        self.primary.touch(keys)
+
+    # -- stores from the engine ---------------------------------------------------
+    def prepare_store(self, request_id: RequestId, keys: Sequence[OffloadKey]) -> StoreSpec:
+        """Slots for the blocks of ``keys`` not yet stored, evicting as needed (best effort)."""
+        self._check_open()
+        fresh = [k for k in keys if k not in self.primary]
+        already = tuple(k for k in keys if k in self.primary)
+        self.primary.touch(already)
+        made = self.primary.allocate(fresh, SlotState.WRITING_STORE)
+        self._stats.stores_started += len(made)
+        self._stats.stores_skipped_no_slot += len(fresh) - len(made)
+        return StoreSpec(request_id, tuple(s.key for s in made), tuple(s.index for s in made),
+                         already)
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        """The worker filled the slots of ``keys`` (from ``prepare_store``), or failed to.
+
+        On success the blocks become READY and are cascaded to every secondary
+        tier (each slot is held against eviction until its cascades finish).
+        """
+        self._check_open()
+        if not keys:
+            return
+        for i, key in enumerate(keys):
+            slot = self.primary.get(key)
+            if slot is None or slot.state is not SlotState.WRITING_STORE:
+                raise OffloadError(f"keys[{i}]", "expected a slot returned by prepare_store")
+        if not success:
+            self._drop_failed_writes(keys)
+            self._stats.stores_failed += len(keys)
+            return
+        self.primary.mark_ready(keys)
+        self._stats.stores_ok += len(keys)
+        slots = [self._slot_index(k) for k in keys]
+        for tier in self.secondaries:
+            for key in keys:
+                self.primary.add_io_ref(key)
+            job_id = self._new_job(JobKind.STORE, tier, keys)
+            tier.submit_store(job_id, keys, self.slot_buffers(slots))
+
+    # -- per step / per request ---------------------------------------------------
+    def step(self) -> None:
+        """Once per scheduler step: finish jobs, apply probe results, send probe batches."""
+        for tier in self.secondaries:
+            for result in tier.get_finished_jobs():
+                self._finish_job(result)
+            tier.drain_results()
+            tier.step()
+
+    def _finish_job(self, result: JobResult) -> None:
+        job = self._jobs.pop(result.job_id)
+        ok = set(result.successful_keys)
+        if job.kind is JobKind.LOAD:
+            done = [k for k in job.keys if k in ok]
+            failed = [k for k in job.keys if k not in ok]
+            if done:
+                self.primary.mark_ready(done)
+                for key in done:
+                    self._origin[key] = job.tier.medium
+            if failed:
+                self._drop_failed_writes(failed)
+            self._stats.promotions_ok += len(done)
+            self._stats.promotions_failed += len(failed)
+        else:
+            for key in job.keys:
+                self.primary.drop_io_ref(key)
+            self._stats.cascades_ok += len(ok)
+            self._stats.cascades_failed += len(job.keys) - len(ok)
+
+    def _drop_failed_writes(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            slot = self.primary.get(key)
+            waiters = set(slot.pinned_by) if slot is not None else set()
+            self.primary.discard([key])
+            self._origin.pop(key, None)
+            for request_id in waiters:
+                self._pins.get(request_id, set()).discard(key)
+                self._failed_loads.setdefault(request_id, {})[key] = None
+
+    def failed_loads(self, request_id: RequestId) -> tuple[OffloadKey, ...]:
+        """Keys whose promotion failed while ``request_id`` waited for them (it recomputes them)."""
+        return tuple(self._failed_loads.get(request_id, ()))
+
+    def request_finished(self, request_id: RequestId) -> None:
+        """Drop the request's pins and its references in every lookup cache."""
+        for key in self._pins.pop(request_id, ()):
+            self.primary.unpin(key, request_id)
+        self._failed_loads.pop(request_id, None)
+        for tier in self.secondaries:
+            tier.release_request(request_id)
+
+    # -- plumbing ----------------------------------------------------------------
+    def slot_buffers(self, slots: Iterable[int]) -> list[list[memoryview]]:
+        """Per slot, the views a tier or worker reads/writes (one view per block)."""
+        return [[self.primary.view(index)] for index in slots]
+
+    def _slot_index(self, key: OffloadKey) -> int:
+        slot = self.primary.get(key)
+        assert slot is not None
+        return slot.index
+
+    def _new_job(self, kind: JobKind, tier: SecondaryTier, keys: Sequence[OffloadKey]) -> int:
+        self._next_job_id += 1
+        self._jobs[self._next_job_id] = _Job(kind, tier, tuple(keys))
+        return self._next_job_id
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def wait_idle(self, timeout_s: float = 10.0, poll_s: float = 0.001) -> bool:
+        """Call ``step`` until no job is in flight (tests, benchmarks, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.step()
+            if not self._jobs:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+    def take_events(self) -> list[OffloadEvent]:
+        """Stored/removed records of every tier since the last call."""
+        events = self.primary.take_events()
+        for tier in self.secondaries:
+            events.extend(tier.take_events())
+        return events
+
+    def stats(self) -> dict[str, object]:
+        out: dict[str, object] = asdict(self._stats)
+        out["primary"] = {"medium": self.primary.medium, "blocks": len(self.primary),
+                          "free_slots": self.primary.num_free,
+                          "evictions": self.primary.evictions,
+                          "policy": self.primary.policy.name}
+        out["tiers"] = {t.name: {"medium": t.medium, **asdict(t.stats)} for t in self.secondaries}
+        out["jobs_in_flight"] = len(self._jobs)
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("manager", "shut down")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Finish in-flight jobs (their buffers are primary slots), stop tiers, unmap slots."""
+        if self._closed:
+            return
+        if not self.wait_idle(timeout_s):
+            logger.warning("offload manager shut down with %d jobs in flight", len(self._jobs))
+        self._closed = True
+        for tier in self.secondaries:
+            tier.shutdown()
+        self.primary.close()

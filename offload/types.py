@@ -1,0 +1,133 @@
+"""Shared vocabulary of the tiered offload store: keys, verdicts, jobs, events, errors.
+
+Keys are opaque bytes (``OffloadKey``): the caller builds them from a layout's
+key namespace and chained block hash. Nothing in ``offload`` parses a key; the
+fs tier only hashes it into a file name, so nothing a peer sends becomes a path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+#: A block's key: namespace + chained block hash, opaque to the store.
+OffloadKey = bytes
+#: A request id as the engine names it.
+RequestId = str
+
+
+class OffloadError(Exception):
+    """Error of the offload store; ``field`` names what was wrong."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class ShortReadError(OSError):
+    """A block file ended before ``expected_bytes``: provable corruption.
+
+    Stores are atomic (temp file + rename), so a correct writer can never leave
+    a short file behind; this is the only load error that deletes the file.
+    """
+
+    def __init__(self, path: str, expected_bytes: int, read_bytes: int) -> None:
+        super().__init__(f"short read of {path}: expected {expected_bytes} bytes, "
+                         f"read {read_bytes}")
+        self.path = path
+        self.expected_bytes = expected_bytes
+        self.read_bytes = read_bytes
+        #: whether the short file was removed (a failed delete is logged, never raised)
+        self.deleted = False
+
+
+class BatchIOError(OSError):
+    """A batch load/store stopped at its first failing block.
+
+    ``num_succeeded`` blocks (the leading ones, in batch order) completed before
+    the failure: they are valid and reported as ``JobResult.successful_keys``.
+    """
+
+    def __init__(self, num_succeeded: int, cause: BaseException) -> None:
+        super().__init__(f"batch failed after {num_succeeded} blocks: {cause}")
+        self.num_succeeded = num_succeeded
+        self.cause = cause
+
+
+class LookupStatus(enum.Enum):
+    """Verdict of ``OffloadManager.lookup`` for one request.
+
+    HIT: ``num_blocks`` leading keys are ready in the primary (CPU) tier and
+    pinned for the request; MISS: none is (``num_blocks`` is 0); HIT_PENDING:
+    promotions from a secondary tier are in flight, ask again next step;
+    RETRY: a secondary tier's verdict is not known yet (probe in flight), ask
+    again next step. Neither of the last two blocks the scheduler thread.
+    """
+
+    HIT = "hit"
+    MISS = "miss"
+    HIT_PENDING = "hit_pending"
+    RETRY = "retry"
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    status: LookupStatus
+    #: leading keys ready in the primary tier now (pinned for the request)
+    num_blocks: int
+
+    @property
+    def ready(self) -> bool:
+        """True when the answer is final for this step (HIT or MISS)."""
+        return self.status in (LookupStatus.HIT, LookupStatus.MISS)
+
+
+class JobKind(enum.Enum):
+    LOAD = "load"      # secondary tier -> primary slot (promotion)
+    STORE = "store"    # primary slot -> secondary tier (cascade)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """Outcome of one tier job, reported on the scheduler thread.
+
+    ``successful_keys``: every key of a successful job; for a failed batch, the
+    leading keys that completed before the failure (kept) — every other key of
+    the job failed.
+    """
+
+    job_id: int
+    success: bool
+    successful_keys: tuple[OffloadKey, ...] = ()
+
+
+class EventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class OffloadEvent:
+    """A block appeared in or left a medium (KV-event shaped: see kvbridge.events)."""
+
+    kind: EventKind
+    keys: tuple[OffloadKey, ...]
+    medium: str          # "CPU", "DISK", "MOONCAKE"
+    locality: str = "local"
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier; plain integers so a test can assert on them."""
+
+    probes: int = 0
+    probe_batches: int = 0
+    loads_ok: int = 0          # blocks
+    loads_failed: int = 0      # blocks
+    load_jobs_failed: int = 0
+    stores_ok: int = 0         # blocks
+    stores_failed: int = 0     # blocks
+    files_deleted: int = 0     # provable short reads only
+    close_errors_ignored: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
