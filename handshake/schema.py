@@ -640,6 +640,25 @@ class EngineMetadata:
         """Planner rank index -> layer id -> LayerMemory, for ``absolute_descriptors``."""
         return {meta.rank_index: meta.layer_memory() for meta in self.ranks}
 
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready summary (what ``kvbridge probe --json`` prints; blobs as size+digest)."""
+        return {
+            "engine_id": self.engine_id, "incarnation": self.incarnation,
+            "generation": self.generation, "protocol_version": self.header.protocol_version,
+            "fingerprint": self.fingerprint, "model": self.spec.model,
+            "transfer_mode": self.transfer_mode.value, "topology": self.topology.describe(),
+            "spec": self.spec.to_dict(),
+            "missing_ranks": [k.describe() for k in self.missing_ranks()],
+            "ranks": [{
+                "rank": m.rank.describe(), "topology": m.topology.to_dict(),
+                "agent_name": m.agent_name, "generation": m.generation,
+                "agent_blob_bytes": len(m.agent_blob),
+                "agent_blob_sha256": hashlib.sha256(m.agent_blob).hexdigest()[:16],
+                "regions": [{**r.to_map(), "base_addrs": [hex(a) for a in r.base_addrs]}
+                            for r in m.regions],
+            } for m in self.ranks],
+        }
+
     def missing_ranks(self) -> list[RankKey]:
         """Ranks of the topology that this document does not hold."""
         have = {m.rank for m in self.ranks}
