@@ -526,16 +526,17 @@ def absolute_descriptors(
                                                  "block stride; memory smaller than the spec")
         _check_ids(c_ids, c_blocks, "consumer")
         _check_ids(p_ids, p_blocks, "producer")
-        c_addr = (c_base + c_off)[:, None] + c_stride[:, None] * c_ids[None, :]
-        p_addr = (p_base + p_off)[:, None] + p_stride[:, None] * p_ids[None, :]
-        n = c_addr.size
-        lens = np.repeat(length, c_ids.shape[0]).astype(np.uint64)
-        consumer = np.empty((n, 2), dtype=np.uint64)
-        producer = np.empty((n, 2), dtype=np.uint64)
-        consumer[:, 0] = c_addr.ravel()
-        consumer[:, 1] = lens
-        producer[:, 0] = p_addr.ravel()
-        producer[:, 1] = lens
-        out.append(TransferDescriptors(int(source), consumer, producer,
-                                       np.repeat(lay, c_ids.shape[0])))
+        num = c_ids.shape[0]
+        consumer = np.empty((lay.shape[0], num, 2), dtype=np.uint64)
+        producer = np.empty((lay.shape[0], num, 2), dtype=np.uint64)
+        # Addresses are computed in int64 (ids and offsets are checked >= 0 above) and
+        # written straight into the uint64 output: no per-block temporaries.
+        np.add((c_base + c_off)[:, None], c_stride[:, None] * c_ids[None, :],
+               out=consumer[:, :, 0], casting="unsafe")
+        np.add((p_base + p_off)[:, None], p_stride[:, None] * p_ids[None, :],
+               out=producer[:, :, 0], casting="unsafe")
+        consumer[:, :, 1] = length[:, None]
+        producer[:, :, 1] = length[:, None]
+        out.append(TransferDescriptors(int(source), consumer.reshape(-1, 2),
+                                       producer.reshape(-1, 2), np.repeat(lay, num)))
     return out
