@@ -97,7 +97,7 @@ class RegionSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(name, f"expected an integer >= 1, got {value!r}")
-        if self.dtype not in DTYPE_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise LayoutError("dtype", f"unknown KV dtype {self.dtype!r}; expected one of "
                                        f"{sorted(DTYPE_BYTES)}")
         if not isinstance(self.key_only, bool) or not isinstance(self.token_sharded, bool):

@@ -61,6 +61,7 @@ def _region(**over: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("regions", "field"), [
     ([_region(dtype="float13")], "regions[0].dtype"),
+    ([_region(dtype=["float16"])], "regions[0].dtype"),  # unhashable: was a TypeError
     ([_region(layout="sideways")], "regions[0].layout"),
     ([_region(memory_order="DHN")], "regions[0].memory_order"),
     ([_region(block_size=0)], "regions[0].block_size"),
