@@ -147,7 +147,10 @@ class RankPlan:
         )
 
     def for_producer(self, producer_rank: int) -> RankPlan:
-        """The subset read from one producer rank (what a push-mode producer writes)."""
+        """The subset read from one producer rank (what a push-mode producer writes).
+
+        Its ``raw_count`` is -1: the uncoalesced count is only kept for whole plans.
+        """
         mask = self.producer_ranks == producer_rank
         return RankPlan(self.consumer_rank, self.consumer, self.producer_ranks[mask],
                         self.regions[mask], self.layers[mask], self.producer_offsets[mask],

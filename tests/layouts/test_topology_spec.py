@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge.layouts import (
     KVCacheSpec,
@@ -126,3 +128,32 @@ def test_region_spec_direct_errors() -> None:
     with pytest.raises(LayoutError) as info:
         RegionSpec.from_dict(_region(key_only="yes"), "r")
     assert info.value.field == "r.key_only"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**20) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=3),
+    max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(_region())), json_values)
+def test_spec_from_any_json_raises_only_layout_error(field: str, value: object) -> None:
+    """A spec file with any value in any field loads or gets a LayoutError naming a field."""
+    try:
+        spec = KVCacheSpec.from_dict({"model": "m", "regions": [_region(**{field: value})]})
+    except LayoutError as exc:
+        assert exc.field.startswith(("regions", "model"))
+    else:
+        assert spec.regions[0].to_dict()[field] is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=30))
+def test_topology_parse_any_text_raises_only_layout_error(text: str) -> None:
+    try:
+        ParallelTopology.parse(text, "consumer")
+    except LayoutError as exc:
+        assert exc.field.startswith("consumer")
