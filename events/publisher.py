@@ -269,7 +269,8 @@ class KVEventPublisher:
             except queue.Empty:
                 continue
             # Drain a burst before looking at replay requests again.
-            for _ in range(256):
+            burst = 0
+            while True:
                 if item is _SENTINEL:
                     return
                 seq, ts, events = item
@@ -279,8 +280,9 @@ class KVEventPublisher:
                 self._sent_next = seq + 1
                 self._published_batches += 1
                 self._published_events += len(events)
-                if self._abort.is_set():
-                    return
+                burst += 1
+                if self._abort.is_set() or burst >= 256:
+                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:

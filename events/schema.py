@@ -85,10 +85,15 @@ class BlockStored:
     ownership: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
-        object.__setattr__(self, "token_ids", tuple(self.token_ids))
-        object.__setattr__(self, "medium", _plain_str(self.medium))
-        object.__setattr__(self, "locality", _plain_str(self.locality))
+        # Decoding already hands over tuples and plain strings: convert only when needed.
+        if type(self.block_hashes) is not tuple:
+            object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
+        if type(self.token_ids) is not tuple:
+            object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        if self.medium is not None and type(self.medium) is not str:
+            object.__setattr__(self, "medium", _plain_str(self.medium))
+        if self.locality is not None and type(self.locality) is not str:
+            object.__setattr__(self, "locality", _plain_str(self.locality))
         if self.extra_keys is not None:
             object.__setattr__(self, "extra_keys", _freeze(self.extra_keys))
 
@@ -104,9 +109,12 @@ class BlockRemoved:
     ownership: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
-        object.__setattr__(self, "medium", _plain_str(self.medium))
-        object.__setattr__(self, "locality", _plain_str(self.locality))
+        if type(self.block_hashes) is not tuple:
+            object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
+        if self.medium is not None and type(self.medium) is not str:
+            object.__setattr__(self, "medium", _plain_str(self.medium))
+        if self.locality is not None and type(self.locality) is not str:
+            object.__setattr__(self, "locality", _plain_str(self.locality))
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,8 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "events", tuple(self.events))
+        if type(self.events) is not tuple:
+            object.__setattr__(self, "events", tuple(self.events))
 
     @classmethod
     def now(cls, events: Iterable[KVEvent], data_parallel_rank: int | None = None) -> EventBatch:

@@ -210,49 +210,69 @@ def encode_batch(batch: EventBatch, wire_format: EventWireFormat = EventWireForm
 # ---------------------------------------------------------------- decoding
 
 
-def _check_hash(value: object, where: str) -> int | bytes:
-    if isinstance(value, bool) or not isinstance(value, int | bytes):
-        raise EventDecodeError(where, f"expected int or bytes block hash, got {type(value).__name__}")
-    if isinstance(value, int) and not (-(1 << 63) <= value <= _U64_MAX):
-        raise EventDecodeError(where, "block hash does not fit 64 bits")
-    return value
+# Field paths are built only when an error is raised: decoding is on the hot path.
 
 
-def _hashes(value: object, where: str) -> tuple[int | bytes, ...]:
-    if not isinstance(value, list):
-        raise EventDecodeError(where, f"expected array of block hashes, got {type(value).__name__}")
-    return tuple(_check_hash(item, f"{where}[{i}]") for i, item in enumerate(value))
+def _path(where: str, name: str) -> str:
+    if not where:
+        return name
+    return f"{where}.{name}" if name else where
 
 
-def _int(value: object, where: str, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        want = "int or nil" if optional else "int"
-        raise EventDecodeError(where, f"expected {want}, got {type(value).__name__}")
-    return value
-
-
-def _str(value: object, where: str) -> str | None:
-    if value is None or isinstance(value, str):
+def _check_hash(value: object, where: str, name: str) -> int | bytes:
+    if type(value) is int or type(value) is bytes:
         return value
-    raise EventDecodeError(where, f"expected str or nil, got {type(value).__name__}")
+    raise EventDecodeError(
+        _path(where, name), f"expected int or bytes block hash, got {type(value).__name__}"
+    )
 
 
-def _token_ids(value: object, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise EventDecodeError(where, f"expected array of token ids, got {type(value).__name__}")
+def _hashes(value: object, where: str, name: str) -> tuple[int | bytes, ...]:
+    if type(value) is not tuple and type(value) is not list:
+        raise EventDecodeError(
+            _path(where, name), f"expected array of block hashes, got {type(value).__name__}"
+        )
+    # msgpack cannot carry ints beyond 64 bits, so the type check is the whole check.
+    if all(type(h) is int or type(h) is bytes for h in value):
+        return tuple(value)
+    for i, item in enumerate(value):
+        _check_hash(item, where, f"{name}[{i}]")
+    raise AssertionError("unreachable")
+
+
+def _int(value: object, where: str, name: str, optional: bool = False) -> int | None:
+    if type(value) is int or (value is None and optional):
+        return value
+    want = "int or nil" if optional else "int"
+    raise EventDecodeError(_path(where, name), f"expected {want}, got {type(value).__name__}")
+
+
+def _str(value: object, where: str, name: str) -> str | None:
+    if value is None or type(value) is str:
+        return value
+    raise EventDecodeError(_path(where, name), f"expected str or nil, got {type(value).__name__}")
+
+
+def _token_ids(value: object, where: str, name: str) -> tuple[int, ...]:
+    if type(value) is not tuple and type(value) is not list:
+        raise EventDecodeError(
+            _path(where, name), f"expected array of token ids, got {type(value).__name__}"
+        )
+    if all(type(t) is int for t in value):
+        return tuple(value)
     for i, token in enumerate(value):
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise EventDecodeError(f"{where}[{i}]", f"expected int, got {type(token).__name__}")
-    return tuple(value)
+        if type(token) is not int:
+            raise EventDecodeError(
+                _path(where, f"{name}[{i}]"), f"expected int, got {type(token).__name__}"
+            )
+    raise AssertionError("unreachable")
 
 
-def _extra_keys(value: object, where: str) -> tuple[object, ...] | None:
+def _extra_keys(value: object, where: str, name: str) -> tuple[object, ...] | None:
     if value is None:
         return None
-    if not isinstance(value, list):
-        raise EventDecodeError(where, f"expected array or nil, got {type(value).__name__}")
+    if type(value) is not tuple and type(value) is not list:
+        raise EventDecodeError(_path(where, name), f"expected array or nil, got {type(value).__name__}")
     return tuple(value)
 
 
@@ -278,14 +298,14 @@ _REMOVED_REQUIRED = frozenset(("block_hashes",))
 
 def _fields(raw: object, where: str) -> tuple[str, dict[str, Any]]:
     """(tag, fields by name) from either encoding; unknown map keys are ignored."""
-    if isinstance(raw, dict):
+    if type(raw) is dict:
         tag = raw.get(TAG_KEY)
-        if not isinstance(tag, str):
-            raise EventDecodeError(f"{where}.{TAG_KEY}", "missing or non-string event tag")
-        return tag, {k: v for k, v in raw.items() if k != TAG_KEY}
-    if isinstance(raw, list):
+        if type(tag) is not str:
+            raise EventDecodeError(_path(where, TAG_KEY), "missing or non-string event tag")
+        return tag, raw
+    if type(raw) is list or type(raw) is tuple:
         if not raw or not isinstance(raw[0], str):
-            raise EventDecodeError(f"{where}[0]", "missing or non-string event tag")
+            raise EventDecodeError(_path(where, "[0]"), "missing or non-string event tag")
         tag = raw[0]
         order = {"BlockStored": _STORED_ORDER, "BlockRemoved": _REMOVED_ORDER}.get(tag, ())
         # Extra trailing elements beyond the known fields are ignored (forward compat).
@@ -294,47 +314,49 @@ def _fields(raw: object, where: str) -> tuple[str, dict[str, Any]]:
 
 
 def decode_event(raw: object, where: str = "event") -> KVEvent:
+    """One event from either encoding; ``where`` prefixes field names in errors."""
     tag, f = _fields(raw, where)
+    get = f.get
     if tag == "BlockStored":
-        missing = sorted(_STORED_REQUIRED - f.keys())
-        if missing:
-            raise EventDecodeError(f"{where}.{missing[0]}", "required field missing")
+        if not f.keys() >= _STORED_REQUIRED:
+            missing = sorted(_STORED_REQUIRED - f.keys())[0]
+            raise EventDecodeError(_path(where, missing), "required field missing")
+        parent = f["parent_block_hash"]
         return BlockStored(
-            block_hashes=_hashes(f["block_hashes"], f"{where}.block_hashes"),
+            block_hashes=_hashes(f["block_hashes"], where, "block_hashes"),
             parent_block_hash=(
-                None
-                if f["parent_block_hash"] is None
-                else _check_hash(f["parent_block_hash"], f"{where}.parent_block_hash")
+                None if parent is None else _check_hash(parent, where, "parent_block_hash")
             ),
-            token_ids=_token_ids(f["token_ids"], f"{where}.token_ids"),
-            block_size=_int(f["block_size"], f"{where}.block_size") or 0,
-            lora_id=_int(f.get("lora_id"), f"{where}.lora_id", optional=True),
-            medium=_str(f.get("medium"), f"{where}.medium"),
-            lora_name=_str(f.get("lora_name"), f"{where}.lora_name"),
-            extra_keys=_extra_keys(f.get("extra_keys"), f"{where}.extra_keys"),
-            group_idx=_int(f.get("group_idx"), f"{where}.group_idx", optional=True),
-            kv_cache_spec_kind=_str(f.get("kv_cache_spec_kind"), f"{where}.kv_cache_spec_kind"),
+            token_ids=_token_ids(f["token_ids"], where, "token_ids"),
+            block_size=_int(f["block_size"], where, "block_size") or 0,
+            lora_id=_int(get("lora_id"), where, "lora_id", optional=True),
+            medium=_str(get("medium"), where, "medium"),
+            lora_name=_str(get("lora_name"), where, "lora_name"),
+            extra_keys=_extra_keys(get("extra_keys"), where, "extra_keys"),
+            group_idx=_int(get("group_idx"), where, "group_idx", optional=True),
+            kv_cache_spec_kind=_str(get("kv_cache_spec_kind"), where, "kv_cache_spec_kind"),
             kv_cache_spec_sliding_window=_int(
-                f.get("kv_cache_spec_sliding_window"),
-                f"{where}.kv_cache_spec_sliding_window",
+                get("kv_cache_spec_sliding_window"),
+                where,
+                "kv_cache_spec_sliding_window",
                 optional=True,
             ),
-            locality=_str(f.get("locality"), f"{where}.locality"),
-            ownership=_str(f.get("ownership"), f"{where}.ownership"),
+            locality=_str(get("locality"), where, "locality"),
+            ownership=_str(get("ownership"), where, "ownership"),
         )
     if tag == "BlockRemoved":
         if "block_hashes" not in f:
-            raise EventDecodeError(f"{where}.block_hashes", "required field missing")
+            raise EventDecodeError(_path(where, "block_hashes"), "required field missing")
         return BlockRemoved(
-            block_hashes=_hashes(f["block_hashes"], f"{where}.block_hashes"),
-            medium=_str(f.get("medium"), f"{where}.medium"),
-            group_idx=_int(f.get("group_idx"), f"{where}.group_idx", optional=True),
-            locality=_str(f.get("locality"), f"{where}.locality"),
-            ownership=_str(f.get("ownership"), f"{where}.ownership"),
+            block_hashes=_hashes(f["block_hashes"], where, "block_hashes"),
+            medium=_str(get("medium"), where, "medium"),
+            group_idx=_int(get("group_idx"), where, "group_idx", optional=True),
+            locality=_str(get("locality"), where, "locality"),
+            ownership=_str(get("ownership"), where, "ownership"),
         )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise EventDecodeError(f"{where}.{TAG_KEY}", f"unknown event type {tag!r}")
+    raise EventDecodeError(_path(where, TAG_KEY), f"unknown event type {tag!r}")
 
 
 def decode_batch(payload: bytes) -> EventBatch:
@@ -344,22 +366,33 @@ def decode_batch(payload: bytes) -> EventBatch:
     partially decoded batch.
     """
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise EventDecodeError("payload", f"not valid msgpack ({exc})") from exc
     if isinstance(raw, dict):
         # A map-encoded EventBatch (not what vLLM sends, but cheap to accept).
         raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
-    if not isinstance(raw, list) or len(raw) < 2:
+    if type(raw) is not tuple or len(raw) < 2:
         raise EventDecodeError("payload", "expected array [ts, events, data_parallel_rank]")
     ts = raw[0]
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
         raise EventDecodeError("payload.ts", f"expected finite number, got {ts!r}")
     events_raw = raw[1]
-    if not isinstance(events_raw, list):
+    if type(events_raw) is not tuple:
         raise EventDecodeError("payload.events", f"expected array, got {type(events_raw).__name__}")
-    dp_rank = _int(raw[2] if len(raw) > 2 else None, "payload.data_parallel_rank", optional=True)
-    events = tuple(decode_event(e, f"events[{i}]") for i, e in enumerate(events_raw))
+    dp_rank = _int(raw[2] if len(raw) > 2 else None, "payload", "data_parallel_rank", optional=True)
+    try:
+        events = tuple([decode_event(e, "") for e in events_raw])
+    except EventDecodeError:
+        # Redo the failing event with its index in the path (errors are rare).
+        for i, e in enumerate(events_raw):
+            try:
+                decode_event(e, "")
+            except EventDecodeError as exc:
+                raise EventDecodeError(
+                    f"events[{i}]" + (f".{exc.field}" if exc.field else ""), exc.reason
+                ) from exc
+        raise
     return EventBatch(ts=float(ts), events=events, data_parallel_rank=dp_rank)
 
 
@@ -420,9 +453,9 @@ def parse_replay_request(frame: bytes) -> ReplayRequest:
             raise EventDecodeError("replay_request", f"not valid msgpack ({exc})") from exc
         if not isinstance(body, dict):
             raise EventDecodeError("replay_request", "expected a map")
-        start = _int(body.get("start_seq"), "replay_request.start_seq")
-        end = _int(body.get("end_seq"), "replay_request.end_seq", optional=True)
-        inc = _int(body.get("incarnation"), "replay_request.incarnation", optional=True)
+        start = _int(body.get("start_seq"), "replay_request", "start_seq")
+        end = _int(body.get("end_seq"), "replay_request", "end_seq", optional=True)
+        inc = _int(body.get("incarnation"), "replay_request", "incarnation", optional=True)
         return ReplayRequest(start_seq=start or 0, end_seq=end, incarnation=inc)
     # vLLM reads the request unsigned; accept both 8-byte readings identically.
     if len(frame) != SEQ_BYTES:
@@ -449,9 +482,9 @@ def decode_replay_info(frame: bytes) -> ReplayInfo:
     if not isinstance(body, dict):
         raise EventDecodeError("replay_info", "expected a map")
     return ReplayInfo(
-        incarnation=_int(body.get("incarnation"), "replay_info.incarnation") or 0,
-        oldest_seq=_int(body.get("oldest_seq"), "replay_info.oldest_seq") or 0,
-        next_seq=_int(body.get("next_seq"), "replay_info.next_seq") or 0,
+        incarnation=_int(body.get("incarnation"), "replay_info", "incarnation") or 0,
+        oldest_seq=_int(body.get("oldest_seq"), "replay_info", "oldest_seq") or 0,
+        next_seq=_int(body.get("next_seq"), "replay_info", "next_seq") or 0,
         matched=bool(body.get("matched")),
     )
 
