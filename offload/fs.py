@@ -116,7 +116,7 @@ class FsTier(SecondaryTier):
         os.makedirs(root, exist_ok=True)
         ensure_header(root, fingerprint, block_bytes)
         # probed once for the store directory (the fan-out dirs are on the same file system)
-        self.o_direct = bool(use_o_direct) and probe_o_direct(root, FsIO())
+        self.o_direct = bool(use_o_direct) and probe_o_direct(root, io or FsIO())
         self._made_dirs: set[str] = set()
 
     def path(self, key: OffloadKey) -> str:

@@ -149,6 +149,8 @@ class OffloadManager:
             if slot is not None:
                 if slot.state is SlotState.WRITING_STORE:
                     break  # not readable yet; the prefix ends here (best effort)
+                if unknown:
+                    continue  # only scanning to batch the probes of this step
                 if key not in pins:
                     primary.pin(key, request_id)
                     pins.add(key)
@@ -158,18 +160,25 @@ class OffloadManager:
                     num_ready += 1
                 continue
             source: SecondaryTier | None = None
+            key_unknown = False
             for tier in self.secondaries:
                 verdict = tier.lookup(request_id, key)
                 if verdict is None:
-                    unknown = True
+                    key_unknown = True
                     break
                 if verdict:
                     source = tier
                     break
-            if unknown or source is None:
+            if key_unknown:
+                # keep going: every key of the prefix joins this step's probe batch,
+                # instead of one key per step
+                unknown = True
+                continue
+            if source is None:
                 break
-            to_promote.append((key, source))
-            pending = True  # keys after this one are not ready before it is
+            if not unknown:
+                to_promote.append((key, source))
+                pending = True  # keys after this one are not ready before it is
         if to_promote:
             started = self._promote(request_id, to_promote, pins)
             # nothing started (no free slot): the prefix ends at the first key to promote,

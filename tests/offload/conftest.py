@@ -1,8 +1,7 @@
-"""Fixtures of the offload tests: a temp store, tiers that are always shut down."""
+"""Fixtures of the offload tests: a temp store and tiers/managers that are always shut down."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -15,21 +14,18 @@ BLOCK_BYTES = 4096
 FINGERPRINT = "0123456789abcdef"
 
 
-def content(key: bytes, nbytes: int = BLOCK_BYTES) -> bytes:
-    """The bytes a block of ``key`` holds (deterministic, differs per key)."""
-    return hashlib.shake_128(b"kvbridge-test:" + key).digest(nbytes)
-
-
-def key(i: int | str) -> bytes:
-    return b"ns|" + str(i).encode()
+@pytest.fixture
+def store_dir(tmp_path) -> str:
+    return str(tmp_path / "store")
 
 
 @pytest.fixture
-def make_fs(tmp_path) -> Iterator[Callable[..., FsTier]]:
+def make_fs(store_dir) -> Iterator[Callable[..., FsTier]]:
+    """FsTier factory (defaults: the test store, 4 KiB blocks, a fixed fingerprint)."""
     tiers: list[FsTier] = []
 
     def factory(**kwargs: object) -> FsTier:
-        kwargs.setdefault("root", str(tmp_path / "store"))
+        kwargs.setdefault("root", store_dir)
         kwargs.setdefault("block_bytes", BLOCK_BYTES)
         kwargs.setdefault("fingerprint", FINGERPRINT)
         tier = FsTier(**kwargs)  # type: ignore[arg-type]
@@ -43,6 +39,7 @@ def make_fs(tmp_path) -> Iterator[Callable[..., FsTier]]:
 
 @pytest.fixture
 def make_manager(make_fs) -> Iterator[Callable[..., OffloadManager]]:
+    """OffloadManager factory: CPU tier of ``num_slots`` plus (by default) one fs tier."""
     managers: list[OffloadManager] = []
 
     def factory(num_slots: int = 8, policy: str = "lru", fs: bool = True,

@@ -1,0 +1,300 @@
+"""fs tier: hash-only names, atomic stores, the deletion policy, partial batches, self-correction.
+
+Open failures use a real symlink loop (ELOOP), so these tests hold when run as root.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+
+import pytest
+
+from kvbridge.offload.faults import FaultKind, FaultPlan
+from kvbridge.offload.fs import FileMapper, FsTier
+from kvbridge.offload.fs_io import FsIO, load_block, store_block
+from kvbridge.offload.testing import block_content
+from kvbridge.offload.types import EventKind, JobResult, OffloadError, ShortReadError
+
+BLOCK = 4096
+
+
+def k(i: int) -> bytes:
+    return b"ns|" + str(i).encode()
+
+
+class Buffers:
+    """Page-aligned block buffers (mmap), like primary slots."""
+
+    def __init__(self, n: int) -> None:
+        self.map = mmap.mmap(-1, n * BLOCK)
+        self.view = memoryview(self.map)
+
+    def block(self, i: int) -> memoryview:
+        return self.view[i * BLOCK:(i + 1) * BLOCK]
+
+    def lists(self, n: int) -> list[list[memoryview]]:
+        return [[self.block(i)] for i in range(n)]
+
+
+def finish(tier: FsTier, job_id: int, timeout_s: float = 10.0) -> JobResult:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for result in tier.get_finished_jobs():
+            assert result.job_id == job_id
+            return result
+        time.sleep(0.001)
+    raise AssertionError(f"job {job_id} did not finish in {timeout_s} s")
+
+
+def settle_lookup(tier: FsTier, request_id: str, key: bytes, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    verdict = tier.lookup(request_id, key)
+    tier.step()
+    while verdict is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+        tier.drain_results()
+        verdict = tier.lookup(request_id, key)
+    assert verdict is not None, "probe did not answer"
+    return verdict
+
+
+def store(tier: FsTier, keys: list[bytes], job_id: int = 1) -> None:
+    bufs = Buffers(len(keys))
+    for i, key in enumerate(keys):
+        bufs.block(i)[:] = block_content(key, BLOCK)
+    tier.submit_store(job_id, keys, bufs.lists(len(keys)))
+    assert finish(tier, job_id).success
+
+
+def test_store_then_load_roundtrip_with_hash_only_names(make_fs, store_dir) -> None:
+    tier = make_fs()
+    evil = b"../../etc/passwd\x00" + k(0)
+    store(tier, [evil, k(1)])
+    path = tier.path(evil)
+    assert os.path.dirname(os.path.realpath(path)).startswith(os.path.realpath(store_dir))
+    name = os.path.basename(path)
+    digest = FileMapper.key_hash(evil)
+    assert name == f"{digest}.{tier.mapper.fingerprint}.kvb"
+    assert path == os.path.join(store_dir, digest[:2], digest[2:4], name)
+    assert os.path.getsize(path) == BLOCK
+    bufs = Buffers(2)
+    tier.submit_load(7, [evil, k(1)], bufs.lists(2))
+    result = finish(tier, 7)
+    assert result.success and result.successful_keys == (evil, k(1))
+    assert bytes(bufs.block(0)) == block_content(evil, BLOCK)
+    assert bytes(bufs.block(1)) == block_content(k(1), BLOCK)
+    events = tier.take_events()
+    assert [(e.kind, e.medium, e.keys) for e in events] == [(EventKind.STORED, "DISK", (evil, k(1)))]
+
+
+def test_store_is_atomic_and_existing_destination_is_success(tmp_path) -> None:
+    path = str(tmp_path / "blk")
+    data = memoryview(bytearray(block_content(k(0), BLOCK)))
+    assert store_block(FsIO(), path, [data], BLOCK, direct=False) is True
+    other = memoryview(bytearray(BLOCK))
+    assert store_block(FsIO(), path, [other], BLOCK, direct=False) is False  # kept, no rewrite
+    with open(path, "rb") as fh:
+        assert fh.read() == bytes(data)
+    assert os.listdir(tmp_path) == ["blk"]            # no temp file left behind
+
+    class FailingRename(FsIO):
+        def rename(self, src: str, dst: str) -> None:
+            raise OSError(errno.EXDEV, "injected rename failure")
+
+    with pytest.raises(OSError, match="rename"):
+        store_block(FailingRename(), str(tmp_path / "blk2"), [data], BLOCK, direct=False)
+    assert os.listdir(tmp_path) == ["blk"]            # temp removed, nothing half-written
+
+
+def test_o_direct_is_probed_once_with_buffered_fallback(make_fs, store_dir) -> None:
+    """A file system that refuses O_DIRECT (EINVAL, like older tmpfs) gets buffered I/O."""
+    direct_opens: list[str] = []
+
+    class RefusesDirect(FsIO):
+        def open_read(self, path: str, direct: bool) -> int:
+            if direct:
+                direct_opens.append(path)
+                raise OSError(errno.EINVAL, "O_DIRECT not supported")
+            return super().open_read(path, direct)
+
+        def open_write(self, path: str, direct: bool) -> int:
+            if direct:
+                direct_opens.append(path)
+                raise OSError(errno.EINVAL, "O_DIRECT not supported")
+            return super().open_write(path, direct)
+
+    tier = make_fs(io=RefusesDirect())
+    assert tier.o_direct is False
+    assert len(direct_opens) == 1                        # probed once, for the store directory
+    assert not [n for n in os.listdir(store_dir) if n.endswith(".tmp")]
+    store(tier, [k(0)])                                  # buffered path works
+    bufs = Buffers(1)
+    tier.submit_load(2, [k(0)], bufs.lists(1))
+    assert finish(tier, 2).success
+    assert bytes(bufs.block(0)) == block_content(k(0), BLOCK)
+    assert len(direct_opens) == 1                        # never tried again
+
+
+def test_o_direct_used_when_supported_and_buffers_aligned(make_fs) -> None:
+    modes: list[bool] = []
+
+    class Recording(FsIO):
+        def open_read(self, path: str, direct: bool) -> int:
+            modes.append(direct)
+            return super().open_read(path, direct)
+
+    tier = make_fs(io=Recording())
+    if not tier.o_direct:
+        pytest.skip("this file system refuses O_DIRECT")
+    store(tier, [k(0)])
+    modes.clear()
+    aligned = Buffers(1)
+    tier.submit_load(2, [k(0)], aligned.lists(1))
+    assert finish(tier, 2).success
+    unaligned = memoryview(bytearray(BLOCK + 1))[1:]
+    tier.submit_load(3, [k(0)], [[unaligned]])
+    assert finish(tier, 3).success and bytes(unaligned) == block_content(k(0), BLOCK)
+    assert modes == [True, False]                        # unaligned buffer: buffered fallback
+
+
+def test_provable_short_read_deletes_file_and_flips_verdict(make_fs) -> None:
+    tier = make_fs()
+    store(tier, [k(0)])
+    assert settle_lookup(tier, "r1", k(0)) is True
+    os.truncate(tier.path(k(0)), BLOCK // 2)            # a torn block
+    bufs = Buffers(1)
+    tier.submit_load(2, [k(0)], bufs.lists(1))
+    result = finish(tier, 2)
+    assert not result.success and result.successful_keys == ()
+    assert not os.path.exists(tier.path(k(0)))
+    assert tier.lookup("r1", k(0)) is False             # mark_miss, no re-probe
+    assert tier.cache.take_batch() == ()
+    assert tier.stats.files_deleted == 1 and tier.stats.loads_failed == 1
+    removed = [e for e in tier.take_events() if e.kind is EventKind.REMOVED]
+    assert removed and removed[0].keys == (k(0),)
+
+
+def test_failed_delete_does_not_hide_the_short_read(tmp_path) -> None:
+    path = str(tmp_path / "blk")
+    with open(path, "wb") as fh:
+        fh.write(b"x" * 100)
+
+    class CannotRemove(FsIO):
+        def remove(self, p: str) -> None:
+            raise OSError(errno.EROFS, "read-only file system")
+
+    view = memoryview(bytearray(BLOCK))
+    with pytest.raises(ShortReadError) as info:
+        load_block(CannotRemove(), path, [view], BLOCK, direct=False)
+    assert info.value.deleted is False and info.value.read_bytes == 100
+    assert os.path.exists(path)
+
+
+@pytest.mark.parametrize("kind", [FaultKind.ELOOP, FaultKind.EIO])
+def test_transient_load_failure_leaves_the_file(make_fs, store_dir, kind) -> None:
+    plan = FaultPlan(per_key={k(0): kind})
+    tier = make_fs(faults=plan)
+    store(tier, [k(0)])
+    assert settle_lookup(tier, "r1", k(0)) is True
+    bufs = Buffers(1)
+    tier.submit_load(2, [k(0)], bufs.lists(1))
+    result = finish(tier, 2)
+    assert not result.success
+    assert os.path.getsize(tier.path(k(0))) == BLOCK   # left intact
+    assert tier.stats.files_deleted == 0
+    assert tier.lookup("r1", k(0)) is False             # still a miss for this request
+    assert tier.injector is not None
+    assert tier.injector.injected_kinds() == {kind: 1}
+
+
+def test_eloop_is_the_kernels_error(make_fs) -> None:
+    tier = make_fs(faults=FaultPlan(per_key={k(0): FaultKind.ELOOP}))
+    store(tier, [k(0)])
+    with pytest.raises(OSError) as info:
+        load_block(tier.io, tier.path(k(0)), [memoryview(bytearray(BLOCK))], BLOCK, False)
+    assert info.value.errno == errno.ELOOP
+
+
+def test_close_error_after_full_read_is_not_a_load_failure(make_fs) -> None:
+    tier = make_fs(faults=FaultPlan(per_key={k(0): FaultKind.CLOSE_ERROR}))
+    store(tier, [k(0)])
+    bufs = Buffers(1)
+    tier.submit_load(2, [k(0)], bufs.lists(1))
+    result = finish(tier, 2)
+    assert result.success and result.successful_keys == (k(0),)
+    assert bytes(bufs.block(0)) == block_content(k(0), BLOCK)
+    assert tier.stats.close_errors_ignored == 1 and os.path.exists(tier.path(k(0)))
+
+
+def test_batched_partial_load_failure_keeps_loaded_blocks(make_fs) -> None:
+    tier = make_fs(faults=FaultPlan(per_key={k(2): FaultKind.EIO}))
+    keys = [k(i) for i in range(4)]
+    store(tier, keys)
+    for key in keys:
+        assert settle_lookup(tier, "r1", key) is True
+    bufs = Buffers(4)
+    tier.submit_load(9, keys, bufs.lists(4))
+    result = finish(tier, 9)
+    assert not result.success and result.successful_keys == (k(0), k(1))
+    for i in (0, 1):
+        assert bytes(bufs.block(i)) == block_content(keys[i], BLOCK)
+    assert [tier.lookup("r1", key) for key in keys] == [True, True, False, False]
+    assert tier.stats.loads_ok == 2 and tier.stats.loads_failed == 2
+
+
+def test_batched_load_first_block_fails_marks_whole_batch(make_fs) -> None:
+    tier = make_fs(faults=FaultPlan(per_key={k(0): FaultKind.ELOOP}))
+    keys = [k(0), k(1)]
+    store(tier, keys)
+    for key in keys:
+        settle_lookup(tier, "r1", key)
+    tier.submit_load(3, keys, Buffers(2).lists(2))
+    result = finish(tier, 3)
+    assert not result.success and result.successful_keys == ()
+    assert [tier.lookup("r1", key) for key in keys] == [False, False]
+
+
+def test_reads_are_not_starved_by_writes(make_fs) -> None:
+    """A load completes while every write thread is stuck in a store."""
+    gate = threading.Event()
+
+    class SlowWrites(FsIO):
+        def writev(self, fd: int, views: list[memoryview]) -> int:
+            gate.wait(10)
+            return super().writev(fd, views)
+
+    tier = make_fs(write_threads=1)
+    store(tier, [k(0)])
+    tier.io = SlowWrites()
+    try:
+        bufs = Buffers(3)
+        for i in range(2):
+            bufs.block(i)[:] = block_content(k(10 + i), BLOCK)
+        tier.submit_store(20, [k(10)], [[bufs.block(0)]])
+        tier.submit_store(21, [k(11)], [[bufs.block(1)]])
+        tier.submit_load(22, [k(0)], [[bufs.block(2)]])
+        result = finish(tier, 22, timeout_s=5)
+        assert result.success and bytes(bufs.block(2)) == block_content(k(0), BLOCK)
+        assert tier.num_jobs_in_flight == 2
+    finally:
+        gate.set()
+    deadline = time.monotonic() + 5
+    finished: set[int] = set()
+    while len(finished) < 2 and time.monotonic() < deadline:
+        finished |= {r.job_id for r in tier.get_finished_jobs()}
+        time.sleep(0.001)
+    assert finished == {20, 21}
+
+
+def test_header_rejects_another_block_size_and_bad_fingerprint(make_fs, store_dir) -> None:
+    make_fs()
+    with pytest.raises(OffloadError, match="block_bytes"):
+        make_fs(block_bytes=8192)
+    with pytest.raises(OffloadError, match="fingerprint"):
+        make_fs(fingerprint="../x")
+    other = make_fs(fingerprint="fedcba9876543210", block_bytes=8192)   # another layout: fine
+    assert other.block_bytes == 8192
