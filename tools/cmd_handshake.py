@@ -68,6 +68,7 @@ def run_serve_example(args: argparse.Namespace) -> int:
                                                  for r in spec.regions))
         topology = ParallelTopology(tp_size=args.tp, pp_size=args.pp, dcp_size=args.dcp,
                                     pcp_size=args.pcp)
+        spec.validate_topology(topology)
         store = example_store(spec, topology, args.engine_id, TransferMode(args.mode),
                               num_blocks=args.num_blocks)
         server = HandshakeServer(store, args.host, args.port).start()
