@@ -9,9 +9,14 @@ every caller would otherwise rediscover (see ``BACKENDS.md``):
 * without a progress thread (we run with ``enable_prog_thread=False`` because
   the thread spins and halves bandwidth on small machines) the *passive* side
   must progress its worker, which :meth:`NixlTransport.get_notifs` does;
-* handles must be released exactly once, and only when NIXL agrees; a handle
-  NIXL refuses to release is parked in a *zombie* list and retried later
-  (:meth:`NixlTransport.reap`, :meth:`NixlTransport.close`).
+* handles must be released exactly once, and only once NIXL has settled the
+  transfer. Measured (tests/backends/test_nixl_transport.py): NIXL *accepts*
+  ``release`` of a handle in ``PROC`` and even ``remove_remote_agent`` during
+  one, yet over TCP the stalled peer's bytes still land in local memory once it
+  resumes. So a transfer past its deadline is reported TIMED_OUT at once but its
+  handle is kept as a *zombie* until NIXL reports DONE or an error for it
+  (:meth:`NixlTransport.reap`, run by every :meth:`NixlTransport.get_notifs`);
+  only then is ``Transfer.quiesced`` true and its local memory safe to reuse.
 
 Model: memory is registered once (:meth:`register_regions`); descriptor lists
 are prepared once (local per region with :meth:`prepare_local`, or arbitrary
@@ -24,8 +29,11 @@ Invariants (checked by the tests through :meth:`counters`):
 * every registration, prepared list, transfer handle and peer that is created
   is counted, and :meth:`close` brings every counter back to zero;
 * a :class:`Transfer` reaches exactly one terminal state (DONE, FAILED or
-  TIMED_OUT) and never leaves it; its NIXL handle is released at that moment
-  or, if NIXL refuses, parked as a zombie (counted, not lost).
+  TIMED_OUT) and never leaves it; DONE and FAILED handles are released at that
+  moment, TIMED_OUT handles when NIXL settles them (zombies: counted, not lost);
+* a zombie released without NIXL settling it (its peer removed, or ``close``)
+  is counted in ``forced_releases`` and its ``quiesced`` stays False: the
+  caller must not reuse that transfer's local memory while the peer may live.
 
 The transport is thread-safe through one lock around the agent, because the
 agent is created with ``NIXL_THREAD_SYNC_NONE`` (no listener thread).
@@ -140,6 +148,7 @@ class TransportCounters:
     xfer_handles: int
     peers: int
     zombies: int
+    forced_releases: int
     posted: int
     done: int
     failed: int
@@ -149,7 +158,7 @@ class TransportCounters:
     @property
     def live(self) -> int:
         """Sum of the live counts; zero after :meth:`NixlTransport.close`."""
-        return self.registrations + self.dlists + self.xfer_handles + self.peers + self.zombies
+        return self.registrations + self.dlists + self.xfer_handles + self.peers
 
 
 @dataclass
@@ -159,6 +168,11 @@ class Transfer:
     Telemetry: ``nbytes`` and ``num_descs`` are computed from the prepared
     lists at post time; ``duration_s`` is post-to-terminal as observed by
     ``poll`` (so its resolution is the caller's polling interval).
+
+    ``quiesced`` is True once NIXL no longer touches this transfer's memory
+    (DONE, or an error reported by NIXL). A TIMED_OUT transfer becomes
+    quiesced later, when its zombie handle settles; until then its local
+    blocks (READ destination / WRITE source) must not be reused.
     """
 
     transfer_id: int
@@ -172,6 +186,7 @@ class Transfer:
     state: XferState = XferState.PENDING
     error: str | None = None
     finished_at: float | None = None
+    quiesced: bool = False
     _handle: Any = field(default=None, repr=False)
 
     @property
@@ -294,6 +309,7 @@ class NixlTransport:
         self._generations: dict[str, int] = {}
         self._pending: dict[int, Transfer] = {}
         self._zombies: list[Transfer] = []
+        self._forced_releases = 0
         self._ids = itertools.count(1)
         self._posted = self._done = self._failed = self._timed_out = 0
         self._bytes_done = 0
@@ -412,7 +428,8 @@ class NixlTransport:
                 raise NixlTransportError(f"add_remote_agent({peer_name!r}) failed: {exc!r}") from exc
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded != peer_name:
-                self._agent.remove_remote_agent(loaded)
+                if loaded not in self._peers:  # never drop a peer we already hold
+                    self._agent.remove_remote_agent(loaded)
                 raise NixlTransportError(
                     f"peer_name {peer_name!r} does not match the metadata's agent name {loaded!r}"
                 )
@@ -429,16 +446,20 @@ class NixlTransport:
             if self._peers.get(peer.name) != peer:
                 return
             for xfer in [t for t in self._pending.values() if t.peer == peer]:
-                self._finish(xfer, XferState.FAILED, f"peer {peer.name} removed")
+                self._finish(xfer, XferState.FAILED, f"peer {peer.name} removed", in_flight=True)
             for list_id in [k for k, e in self._dlists.items() if e.peer == peer]:
                 self._dlists.pop(list_id).handle.release()
+            self._reap_locked()  # settle what can be settled while NIXL still knows the peer
             del self._peers[peer.name]
             del self._peer_md[peer.name]
             try:
                 self._agent.remove_remote_agent(peer.name)
             except Exception as exc:  # already disconnected: nothing left to free
                 logger.warning("remove_remote_agent(%s) failed: %r", peer.name, exc)
-            self._reap_locked()
+            # NIXL can no longer report on this peer's zombies (NOT_FOUND): release them
+            # by force; their local memory stays unsafe (quiesced False) while the peer lives.
+            for z in [z for z in self._zombies if z.peer == peer]:
+                self._force_release(z)
 
     def peer(self, name: str) -> PeerHandle | None:
         return self._peers.get(name)
@@ -543,7 +564,11 @@ class NixlTransport:
         else:
             self._finish(xfer, XferState.FAILED, f"{where} returned {status!r}")
 
-    def _finish(self, xfer: Transfer, state: XferState, error: str | None) -> None:
+    def _finish(
+        self, xfer: Transfer, state: XferState, error: str | None, *, in_flight: bool = False
+    ) -> None:
+        """Record the terminal state. ``in_flight``: NIXL has not settled the handle
+        (deadline passed, or we gave up on it), so it is kept as a zombie."""
         xfer.state = state
         xfer.error = error
         xfer.finished_at = time.monotonic()
@@ -561,28 +586,51 @@ class NixlTransport:
                 xfer.transfer_id, xfer.op.value, xfer.peer.name, xfer.num_descs,
                 xfer.nbytes, state.value, error,
             )
-        if xfer._handle is not None and not self._try_release(xfer):
+        if xfer._handle is None:  # failed before NIXL ever had it
+            xfer.quiesced = True
+        elif in_flight or state is XferState.TIMED_OUT:
+            self._zombies.append(xfer)  # still in flight inside NIXL/UCX: keep the handle
+        elif not self._release(xfer, quiesced=True):
             self._zombies.append(xfer)
 
-    def _try_release(self, xfer: Transfer) -> bool:
-        """Release the NIXL handle; False if NIXL refuses (transfer still active)."""
+    def _release(self, xfer: Transfer, *, quiesced: bool) -> bool:
+        """Release the NIXL handle; False if NIXL refuses (kept as a zombie)."""
         try:
             xfer._handle.release()
         except Exception as exc:
             logger.info("nixl transfer %d: release refused (%r); kept as zombie", xfer.transfer_id, exc)
             return False
         xfer._handle = None
+        xfer.quiesced = quiesced
         return True
 
+    def _force_release(self, xfer: Transfer) -> None:
+        self._zombies.remove(xfer)
+        self._forced_releases += 1
+        logger.warning(
+            "nixl transfer %d %s to %s released unsettled: its local memory may still be "
+            "written while that peer lives", xfer.transfer_id, xfer.op.value, xfer.peer.name,
+        )
+        if not self._release(xfer, quiesced=False):
+            xfer._handle = None  # NIXL's own finaliser keeps it on the agent's leak list
+
     def reap(self) -> int:
-        """Retry releasing zombie handles; returns how many remain."""
+        """Release zombies that NIXL has settled (DONE or error); returns how many remain."""
         with self._lock:
             return self._reap_locked()
 
     def _reap_locked(self) -> int:
-        if self._zombies:
-            self._zombies = [z for z in self._zombies if not self._try_release(z)]
-        return len(self._zombies)
+        keep = []
+        for z in self._zombies:
+            try:
+                status = self._agent.check_xfer_state(z._handle)
+            except Exception as exc:  # the peer died: nothing more can land
+                logger.info("nixl zombie %d settled with %r", z.transfer_id, exc)
+                status = "ERR"
+            if status == "PROC" or not self._release(z, quiesced=True):
+                keep.append(z)
+        self._zombies = keep
+        return len(keep)
 
     def pending(self) -> list[Transfer]:
         with self._lock:
@@ -619,6 +667,7 @@ class NixlTransport:
                 xfer_handles=len(self._pending) + len(self._zombies),
                 peers=len(self._peers),
                 zombies=len(self._zombies),
+                forced_releases=self._forced_releases,
                 posted=self._posted,
                 done=self._done,
                 failed=self._failed,
@@ -629,8 +678,9 @@ class NixlTransport:
     # ---------------------------------------------------------------- shutdown
 
     def close(self, *, strict: bool = True) -> TransportCounters:
-        """Release everything (idempotent): pending transfers are failed, peers
-        removed, lists released, memory deregistered, zombies retried last.
+        """Release everything (idempotent): pending transfers are failed, settled
+        zombies released, peers removed (unsettled zombies force-released and
+        counted in ``forced_releases``), lists released, memory deregistered.
 
         Returns the final counters; with ``strict`` raises if any live count is
         not zero (a leak)."""
@@ -638,12 +688,13 @@ class NixlTransport:
             if self._closed:
                 return self.counters()
             for xfer in list(self._pending.values()):
-                self._finish(xfer, XferState.FAILED, "transport closed")
+                self._finish(xfer, XferState.FAILED, "transport closed", in_flight=True)
             for peer in list(self._peers.values()):
                 self.remove_peer(peer)
             for list_id in list(self._dlists):
                 self._dlists.pop(list_id).handle.release()
-            self._reap_locked()
+            for z in list(self._zombies):  # peers already removed: none should be left
+                self._force_release(z)
             while self._reg_descs:
                 reg = self._reg_descs.pop()
                 self._regions.pop()
@@ -653,8 +704,11 @@ class NixlTransport:
                     logger.error("deregister_memory failed: %r", exc)
             self._closed = True
             final = self.counters()
-            if final.zombies:
-                logger.error("nixl transport %s closed with %d zombie handles", self.name, final.zombies)
+            if final.forced_releases:
+                logger.warning(
+                    "nixl transport %s released %d unsettled transfers by force",
+                    self.name, final.forced_releases,
+                )
         if strict and final.live:
             raise NixlTransportError(f"nixl transport {self.name} leaked at close: {final}")
         return final
@@ -687,13 +741,13 @@ class NixlTransport:
         return self._regions[region_id]
 
     def _dlist(self, dlist: DescList, want_peer: PeerHandle | None) -> _DListEntry:
+        if want_peer is not None:
+            self._check_peer(want_peer)  # a stale generation is the likelier cause: say so
         entry = self._dlists.get(dlist.list_id)
         if entry is None:
             raise NixlTransportError(f"descriptor list {dlist.list_id} was released or never prepared")
         if want_peer is None and entry.peer is not None:
             raise NixlTransportError("local: expected a list from prepare_local*, got a remote one")
-        if want_peer is not None:
-            self._check_peer(want_peer)
         return entry
 
     def _check_inside_regions(self, arr: np.ndarray) -> None:
