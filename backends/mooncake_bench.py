@@ -69,7 +69,7 @@ def run_mooncake_bench(
         if num_blocks < 1 or block_bytes < 1:
             raise ValueError(f"pattern must be (num_blocks >= 1, block_bytes >= 1), got {(num_blocks, block_bytes)}")
     max_bytes = max(n * b for n, b in patterns)
-    segment_bytes = max(256 * MiB, 3 * max_bytes)
+    segment_bytes = max(32 * MiB, 3 * max_bytes)
     report: dict[str, Any] = {"rounds": rounds, "segment_bytes": segment_bytes, "patterns": []}
     with _store_endpoint(master_address, metadata_server) as (rpc, meta, local_master):
         report["master"] = rpc
@@ -151,9 +151,12 @@ def _bench_pattern(
         client.unregister_buffer(dst.data_ptr())
 
     def side_report(side: str) -> dict[str, float]:
+        put_s, get_s = times[side]["put"], times[side]["get"]
         return {
-            "put_gbps": _gbps(total, statistics.median(times[side]["put"])),
-            "get_gbps": _gbps(total, statistics.median(times[side]["get"])),
+            "put_gbps": _gbps(total, statistics.median(put_s)),
+            "get_gbps": _gbps(total, statistics.median(get_s)),
+            "put_gbps_best": _gbps(total, min(put_s)),
+            "get_gbps_best": _gbps(total, min(get_s)),
         }
 
     raw_r, client_r = side_report("raw"), side_report("client")
@@ -163,9 +166,13 @@ def _bench_pattern(
         "total_bytes": total,
         "raw": raw_r,
         "client": client_r,
+        # Medians are the headline; best-of-rounds ratios show the intrinsic cost when
+        # other processes share the CPU (both sides alternate, so noise hits both).
         "ratio": {
             "put": client_r["put_gbps"] / raw_r["put_gbps"],
             "get": client_r["get_gbps"] / raw_r["get_gbps"],
+            "put_best": client_r["put_gbps_best"] / raw_r["put_gbps_best"],
+            "get_best": client_r["get_gbps_best"] / raw_r["get_gbps_best"],
         },
         "memcpy_gbps": _gbps(total, statistics.median(memcpy_s)),
         "failed_rounds": failures,

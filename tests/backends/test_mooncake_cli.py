@@ -1,0 +1,78 @@
+"""`kvbridge mooncake master|bench` end to end (real mooncake_master, real store)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge.backends.mooncake_master import port_accepts
+from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
+from kvbridge.tools.cmd_mooncake import parse_pattern
+from tests.conftest import require
+
+
+def test_parse_pattern_units_and_errors() -> None:
+    assert parse_pattern("64x2MiB") == (64, 2 << 20)
+    assert parse_pattern("4096 x 16KiB") == (4096, 16 << 10)
+    assert parse_pattern("3x100") == (3, 100)
+    for bad in ("64", "0x2MiB", "64x2PB", "x"):
+        with pytest.raises(ValueError, match="pattern"):
+            parse_pattern(bad)
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mooncake", "bench", "--pattern", "3y4"]) == EXIT_USAGE
+    assert main(["mooncake", "bench", "--master", "127.0.0.1:1"]) == EXIT_USAGE
+    assert main(["mooncake", "master", "--port", "70000"]) == EXIT_USAGE
+    assert main(["mooncake"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "64x2MiB" in err and "--master and --metadata" in err and "1..65535" in err
+
+
+def test_master_command_serves_until_interrupted() -> None:
+    require("mooncake.store")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.tools.cli", "mooncake", "master", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "no address line within 30 s"
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        host, port = info["rpc_address"].rsplit(":", 1)
+        assert host == "127.0.0.1" and port_accepts(host, int(port))
+        assert info["metadata_url"].startswith("http://127.0.0.1:")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == EXIT_OK
+        assert not port_accepts(host, int(port))  # the master went with it
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_bench_command_reports_ratios_and_verifies_bytes(
+    mooncake_master: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require("torch")
+    rpc = mooncake_master.rpc_address  # type: ignore[attr-defined]
+    meta = mooncake_master.metadata_url  # type: ignore[attr-defined]
+    rc = main(["mooncake", "bench", "--pattern", "8x64KiB", "--pattern", "64x4KiB", "--rounds", "1",
+               "--master", rpc, "--metadata", meta, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == EXIT_OK
+    assert [(p["num_blocks"], p["block_bytes"]) for p in report["patterns"]] == [(8, 65536), (64, 4096)]
+    for p in report["patterns"]:
+        assert p["verified"] and p["failed_rounds"] == {"raw": 0, "client": 0}
+        assert p["raw"]["put_gbps"] > 0 and p["client"]["get_gbps"] > 0
+        assert set(p["ratio"]) == {"put", "get", "put_best", "get_best"}

@@ -1,0 +1,219 @@
+"""`kvbridge mooncake master|bench`: run a local Mooncake master; raw store vs kvbridge's client."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import threading
+from typing import Any
+
+from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+
+EPILOG = """\
+examples:
+  kvbridge mooncake master                       # free ports on 127.0.0.1, until Ctrl-C
+  kvbridge mooncake master --port 50051 --http-port 8080 --json
+  kvbridge mooncake bench                        # 64 x 2 MiB and 4096 x 16 KiB
+  kvbridge mooncake bench --pattern 256x64KiB --rounds 9 --json
+"""
+
+MASTER_EPILOG = """\
+Runs mooncake_master (from the Mooncake wheel) with its RPC service, embedded
+HTTP metadata server and metrics on 127.0.0.1, prints the two addresses a
+client needs, and stops it cleanly on Ctrl-C / SIGTERM (or after --duration).
+Mooncake's HTTP metadata port listens on all interfaces whatever host it is
+given: firewall it on shared machines.
+
+examples:
+  kvbridge mooncake master
+  kvbridge mooncake master --port 50051 --http-port 8080 --json
+"""
+
+BENCH_EPILOG = """\
+Puts and gets the same blocks with Mooncake's own batch_put_from /
+batch_get_into and with kvbridge's MooncakeStoreClient, alternating in each
+round on one store, and prints GB/s (median over rounds), client/raw ratios
+and memcpy of the same bytes. Every round's get is verified byte for byte;
+exit code 1 if any round failed. Starts a local master unless --master is given.
+
+examples:
+  kvbridge mooncake bench
+  kvbridge mooncake bench --pattern 64x2MiB --pattern 4096x16KiB --rounds 9 --json
+  kvbridge mooncake bench --master 127.0.0.1:50051 --metadata http://127.0.0.1:8080/metadata
+"""
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30}
+_PATTERN = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_pattern(text: str) -> tuple[int, int]:
+    """``"64x2MiB"`` -> ``(64, 2097152)``; raises ValueError naming the expected form."""
+    match = _PATTERN.match(text)
+    unit = match.group(3).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"pattern must look like 64x2MiB or 4096x16384 (blocks x bytes), got {text!r}")
+    num_blocks, block_bytes = int(match.group(1)), int(match.group(2)) * _UNITS[unit]
+    if num_blocks < 1 or block_bytes < 1:
+        raise ValueError(f"pattern needs at least one block of at least one byte, got {text!r}")
+    return num_blocks, block_bytes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "mooncake", help="run a local Mooncake master; benchmark the Mooncake store client",
+        description="Mooncake store utilities.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mooncake_command", metavar="COMMAND")
+
+    master = sub.add_parser(
+        "master", help="run mooncake_master on 127.0.0.1 until interrupted",
+        description="Run a local mooncake_master with its embedded HTTP metadata server.",
+        epilog=MASTER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    master.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
+    master.add_argument("--http-port", type=int, default=None,
+                        help="HTTP metadata server port (default: a free one)")
+    master.add_argument("--metrics-port", type=int, default=None,
+                        help="metrics port (default: a free one)")
+    master.add_argument("--lease-ttl-ms", type=int, default=None,
+                        help="lease a read puts on an object, ms (Mooncake default 10000)")
+    master.add_argument("--log", default=None, metavar="FILE",
+                        help="write the master's log here (default: a temporary file)")
+    master.add_argument("--duration", type=float, default=None, metavar="S",
+                        help="stop after S seconds (default: until interrupted)")
+    master.add_argument("--json", action="store_true", help="print the addresses as one JSON line")
+    master.set_defaults(func=run_master)
+
+    bench = sub.add_parser(
+        "bench", help="raw Mooncake batch put/get vs kvbridge's client, same bytes, same run",
+        description="Benchmark kvbridge's MooncakeStoreClient against the raw Mooncake store.",
+        epilog=BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("--pattern", action="append", default=None, metavar="NxSIZE",
+                       help="blocks x block size, e.g. 64x2MiB (repeatable; "
+                            "default 64x2MiB and 4096x16KiB)")
+    bench.add_argument("--rounds", type=int, default=5, help="timed rounds per side (default 5)")
+    bench.add_argument("--master", default=None, metavar="HOST:PORT",
+                       help="use this master instead of starting one (needs --metadata)")
+    bench.add_argument("--metadata", default=None, metavar="URL",
+                       help="metadata server URL, e.g. http://127.0.0.1:8080/metadata")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.set_defaults(func=run_bench)
+
+    parser.set_defaults(func=lambda args: _missing(parser))
+
+
+def _missing(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def run_master(args: argparse.Namespace) -> int:
+    from kvbridge.backends.mooncake_master import MooncakeMaster, MooncakeMasterError
+
+    for name in ("port", "http_port", "metrics_port"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < 65536:
+            print(f"kvbridge mooncake master: --{name.replace('_', '-')} must be 1..65535, "
+                  f"got {value}", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        master = MooncakeMaster(
+            rpc_port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
+            log_path=args.log, lease_ttl_ms=args.lease_ttl_ms,
+        )
+    except ValueError as exc:
+        print(f"kvbridge mooncake master: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            master.start()
+        except MooncakeMasterError as exc:
+            print(f"kvbridge mooncake master: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        info = {"rpc_address": master.rpc_address, "metadata_url": master.metadata_url,
+                "metrics_url": master.metrics_url, "pid": master.pid,
+                "log": str(master.log_path)}
+        if args.json:
+            print(json.dumps(info), flush=True)
+        else:
+            print(f"mooncake_master pid {master.pid}\n"
+                  f"  master address   {master.rpc_address}\n"
+                  f"  metadata server  {master.metadata_url}\n"
+                  f"  metrics          {master.metrics_url}\n"
+                  f"  log              {master.log_path}\n"
+                  "Ctrl-C to stop.", flush=True)
+        waited = 0.0
+        while not stop.wait(0.5):
+            waited += 0.5
+            if not master.is_running:
+                print(f"kvbridge mooncake master: mooncake_master exited unexpectedly; log:\n"
+                      f"{master.log_tail()}", file=sys.stderr)
+                return EXIT_FAILURE
+            if args.duration is not None and waited >= args.duration:
+                break
+        return EXIT_OK
+    finally:
+        master.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        patterns = [parse_pattern(p) for p in (args.pattern or ["64x2MiB", "4096x16KiB"])]
+    except ValueError as exc:
+        print(f"kvbridge mooncake bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.rounds < 1:
+        print(f"kvbridge mooncake bench: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
+        return EXIT_USAGE
+    if (args.master is None) != (args.metadata is None):
+        print("kvbridge mooncake bench: --master and --metadata go together", file=sys.stderr)
+        return EXIT_USAGE
+    from kvbridge.backends.mooncake import MooncakeError
+    from kvbridge.backends.mooncake_bench import run_mooncake_bench
+    from kvbridge.backends.mooncake_master import MooncakeMasterError
+
+    try:
+        report = run_mooncake_bench(tuple(patterns), rounds=args.rounds,
+                                    master_address=args.master, metadata_server=args.metadata)
+    except (MooncakeError, MooncakeMasterError) as exc:
+        print(f"kvbridge mooncake bench: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    ok = all(p["verified"] for p in report["patterns"])
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_bench(report))
+    return EXIT_OK if ok else EXIT_FAILURE
+
+
+def _size(nbytes: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor} {unit}"
+    return f"{nbytes} B"
+
+
+def format_bench(report: dict[str, Any]) -> str:
+    lines = [
+        f"Mooncake store, one process (blocks in the client's own segment), master "
+        f"{report['master']}, median of {report['rounds']} rounds",
+        f"{'pattern':>16} {'op':>4} {'raw GB/s':>9} {'client GB/s':>12} {'ratio':>6} "
+        f"{'best ratio':>10} {'memcpy GB/s':>12} {'verified':>8}",
+    ]
+    for p in report["patterns"]:
+        name = f"{p['num_blocks']} x {_size(p['block_bytes'])}"
+        for op in ("put", "get"):
+            lines.append(
+                f"{name:>16} {op:>4} {p['raw'][op + '_gbps']:9.2f} {p['client'][op + '_gbps']:12.2f} "
+                f"{p['ratio'][op]:6.2f} {p['ratio'][op + '_best']:10.2f} {p['memcpy_gbps']:12.2f} "
+                f"{'yes' if p['verified'] else 'NO':>8}"
+            )
+    return "\n".join(lines)
