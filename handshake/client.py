@@ -35,6 +35,7 @@ from kvbridge.handshake.schema import (
     ErrorReply,
     MetadataReply,
     MetadataRequest,
+    RankKey,
     Reply,
     RequestKind,
     ServerClock,
@@ -173,6 +174,12 @@ class HandshakeClient:
             return FetchResult(known, rtt, clock, True, attempts)
         assert isinstance(reply, MetadataReply)
         metadata = decode_engine(reply.engine_doc, expected, self.max_message_bytes)
+        wanted = [RankKey.of(t) for t in metadata.topology.ranks() if request.selects(
+            RankKey.of(t))]
+        got = [m.rank for m in metadata.ranks]
+        if got != wanted:
+            raise HandshakeError("ranks", f"peer sent ranks {[k.describe() for k in got]} for "
+                                          f"a request of {[k.describe() for k in wanted]}")
         self._remember(key, known, metadata)
         return FetchResult(metadata, rtt, clock, False, attempts)
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -450,6 +450,34 @@ class AgentMetadata:
     regions: tuple[RegionMemory, ...]  # in spec region order
     spec: KVCacheSpec
     generation: int = 0  # registration generation; the server stamps it on publish
+
+    @classmethod
+    def build(cls, engine_id: str, agent_name: str, agent_blob: bytes, spec: KVCacheSpec,
+              topology: ParallelTopology, layer_addrs: Mapping[int, int],
+              num_blocks: int) -> AgentMetadata:
+        """Metadata of one rank from its layer tensors' addresses, checked.
+
+        ``layer_addrs`` maps every layer id on this rank's stage to the data
+        pointer of that layer's KV tensor (``tensor.data_ptr()``), each tensor
+        shaped ``RankRegionShape.tensor_shape(num_blocks)`` and densely packed.
+        """
+        regions = []
+        try:
+            shapes = spec.rank_shapes(topology)
+        except LayoutError as exc:
+            raise HandshakeError(exc.field, exc.reason) from None
+        for shape in shapes:
+            missing = [layer for layer in shape.layer_ids if layer not in layer_addrs]
+            if missing:
+                raise HandshakeError("layer_addrs", f"no address for layer(s) {missing} of "
+                                                    f"region {shape.region.name!r}")
+            regions.append(RegionMemory(
+                shape.region.name, tuple(int(layer_addrs[layer]) for layer in shape.layer_ids),
+                shape.block_bytes_per_layer, num_blocks if shape.layer_ids else 0,
+                shape.region.memory_order, shape.region.block_size))
+        meta = cls(engine_id, agent_name, agent_blob, topology, tuple(regions), spec)
+        check_agent(meta)
+        return meta
 
     @property
     def rank(self) -> RankKey:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvbridge.handshake import (
     MAX_MESSAGE_BYTES,
+    AgentMetadata,
     CompatHeader,
     ErrorReply,
     HandshakeError,
@@ -244,3 +245,19 @@ def test_any_mutation_of_a_document_is_decoded_or_refused_with_a_handshake_error
     else:  # a surviving mutation must still be a self-consistent document
         for rank in decoded.ranks:
             check_agent(rank)
+
+
+def test_build_from_layer_addresses_matches_the_spec():
+    spec = load_spec("tiny-hybrid")
+    topology = ParallelTopology(tp_size=2, pp_size=2, tp_rank=1, pp_rank=1)
+    meta = AgentMetadata.build("e", "agent", b"blob", spec, topology,
+                               {2: 0x10000, 3: 0x90000}, num_blocks=8)
+    assert [r.base_addrs for r in meta.regions] == [(0x10000,), (0x90000,)]
+    assert meta.layer_memory()[3].block_stride == meta.regions[1].block_bytes_per_layer
+    with pytest.raises(HandshakeError) as info:
+        AgentMetadata.build("e", "agent", b"", spec, topology, {2: 0x10000}, num_blocks=8)
+    assert info.value.field == "layer_addrs"
+    with pytest.raises(HandshakeError) as info:  # layer 2's 8 blocks overlap layer 3
+        AgentMetadata.build("e", "agent", b"", spec, topology, {2: 0x10000, 3: 0x10100},
+                            num_blocks=8)
+    assert info.value.field == "regions[1].base_addrs[0]"
