@@ -168,10 +168,16 @@ def _alloc(spec_name: str, topology: ParallelTopology, num_blocks: int,
     return buffers, rank_memory(spec, topology, addrs, num_blocks)
 
 
-@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-gqa-nhd"])
-def test_absolute_descriptors_move_the_right_bytes_in_real_memory(name: str) -> None:
+@pytest.mark.parametrize(("name", "producer_text", "consumer_text"), [
+    ("tiny-hybrid", "tp=4,pp=2", "tp=2"),
+    ("tiny-gqa-nhd", "tp=4,pp=2", "tp=2"),
+    ("tiny-mla", "tp=2,dcp=2,pcp=2", "tp=4,dcp=2,pp=2,pcp=2"),
+    ("tiny-gqa", "tp=1", "tp=8"),
+])
+def test_absolute_descriptors_move_the_right_bytes_in_real_memory(
+        name: str, producer_text: str, consumer_text: str) -> None:
     spec = load_spec(name)
-    producer, consumer = topo("tp=4,pp=2"), topo("tp=2")
+    producer, consumer = topo(producer_text), topo(consumer_text)
     plan = plan_transfer(spec, producer, consumer)
     rng = np.random.default_rng(7)
     num_blocks = 6
