@@ -253,9 +253,14 @@ def _check_str(value: object, where: str, max_chars: int, allow_empty: bool = Fa
     return value
 
 
-def _version(reader: _Reader) -> None:
-    """Check the protocol version first, with a message that says what to do."""
-    version = reader.obj.get("v")
+def _versioned(data: object, what: str, max_bytes: int) -> dict[str, object]:
+    """Unpack a top-level record and check its protocol version before anything else."""
+    obj = _unpack(data, what, max_bytes)
+    if not isinstance(obj, dict):
+        raise HandshakeError(what, f"expected a map, got {_kind(obj)}")
+    if "v" not in obj:
+        raise HandshakeError("protocol_version", "missing (field 'v')")
+    version = obj["v"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise HandshakeError("protocol_version", f"expected an integer protocol version, "
                                                  f"got {_kind(version)}")
@@ -263,14 +268,12 @@ def _version(reader: _Reader) -> None:
         raise HandshakeError("protocol_version",
                              f"peer speaks handshake protocol v{version}, this kvbridge speaks "
                              f"v{PROTOCOL_VERSION}; run the same kvbridge version on both sides")
+    return obj
 
 
 def _top(data: object, what: str, max_bytes: int, required: Sequence[str],
          optional: Sequence[str] = ()) -> _Reader:
-    obj = _unpack(data, what, max_bytes)
-    if isinstance(obj, dict) and "v" in obj:
-        _version(_Reader({"v": obj["v"]}, "", ("v",)))
-    return _Reader(obj, "", ("v", *required), optional)
+    return _Reader(_versioned(data, what, max_bytes), "", ("v", *required), optional)
 
 
 # --------------------------------------------------------------------------- header
@@ -617,15 +620,8 @@ def encode_agent(meta: AgentMetadata) -> bytes:
 
 
 def decode_agent(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> AgentMetadata:
-    obj = _unpack(data, "message", max_bytes)
-    if isinstance(obj, dict) and "v" in obj:
-        _version(_Reader({"v": obj["v"]}, "", ("v",)))
-    if not isinstance(obj, dict):
-        raise HandshakeError("message", f"expected a map, got {_kind(obj)}")
-    if "v" not in obj:
-        raise HandshakeError("protocol_version", "missing")
-    rest = {k: v for k, v in obj.items() if k != "v"}
-    return _agent_from_map(rest, "", None)
+    obj = _versioned(data, "message", max_bytes)
+    return _agent_from_map({k: v for k, v in obj.items() if k != "v"}, "", None)
 
 
 # --------------------------------------------------------------------------- engine
@@ -816,9 +812,7 @@ def encode_request(request: MetadataRequest) -> bytes:
 
 
 def decode_request(data: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> MetadataRequest:
-    obj = _unpack(data, "message", max_bytes)
-    if isinstance(obj, dict) and "v" in obj:
-        _version(_Reader({"v": obj["v"]}, "", ("v",)))
+    obj = _versioned(data, "message", max_bytes)
     kind_reader = _Reader(obj, "", ("v", "kind", "id"),
                           ("pp", "tp", "pcp", "known_incarnation", "known_generation"))
     kind = kind_reader.get_enum("kind", RequestKind)
@@ -906,9 +900,7 @@ def encode_reply(reply: Reply) -> bytes:
 
 
 def decode_reply(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Reply:
-    obj = _unpack(data, "message", max_bytes)
-    if isinstance(obj, dict) and "v" in obj:
-        _version(_Reader({"v": obj["v"]}, "", ("v",)))
+    obj = _versioned(data, "message", max_bytes)
     common = ("v", "kind", "id", "wall", "mono")
     kind = _Reader(obj, "", common, ("engine", "engine_id", "incarnation", "generation",
                                      "unchanged", "field", "message", "retryable")).raw("kind")

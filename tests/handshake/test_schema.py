@@ -187,6 +187,16 @@ def test_malformed_rank_metadata_names_the_field(make_store, edit, field):
     assert info.value.field == field
 
 
+def test_protocol_version_is_checked_first_on_every_record():
+    for decode in (decode_request, decode_reply, decode_agent, decode_engine):
+        with pytest.raises(HandshakeError) as info:
+            decode(msgpack.packb({"kind": "ping", "id": 1}))
+        assert info.value.field == "protocol_version"
+        with pytest.raises(HandshakeError) as info:
+            decode(msgpack.packb({"v": 2, "anything": "else"}))
+        assert info.value.field == "protocol_version" and "v2" in info.value.reason
+
+
 def test_size_and_type_limits():
     with pytest.raises(HandshakeError) as info:
         decode_reply(b"\x00" * (MAX_MESSAGE_BYTES + 1))
