@@ -61,19 +61,18 @@ from __future__ import annotations
 import logging
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.connectors.config import ConnectorConfig, KVRole, LoadFailurePolicy
 from kvbridge.connectors.errors import ConfigError, ContractError, RoleError
 from kvbridge.connectors.params import BlockIds, TransferMode, TransferParams
+from kvbridge.events import EventBuffer, KVEvent
 from kvbridge.layouts import BlockHash, KVCacheSpec, ParallelTopology, RankRegionShape
 
 if TYPE_CHECKING:
     import torch
-
-    from kvbridge.events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -358,32 +357,6 @@ class OutputAggregator:
 # --------------------------------------------------------------------------- context
 
 
-class EventBuffer:
-    """Where a connector half appends KV events (``kvbridge.events.schema`` records).
-
-    List-like on purpose: ``append``/``extend`` from the connector, ``drain``
-    from the engine (scheduler: ``take_events``; worker: into its
-    :class:`WorkerOutput`). Not thread-safe: append from the thread that owns
-    the half, or collect in the connector and append on that thread.
-    """
-
-    def __init__(self) -> None:
-        self._events: list[KVEvent] = []
-
-    def append(self, event: KVEvent) -> None:
-        self._events.append(event)
-
-    def extend(self, events: Iterable[KVEvent]) -> None:
-        self._events.extend(events)
-
-    def drain(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
-
-    def __len__(self) -> int:
-        return len(self._events)
-
-
 @dataclass(frozen=True)
 class ConnectorContext:
     """Everything a connector half is given about its engine.
@@ -393,6 +366,10 @@ class ConnectorContext:
     rank's position in ``topology.ranks()``). ``extra`` is the plugin's parsed
     form of ``config.extra`` (``ConnectorPlugin.parse_extra``).
     ``num_blocks[r]`` is the engine's block-pool size of region ``r``.
+    ``events`` is this half's own :class:`kvbridge.events.EventBuffer` (thread-safe):
+    append ``kvbridge.events`` records (``BlockStored`` ...) to it; the engine
+    takes them once per step (scheduler: ``take_events``; worker: into its
+    :class:`WorkerOutput`).
     """
 
     spec: KVCacheSpec
@@ -490,7 +467,7 @@ class SchedulerConnector(ABC):
 
     def take_events(self) -> list[KVEvent]:
         """KV events produced since the last call (default: drain ``ctx.events``)."""
-        return self.ctx.events.drain()
+        return self.ctx.events.take()
 
     def set_handshake_metadata(self, per_worker: Mapping[int, bytes]) -> None:  # noqa: B027
         """Each worker's ``get_handshake_metadata()`` (by worker index), given once
@@ -580,7 +557,7 @@ class WorkerConnector(ABC):
         return {}
 
     def take_events(self) -> list[KVEvent]:
-        return self.ctx.events.drain()
+        return self.ctx.events.take()
 
     @abstractmethod
     def shutdown(self) -> None:
