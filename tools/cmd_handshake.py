@@ -26,8 +26,11 @@ examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("handshake", help="handshake side-channel utilities",
-                                   description="Handshake side-channel utilities.")
+    parser = subparsers.add_parser(
+        "handshake", help="handshake side-channel utilities (serve FAKE example metadata)",
+        description="Handshake side-channel utilities. To inspect a live engine use "
+                    "`kvbridge probe`; to compare two, `kvbridge diff`.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="handshake_command", metavar="COMMAND")
     serve = sub.add_parser(
         "serve-example", help="serve FAKE but well-formed metadata of a model",
