@@ -22,14 +22,16 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import torch
 
 from . import apply_env_defaults
 from .nixl import NixlTransport, NixlTransportError, XferState, block_descs, load_nixl_api
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +40,16 @@ __all__ = ["PeerProcess", "pattern", "peer_main", "run_nixl_raw_bench"]
 _PEER_MAX_LIFETIME_S = 900.0
 
 
-def pattern(nbytes: int, seed: int) -> torch.Tensor:
-    """Deterministic uint8 content of ``nbytes`` for ``seed`` (differs per 8-byte word)."""
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic uint8 content of ``nbytes`` for ``seed`` (differs per 8-byte word).
+
+    numpy, not torch: the peer process stays torch-free so that it starts in
+    well under a second (importing torch takes seconds on a loaded 2-core box).
+    Wrap with ``torch.from_numpy`` where a tensor is wanted.
+    """
     words = (nbytes + 7) // 8
-    x = torch.arange(words, dtype=torch.int64) * 2654435761 + (seed * 1000003 + 12345)
-    return x.view(torch.uint8)[:nbytes].clone()
+    x = np.arange(words, dtype=np.int64) * 2654435761 + (seed * 1000003 + 12345)
+    return x.view(np.uint8)[:nbytes].copy()
 
 
 # ------------------------------------------------------------------ the peer
@@ -52,8 +59,8 @@ def peer_main(conn: Any, name: str, nbytes: int, seed: int) -> None:
     """Body of the peer process (see module docstring). Exits on ``close`` or EOF."""
     apply_env_defaults()
     transport = NixlTransport(name)
-    buf = pattern(nbytes, seed) if seed >= 0 else torch.zeros(nbytes, dtype=torch.uint8)
-    region = transport.register_regions([buf])[0]
+    buf = pattern(nbytes, seed) if seed >= 0 else np.zeros(nbytes, dtype=np.uint8)
+    region = transport.register_regions([(buf.ctypes.data, buf.nbytes)])[0]
     peers: dict[str, Any] = {}
     notifs: dict[str, list[bytes]] = {}
 
@@ -80,9 +87,9 @@ def peer_main(conn: Any, name: str, nbytes: int, seed: int) -> None:
                     notifs = {}
                 elif op == "read":
                     off, ln = cmd["offset"], cmd["length"]
-                    reply(buf[off : off + ln].numpy().tobytes())
+                    reply(buf[off : off + ln].tobytes())
                 elif op == "fill":
-                    buf.copy_(pattern(nbytes, cmd["seed"]))
+                    buf[:] = pattern(nbytes, cmd["seed"])
                     reply(True)
                 elif op == "add_peer":
                     peers[cmd["name"]] = transport.add_peer(cmd["name"], cmd["md"])
@@ -210,7 +217,6 @@ def _raw_nixl(op: str, peer: PeerProcess, local: torch.Tensor, nb: int, bb: int,
     agent.release_dlist_handle(rdl)
     agent.remove_remote_agent(remote_name)
     agent.deregister_memory(reg)
-    del agent
     return {"times": times, "add_remote_agent_ms": add_ms, "first_transfer_ms": first_ms}
 
 
@@ -252,6 +258,8 @@ def run_nixl_raw_bench(
     ``raw_over_memcpy``, ``add_remote_agent_ms``, and whether the bytes moved
     were verified. A peer process is spawned per pattern and always reaped.
     """
+    import torch
+
     op = op.upper()
     if op not in ("READ", "WRITE"):
         raise ValueError(f"op must be READ or WRITE, got {op!r}")
@@ -264,7 +272,7 @@ def run_nixl_raw_bench(
             if op == "READ":
                 local = torch.zeros(total, dtype=torch.uint8)
             else:
-                local = pattern(total, seed)
+                local = torch.from_numpy(pattern(total, seed))
             raw = _raw_nixl(op, peer, local, nb, bb, min_iters, min_time_s, deadline_s)
             ok_raw = _verify(op, peer, local, total, seed)
             if op == "READ":
@@ -273,9 +281,9 @@ def run_nixl_raw_bench(
             ok_ad = _verify(op, peer, local, total, seed)
         finally:
             peer.close()
-        src = pattern(total, seed)
+        src = torch.from_numpy(pattern(total, seed))
         dst = torch.empty_like(src)
-        copy_times = _timed(lambda: dst.copy_(src), min_iters, min_time_s / 2, 10_000)
+        copy_times = _timed(lambda d=dst, s=src: d.copy_(s), min_iters, min_time_s / 2, 10_000)
         raw_gbps = total / statistics.median(raw["times"]) / 1e9
         ad_gbps = total / statistics.median(ad["times"]) / 1e9
         cp_gbps = total / statistics.median(copy_times) / 1e9
@@ -303,7 +311,7 @@ def run_nixl_raw_bench(
 def _verify(op: str, peer: PeerProcess, local: torch.Tensor, total: int, seed: int) -> bool:
     """Byte-for-byte check of what was moved (READ: the local copy; WRITE: sampled peer bytes)."""
     if op == "READ":
-        return bool(torch.equal(local, pattern(total, seed)))
+        return bool(np.array_equal(local.numpy(), pattern(total, seed)))
     chunk = min(total, 4 << 20)
     for off in sorted({0, (total - chunk) // 2, total - chunk}):
         if peer.read(off, chunk) != local[off : off + chunk].numpy().tobytes():

@@ -15,6 +15,7 @@ import uuid
 
 import numpy as np
 import pytest
+
 from tests.conftest import require
 
 torch = require("torch")
@@ -27,7 +28,8 @@ from kvbridge.backends.nixl import (  # noqa: E402
     block_descs,
     sub_block_descs,
 )
-from kvbridge.backends.nixl_bench import PeerProcess, pattern  # noqa: E402
+from kvbridge.backends.nixl_bench import PeerProcess  # noqa: E402
+from kvbridge.backends.nixl_bench import pattern as np_pattern  # noqa: E402
 
 NB, BB = 16, 64 << 10  # shared peer: 16 blocks of 64 KiB
 SEED = 5
@@ -74,6 +76,10 @@ def _stop(pid: int) -> None:
                 return
         time.sleep(0.001)
     raise AssertionError(f"process {pid} did not stop")
+
+
+def pattern(nbytes: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np_pattern(nbytes, seed))
 
 
 def _poll_until(fn, timeout_s: float = WAIT_S):
@@ -165,7 +171,7 @@ def test_argument_errors(side) -> None:
 
 # ------------------------------------------------------------ failures
 
-FB, FN = 1 << 20, 32  # 32 MiB: large enough to stay in PROC while the peer is stopped
+FB, FN = 1 << 20, 8  # 8 MiB: over TCP any of these stays in PROC while the peer is stopped
 
 
 @pytest.fixture
