@@ -61,6 +61,10 @@ class SubscriberConfig:
     rcvhwm: int = 100_000
     #: Ask a kvbridge publisher for its incarnation after every reconnect.
     check_incarnation_on_reconnect: bool = True
+    #: After this long without live traffic, ask the replay endpoint whether
+    #: batches were published that never arrived (a gap at the tail of the stream
+    #: is otherwise invisible until the next live batch). None disables it.
+    idle_resync_s: float | None = 1.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,8 @@ class KVEventSubscriber:
         self._connects = 0
         self._verify_incarnation = False
         self._closed = False
+        self._last_activity = time.monotonic()
+        self._resync_interval = config.idle_resync_s
 
     # ------------------------------------------------------------ public API
 
@@ -190,9 +196,12 @@ class KVEventSubscriber:
                 return None
             if self._needs_catch_up:
                 self._needs_catch_up = False
-                self._catch_up()
+                self._catch_up(self.config.start_seq or 0)
                 continue
             self._drain_monitor()
+            if self._resync_due():
+                self._resync()
+                continue
             if deadline is None:
                 wait_ms = self._POLL_SLICE_MS
             else:
@@ -201,6 +210,7 @@ class KVEventSubscriber:
                     return None
                 wait_ms = max(1, min(self._POLL_SLICE_MS, int(remaining * 1000)))
             if self._sub.poll(wait_ms, zmq.POLLIN):
+                self._last_activity = time.monotonic()
                 self._on_live(self._sub.recv_multipart(zmq.NOBLOCK))
 
     def items(
@@ -287,15 +297,20 @@ class KVEventSubscriber:
             self._verify_incarnation = False
             new_incarnation = self._current_incarnation_if_changed()
             if new_incarnation is not None:
+                # This frame may be a stale one of the old incarnation: _restart
+                # discards queued frames and replays the new incarnation instead.
                 self._restart(live.seq, "new incarnation after reconnect", new_incarnation)
-        self._process_live(live.seq, live.payload, live.topic, allow_restart=True)
+                return
+        self._process_live(live.seq, live.payload, live.topic)
 
-    def _process_live(self, seq: int, payload: bytes, topic: bytes, allow_restart: bool) -> None:
+    def _process_live(self, seq: int, payload: bytes, topic: bytes) -> None:
         verdict = self._tracker.on_live(seq)
-        if verdict is LiveVerdict.RESTART and allow_restart:
+        if verdict is LiveVerdict.RESTART:
             self._restart(seq, "sequence number went backwards")
+            if self.config.replay_endpoint is not None:
+                return  # the catch-up replay delivered this seq
             verdict = self._tracker.on_live(seq)
-        if verdict is LiveVerdict.DUPLICATE or verdict is LiveVerdict.RESTART:
+        if verdict is LiveVerdict.DUPLICATE:
             self._counters.duplicates_dropped += 1
             return
         if verdict is LiveVerdict.GAP:
@@ -303,9 +318,7 @@ class KVEventSubscriber:
             self._counters.gaps += 1
             self._ready.append(GapDetected(gap.start_seq, gap.end_seq))
             if self._repair(gap):
-                # The replay revealed a new incarnation: start over with this seq.
-                self._process_live(seq, payload, topic, allow_restart=False)
-                return
+                return  # a new incarnation: the catch-up replay covered this seq
             self._declare_lost(self._tracker.skip_to(seq), "not in the publisher's replay ring")
         self._deliver(seq, payload, topic, replayed=False)
 
@@ -330,6 +343,12 @@ class KVEventSubscriber:
         self._ready.append(GapLost(lost.start_seq, lost.end_seq, reason))
 
     def _restart(self, seq: int, reason: str, incarnation: int | None = None) -> None:
+        """Switch to a new publisher incarnation.
+
+        With a replay endpoint, frames already queued on the SUB socket are
+        discarded (they may belong to the old incarnation; those of the new one
+        come back by replay) and the new incarnation is replayed from seq 0.
+        """
         expected = self._tracker.expected
         last = None if expected is None else expected - 1
         self._counters.restarts += 1
@@ -343,14 +362,56 @@ class KVEventSubscriber:
         )
         self._ready.append(PublisherRestarted(self.incarnation, incarnation, last, seq, reason))
         self.incarnation = incarnation
-        # A new incarnation starts at 0: replay what this one already sent, if we can.
-        self._tracker.reset(0 if self.config.replay_endpoint is not None else None)
+        if self.config.replay_endpoint is None:
+            self._tracker.reset(None)
+            return
+        self._tracker.reset(0)
+        while True:
+            try:
+                self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._counters.duplicates_dropped += 1
+        self._catch_up(0)
 
     # ------------------------------------------------------------ replay path
 
-    def _catch_up(self) -> None:
-        start = self.config.start_seq or 0
+    def _resync_due(self) -> bool:
+        return (
+            self._resync_interval is not None
+            and self.config.replay_endpoint is not None
+            and self._tracker.expected is not None
+            and time.monotonic() - self._last_activity >= self._resync_interval
+        )
+
+    def _resync(self) -> None:
+        """Idle: fetch anything published since ``expected`` that never arrived live."""
+        self._last_activity = time.monotonic()
+        expected = self._tracker.expected
+        assert expected is not None
+        result = self._request_replay(expected, None)
+        base = self.config.idle_resync_s or 1.0
+        if not result.complete:
+            # A silent or dead publisher: ask less and less often (up to 30 s).
+            self._resync_interval = min(30.0, 2 * (self._resync_interval or base))
+            return
+        self._resync_interval = self.config.idle_resync_s
+        info = result.info
+        if info is not None and not info.matched:
+            self._restart(info.next_seq, "new incarnation found while idle", info.incarnation)
+            return
+        newer = [seq for seq, _, _ in result.batches if seq >= expected]
+        if newer:
+            self._counters.gaps += 1
+            self._ready.append(GapDetected(expected, max(newer) + 1))
+            self._apply_replay(result, end=None)
+
+    def _catch_up(self, start: int) -> None:
         result = self._request_replay(start, None)
+        if result.info is not None and not result.info.matched:
+            # Restarted yet again: forget the incarnation; the next gap finds out.
+            self.incarnation = None
+            return
         if result.info is not None and result.info.oldest_seq > start:
             self._declare_lost(
                 self._tracker.skip_to(result.info.oldest_seq), "evicted from the replay ring"

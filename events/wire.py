@@ -371,7 +371,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise EventDecodeError("payload", f"not valid msgpack ({exc})") from exc
     if isinstance(raw, dict):
         # A map-encoded EventBatch (not what vLLM sends, but cheap to accept).
-        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+        raw = (raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank"))
     if type(raw) is not tuple or len(raw) < 2:
         raise EventDecodeError("payload", "expected array [ts, events, data_parallel_rank]")
     ts = raw[0]
