@@ -3,12 +3,15 @@
 Store directory layout (``fsck`` reads the same constants)::
 
     ROOT/layout-<fingerprint>.json          header: format, fingerprint, block_bytes
-    ROOT/ab/cd/<32 hex>.<fingerprint>.kvb   one block (exactly block_bytes)
-    ROOT/ab/cd/<...>.kvb.<pid>.<tid>.<n>.tmp a store in progress (or orphaned)
+    ROOT/ab/<32 hex>.<fingerprint>.kvb      one block (exactly block_bytes)
+    ROOT/ab/<...>.kvb.<pid>.<tid>.<n>.tmp   a store in progress (or orphaned)
 
-The 32 hex digits are blake2b-128 of the key and ``ab``/``cd`` its first two
-bytes: a file name is derived from the key's hash only, so nothing a peer
-sends becomes a path. The fingerprint in the name lets ``fsck`` tell blocks
+The 32 hex digits are blake2b-128 of the key and ``ab`` its first byte: a
+file name is derived from the key's hash only, so nothing a peer sends becomes
+a path. One level of 256 fan-out directories, made when the tier opens: a
+deeper fan-out made lazily cost a directory creation (a journal commit) on
+most stores of a young store, which halved store throughput in the benchmark;
+ext4/xfs index large directories, so 256 of them hold millions of blocks. The fingerprint in the name lets ``fsck`` tell blocks
 of another layout apart; several layouts may share one directory.
 """
 
@@ -62,7 +65,10 @@ class FileMapper:
         return hashlib.blake2b(key, digest_size=16).hexdigest()
 
     def directory(self, key_hash: str) -> str:
-        return os.path.join(self.root, key_hash[0:2], key_hash[2:4])
+        return os.path.join(self.root, key_hash[0:2])
+
+    def all_directories(self) -> list[str]:
+        return [os.path.join(self.root, f"{i:02x}") for i in range(256)]
 
     def path(self, key: OffloadKey) -> str:
         digest = self.key_hash(key)
@@ -101,7 +107,7 @@ class FsTier(SecondaryTier):
 
     def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
                  use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,
-                 write_threads: int = 1, io: FsIO | None = None,
+                 write_threads: int = 2, io: FsIO | None = None,
                  faults: FaultPlan | None = None, name: str = "fs") -> None:
         self.mapper = FileMapper(root, fingerprint)
         super().__init__(name, block_bytes, read_threads, write_threads)
@@ -117,7 +123,8 @@ class FsTier(SecondaryTier):
         ensure_header(root, fingerprint, block_bytes)
         # probed once for the store directory (the fan-out dirs are on the same file system)
         self.o_direct = bool(use_o_direct) and probe_o_direct(root, io or FsIO())
-        self._made_dirs: set[str] = set()
+        for directory in self.mapper.all_directories():
+            os.makedirs(directory, exist_ok=True)
 
     def path(self, key: OffloadKey) -> str:
         return self.mapper.path(key)
@@ -140,13 +147,18 @@ class FsTier(SecondaryTier):
     def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
         for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
             path = self.mapper.path(key)
-            directory = os.path.dirname(path)
+            direct = self.o_direct and direct_ok(views)
             try:
-                if directory not in self._made_dirs:
-                    os.makedirs(directory, exist_ok=True)
-                    self._made_dirs.add(directory)
-                direct = self.o_direct and direct_ok(views)
-                if not store_block(self.io, path, views, self.block_bytes, direct, self.fsync):
+                try:
+                    stored = store_block(self.io, path, views, self.block_bytes, direct,
+                                         self.fsync)
+                except FileNotFoundError:
+                    # the fan-out directory was removed behind our back (an operator
+                    # cleaning up): make it again, once
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    stored = store_block(self.io, path, views, self.block_bytes, direct,
+                                         self.fsync)
+                if not stored:
                     self.count("store_existing")
             except OSError as exc:
                 raise BatchIOError(i, exc) from exc

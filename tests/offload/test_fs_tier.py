@@ -79,7 +79,7 @@ def test_store_then_load_roundtrip_with_hash_only_names(make_fs, store_dir) -> N
     name = os.path.basename(path)
     digest = FileMapper.key_hash(evil)
     assert name == f"{digest}.{tier.mapper.fingerprint}.kvb"
-    assert path == os.path.join(store_dir, digest[:2], digest[2:4], name)
+    assert path == os.path.join(store_dir, digest[:2], name)
     assert os.path.getsize(path) == BLOCK
     bufs = Buffers(2)
     tier.submit_load(7, [evil, k(1)], bufs.lists(2))

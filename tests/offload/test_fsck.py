@@ -1,0 +1,148 @@
+"""fsck: reports every kind of finding, repairs only what is provably broken; the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from kvbridge.offload.fs import FileMapper
+from kvbridge.offload.fsck import FindingKind, fsck
+from kvbridge.tools.cli import main
+
+FP = "0123456789abcdef"
+OTHER_FP = "fedcba9876543210"
+BLOCK = 4096
+
+
+def k(i: int) -> bytes:
+    return b"ns|" + str(i).encode()
+
+
+@pytest.fixture
+def messy_store(make_fs, store_dir):
+    """A store with good blocks and one file of every finding kind."""
+    tier = make_fs()
+    mapper = FileMapper(store_dir, FP)
+    paths = {}
+    for i in range(3):
+        path = mapper.path(k(i))
+        with open(path, "wb") as fh:
+            fh.write(b"x" * BLOCK)
+    paths["short"] = mapper.path(k(3))
+    with open(paths["short"], "wb") as fh:
+        fh.write(b"x" * (BLOCK // 2))
+    paths["oversize"] = mapper.path(k(4))
+    with open(paths["oversize"], "wb") as fh:
+        fh.write(b"x" * (BLOCK + 1))
+    paths["orphan"] = mapper.path(k(5)) + ".1.2.3.tmp"
+    with open(paths["orphan"], "wb") as fh:
+        fh.write(b"x" * 10)
+    old = time.time() - 3600
+    os.utime(paths["orphan"], (old, old))
+    paths["young"] = mapper.path(k(6)) + ".1.2.4.tmp"
+    with open(paths["young"], "wb") as fh:
+        fh.write(b"x")
+    paths["unknown_layout"] = FileMapper(store_dir, OTHER_FP).path(k(7))
+    with open(paths["unknown_layout"], "wb") as fh:
+        fh.write(b"x" * 7)
+    digest = FileMapper.key_hash(k(8))
+    wrong_dir = "00" if digest[:2] != "00" else "01"
+    paths["misplaced"] = os.path.join(store_dir, wrong_dir, f"{digest}.{FP}.kvb")
+    with open(paths["misplaced"], "wb") as fh:
+        fh.write(b"x" * BLOCK)
+    paths["unknown_file"] = os.path.join(store_dir, "ab", "notes.txt")
+    with open(paths["unknown_file"], "w") as fh:
+        fh.write("hello")
+    return tier, paths
+
+
+def kinds(report) -> dict[FindingKind, list[str]]:
+    out: dict[FindingKind, list[str]] = {}
+    for f in report.findings:
+        out.setdefault(f.kind, []).append(f.path)
+    return out
+
+
+def test_fsck_reports_each_kind(messy_store, store_dir) -> None:
+    _, paths = messy_store
+    report = fsck(store_dir)
+    found = kinds(report)
+    assert report.layouts == {FP: BLOCK}
+    assert report.blocks_ok == 3
+    assert found[FindingKind.SHORT_BLOCK] == [paths["short"]]
+    assert found[FindingKind.OVERSIZE_BLOCK] == [paths["oversize"]]
+    assert found[FindingKind.ORPHAN_TEMP] == [paths["orphan"]]
+    assert found[FindingKind.TEMP_IN_PROGRESS] == [paths["young"]]
+    assert found[FindingKind.UNKNOWN_LAYOUT] == [paths["unknown_layout"]]
+    assert found[FindingKind.MISPLACED] == [paths["misplaced"]]
+    assert found[FindingKind.UNKNOWN_FILE] == [paths["unknown_file"]]
+    assert not report.ok and all(os.path.exists(p) for p in paths.values())   # no repair
+
+
+def test_fsck_repair_deletes_only_provably_broken(messy_store, store_dir) -> None:
+    _, paths = messy_store
+    report = fsck(store_dir, repair=True)
+    repaired = {f.path for f in report.findings if f.repaired}
+    assert repaired == {paths["short"], paths["oversize"], paths["orphan"]}
+    for name in ("short", "oversize", "orphan"):
+        assert not os.path.exists(paths[name])
+    for name in ("young", "unknown_layout", "misplaced", "unknown_file"):
+        assert os.path.exists(paths[name]), name
+    again = fsck(store_dir)
+    assert not {FindingKind.SHORT_BLOCK, FindingKind.OVERSIZE_BLOCK,
+                FindingKind.ORPHAN_TEMP} & set(kinds(again))
+    assert again.blocks_ok == 3
+
+
+def test_fsck_with_fingerprint_reports_other_layouts_as_foreign(make_fs, store_dir) -> None:
+    make_fs()
+    other = make_fs(fingerprint=OTHER_FP)
+    with open(other.path(k(0)), "wb") as fh:
+        fh.write(b"x" * BLOCK)
+    assert fsck(store_dir).ok                              # both layouts are known
+    report = fsck(store_dir, fingerprint=FP, repair=True)
+    assert [f.kind for f in report.findings] == [FindingKind.FOREIGN_LAYOUT]
+    assert os.path.exists(other.path(k(0)))                # never repaired
+
+
+def test_fsck_of_a_clean_store_written_by_the_tier_is_ok(make_manager, store_dir) -> None:
+    m = make_manager(num_slots=4)
+    spec = m.prepare_store("w", [k(i) for i in range(4)])
+    m.complete_store(spec.keys)
+    assert m.wait_idle()
+    report = fsck(store_dir)
+    assert report.ok and report.blocks_ok == 4 and report.findings == []
+
+
+def test_cli_fsck_exit_codes_and_json(messy_store, store_dir, capsys) -> None:
+    assert main(["offload", "fsck", store_dir]) == 1
+    out = capsys.readouterr().out
+    assert "short_block" in out and "--repair" in out
+    assert main(["offload", "fsck", store_dir, "--repair", "--json"]) == 1   # notes remain
+    data = json.loads(capsys.readouterr().out)
+    assert data["repaired"] == 3 and data["counts"]["short_block"] == 1
+    assert main(["offload", "fsck", os.path.join(store_dir, "nope")]) == 2
+    assert main(["offload", "fsck", store_dir, "--fingerprint", "XYZ"]) == 2
+    assert main(["offload"]) == 2
+
+
+def test_cli_fsck_clean_store_exits_zero(make_fs, store_dir, capsys) -> None:
+    make_fs()
+    assert main(["offload", "fsck", store_dir]) == 0
+    assert capsys.readouterr().out.strip().endswith("ok")
+
+
+def test_cli_bench_small_run(tmp_path, capsys) -> None:
+    code = main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "4",
+                 "--block-kib", "64", "--batch", "2", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["verified"] is True and data["failed_jobs"] == 0
+    assert data["bytes"] == 4 * 64 * 1024
+    for name in ("store", "load"):
+        assert data[name]["tier_gbps"] > 0 and data[name]["plain_gbps"] > 0
+    lookup = data["lookup"]
+    assert lookup["busy_per_key_us"]["median"] > 0 and lookup["busy_store_jobs"] > 0
+    assert os.listdir(tmp_path) == []                      # temp store removed

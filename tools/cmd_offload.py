@@ -1,0 +1,129 @@
+"""`kvbridge offload fsck|bench`: check an fs-tier store directory; benchmark the tiers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvbridge.offload.bench import run_offload_bench
+from kvbridge.offload.fs import FINGERPRINT_RE
+from kvbridge.offload.fsck import fsck
+from kvbridge.offload.types import OffloadError
+from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+
+EPILOG = """\
+examples:
+  kvbridge offload fsck /var/cache/kvbridge
+  kvbridge offload fsck /var/cache/kvbridge --repair --json
+  kvbridge offload fsck /var/cache/kvbridge --fingerprint 0123456789abcdef
+  kvbridge offload bench --json
+  kvbridge offload bench --dir /mnt/nvme --blocks 256 --block-kib 2048
+
+fsck repairs only what is provably broken: block files whose size differs
+from their layout header's block_bytes, and temp files older than
+--min-temp-age seconds. Everything else is reported and left alone.
+
+exit codes: 0 ok, 1 problems found (fsck) or failed jobs / mismatched bytes (bench), 2 usage error
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "offload", help="tiered offload store: fsck a store directory, benchmark",
+        description="Tools for the tiered offload store.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="offload_command", metavar="SUBCOMMAND")
+
+    check = sub.add_parser(
+        "fsck", help="check (and repair) an fs-tier store directory",
+        description="Scan a store directory: short or oversize block files, orphaned temp "
+                    "files, files of another or unknown layout fingerprint, misplaced and "
+                    "unknown files.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("path", metavar="PATH", help="store directory (the fs tier's root)")
+    check.add_argument("--repair", action="store_true",
+                       help="delete provably broken files (short/oversize blocks, old temp files)")
+    check.add_argument("--fingerprint", metavar="HEX",
+                       help="the layout fingerprint expected; other layouts are reported")
+    check.add_argument("--min-temp-age", type=float, default=60.0, metavar="S",
+                       help="temp files younger than this may belong to a running store "
+                            "(default 60)")
+    check.add_argument("--json", action="store_true", help="print JSON")
+    check.set_defaults(func=run_fsck)
+
+    bench = sub.add_parser(
+        "bench", help="fs tier vs plain file I/O, and lookup latency under load",
+        description="Store/load throughput of the fs tier against plain sequential file "
+                    "I/O of the same bytes in the same run, and scheduler-thread lookup "
+                    "latency per key while the fs tier is busy.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("--dir", default=None, help="where to create the temp store "
+                       "(default: the system temp dir)")
+    bench.add_argument("--blocks", type=int, default=64, help="number of blocks (default 64)")
+    bench.add_argument("--block-kib", type=int, default=1024,
+                       help="block size in KiB (default 1024)")
+    bench.add_argument("--batch", type=int, default=8, help="blocks per tier job (default 8)")
+    bench.add_argument("--buffered", action="store_true", help="do not use O_DIRECT")
+    bench.add_argument("--json", action="store_true", help="print JSON")
+    bench.set_defaults(func=run_bench)
+    parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), EXIT_USAGE)[1])
+
+
+def run_fsck(args: argparse.Namespace) -> int:
+    if args.fingerprint is not None and not FINGERPRINT_RE.match(args.fingerprint):
+        print(f"kvbridge offload fsck: --fingerprint: expected 8-64 lowercase hex digits, "
+              f"got {args.fingerprint!r}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        report = fsck(args.path, repair=args.repair, fingerprint=args.fingerprint,
+                      min_temp_age_s=args.min_temp_age)
+    except FileNotFoundError as exc:
+        print(f"kvbridge offload fsck: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        layouts = ", ".join(f"{fp} ({n} B)" for fp, n in sorted(report.layouts.items())) or "none"
+        print(f"store {report.root}: layouts {layouts}; {report.blocks_ok} blocks ok")
+        for f in report.findings:
+            state = "repaired" if f.repaired else ("BROKEN" if f.broken else "note")
+            print(f"  {f.kind.value:<17} {state:<8} {f.path}: {f.detail}")
+        if report.ok:
+            print("ok")
+        else:
+            broken = sum(f.broken for f in report.problems)
+            hint = " (run with --repair to delete them)" if broken and not args.repair else ""
+            print(f"{len(report.problems)} problem(s), {broken} provably broken{hint}")
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        result = run_offload_bench(args.dir, num_blocks=args.blocks,
+                                   block_bytes=args.block_kib * 1024, batch_blocks=args.batch,
+                                   use_o_direct=not args.buffered)
+    except OffloadError as exc:
+        print(f"kvbridge offload bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        nbytes, block_bytes = result["bytes"], result["block_bytes"]
+        assert isinstance(nbytes, int) and isinstance(block_bytes, int)
+        print(f"fs tier vs plain sequential file I/O, {nbytes / (1 << 20):.0f} MiB, "
+              f"{result['num_blocks']} blocks x {block_bytes // 1024} KiB, {result['io_mode']}")
+        for name in ("store", "load"):
+            row = result[name]
+            assert isinstance(row, dict)
+            print(f"  {name:<5} tier {row['tier_gbps']:7.3f} GB/s   plain {row['plain_gbps']:7.3f}"
+                  f" GB/s   ratio {row['ratio']:.2f}")
+        lookup = result["lookup"]
+        assert isinstance(lookup, dict)
+        for phase in ("idle", "busy"):
+            lat = lookup[f"{phase}_per_key_us"]
+            print(f"  lookup per key, tier {phase}: median {lat['median']:.2f} us, "
+                  f"p99 {lat['p99']:.2f} us, max {lat['max']:.2f} us")
+        print(f"  verified: {result['verified']}, failed jobs: {result['failed_jobs']}")
+    ok = result["verified"] and not result["failed_jobs"]
+    return EXIT_OK if ok else EXIT_FAILURE
