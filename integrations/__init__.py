@@ -1,1 +1,1 @@
-"""kvbridge.integrations"""
+"""kvbridge.integrations: adapters into real serving engines (vLLM first)."""

@@ -1,0 +1,369 @@
+"""Run real vLLM API servers on this machine and drive prefill/decode through them.
+
+Used by the vLLM integration tests and the side-by-side benchmark. It needs no
+vLLM import itself (it talks HTTP to ``python -m vllm.entrypoints.openai.api_server``
+processes started with the vLLM venv's interpreter), so it type-checks and
+imports anywhere.
+
+Rules it keeps, because a stray server would eat one of this machine's two
+cores for every later test:
+
+- every server listens on 127.0.0.1 on a port that was free a moment ago, and
+  every side channel (vLLM's NIXL side channel, kvbridge's) too;
+- every server runs in its own process group (``start_new_session``) and
+  :meth:`VllmServer.stop` signals the whole group (API server, engine core,
+  worker), TERM then KILL, with a bounded wait; :class:`ServerGroup` stops
+  them all on exit, also on an exception;
+- every wait is bounded, and a server that exits while we wait for it raises
+  with the tail of its log;
+- each server can be pinned to one core with ``taskset`` (``VLLM_CPU_OMP_THREADS_BIND``
+  set to the same core), so a producer and a consumer do not fight for it.
+
+vLLM facts encoded here (0.32, CPU build): the ``vllm`` console command fails
+for the ``vllm-cpu`` distribution, so the module entry point is used; the CPU
+attention backend needs a block size that is a multiple of 32; the CPU KV
+cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (GiB); ``VLLM_HOST_IP`` is set
+to 127.0.0.1 so nothing picks the machine's LAN address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+#: The CPU attention backend refuses other block sizes.
+CPU_BLOCK_SIZE_MULTIPLE = 32
+
+
+class HarnessError(RuntimeError):
+    """A server failed to start, exited, or answered something unexpected."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM: ``$KVBRIDGE_VLLM_PYTHON``, else this one."""
+    return os.environ.get("KVBRIDGE_VLLM_PYTHON", sys.executable)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What one vLLM API server runs with.
+
+    ``kv_transfer_config`` is passed verbatim as ``--kv-transfer-config``;
+    ``env`` is added to the inherited environment (e.g. a NIXL side-channel
+    port). ``core`` pins the server to one CPU with ``taskset``.
+    """
+
+    name: str
+    model: str
+    port: int
+    block_size: int = 32
+    max_model_len: int = 1024
+    kv_cache_gib: int = 1
+    core: int | None = None
+    kv_transfer_config: Mapping[str, Any] | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    seed: int = 0
+    #: Engine core and worker inside the API server process (``uni`` executor,
+    #: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): starts in ~45 s instead of ~95 s
+    #: on one core here, with the same connector code paths (both halves of a
+    #: connector still get their own instances, scheduler and worker role).
+    in_process: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size % CPU_BLOCK_SIZE_MULTIPLE:
+            raise HarnessError(f"block_size: the CPU backend needs a multiple of "
+                               f"{CPU_BLOCK_SIZE_MULTIPLE}, got {self.block_size}")
+
+    def argv(self, python: str) -> list[str]:
+        cmd = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", "tiny",
+            "--host", LOOPBACK, "--port", str(self.port),
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", "float32",
+            "--enforce-eager",
+            "--seed", str(self.seed),
+            "--max-num-seqs", "16",
+        ]
+        if self.in_process:
+            cmd += ["--distributed-executor-backend", "uni"]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
+        cmd += list(self.extra_args)
+        if self.core is not None and shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(self.core), *cmd]
+        return cmd
+
+    def environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_HOST_IP": LOOPBACK,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # exposes /reset_prefix_cache
+            "DO_NOT_TRACK": "1",
+            "UCX_MODULES": env.get("UCX_MODULES", "^ib"),
+            "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
+            "PYTHONUNBUFFERED": "1",
+        })
+        if self.in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
+        env.update(self.env)
+        return env
+
+
+class VllmServer:
+    """One API server process group, with its log file."""
+
+    def __init__(self, spec: ServerSpec, log_dir: Path, python: str | None = None) -> None:
+        self.spec = spec
+        self.log_path = Path(log_dir) / f"{spec.name}.log"
+        self._python = python or vllm_python()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.spec.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> VllmServer:
+        if self._proc is not None:
+            raise HarnessError(f"{self.spec.name}: already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self._proc = subprocess.Popen(
+            self.spec.argv(self._python), env=self.spec.environ(), stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        logger.info("started %s (pid %d, port %d)", self.spec.name, self._proc.pid,
+                    self.spec.port)
+        return self
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-num_chars:].decode("utf-8", "replace")
+
+    def exited(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Poll ``/health`` until it answers 200; returns seconds waited."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while time.monotonic() < deadline:
+            rc = self.exited()
+            if rc is not None:
+                raise HarnessError(f"{self.spec.name} exited with {rc} while starting; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise HarnessError(f"{self.spec.name} not ready after {timeout_s:.0f} s; "
+                           f"log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """TERM the process group, then KILL it; bounded."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            # Children (engine core, workers) share the group; make sure none is left.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # -- HTTP -----------------------------------------------------------------
+
+    def post(self, path: str, body: Mapping[str, Any], timeout_s: float = 120.0) -> Any:
+        data = json.dumps(dict(body)).encode()
+        req = urllib.request.Request(self.base_url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode("utf-8", "replace")[:2000]
+            raise HarnessError(f"{self.spec.name} {path}: HTTP {exc.code}: {detail}") from None
+
+    def complete(self, prompt_token_ids: Sequence[int], max_tokens: int,
+                 kv_transfer_params: Mapping[str, Any] | None = None,
+                 timeout_s: float = 120.0) -> Completion:
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "prompt": list(prompt_token_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = dict(kv_transfer_params)
+        start = time.perf_counter()
+        out = self.post("/v1/completions", body, timeout_s)
+        elapsed = time.perf_counter() - start
+        choice = out["choices"][0]
+        return Completion(token_ids=tuple(int(t) for t in choice.get("token_ids") or ()),
+                          kv_transfer_params=out.get("kv_transfer_params"),
+                          latency_s=elapsed)
+
+    def reset_prefix_cache(self, reset_external: bool = False, timeout_s: float = 30.0) -> None:
+        """Drop the engine's prefix cache (and the connector's, with ``reset_external``).
+
+        vLLM refuses while blocks are held (running requests, in-flight
+        transfers); that is retried until ``timeout_s``.
+        """
+        query = "?reset_external=true" if reset_external else ""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self.post("/reset_prefix_cache" + query, {}, timeout_s=30.0)
+            if out.get("success"):
+                return
+            if time.monotonic() > deadline:
+                raise HarnessError(f"{self.spec.name}: reset_prefix_cache kept failing "
+                                   f"for {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus counters summed over label sets, keyed ``name{source=..}``."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as resp:
+            return parse_prometheus(resp.read().decode())
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    kv_transfer_params: dict[str, Any] | None
+    latency_s: float
+
+
+_METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)')
+_SOURCE_LABEL = re.compile(r'source="([^"]*)"')
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum samples per metric name (and per ``source`` label, when there is one)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", match.group(3)
+        source = _SOURCE_LABEL.search(labels)
+        key = f"{name}{{source={source.group(1)}}}" if source else name
+        with contextlib.suppress(ValueError):
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+class ServerGroup:
+    """Start several servers together and stop every one of them on exit."""
+
+    def __init__(self, log_dir: Path, python: str | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self._python = python
+        self.servers: list[VllmServer] = []
+
+    def start(self, *specs: ServerSpec, timeout_s: float = 300.0) -> list[VllmServer]:
+        started = [VllmServer(s, self.log_dir, self._python).start() for s in specs]
+        self.servers.extend(started)
+        deadline = time.monotonic() + timeout_s
+        for server in started:
+            server.wait_ready(max(1.0, deadline - time.monotonic()))
+        return started
+
+    def stop_all(self) -> None:
+        while self.servers:
+            self.servers.pop().stop()
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+@contextlib.contextmanager
+def server_group(log_dir: Path, python: str | None = None) -> Iterator[ServerGroup]:
+    group = ServerGroup(log_dir, python)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def producer_params() -> dict[str, Any]:
+    """What a PD proxy sends to the producer: prefill only, keep the KV for a decoder."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def disaggregated(producer: VllmServer, consumer: VllmServer, prompt: Sequence[int],
+                  max_tokens: int, timeout_s: float = 120.0) -> tuple[Completion, Completion]:
+    """Prefill on ``producer`` (one token), decode on ``consumer`` with its params."""
+    first = producer.complete(prompt, 1, producer_params(), timeout_s)
+    if not first.kv_transfer_params:
+        raise HarnessError(f"{producer.spec.name} returned no kv_transfer_params")
+    second = consumer.complete(prompt, max_tokens, first.kv_transfer_params, timeout_s)
+    return first, second
+
+
+def make_prompts(num_prompts: int, num_tokens: int, vocab_size: int = 1024,
+                 seed: int = 7) -> list[list[int]]:
+    """Distinct deterministic prompts of token ids (ids 3.. avoid the special tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(num_tokens)]
+            for _ in range(num_prompts)]
