@@ -223,7 +223,8 @@ class HandshakeServer:
     """
 
     def __init__(self, store: MetadataStore, host: str = "127.0.0.1", port: int = 0, *,
-                 context: zmq.Context | None = None, poll_interval_s: float = 0.05) -> None:
+                 context: zmq.Context | None = None, poll_interval_s: float = 0.05,
+                 bind_retry_s: float = 1.0) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise HandshakeError("port", f"expected 0..65535 (0 = any free port), got {port!r}")
         self.store = store
@@ -231,6 +232,7 @@ class HandshakeServer:
         self._requested_port = port
         self._context = context or zmq.Context.instance()
         self._poll_interval_s = poll_interval_s
+        self._bind_retry_s = bind_retry_s
         self._socket: zmq.Socket | None = None
         self._port: int | None = None
         self._thread: threading.Thread | None = None
@@ -270,7 +272,7 @@ class HandshakeServer:
             if self._requested_port == 0:
                 sock.bind(zmq_endpoint(self.host, "*"))
             else:
-                sock.bind(zmq_endpoint(self.host, self._requested_port))
+                self._bind_fixed(sock)
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._port = int(endpoint.rsplit(":", 1)[1])
         except zmq.ZMQError as exc:
@@ -280,6 +282,19 @@ class HandshakeServer:
         self._socket = sock
         logger.info("handshake: engine %s serving on %s", self.store.engine_id, self.address)
         return self._port
+
+    def _bind_fixed(self, sock: zmq.Socket) -> None:
+        # ZMQ closes a socket's listener asynchronously, so a server restarted on the
+        # same port right after stop() can briefly see EADDRINUSE: retry, bounded.
+        deadline = time.monotonic() + self._bind_retry_s
+        while True:
+            try:
+                sock.bind(zmq_endpoint(self.host, self._requested_port))
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
 
     def poll(self, timeout_s: float = 0.0, max_requests: int = 256) -> int:
         """Serve what is pending (waiting up to ``timeout_s`` for the first); returns count."""
