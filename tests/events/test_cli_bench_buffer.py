@@ -1,0 +1,144 @@
+"""`kvbridge events tail`, the events bench, and the in-process EventBuffer."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvbridge.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CollectingEventSink,
+    EventBuffer,
+    EventSink,
+    KVEventPublisher,
+    Locality,
+    Medium,
+    NullEventSink,
+    PublisherConfig,
+)
+from kvbridge.events.bench import engine_like_batches, run_events_bench
+from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+
+
+@pytest.fixture
+def publisher() -> Iterator[KVEventPublisher]:
+    pub = KVEventPublisher(PublisherConfig(topic="kv-events"))
+    yield pub
+    pub.close(timeout_s=1.0)
+
+
+def _publish_three(pub: KVEventPublisher) -> None:
+    pub.publish([BlockStored(block_hashes=(1, 2), parent_block_hash=None,
+                             token_ids=tuple(range(32)), block_size=16, medium=Medium.CPU,
+                             group_idx=1, locality=Locality.LOCAL)])
+    pub.publish([BlockRemoved(block_hashes=(b"\xab" * 4,), medium=Medium.STORAGE)])
+    pub.publish([AllBlocksCleared()])
+    assert pub.flush()
+
+
+def test_tail_json_prints_replayed_batches(
+    publisher: KVEventPublisher, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _publish_three(publisher)
+    assert publisher.replay_endpoint is not None
+    rc = main(["events", "tail", publisher.endpoint, "--replay", publisher.replay_endpoint,
+               "--topic", "kv-events", "--from-seq", "0", "--json", "--count", "3",
+               "--timeout", "20"])
+    assert rc == EXIT_OK
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    batches = [line for line in lines if line["kind"] == "batch"]
+    assert [b["seq"] for b in batches] == [0, 1, 2] and all(b["replayed"] for b in batches)
+    stored = batches[0]["events"][0]
+    assert stored["type"] == "BlockStored" and stored["medium"] == "CPU"
+    assert stored["group_idx"] == 1 and stored["locality"] == "LOCAL"
+    assert stored["block_hashes"] == [1, 2] and len(stored["token_ids"]) == 32
+    assert batches[1]["events"][0]["block_hashes"] == ["abababab"]
+    assert batches[2]["events"] == [{"type": "AllBlocksCleared"}]
+
+
+def test_tail_text_marks_lost_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    pub = KVEventPublisher(PublisherConfig(replay_buffer_batches=1))
+    try:
+        _publish_three(pub)
+        assert pub.replay_endpoint is not None
+        rc = main(["events", "tail", pub.endpoint, "--replay", pub.replay_endpoint,
+                   "--from-seq", "0", "--count", "1", "--timeout", "20"])
+    finally:
+        pub.close(timeout_s=1.0)
+    assert rc == EXIT_OK
+    out = capsys.readouterr()
+    assert "!! lost: batches 0..1" in out.out
+    assert "seq=2 (replayed)" in out.out and "AllBlocksCleared" in out.out
+    assert "1 batches" in out.err and "2 lost" in out.err
+
+
+def test_tail_usage_errors_and_timeout(publisher: KVEventPublisher) -> None:
+    assert main(["events", "tail", publisher.endpoint, "--from-seq", "0"]) == EXIT_USAGE
+    assert main(["events", "tail", publisher.endpoint, "--count", "0"]) == EXIT_USAGE
+    # Nothing published: the count is not reached before the timeout.
+    assert main(["events", "tail", publisher.endpoint, "--count", "1",
+                 "--timeout", "0.3"]) == EXIT_FAILURE
+
+
+def test_bench_reports_both_paths_and_their_ratio() -> None:
+    result = run_events_bench(num_events=640, batch_sizes=(16,), timeout_s=60.0)
+    row = result["results"]["16"]
+    assert row["batches"] == 40 and row["events"] == 640
+    assert row["raw"]["received_events"] == 640
+    assert row["kvbridge"]["received_events"] == 640
+    assert row["kvbridge"]["lost_batches"] == 0
+    assert row["encode_events_per_s"] > 0 and row["decode_events_per_s"] > 0
+    assert row["ratio"] == pytest.approx(
+        row["kvbridge"]["events_per_s"] / row["raw"]["events_per_s"]
+    )
+
+
+def test_engine_like_batches_shape() -> None:
+    batches = engine_like_batches(100, 16)
+    assert [len(b) for b in batches] == [16] * 6 + [4]
+    stored = [e for b in batches for e in b if isinstance(e, BlockStored)]
+    assert all(len(e.token_ids) == len(e.block_hashes) * e.block_size for e in stored)
+    # Stores chain: each run's parent is the previous run's last block.
+    assert all(b.parent_block_hash == a.block_hashes[-1] for a, b in zip(stored, stored[1:]))
+
+
+def test_event_buffer_hands_out_every_event_once() -> None:
+    buffer = EventBuffer()
+    taken: list[object] = []
+    done = threading.Event()
+
+    def producer(offset: int) -> None:
+        for i in range(2000):
+            buffer.append(BlockRemoved(block_hashes=(offset + i,)))
+
+    threads = [threading.Thread(target=producer, args=(k * 10_000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    while not done.is_set():
+        taken.extend(buffer.take())
+        if not any(t.is_alive() for t in threads):
+            done.set()
+    for t in threads:
+        t.join(10)
+    taken.extend(buffer.take())
+    hashes = [e.block_hashes[0] for e in taken]  # type: ignore[attr-defined]
+    assert sorted(hashes) == sorted(k * 10_000 + i for k in range(4) for i in range(2000))
+    # Per producer, append order is kept.
+    for k in range(4):
+        mine = [h for h in hashes if k * 10_000 <= h < (k + 1) * 10_000]
+        assert mine == sorted(mine)
+    assert len(buffer) == 0 and buffer.take() == []
+
+
+def test_sinks_satisfy_the_protocol(publisher: KVEventPublisher) -> None:
+    collecting = CollectingEventSink()
+    for sink in (publisher, collecting, NullEventSink()):
+        assert isinstance(sink, EventSink)
+    collecting.publish([AllBlocksCleared()])
+    collecting.publish([])
+    assert collecting.batches == [(AllBlocksCleared(),)]
