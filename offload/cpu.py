@@ -19,10 +19,11 @@ import mmap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvbridge.events.schema import Medium
 from kvbridge.offload.policy import EvictionPolicy, make_policy
 from kvbridge.offload.types import EventKind, OffloadError, OffloadEvent, OffloadKey
 
-MEDIUM_CPU = "CPU"
+TIER_CPU = "cpu"
 
 
 class SlotState(enum.Enum):
@@ -49,7 +50,8 @@ class Slot:
 class CpuTier:
     """Slots of ``block_bytes`` each, ``num_slots`` of them, evicted by ``policy``."""
 
-    medium = MEDIUM_CPU
+    name = TIER_CPU
+    medium = Medium.CPU.value
 
     def __init__(self, num_slots: int, block_bytes: int, policy: str | EvictionPolicy = "lru"
                  ) -> None:
@@ -131,7 +133,8 @@ class CpuTier:
             made.append(slot)
         if evicted:
             self.evictions += len(evicted)
-            self._events.append(OffloadEvent(EventKind.REMOVED, tuple(evicted), MEDIUM_CPU))
+            self._events.append(OffloadEvent(EventKind.REMOVED, tuple(evicted), TIER_CPU,
+                                             self.medium))
         return made
 
     def _can_evict(self, key: OffloadKey) -> bool:
@@ -147,7 +150,8 @@ class CpuTier:
             slot.state = SlotState.READY
             done.append(key)
         if done:
-            self._events.append(OffloadEvent(EventKind.STORED, tuple(done), MEDIUM_CPU))
+            self._events.append(OffloadEvent(EventKind.STORED, tuple(done), TIER_CPU,
+                                             self.medium))
 
     def discard(self, keys: Iterable[OffloadKey]) -> list[str]:
         """Free WRITING slots whose write failed; returns the requests that had pinned them."""

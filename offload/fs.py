@@ -24,6 +24,7 @@ import os
 import re
 from collections.abc import Sequence
 
+from kvbridge.events.schema import Locality, Medium
 from kvbridge.offload.faults import FaultPlan, FaultyFsIO
 from kvbridge.offload.fs_io import (
     FsIO,
@@ -37,7 +38,6 @@ from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey
 
 logger = logging.getLogger(__name__)
 
-MEDIUM_DISK = "DISK"
 BLOCK_SUFFIX = ".kvb"
 HEADER_FORMAT = 1
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{8,64}$")
@@ -103,7 +103,8 @@ def ensure_header(root: str, fingerprint: str, block_bytes: int) -> None:
 class FsTier(SecondaryTier):
     """Blocks as files under ``root``; see the module docstring for the layout."""
 
-    medium = MEDIUM_DISK
+    medium = Medium.STORAGE.value
+    locality = Locality.LOCAL.value
 
     def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
                  use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,

@@ -94,7 +94,7 @@ class ManagerStats:
     stores_skipped_no_slot: int = 0
     cascades_ok: int = 0               # blocks x tiers
     cascades_failed: int = 0
-    hits_by_medium: dict[str, int] = field(default_factory=dict)
+    hits_by_tier: dict[str, int] = field(default_factory=dict)   # blocks loaded, by source
 
 
 @dataclass(frozen=True)
@@ -238,8 +238,8 @@ class OffloadManager:
                 pins.add(key)
             slots.append(slot.index)
             # the first load after a promotion is credited to the tier it came from
-            medium = self._origin.pop(key, self.primary.medium)
-            self._stats.hits_by_medium[medium] = self._stats.hits_by_medium.get(medium, 0) + 1
+            tier = self._origin.pop(key, self.primary.name)
+            self._stats.hits_by_tier[tier] = self._stats.hits_by_tier.get(tier, 0) + 1
         self.primary.touch(keys)
         return LoadSpec(request_id, tuple(keys), tuple(slots))
 
@@ -312,7 +312,7 @@ class OffloadManager:
             if done:
                 self.primary.mark_ready(done)
                 for key in done:
-                    self._origin[key] = job.tier.medium
+                    self._origin[key] = job.tier.name
             if failed:
                 self._drop_failed_writes(failed)
             self._stats.promotions_ok += len(done)
@@ -384,11 +384,12 @@ class OffloadManager:
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = asdict(self._stats)
-        out["primary"] = {"medium": self.primary.medium, "blocks": len(self.primary),
+        out["primary"] = {"name": self.primary.name, "medium": self.primary.medium, "blocks": len(self.primary),
                           "free_slots": self.primary.num_free,
                           "evictions": self.primary.evictions,
                           "policy": self.primary.policy.name}
-        out["tiers"] = {t.name: {"medium": t.medium, **asdict(t.stats)} for t in self.secondaries}
+        out["tiers"] = {t.name: {"medium": t.medium, "locality": t.locality, **asdict(t.stats)}
+                        for t in self.secondaries}
         out["jobs_in_flight"] = len(self._jobs)
         return out
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvbridge.events.schema import Locality, Medium
 from kvbridge.offload.async_lookup import LookupCache, ProbeRunner
 from kvbridge.offload.types import (
     BatchIOError,
@@ -61,8 +62,8 @@ class _Done:
 class SecondaryTier(abc.ABC):
     """Base of every secondary tier; subclasses implement the three blocking calls."""
 
-    medium: str = ""
-    locality: str = "local"
+    medium: str = Medium.STORAGE.value
+    locality: str = Locality.LOCAL.value
 
     def __init__(self, name: str, block_bytes: int, read_threads: int = 2, write_threads: int = 1
                  ) -> None:
@@ -179,12 +180,12 @@ class SecondaryTier(abc.ABC):
                 self.stats.stores_ok += len(ok_keys)
                 self.stats.stores_failed += len(failed)
                 if ok_keys:
-                    self._events.append(OffloadEvent(EventKind.STORED, ok_keys, self.medium,
-                                                     self.locality))
+                    self._events.append(OffloadEvent(EventKind.STORED, ok_keys, self.name,
+                                                     self.medium, self.locality))
             if done.deleted_key is not None:
                 self.stats.files_deleted += 1
                 self._events.append(OffloadEvent(EventKind.REMOVED, (done.deleted_key,),
-                                                 self.medium, self.locality))
+                                                 self.name, self.medium, self.locality))
             results.append(JobResult(done.job_id, done.ok,
                                      ok_keys if not done.ok else keys))
 

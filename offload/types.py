@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvbridge.events.schema import Locality
+
 #: A block's key: namespace + chained block hash, opaque to the store.
 OffloadKey = bytes
 #: A request id as the engine names it.
@@ -109,12 +111,20 @@ class EventKind(enum.Enum):
 
 @dataclass(frozen=True)
 class OffloadEvent:
-    """A block appeared in or left a medium (KV-event shaped: see kvbridge.events)."""
+    """Blocks appeared in or left a tier.
+
+    ``medium`` and ``locality`` are the wire strings of ``kvbridge.events``
+    (``Medium``: CPU for the primary tier, STORAGE for files and object stores;
+    ``Locality``: LOCAL, or REMOTE for a shared store), so a connector turns
+    this into a ``BlockStored``/``BlockRemoved`` by adding what only it knows
+    (block hashes, token ids). ``tier`` names the tier ("cpu", "fs", "obj").
+    """
 
     kind: EventKind
     keys: tuple[OffloadKey, ...]
-    medium: str          # "CPU", "DISK", "MOONCAKE"
-    locality: str = "local"
+    tier: str
+    medium: str
+    locality: str = Locality.LOCAL.value
 
 
 @dataclass

@@ -29,7 +29,7 @@ def test_pinned_writing_and_in_flight_slots_are_never_evicted(policy) -> None:
         events = tier.take_events()
         assert [(e.kind, e.keys) for e in events] == [
             (EventKind.STORED, (k(0), k(1))), (EventKind.REMOVED, (k(1),))]
-        assert all(e.medium == "CPU" for e in events)
+        assert all(e.medium == "CPU" and e.tier == "cpu" for e in events)
         assert tier.take_events() == []
     finally:
         tier.close()

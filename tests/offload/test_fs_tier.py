@@ -88,7 +88,8 @@ def test_store_then_load_roundtrip_with_hash_only_names(make_fs, store_dir) -> N
     assert bytes(bufs.block(0)) == block_content(evil, BLOCK)
     assert bytes(bufs.block(1)) == block_content(k(1), BLOCK)
     events = tier.take_events()
-    assert [(e.kind, e.medium, e.keys) for e in events] == [(EventKind.STORED, "DISK", (evil, k(1)))]
+    assert [(e.kind, e.tier, e.medium, e.locality, e.keys) for e in events] == [
+        (EventKind.STORED, "fs", "STORAGE", "LOCAL", (evil, k(1)))]
 
 
 def test_store_is_atomic_and_existing_destination_is_success(tmp_path) -> None:

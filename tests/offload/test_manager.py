@@ -83,7 +83,7 @@ def test_secondary_hit_is_promoted_first(make_manager) -> None:
     m.complete_load("r1", keys)
     m.request_finished("r1")
     stats = m.stats()
-    assert stats["hits_by_medium"] == {"DISK": 3}
+    assert stats["hits_by_tier"] == {"fs": 3}
     assert stats["promotions_ok"] == 3
 
 
@@ -143,7 +143,7 @@ def test_short_read_deletes_file_then_later_requests_miss(make_manager) -> None:
     result, _ = settle(m, "r2", [k(0)])                  # probed afresh: the file is gone
     assert result.status is LookupStatus.MISS
     assert fs.stats.loads_failed == 1                    # no second load attempt
-    removed = [e for e in m.take_events() if e.kind is EventKind.REMOVED and e.medium == "DISK"]
+    removed = [e for e in m.take_events() if e.kind is EventKind.REMOVED and e.tier == "fs"]
     assert removed and removed[0].keys == (k(0),)
 
 
@@ -173,8 +173,10 @@ def test_store_cascades_to_fs_and_holds_slots_until_written(make_manager) -> Non
         with open(fs.path(key), "rb") as fh:
             assert fh.read() == block_content(key, BLOCK)
     events = m.take_events()
-    stored = {(e.medium, key) for e in events if e.kind is EventKind.STORED for key in e.keys}
-    assert stored == {("CPU", k(0)), ("CPU", k(1)), ("DISK", k(0)), ("DISK", k(1))}
+    stored = {(e.tier, e.medium, key) for e in events if e.kind is EventKind.STORED
+              for key in e.keys}
+    assert stored == {("cpu", "CPU", k(0)), ("cpu", "CPU", k(1)),
+                      ("fs", "STORAGE", k(0)), ("fs", "STORAGE", k(1))}
     assert m.stats()["cascades_ok"] == 2
 
 
