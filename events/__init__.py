@@ -8,6 +8,7 @@ in-process ``EventBuffer`` that tiers and connectors append to.
 This package imports nothing else of kvbridge.
 """
 
+from .aggregate import WorkerEventAggregator
 from .buffer import CollectingEventSink, EventBuffer, EventSink, NullEventSink
 from .errors import EventDecodeError, EventsError, PublisherClosedError
 from .publisher import KVEventPublisher, PublisherConfig, PublisherStats
@@ -79,6 +80,7 @@ __all__ = [
     "StreamItem",
     "SubscriberConfig",
     "SubscriberStats",
+    "WorkerEventAggregator",
     "decode_batch",
     "decode_event",
     "encode_batch",

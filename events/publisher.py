@@ -70,6 +70,9 @@ class PublisherConfig:
     enqueue_timeout_s: float = 1.0
     #: Identifies this publisher's life; None: derived from the start time (ns).
     incarnation: int | None = None
+    #: A fixed port may still be held by a just-closed socket (ZMQ releases it
+    #: asynchronously): retry the bind for this long on EADDRINUSE.
+    bind_retry_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("replay_buffer_batches", "max_queue_batches"):
@@ -92,6 +95,18 @@ class PublisherStats:
 
 
 _SENTINEL: Any = object()
+
+
+def _bind(sock: zmq.Socket[Any], endpoint: str, retry_s: float) -> None:
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
 
 
 class KVEventPublisher:
@@ -132,7 +147,7 @@ class KVEventPublisher:
         try:
             self._pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub.bind(self.config.endpoint)
+            _bind(self._pub, self.config.endpoint, self.config.bind_retry_s)
             self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self.replay_endpoint: str | None = None
             if self.config.replay_endpoint is not None:
@@ -141,7 +156,7 @@ class KVEventPublisher:
                 # A reply stream is bounded by the ring; never drop part of it silently.
                 self._replay.setsockopt(zmq.SNDHWM, 0)
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                self._replay.bind(self.config.replay_endpoint)
+                _bind(self._replay, self.config.replay_endpoint, self.config.bind_retry_s)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception:
             self._pub.close(linger=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -104,7 +105,7 @@ def test_engine_like_batches_shape() -> None:
     stored = [e for b in batches for e in b if isinstance(e, BlockStored)]
     assert all(len(e.token_ids) == len(e.block_hashes) * e.block_size for e in stored)
     # Stores chain: each run's parent is the previous run's last block.
-    assert all(b.parent_block_hash == a.block_hashes[-1] for a, b in zip(stored, stored[1:]))
+    assert all(b.parent_block_hash == a.block_hashes[-1] for a, b in itertools.pairwise(stored))
 
 
 def test_event_buffer_hands_out_every_event_once() -> None:
@@ -142,3 +143,20 @@ def test_sinks_satisfy_the_protocol(publisher: KVEventPublisher) -> None:
     collecting.publish([AllBlocksCleared()])
     collecting.publish([])
     assert collecting.batches == [(AllBlocksCleared(),)]
+
+
+def test_worker_events_complete_when_every_rank_reported() -> None:
+    from kvbridge.events import WorkerEventAggregator
+
+    agg = WorkerEventAggregator(num_workers=2)
+    a = BlockStored(block_hashes=(1,), parent_block_hash=None, token_ids=(), block_size=16)
+    b = BlockRemoved(block_hashes=(1,))
+    agg.add(0, [a, b])
+    assert agg.take_complete() == [] and agg.num_pending == 2
+    agg.add(1, [a])
+    assert agg.take_complete() == [a]
+    agg.add(0, [a])  # stored again on rank 0 only
+    agg.add(1, [b, a])
+    assert agg.take_complete() == [b, a] and agg.num_pending == 0
+    with pytest.raises(ValueError, match="worker_rank"):
+        agg.add(2, [a])
