@@ -114,6 +114,11 @@ class OffloadManager:
                                    f"expected {primary.block_bytes}, got {tier.block_bytes}")
         self.primary = primary
         self.secondaries = tuple(secondaries)
+        names = [primary.name] + [t.name for t in self.secondaries]
+        if len(set(names)) != len(names):
+            raise OffloadError("secondaries", f"tier names must be unique, got {names}")
+        for tier in self.secondaries:
+            tier.attach_primary(primary.buffer)
         self._stats = ManagerStats()
         self._pins: dict[RequestId, set[OffloadKey]] = {}
         self._failed_loads: dict[RequestId, dict[OffloadKey, None]] = {}

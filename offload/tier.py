@@ -102,6 +102,13 @@ class SecondaryTier(abc.ABC):
     def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
         """Store ``buffers`` under ``keys`` (``BatchIOError`` as for loads)."""
 
+    def attach_primary(self, buffer: memoryview) -> None:  # noqa: B027 (optional hook)
+        """The primary tier's slot memory (every buffer a job gets lies in it).
+
+        Called once by the manager; a tier that registers memory for zero-copy
+        transfers (obj) registers it here and unregisters it at shutdown.
+        """
+
     # -- scheduler thread ---------------------------------------------------
     def lookup(self, request_id: RequestId, key: OffloadKey) -> bool | None:
         """Cached verdict (None: probe pending). Never blocks."""

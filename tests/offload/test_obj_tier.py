@@ -1,0 +1,125 @@
+"""obj tier against a real mooncake_master: cascade, promotion, failed-load correction."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvbridge.offload.cpu import CpuTier
+from kvbridge.offload.manager import OffloadManager
+from kvbridge.offload.testing import block_content
+from kvbridge.offload.types import EventKind, LookupResult, LookupStatus
+from tests.conftest import require
+
+require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
+
+from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient  # noqa: E402
+from kvbridge.offload.obj import ObjTier  # noqa: E402
+
+BLOCK = 64 * 1024
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def client(mooncake_master) -> Iterator[MooncakeStoreClient]:
+    config = MooncakeConfig(mooncake_master.rpc_address, mooncake_master.metadata_url,
+                            global_segment_size=64 * MiB, local_buffer_size=16 * MiB,
+                            op_timeout_s=10.0)
+    with MooncakeStoreClient(config) as store_client:
+        yield store_client
+
+
+@pytest.fixture
+def manager(client) -> Iterator[OffloadManager]:
+    fingerprint = uuid.uuid4().hex[:16]            # a namespace per test
+    tier = ObjTier(client, BLOCK, fingerprint)
+    m = OffloadManager(CpuTier(4, BLOCK), [tier])
+    yield m
+    m.shutdown()
+    assert client.registered_buffers == {}       # the slot memory was unregistered
+
+
+def key(i: int) -> bytes:
+    return b"obj|" + str(i).encode()
+
+
+def store(m: OffloadManager, keys: list[bytes]) -> None:
+    spec = m.prepare_store("w", keys)
+    for k, slot in zip(spec.keys, spec.slots, strict=True):
+        m.primary.view(slot)[:] = block_content(k, BLOCK)
+    m.complete_store(spec.keys)
+    m.request_finished("w")
+    assert m.wait_idle(30)
+
+
+def settle(m: OffloadManager, request_id: str, keys: list[bytes]) -> LookupResult:
+    for _ in range(5000):
+        result = m.lookup(request_id, keys)
+        if result.ready:
+            return result
+        m.step()
+        time.sleep(0.001)
+    raise AssertionError("no final verdict")
+
+
+def test_cascade_then_promotion_from_mooncake(manager) -> None:
+    keys = [key(i) for i in range(3)]
+    store(manager, keys)
+    tier = manager.secondaries[0]
+    assert tier.stats.stores_ok == 3
+    store(manager, [key(100 + i) for i in range(4)])   # evict the first three from CPU
+    assert not any(k in manager.primary for k in keys)
+    result = settle(manager, "r1", keys)
+    assert result == LookupResult(LookupStatus.HIT, 3)
+    spec = manager.prepare_load("r1", keys)
+    assert [bytes(manager.primary.view(s)) for s in spec.slots] == [
+        block_content(k, BLOCK) for k in keys]
+    manager.complete_load("r1", keys)
+    manager.request_finished("r1")
+    assert manager.stats()["hits_by_tier"] == {"obj": 3}
+    stored = [e for e in manager.take_events() if e.kind is EventKind.STORED and e.tier == "obj"]
+    assert stored and all(e.medium == "STORAGE" and e.locality == "REMOTE" for e in stored)
+
+
+def test_object_gone_between_probe_and_load_is_a_miss_without_retry(manager, client) -> None:
+    keys = [key(i) for i in range(2)]
+    store(manager, keys)
+    store(manager, [key(100 + i) for i in range(4)])
+    tier = manager.secondaries[0]
+    # probe first (verdict True), then the object disappears before the load
+    for _ in range(5000):
+        if all(tier.cache.peek(k) for k in keys):
+            break
+        for k in keys:
+            tier.lookup("r1", k)
+        tier.step()
+        tier.drain_results()
+        time.sleep(0.001)
+    removed = client.remove([tier.object_name(key(1))], force=True)
+    assert removed[0].ok
+    result = settle(manager, "r1", keys)
+    assert result == LookupResult(LookupStatus.HIT, 1)     # key 0 kept, key 1 recomputed
+    assert manager.failed_loads("r1") == (key(1),)
+    loads = tier.stats.loads_ok + tier.stats.loads_failed
+    for _ in range(20):
+        assert manager.lookup("r1", keys) == LookupResult(LookupStatus.HIT, 1)
+        manager.step()
+    assert tier.stats.loads_ok + tier.stats.loads_failed == loads
+    assert tier.cache.enqueue_count[key(1)] == 1
+
+
+def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, client) -> None:
+    tier = manager.secondaries[0]
+    short = bytearray(b"s" * (BLOCK // 2))
+    import numpy as np
+    ptr = int(np.frombuffer(short, dtype=np.uint8).ctypes.data)
+    assert client.batch_put_from([tier.object_name(key(7))], [ptr], [len(short)])[0].ok
+    result = settle(manager, "r1", [key(7)])
+    assert result == LookupResult(LookupStatus.MISS, 0)
+    assert tier.stats.files_deleted == 1 and tier.stats.loads_failed == 1
+    assert client.batch_exists([tier.object_name(key(7))]) == [False]
+    removed = [e for e in manager.take_events() if e.kind is EventKind.REMOVED and e.tier == "obj"]
+    assert [e.keys for e in removed] == [(key(7),)]
