@@ -52,12 +52,12 @@ def _plain_str(value: str | enum.Enum | None) -> str | None:
     return value
 
 
-def _freeze(value: object) -> object:
+def freeze_value(value: object) -> object:
     """Lists become tuples (recursively) so records stay hashable after decoding."""
     if isinstance(value, list | tuple):
-        return tuple(_freeze(item) for item in value)
+        return tuple(freeze_value(item) for item in value)
     if isinstance(value, dict):
-        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+        return tuple(sorted((str(k), freeze_value(v)) for k, v in value.items()))
     return value
 
 
@@ -95,7 +95,7 @@ class BlockStored:
         if self.locality is not None and type(self.locality) is not str:
             object.__setattr__(self, "locality", _plain_str(self.locality))
         if self.extra_keys is not None:
-            object.__setattr__(self, "extra_keys", _freeze(self.extra_keys))
+            object.__setattr__(self, "extra_keys", freeze_value(self.extra_keys))
 
 
 @dataclass(frozen=True)

@@ -56,12 +56,19 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
 from .errors import EventDecodeError
-from .schema import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from .schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    freeze_value,
+)
 
 SEQ_BYTES = 8
 END_SEQ = -1
@@ -211,6 +218,10 @@ def encode_batch(batch: EventBatch, wire_format: EventWireFormat = EventWireForm
 
 
 # Field paths are built only when an error is raised: decoding is on the hot path.
+# Type checks of whole arrays run in C: ``{int}.issuperset(map(type, values))``
+# (exact types, so bool and float token ids are rejected).
+_INT_TYPE = frozenset((int,))
+_HASH_TYPES = frozenset((int, bytes))
 
 
 def _path(where: str, name: str) -> str:
@@ -233,7 +244,7 @@ def _hashes(value: object, where: str, name: str) -> tuple[int | bytes, ...]:
             _path(where, name), f"expected array of block hashes, got {type(value).__name__}"
         )
     # msgpack cannot carry ints beyond 64 bits, so the type check is the whole check.
-    if all(type(h) is int or type(h) is bytes for h in value):
+    if _HASH_TYPES.issuperset(map(type, value)):
         return tuple(value)
     for i, item in enumerate(value):
         _check_hash(item, where, f"{name}[{i}]")
@@ -258,7 +269,7 @@ def _token_ids(value: object, where: str, name: str) -> tuple[int, ...]:
         raise EventDecodeError(
             _path(where, name), f"expected array of token ids, got {type(value).__name__}"
         )
-    if all(type(t) is int for t in value):
+    if _INT_TYPE.issuperset(map(type, value)):
         return tuple(value)
     for i, token in enumerate(value):
         if type(token) is not int:
@@ -273,7 +284,22 @@ def _extra_keys(value: object, where: str, name: str) -> tuple[object, ...] | No
         return None
     if type(value) is not tuple and type(value) is not list:
         raise EventDecodeError(_path(where, name), f"expected array or nil, got {type(value).__name__}")
-    return tuple(value)
+    frozen = freeze_value(value)
+    assert isinstance(frozen, tuple)
+    return frozen
+
+
+_T = TypeVar("_T")
+
+
+def _built(cls: type[_T], **fields: Any) -> _T:
+    """A record from already validated, normalized fields, without running the
+    dataclass ``__init__``/``__post_init__`` (one ``object.__setattr__`` per
+    field dominates decoding otherwise). Only for values the checks above
+    produced: tuples, plain ``str``s, frozen ``extra_keys``."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 _STORED_ORDER = (
@@ -322,7 +348,8 @@ def decode_event(raw: object, where: str = "event") -> KVEvent:
             missing = sorted(_STORED_REQUIRED - f.keys())[0]
             raise EventDecodeError(_path(where, missing), "required field missing")
         parent = f["parent_block_hash"]
-        return BlockStored(
+        return _built(
+            BlockStored,
             block_hashes=_hashes(f["block_hashes"], where, "block_hashes"),
             parent_block_hash=(
                 None if parent is None else _check_hash(parent, where, "parent_block_hash")
@@ -347,7 +374,8 @@ def decode_event(raw: object, where: str = "event") -> KVEvent:
     if tag == "BlockRemoved":
         if "block_hashes" not in f:
             raise EventDecodeError(_path(where, "block_hashes"), "required field missing")
-        return BlockRemoved(
+        return _built(
+            BlockRemoved,
             block_hashes=_hashes(f["block_hashes"], where, "block_hashes"),
             medium=_str(get("medium"), where, "medium"),
             group_idx=_int(get("group_idx"), where, "group_idx", optional=True),
