@@ -1,0 +1,204 @@
+"""Producer-side lease bookkeeping: which held requests may still be read, pure and clocked.
+
+A producer rank *holds* a finished request's blocks (pull: until the consumer
+ranks read them; push: until it has written them) under a **lease**: a
+deadline ``lease_s`` after the hold, pushed back by every consumer heartbeat
+or notification. Three ways out, each observable:
+
+* **completed** -- every expected consumer rank has notified (``settle``):
+  the blocks are freed and the request is reported in ``finished_sending``;
+* **expired** -- the deadline passed first (``expire``): the blocks are freed
+  anyway, ``expiries`` counts it, and the request id is remembered so that a
+  notification arriving later is recognised as **late** (``late_notifs``) and
+  answered ``ok=False``: the consumer must not trust what it read;
+* a notification for an id this rank has never held is **early** (the
+  consumer can be faster than the producer's next step) and is kept for
+  ``early_grace_s``; if no hold comes in that time it is **unknown**.
+
+Invariants: a request id is reported completed or expired at most once; a
+notification is counted toward completion only while the lease is live; every
+notification gets exactly one :class:`Verdict` (now, or when its early wait
+ends). Nothing here does I/O or reads a clock: every call takes ``now``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+#: How many expired / completed request ids are remembered to classify late notifications.
+REMEMBERED_IDS = 65536
+
+
+class VerdictKind(str, enum.Enum):
+    OK = "ok"  # counted while the lease was live
+    DUPLICATE = "duplicate"  # that consumer rank already notified; still fine
+    LATE = "late"  # the lease had expired: the blocks may have been reused
+    UNKNOWN = "unknown"  # never held here (or held by an earlier incarnation)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer to one notification of ``consumer_rank`` (sender ``peer``)."""
+
+    request_id: str
+    consumer_rank: int
+    peer: str
+    kind: VerdictKind
+
+    @property
+    def ok(self) -> bool:
+        return self.kind in (VerdictKind.OK, VerdictKind.DUPLICATE)
+
+
+@dataclass
+class Hold:
+    request_id: str
+    deadline: float
+    held_at: float
+    expected: int | None = None  # consumer ranks; learnt from the first notification
+    notified: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return self.expected is not None and len(self.notified) >= self.expected
+
+
+@dataclass
+class LeaseStats:
+    holds: int = 0
+    completed: int = 0
+    expiries: int = 0
+    renewals: int = 0
+    late_notifs: int = 0
+    unknown_notifs: int = 0
+    duplicate_notifs: int = 0
+    early_notifs: int = 0
+
+
+class LeaseTable:
+    """Leases of one producer rank. Not thread-safe (one owner: the worker connector)."""
+
+    def __init__(self, lease_s: float = 30.0, early_grace_s: float = 10.0) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"lease_s: expected > 0, got {lease_s!r}")
+        self.lease_s = lease_s
+        self.early_grace_s = early_grace_s
+        self._holds: dict[str, Hold] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> "expired"|"completed"
+        self._early: dict[str, list[tuple[float, int, int, str]]] = {}
+        self._done: list[str] = []
+        self._expired: list[str] = []
+        self.stats = LeaseStats()
+
+    # ------------------------------------------------------------------ holds
+
+    def hold(self, request_id: str, now: float) -> list[Verdict]:
+        """Start holding ``request_id``; returns verdicts for notifications that came early."""
+        if request_id in self._holds:
+            return []
+        self._ended.pop(request_id, None)  # a re-used id starts a new life
+        self._holds[request_id] = Hold(request_id, now + self.lease_s, now)
+        self.stats.holds += 1
+        out = []
+        for _at, consumer_rank, expected, peer in self._early.pop(request_id, []):
+            verdict = self.notify(request_id, consumer_rank, expected, peer, now)
+            if verdict is not None:
+                out.append(verdict)
+        return out
+
+    def renew(self, request_id: str, now: float) -> bool:
+        hold = self._holds.get(request_id)
+        if hold is None:
+            return False
+        hold.deadline = max(hold.deadline, now + self.lease_s)
+        self.stats.renewals += 1
+        return True
+
+    def notify(self, request_id: str, consumer_rank: int, expected: int, peer: str,
+               now: float) -> Verdict | None:
+        """A consumer rank says it is done with (read, or released) ``request_id``.
+
+        None: the id is not held yet (early); its verdict comes from :meth:`hold`
+        or, after ``early_grace_s``, from :meth:`expire`."""
+        hold = self._holds.get(request_id)
+        if hold is None:
+            ended = self._ended.get(request_id)
+            if ended == "expired":
+                self.stats.late_notifs += 1
+                return Verdict(request_id, consumer_rank, peer, VerdictKind.LATE)
+            if ended == "completed":
+                self.stats.duplicate_notifs += 1
+                return Verdict(request_id, consumer_rank, peer, VerdictKind.UNKNOWN)
+            self.stats.early_notifs += 1
+            self._early.setdefault(request_id, []).append((now, consumer_rank, expected, peer))
+            return None  # answered when the hold arrives, or UNKNOWN after early_grace_s
+        if consumer_rank in hold.notified:
+            self.stats.duplicate_notifs += 1
+            return Verdict(request_id, consumer_rank, peer, VerdictKind.DUPLICATE)
+        hold.expected = expected if hold.expected is None else max(hold.expected, expected)
+        hold.notified.add(consumer_rank)
+        hold.deadline = max(hold.deadline, now + self.lease_s)
+        if hold.complete:
+            del self._holds[request_id]
+            self._remember(request_id, "completed")
+            self._done.append(request_id)
+            self.stats.completed += 1
+        return Verdict(request_id, consumer_rank, peer, VerdictKind.OK)
+
+    def release(self, request_id: str) -> bool:
+        """Drop a hold without a verdict (the engine finished it some other way)."""
+        hold = self._holds.pop(request_id, None)
+        if hold is not None:
+            self._remember(request_id, "completed")
+            self._done.append(request_id)
+        return hold is not None
+
+    def expire(self, now: float) -> list[Verdict]:
+        """End every lease past its deadline; returns UNKNOWN verdicts of early waits that ran out."""
+        for request_id, hold in list(self._holds.items()):
+            if now >= hold.deadline:
+                del self._holds[request_id]
+                self._remember(request_id, "expired")
+                self._expired.append(request_id)
+                self.stats.expiries += 1
+        out = []
+        for request_id, waits in list(self._early.items()):
+            keep = [w for w in waits if now - w[0] < self.early_grace_s]
+            for _at, consumer_rank, _n, peer in waits:
+                if now - _at >= self.early_grace_s:
+                    self.stats.unknown_notifs += 1
+                    out.append(Verdict(request_id, consumer_rank, peer, VerdictKind.UNKNOWN))
+            if keep:
+                self._early[request_id] = keep
+            else:
+                del self._early[request_id]
+        return out
+
+    def take_finished(self) -> tuple[list[str], list[str]]:
+        """``(completed, expired)`` request ids since the last call (each reported once)."""
+        done, expired = self._done, self._expired
+        self._done, self._expired = [], []
+        return done, expired
+
+    # ------------------------------------------------------------------ inspection
+
+    def held(self) -> list[str]:
+        return list(self._holds)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._holds
+
+    def ended(self, request_id: str) -> str | None:
+        """``"expired"``, ``"completed"`` or None (held, or never seen / forgotten)."""
+        return self._ended.get(request_id)
+
+    def num_early(self) -> int:
+        return sum(len(v) for v in self._early.values())
+
+    def _remember(self, request_id: str, how: str) -> None:
+        self._ended[request_id] = how
+        self._ended.move_to_end(request_id)
+        while len(self._ended) > REMEMBERED_IDS:
+            self._ended.popitem(last=False)

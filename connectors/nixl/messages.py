@@ -1,0 +1,218 @@
+"""Notification records exchanged between NIXL agents (the data-path control messages).
+
+NIXL delivers an opaque byte string with a transfer (after its data) or on its
+own (``send_notif``). kvbridge puts one small msgpack map in it: ``{"v": 1,
+"t": kind, ...}``. Decoding is strict (known kind, exact keys, types and
+ranges checked) and raises :class:`NotifError` naming the field; a peer can
+send nothing but plain msgpack scalars, lists, maps and bytes (never pickle).
+
+Kinds (``C`` = consumer rank, ``P`` = producer rank):
+
+* ``hello`` C->P: the consumer rank's encoded ``AgentMetadata`` (so the
+  producer can add it as a NIXL peer to answer, and in push mode write to it).
+* ``read`` C->P (pull): the notification of a READ (or a standalone "I will not
+  read" with ``read=False``: full prefix hit, abort). ``expected`` is how many
+  consumer ranks will notify this producer rank for the request.
+* ``ack`` P->C: the producer's verdict on one ``read`` or ``register``:
+  ``ok=False`` means the lease had expired or the request is unknown, so the
+  bytes read may be stale and the consumer must fail the request closed.
+* ``heartbeat`` C->P: renew the leases of the listed producer request ids.
+* ``register`` C->P (push): the consumer's block ids to write into, from
+  block index ``start[r]`` of each region on.
+* ``pushed`` P->C (push): every write of this producer rank for the request is
+  done (``ok``), or it will not come (``ok=False``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+NOTIF_VERSION = 1
+MAX_NOTIF_BYTES = 1 << 20
+MAX_IDS = 1 << 20
+
+
+class NotifError(ValueError):
+    """A notification that does not follow the schema; ``field`` names what was wrong."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"notif.{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class NotifKind(str, enum.Enum):
+    HELLO = "hello"
+    READ = "read"
+    ACK = "ack"
+    HEARTBEAT = "heartbeat"
+    REGISTER = "register"
+    PUSHED = "pushed"
+
+
+@dataclass(frozen=True)
+class Hello:
+    agent: bytes  # encode_agent(AgentMetadata) of the sender rank
+
+
+@dataclass(frozen=True)
+class ReadDone:
+    request_id: str  # the producer's request id
+    consumer_rank: int
+    expected: int  # consumer ranks that notify this producer rank for the request
+    read: bool = True  # False: released without reading (prefix hit, abort)
+
+
+@dataclass(frozen=True)
+class Ack:
+    request_id: str
+    producer_rank: int
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Register:
+    request_id: str  # the producer's request id
+    consumer_rank: int
+    expected: int  # consumer ranks that register with this producer rank
+    start: tuple[int, ...]  # first block index per region
+    block_ids: tuple[tuple[int, ...], ...]  # consumer block ids from ``start`` on, per region
+    cancel: bool = False  # the consumer will not take the KV (prefix hit, abort)
+
+
+@dataclass(frozen=True)
+class Pushed:
+    request_id: str
+    producer_rank: int
+    ok: bool
+    reason: str = ""
+
+
+Notif = Hello | ReadDone | Ack | Heartbeat | Register | Pushed
+
+
+def encode(msg: Notif) -> bytes:
+    body: dict[str, Any]
+    if isinstance(msg, Hello):
+        body = {"t": NotifKind.HELLO.value, "agent": bytes(msg.agent)}
+    elif isinstance(msg, ReadDone):
+        body = {"t": NotifKind.READ.value, "rid": msg.request_id, "cr": msg.consumer_rank,
+                "n": msg.expected, "read": msg.read}
+    elif isinstance(msg, Ack):
+        body = {"t": NotifKind.ACK.value, "rid": msg.request_id, "pr": msg.producer_rank,
+                "ok": msg.ok, "why": msg.reason}
+    elif isinstance(msg, Heartbeat):
+        body = {"t": NotifKind.HEARTBEAT.value, "rids": list(msg.request_ids)}
+    elif isinstance(msg, Register):
+        body = {"t": NotifKind.REGISTER.value, "rid": msg.request_id, "cr": msg.consumer_rank,
+                "n": msg.expected, "start": list(msg.start),
+                "ids": [list(g) for g in msg.block_ids], "cancel": msg.cancel}
+    elif isinstance(msg, Pushed):
+        body = {"t": NotifKind.PUSHED.value, "rid": msg.request_id, "pr": msg.producer_rank,
+                "ok": msg.ok, "why": msg.reason}
+    else:  # pragma: no cover - the union is closed
+        raise TypeError(f"not a notification: {msg!r}")
+    body["v"] = NOTIF_VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+_KEYS = {
+    NotifKind.HELLO: {"agent"},
+    NotifKind.READ: {"rid", "cr", "n", "read"},
+    NotifKind.ACK: {"rid", "pr", "ok", "why"},
+    NotifKind.HEARTBEAT: {"rids"},
+    NotifKind.REGISTER: {"rid", "cr", "n", "start", "ids", "cancel"},
+    NotifKind.PUSHED: {"rid", "pr", "ok", "why"},
+}
+
+
+def _int(obj: dict[str, Any], key: str, lo: int = 0, hi: int = 1 << 31) -> int:
+    value = obj[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value < hi:
+        raise NotifError(key, f"expected an integer in [{lo}, {hi}), got {value!r}")
+    return value
+
+
+def _str(obj: dict[str, Any], key: str, allow_empty: bool = False) -> str:
+    value = obj[key]
+    if not isinstance(value, str) or (not value and not allow_empty) or len(value) > 1024:
+        raise NotifError(key, f"expected a string of 1..1024 chars, got {value!r:.80}")
+    return value
+
+
+def _bool(obj: dict[str, Any], key: str) -> bool:
+    value = obj[key]
+    if not isinstance(value, bool):
+        raise NotifError(key, f"expected a boolean, got {value!r}")
+    return value
+
+
+def _int_list(value: object, field: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_IDS:
+        raise NotifError(field, "expected a list of integers")
+    for i, x in enumerate(value):
+        if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < (1 << 31):
+            raise NotifError(f"{field}[{i}]", f"expected an integer >= 0, got {x!r}")
+    return tuple(value)
+
+
+def decode(data: bytes) -> Notif:
+    """Parse one notification; raises :class:`NotifError` naming the field."""
+    if len(data) > MAX_NOTIF_BYTES:
+        raise NotifError("size", f"{len(data)} bytes exceed {MAX_NOTIF_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise NotifError("bytes", f"not msgpack: {exc!r}") from None
+    if not isinstance(obj, dict):
+        raise NotifError("bytes", f"expected a map, got {type(obj).__name__}")
+    if obj.get("v") != NOTIF_VERSION:
+        raise NotifError("v", f"expected version {NOTIF_VERSION}, got {obj.get('v')!r}")
+    try:
+        kind = NotifKind(obj.get("t"))
+    except ValueError:
+        raise NotifError("t", f"unknown kind {obj.get('t')!r}") from None
+    keys = set(obj) - {"v", "t"}
+    if keys != _KEYS[kind]:
+        missing = sorted(_KEYS[kind] - keys)
+        extra = sorted(keys - _KEYS[kind])
+        name = (missing or extra)[0]
+        raise NotifError(name, "missing" if missing else f"unknown key for kind {kind.value}")
+    if kind is NotifKind.HELLO:
+        agent = obj["agent"]
+        if not isinstance(agent, bytes) or not agent:
+            raise NotifError("agent", "expected non-empty bytes")
+        return Hello(agent)
+    if kind is NotifKind.READ:
+        return ReadDone(_str(obj, "rid"), _int(obj, "cr"), _int(obj, "n", 1), _bool(obj, "read"))
+    if kind is NotifKind.ACK:
+        return Ack(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"),
+                   _str(obj, "why", allow_empty=True))
+    if kind is NotifKind.PUSHED:
+        return Pushed(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"),
+                      _str(obj, "why", allow_empty=True))
+    if kind is NotifKind.HEARTBEAT:
+        rids = obj["rids"]
+        if not isinstance(rids, list) or len(rids) > MAX_IDS:
+            raise NotifError("rids", "expected a list of request ids")
+        for i, rid in enumerate(rids):
+            if not isinstance(rid, str) or not rid:
+                raise NotifError(f"rids[{i}]", f"expected a request id, got {rid!r}")
+        return Heartbeat(tuple(rids))
+    start = _int_list(obj["start"], "start")
+    groups = obj["ids"]
+    if not isinstance(groups, list) or len(groups) != len(start):
+        raise NotifError("ids", f"expected {len(start)} block-id lists (one per region)")
+    ids = tuple(_int_list(g, f"ids[{i}]") for i, g in enumerate(groups))
+    return Register(_str(obj, "rid"), _int(obj, "cr"), _int(obj, "n", 1), start, ids,
+                    _bool(obj, "cancel"))

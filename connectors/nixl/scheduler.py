@@ -1,0 +1,288 @@
+"""Scheduler half of the NIXL connector: decides who loads, holds, pushes; serves the handshake.
+
+Consumer (``kv_consumer``): a request that carries ``TransferParams`` asks for
+``min(params.num_tokens, request tokens) - computed`` tokens, loaded
+asynchronously; once blocks are allocated a :class:`LoadOrder` goes to the
+workers. Zero tokens (a full local prefix hit) or an abort before the
+request was ever allocated still sends a :class:`ReleaseOrder`, so the
+producer frees at once instead of waiting for its lease to run out.
+
+Producer (``kv_producer``): a finished ``remote_decode`` request is held
+(``delay_free``) and a :class:`HoldOrder` starts its lease on every rank;
+``request_finished`` returns the pull ``TransferParams`` the router forwards.
+In push mode every scheduled step of such a request is a :class:`PushOrder`
+(the workers write each layer as it completes in the prompt's last step).
+
+The engine's handshake side channel (one ZMQ ROUTER for all ranks) is started
+in :meth:`NixlScheduler.set_handshake_metadata`, when the ranks' NIXL agent
+metadata is known, and stopped in :meth:`shutdown`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvbridge.connectors.api import (
+    BlockIds,
+    ConnectorContext,
+    ConnectorMetadata,
+    ConnectorOutput,
+    ConnectorRequest,
+    SchedulerConnector,
+    SchedulerStep,
+    block_range,
+)
+from kvbridge.connectors.nixl.settings import NixlSettings
+from kvbridge.connectors.params import TransferMode, TransferParams
+from kvbridge.handshake import (
+    CompatHeader,
+    HandshakeServer,
+    MetadataStore,
+    decode_agent,
+)
+from kvbridge.handshake import TransferMode as WireMode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """Consumer: load block indices ``start[r]..`` of every region from the producer.
+
+    ``consumer_block_ids[r][k]`` receives ``producer_block_ids[r][k]`` (pull);
+    in push mode ``producer_block_ids`` is empty (the producer knows its own).
+    ``error`` set: the order is refused up front (the worker fails it at once).
+    """
+
+    request_id: str
+    params: TransferParams
+    consumer_block_ids: BlockIds
+    producer_block_ids: BlockIds
+    start: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ReleaseOrder:
+    """Consumer: tell the producer it can free ``params``' blocks (nothing will be read)."""
+
+    request_id: str
+    params: TransferParams
+
+
+@dataclass(frozen=True)
+class HoldOrder:
+    """Producer: hold ``request_id``'s blocks under a lease until the consumers are done."""
+
+    request_id: str
+    block_ids: BlockIds
+    push: bool
+
+
+@dataclass(frozen=True)
+class PushOrder:
+    """Producer (push): this step computes tokens up to ``end`` of ``request_id``;
+    ``final``: the prompt is complete after this step (its layers can be written)."""
+
+    request_id: str
+    params: TransferParams
+    block_ids: BlockIds
+    end: int
+    final: bool
+
+
+@dataclass
+class NixlMetadata(ConnectorMetadata):
+    step_id: int = 0
+    loads: tuple[LoadOrder, ...] = ()
+    releases: tuple[ReleaseOrder, ...] = ()
+    holds: tuple[HoldOrder, ...] = ()
+    pushes: tuple[PushOrder, ...] = ()
+    heartbeats: tuple[TransferParams, ...] = ()
+
+
+@dataclass
+class _SchedState:
+    loads: list[LoadOrder] = field(default_factory=list)
+    releases: list[ReleaseOrder] = field(default_factory=list)
+    holds: list[HoldOrder] = field(default_factory=list)
+
+
+class NixlScheduler(SchedulerConnector):
+    def __init__(self, ctx: ConnectorContext) -> None:
+        super().__init__(ctx)
+        settings = ctx.extra if isinstance(ctx.extra, NixlSettings) else NixlSettings()
+        self.settings = settings
+        self.header = CompatHeader.from_spec(ctx.spec, WireMode(settings.mode.value))
+        self._pending = _SchedState()
+        self._waiting: dict[str, TransferParams] = {}  # consumer: matched, not allocated yet
+        self._handled: set[str] = set()  # consumer: load or release ordered
+        self._last_heartbeat = time.monotonic()
+        self._store: MetadataStore | None = None
+        self._server: HandshakeServer | None = None
+        self._stats: dict[str, int] = {"loads_ordered": 0, "releases_ordered": 0,
+                                       "holds_ordered": 0, "refused_params": 0,
+                                       "finished_sending": 0, "finished_recving": 0,
+                                       "failed_recving": 0}
+
+    # ------------------------------------------------------------------ handshake
+
+    def set_handshake_metadata(self, per_worker: Mapping[int, bytes]) -> None:
+        store = MetadataStore(self.ctx.engine_id, self.ctx.spec, self.ctx.topology,
+                              WireMode(self.settings.mode.value))
+        for _index, blob in sorted(per_worker.items()):
+            store.publish(decode_agent(blob))
+        server = HandshakeServer(store, self.settings.host, self.settings.port)
+        server.start()
+        self._store, self._server = store, server
+        logger.info("nixl: engine %s (%s, %s) side channel on %s", self.ctx.engine_id,
+                    self.ctx.role.value, self.settings.mode.value, server.address)
+
+    def endpoint(self) -> tuple[str, int] | None:
+        if self._server is None:
+            return None
+        return self.settings.public_host, self._server.port
+
+    # ------------------------------------------------------------------ consumer
+
+    def _usable(self, request: ConnectorRequest) -> TransferParams | None:
+        params = request.transfer_params
+        if params is None or not self.ctx.role.is_consumer or request.remote_decode:
+            return None
+        if request.request_id in self._handled:
+            return None
+        if params.mode is not self.settings.mode or (
+                params.spec_fingerprint is not None
+                and params.spec_fingerprint != self.header.fingerprint):
+            self._stats["refused_params"] += 1
+            logger.warning("nixl: request %s: transfer params of mode %s / fingerprint %s do "
+                           "not pair with this engine (%s / %s); recomputing",
+                           request.request_id, params.mode.value, params.spec_fingerprint,
+                           self.settings.mode.value, self.header.fingerprint)
+            self._handled.add(request.request_id)
+            return None
+        return params
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = self._usable(request)
+        if params is None:
+            return 0, False
+        self._waiting[request.request_id] = params
+        total = min(params.num_tokens, request.num_tokens)
+        ext = total - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, True
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
+                                 num_external_tokens: int) -> None:
+        params = self._waiting.pop(request.request_id, None)
+        if params is None:
+            return
+        self._handled.add(request.request_id)
+        if num_external_tokens <= 0:
+            self._pending.releases.append(ReleaseOrder(request.request_id, params))
+            self._stats["releases_ordered"] += 1
+            return
+        start_token = request.num_computed_tokens
+        end_token = start_token + num_external_tokens
+        consumer: list[tuple[int, ...]] = []
+        producer: list[tuple[int, ...]] = []
+        starts: list[int] = []
+        error = None
+        for r in range(len(self.ctx.spec.regions)):
+            span = block_range(self.ctx.block_tokens(r), start_token, end_token)
+            starts.append(span.start)
+            ids = block_ids[r] if r < len(block_ids) else ()
+            consumer.append(tuple(ids[span.start:span.stop]))
+            if len(consumer[-1]) != len(span):
+                error = f"region {r}: {len(span)} blocks to load but {len(consumer[-1])} allocated"
+            if params.mode is TransferMode.PULL:
+                theirs = params.block_ids[r] if r < len(params.block_ids) else ()
+                producer.append(tuple(theirs[span.start:span.stop]))
+                if len(producer[-1]) != len(span) and error is None:
+                    error = (f"region {r}: producer sent {len(theirs)} block ids, need block "
+                             f"indices {span.start}..{span.stop - 1}")
+        self._pending.loads.append(LoadOrder(request.request_id, params, tuple(consumer),
+                                             tuple(producer), tuple(starts), error))
+        self._stats["loads_ordered"] += 1
+
+    # ------------------------------------------------------------------ both
+
+    def build_connector_meta(self, step: SchedulerStep) -> NixlMetadata:
+        pushes = []
+        if self.ctx.role.is_producer and self.settings.mode is TransferMode.PUSH:
+            for item in step.scheduled:
+                req = item.request
+                params = req.transfer_params
+                if not req.remote_decode or params is None or params.mode is not TransferMode.PUSH:
+                    continue
+                end = item.num_computed_tokens + item.num_scheduled_tokens
+                final = end >= min(req.num_prompt_tokens, params.num_tokens or req.num_prompt_tokens)
+                pushes.append(PushOrder(req.request_id, params, item.block_ids, end, final))
+        heartbeats: tuple[TransferParams, ...] = ()
+        now = time.monotonic()
+        if self._waiting and now - self._last_heartbeat >= self.settings.heartbeat_interval_s:
+            heartbeats = tuple(self._waiting.values())
+            self._last_heartbeat = now
+        meta = NixlMetadata(step.step_id, tuple(self._pending.loads),
+                            tuple(self._pending.releases), tuple(self._pending.holds),
+                            tuple(pushes), heartbeats)
+        self._pending = _SchedState()
+        return meta
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        self._stats["finished_sending"] += len(output.finished_sending)
+        self._stats["finished_recving"] += len(output.finished_recving)
+        self._stats["failed_recving"] += len(output.failed_recving)
+
+    def request_finished(self, request: ConnectorRequest,
+                         block_ids: BlockIds) -> tuple[bool, TransferParams | None]:
+        rid = request.request_id
+        params = self._waiting.pop(rid, None)
+        if params is not None:  # consumer: matched but never allocated (abort, error)
+            self._pending.releases.append(ReleaseOrder(rid, params))
+            self._stats["releases_ordered"] += 1
+            self._handled.discard(rid)
+            return False, None
+        handled = rid in self._handled
+        self._handled.discard(rid)
+        if request.transfer_params is not None and not request.remote_decode \
+                and not handled and self.ctx.role.is_consumer:
+            # finished before the connector was ever asked (aborted while queued)
+            self._pending.releases.append(ReleaseOrder(rid, request.transfer_params))
+            self._stats["releases_ordered"] += 1
+            return False, None
+        if not (self.ctx.role.is_producer and request.remote_decode):
+            return False, None
+        num_tokens = min(request.num_prompt_tokens, request.num_computed_tokens)
+        if num_tokens <= 0 or not any(block_ids):
+            return False, None
+        push = self.settings.mode is TransferMode.PUSH
+        self._pending.holds.append(HoldOrder(rid, tuple(tuple(g) for g in block_ids), push))
+        self._stats["holds_ordered"] += 1
+        if push:
+            return True, request.transfer_params
+        host, port = self.endpoint() or (self.settings.public_host, 1)
+        params = TransferParams(
+            mode=TransferMode.PULL, producer_engine_id=self.ctx.engine_id,
+            producer_host=host, producer_port=port, producer_request_id=rid,
+            block_ids=tuple(tuple(g) for g in block_ids),
+            producer_topology=self.ctx.topology.sizes(), num_tokens=num_tokens,
+            spec_fingerprint=self.header.fingerprint)
+        return True, params
+
+    def get_stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self._stats)
+        if self._server is not None:
+            out["handshake_requests_served"] = self._server.requests_served
+        return out
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None

@@ -1,0 +1,125 @@
+"""Peer sessions: one handshaken remote engine as seen from one local rank.
+
+A consumer rank opens a :class:`PeerSession` per producer engine address: the
+handshake (bounded, retried, refusing an incompatible fingerprint, e.g. push
+against pull), the transfer plan for this rank, NIXL peers for every producer
+rank it reads from or notifies, a ``hello`` to each (our own agent metadata, so
+they can answer and, in push mode, write to us), and the remote descriptor
+lists prepared right away, so the first request posts indices only.
+
+A session is built off the engine thread (:func:`open_session` runs in the
+worker's single handshake thread) and is immutable once READY; a failure
+anywhere drops it as a whole (:meth:`PeerSession.close`) and the next request
+to that address handshakes again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvbridge.backends.nixl import DescList, NixlTransport, PeerHandle
+from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.routing import (
+    DescTable,
+    consumer_table,
+    expected_notifs,
+    notify_targets,
+    producer_table,
+)
+from kvbridge.handshake import CompatHeader, EngineMetadata, HandshakeClient, format_address
+from kvbridge.layouts import KVCacheSpec, LayerMemory, ParallelTopology, RankPlan, plan_transfer
+from kvbridge.layouts.plan import rank_index
+
+logger = logging.getLogger(__name__)
+
+SessionKey = tuple[str, str, int]  # (producer engine id, host, port)
+
+
+@dataclass
+class LocalLists:
+    """This rank's prepared list for one plan (one per distinct remote topology)."""
+
+    table: DescTable
+    dlist: DescList
+
+
+@dataclass
+class PeerSession:
+    key: SessionKey
+    metadata: EngineMetadata
+    rank_plan: RankPlan
+    targets: tuple[int, ...]  # producer ranks this rank notifies
+    expected: dict[int, int]  # producer rank -> how many consumer ranks notify it
+    peers: dict[int, PeerHandle]  # producer rank -> NIXL peer
+    remote_tables: dict[int, DescTable] = field(default_factory=dict)
+    remote_lists: dict[int, DescList] = field(default_factory=dict)
+    local: LocalLists | None = None
+    opened_at: float = 0.0
+    validated_at: float = 0.0
+    active: int = 0  # requests currently using it
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        return self.rank_plan.sources
+
+    @property
+    def address(self) -> str:
+        return format_address(self.key[1], self.key[2])
+
+    def close(self, transport: NixlTransport) -> None:
+        """Drop the NIXL peers (failing their pending transfers) and their lists."""
+        for peer in self.peers.values():
+            transport.remove_peer(peer)  # releases the peer's remote lists too
+        self.peers.clear()
+        self.remote_lists.clear()
+
+
+def open_session(key: SessionKey, transport: NixlTransport, client: HandshakeClient,
+                 expected_header: CompatHeader, spec: KVCacheSpec, sizes: ParallelTopology,
+                 rank: ParallelTopology, memory: dict[int, LayerMemory], hello: bytes,
+                 local_cache: dict[ParallelTopology, LocalLists]) -> PeerSession:
+    """Handshake with the engine at ``key`` and prepare everything for transfers.
+
+    Raises HandshakeError / LayoutError / NixlTransportError; on error nothing
+    is left behind (peers added so far are removed).
+    """
+    _engine_id, host, port = key
+    result = client.fetch(format_address(host, port), expected=expected_header)
+    meta = result.metadata
+    if meta.engine_id != key[0]:
+        from kvbridge.handshake import HandshakeError
+        raise HandshakeError("engine_id", f"{format_address(host, port)} serves engine "
+                                          f"{meta.engine_id!r}, the request names {key[0]!r}")
+    plan = plan_transfer(spec, meta.topology, sizes)
+    me = rank_index(rank)
+    rank_plan = plan.for_consumer(me)
+    targets = notify_targets(plan)
+    mine = targets.get(me, ())
+    session = PeerSession(key, meta, rank_plan, mine,
+                          {p: expected_notifs(targets, p) for p in mine}, {},
+                          opened_at=time.monotonic(), validated_at=time.monotonic())
+    by_index = {m.rank_index: m for m in meta.ranks}
+    try:
+        hello_msg = messages.encode(messages.Hello(hello))
+        for p in mine:
+            agent = by_index[p]
+            peer = transport.add_peer(agent.agent_name, agent.agent_blob)
+            session.peers[p] = peer
+            transport.send_notif(peer, hello_msg)
+            if p in rank_plan.sources:
+                table = producer_table(rank_plan.for_producer(p), agent.layer_memory())
+                session.remote_tables[p] = table
+                session.remote_lists[p] = transport.prepare_remote(peer, table.rows)
+        sizes_key = meta.topology.sizes()
+        local = local_cache.get(sizes_key)
+        if local is None and rank_plan.num_descriptors:
+            table = consumer_table(rank_plan, memory)
+            local = LocalLists(table, transport.prepare_local_descs(table.rows))
+            local_cache[sizes_key] = local
+        session.local = local
+    except BaseException:
+        session.close(transport)
+        raise
+    return session

@@ -1,0 +1,82 @@
+"""The NIXL connector's settings (``kv_connector_extra_config``), parsed once at the edge."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.connectors.errors import ConfigError
+from kvbridge.connectors.params import TransferMode
+
+
+@dataclass(frozen=True)
+class NixlSettings:
+    """Validated extra config of the ``nixl`` connector.
+
+    ``lease_s``: how long a producer holds a finished request's blocks without
+    hearing from a consumer (heartbeats renew it; default 30 s).
+    ``transfer_timeout_s``: deadline of one request's load on a consumer rank,
+    from the moment its blocks are allocated to the producer's last ack.
+    ``handshake_timeout_s`` x (``handshake_retries`` + 1) bounds one handshake.
+    ``host``/``port``: where this engine's side channel listens (port 0: any).
+    ``advertise_host``: the host put in transfer params (default ``host``).
+    ``revalidate_s``: a peer session idle longer than this is re-checked (cheap
+    conditional handshake) before its next use, so a restarted peer is noticed
+    before a READ is posted to it.
+    """
+
+    mode: TransferMode = TransferMode.PULL
+    lease_s: float = 30.0
+    heartbeat_s: float | None = None  # default lease_s / 3
+    transfer_timeout_s: float = 10.0
+    handshake_timeout_s: float = 2.0
+    handshake_retries: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    early_grace_s: float = 10.0
+    revalidate_s: float = 1.0
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease_s / 3
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any]) -> NixlSettings:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config.{unknown[0]}",
+                              f"unknown setting of connector 'nixl'; expected one of "
+                              f"{sorted(known)}")
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            where = f"kv_connector_extra_config.{key}"
+            if key == "mode":
+                try:
+                    values[key] = TransferMode(value)
+                except ValueError:
+                    raise ConfigError(where, f"expected 'pull' or 'push', got {value!r}") from None
+            elif key in ("host", "advertise_host"):
+                if value is not None and (not isinstance(value, str) or not value):
+                    raise ConfigError(where, f"expected a host name or address, got {value!r}")
+                values[key] = value
+            elif key in ("port", "handshake_retries"):
+                hi = 65536 if key == "port" else 100
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < hi:
+                    raise ConfigError(where, f"expected an integer in [0, {hi}), got {value!r}")
+                values[key] = value
+            else:
+                if value is None and key == "heartbeat_s":
+                    values[key] = None
+                    continue
+                if (not isinstance(value, int | float) or isinstance(value, bool)
+                        or not value > 0):
+                    raise ConfigError(where, f"expected a number of seconds > 0, got {value!r}")
+                values[key] = float(value)
+        return cls(**values)

@@ -1,0 +1,117 @@
+"""Per-request receive state on one consumer rank, with an explicit ``poll()`` state.
+
+SGLang-style: each request's transfer is an object whose :meth:`RecvTransfer.poll`
+says where it stands, so the worker loop is "poll everything, act on the
+states", and a test can drive the machine without NIXL::
+
+    BOOTSTRAPPING --(peer session ready; pull: READs posted)--> TRANSFERRING
+    BOOTSTRAPPING --(push: block ids registered)-------------> WAITING
+    TRANSFERRING  --(every READ done)------------------------> WAITING
+    WAITING       --(every expected ack / "pushed" is ok)----> DONE
+    any non-terminal --(error, ack not ok, deadline)---------> FAILED
+
+Invariants: DONE and FAILED are terminal and reached once; a FAILED request
+reports exactly its local block ids (``local_blocks``) as load errors; every
+state but the terminal ones is bounded by ``deadline`` (``poll(now)`` past it
+fails the request, naming the state it was stuck in). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvbridge.connectors.params import TransferParams
+
+
+class RecvState(str, enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"  # waiting for the handshake / NIXL peer
+    TRANSFERRING = "transferring"  # READs posted, not all done
+    WAITING = "waiting"  # waiting for the producer's acks (pull) or writes (push)
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RecvState.DONE, RecvState.FAILED)
+
+
+@dataclass
+class RecvTransfer:
+    """One request's load on one consumer rank.
+
+    ``local_blocks`` are ``(region_index, block_id)`` of every local block this
+    load writes; ``expected_from`` the producer ranks whose ack (pull) or
+    "pushed" (push) must arrive ok before the request is DONE.
+    """
+
+    request_id: str
+    params: TransferParams
+    consumer_block_ids: tuple[tuple[int, ...], ...]
+    producer_block_ids: tuple[tuple[int, ...], ...]
+    start: tuple[int, ...]  # first block index per region (push registration)
+    deadline: float
+    started_at: float
+    state: RecvState = RecvState.BOOTSTRAPPING
+    error: str | None = None
+    expected_from: frozenset[int] = frozenset()
+    answered: set[int] = field(default_factory=set)
+    transfers: list[object] = field(default_factory=list)  # backend Transfer objects
+    finished_at: float | None = None
+    nbytes: int = 0
+    num_descs: int = 0
+
+    @property
+    def local_blocks(self) -> frozenset[tuple[int, int]]:
+        return frozenset((r, b) for r, ids in enumerate(self.consumer_block_ids) for b in ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(ids) for ids in self.consumer_block_ids)
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def fail(self, reason: str, now: float) -> bool:
+        """Move to FAILED unless terminal; True if this call failed it."""
+        if self.state.terminal:
+            return False
+        self.state = RecvState.FAILED
+        self.error = reason
+        self.finished_at = now
+        return True
+
+    def posted(self, expected_from: frozenset[int], transfers: list[object], pull: bool) -> None:
+        """Pull: READs posted (TRANSFERRING). Push: block ids registered (WAITING)."""
+        if self.state is not RecvState.BOOTSTRAPPING:
+            raise RuntimeError(f"request {self.request_id}: posted() in state {self.state.value}")
+        self.expected_from = expected_from
+        self.transfers = transfers
+        self.state = RecvState.TRANSFERRING if pull and transfers else RecvState.WAITING
+
+    def transfers_done(self) -> None:
+        if self.state is RecvState.TRANSFERRING:
+            self.state = RecvState.WAITING
+
+    def answer(self, producer_rank: int, ok: bool, reason: str, now: float) -> None:
+        """An ack (pull) or a "pushed" (push) from ``producer_rank``."""
+        if self.state.terminal:
+            return
+        if not ok:
+            self.fail(f"producer rank {producer_rank}: {reason or 'refused'}", now)
+            return
+        self.answered.add(producer_rank)
+
+    def poll(self, now: float) -> RecvState:
+        """Advance on time alone: complete when every answer is in, fail past the deadline."""
+        if self.state.terminal:
+            return self.state
+        if self.state is RecvState.WAITING and self.expected_from <= self.answered:
+            self.state = RecvState.DONE
+            self.finished_at = now
+            return self.state
+        if now >= self.deadline:
+            self.fail(f"deadline passed in state {self.state.value} "
+                      f"({now - self.started_at:.3f} s after start)", now)
+        return self.state

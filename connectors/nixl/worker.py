@@ -1,0 +1,834 @@
+"""Worker half of the NIXL connector: one NIXL agent per rank; pull and push data paths.
+
+Registration happens once (:meth:`NixlWorker.register_kv_caches`: every layer
+tensor is one registered region). Descriptor lists are prepared once per plan
+(local) and per remote rank (right after the handshake, see
+:mod:`~kvbridge.connectors.nixl.session`); a request only builds index arrays.
+
+Every engine step the worker *progresses*: it drains NIXL notifications (which
+also progresses the UCX worker, as the passive side of a READ must), settles
+handshakes run on its one background thread, posts what became postable,
+polls transfers, enforces deadlines and leases, and sends heartbeats. A rank
+never blocks on the network inside a hook.
+
+Consumer rank, pull: READ from each source producer rank with a ``read``
+notification; the producer answers each with an ``ack`` (``ok=False`` when its
+lease had expired: the bytes may be stale), and the request is DONE when every
+source acked ok. Consumer rank, push: ``register`` its block ids with every
+producer rank it notifies, DONE when every source sent ``pushed``.
+
+Producer rank: holds finished requests under a :class:`LeaseTable`; pull
+completes when every expected consumer rank notified; push writes a layer's
+blocks to every registered consumer rank as the layer completes in the
+prompt's last step (or everything at once when the registration comes later),
+then sends ``pushed``.
+
+Failures (handshake, transfer error or deadline, dead or restarted peer, late
+read) fail exactly the affected requests with their local block ids as load
+errors, drop the remote session (re-handshaken on next use), and log one line
+each with the engine ids, request id and block count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbridge.backends.nixl import (
+    DescList,
+    NixlTransport,
+    NixlTransportError,
+    PeerHandle,
+    Transfer,
+    XferOp,
+    XferState,
+)
+from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
+from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.leases import LeaseTable, Verdict
+from kvbridge.connectors.nixl.routing import DescTable, build_table, pull_indices
+from kvbridge.connectors.nixl.scheduler import LoadOrder, NixlMetadata, PushOrder, ReleaseOrder
+from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey, open_session
+from kvbridge.connectors.nixl.settings import NixlSettings
+from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
+from kvbridge.connectors.params import TransferMode, TransferParams
+from kvbridge.handshake import (
+    AgentMetadata,
+    CompatHeader,
+    HandshakeClient,
+    decode_agent,
+    encode_agent,
+)
+from kvbridge.handshake import TransferMode as WireMode
+from kvbridge.layouts import LayerMemory, ParallelTopology, plan_transfer
+from kvbridge.layouts.plan import rank_index
+
+logger = logging.getLogger(__name__)
+
+#: Transfer latency samples kept per rank (for percentiles in the demo and bench).
+MAX_SAMPLES = 100_000
+
+
+@dataclass
+class _Connecting:
+    future: Future[PeerSession]
+    started_at: float
+
+
+@dataclass
+class _ConsumerPeer:
+    """A consumer rank known to this producer rank (from its ``hello``)."""
+
+    peer: PeerHandle
+    meta: AgentMetadata
+
+
+@dataclass
+class _PushTarget:
+    consumer_rank: int
+    peer: PeerHandle
+    register: messages.Register
+    local: DescTable | None = None
+    remote: DescTable | None = None
+    local_list: DescList | None = None
+    remote_list: DescList | None = None
+    layers_needed: frozenset[int] = frozenset()
+    layers_written: set[int] = field(default_factory=set)
+    transfers: list[Transfer] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _PushJob:
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...] = ()
+    final: bool = False
+    layers_ready: set[int] = field(default_factory=set)
+    targets: dict[int, _PushTarget] = field(default_factory=dict)
+    started_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished request load (consumer) or push (producer) on this rank."""
+
+    request_id: str
+    ok: bool
+    nbytes: int
+    num_descs: int
+    duration_s: float
+
+
+class NixlWorker(WorkerConnector):
+    def __init__(self, ctx: ConnectorContext) -> None:
+        super().__init__(ctx)
+        assert ctx.rank is not None
+        self.settings: NixlSettings = ctx.extra if isinstance(ctx.extra, NixlSettings) \
+            else NixlSettings()
+        self.rank: ParallelTopology = ctx.rank
+        self.sizes = ctx.topology.sizes()
+        self.rank_index = rank_index(ctx.rank)
+        self.header = CompatHeader.from_spec(ctx.spec, WireMode(self.settings.mode.value))
+        self.transport: NixlTransport | None = None
+        self.memory: dict[int, LayerMemory] = {}
+        self._agent_doc = b""
+        self._executor: ThreadPoolExecutor | None = None
+        self._client = HandshakeClient(timeout_s=self.settings.handshake_timeout_s,
+                                       retries=self.settings.handshake_retries,
+                                       expected=self.header)
+        self._sessions: dict[SessionKey, PeerSession] = {}
+        self._connecting: dict[SessionKey, _Connecting] = {}
+        self._revalidating: dict[SessionKey, Future[Any]] = {}
+        self._local_cache: dict[ParallelTopology, LocalLists] = {}
+        self._recv: dict[str, RecvTransfer] = {}
+        self._by_producer_rid: dict[tuple[str, str], str] = {}
+        self._releases: list[ReleaseOrder] = []
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._load_errors: set[BlockRef] = set()
+        self._leases = LeaseTable(self.settings.lease_s, self.settings.early_grace_s)
+        self._consumers: dict[str, _ConsumerPeer] = {}
+        self._pending_acks: dict[str, list[messages.Notif]] = {}
+        self._push_jobs: dict[str, _PushJob] = {}
+        self._early_registers: dict[str, list[tuple[str, messages.Register]]] = {}
+        self._step_pushes: tuple[PushOrder, ...] = ()
+        self._last_heartbeat = time.monotonic()
+        self._records: list[TransferRecord] = []
+        self._counters: dict[str, int | float] = {
+            "transfers": 0, "transfer_bytes": 0, "transfer_descs": 0, "transfer_time_s": 0.0,
+            "loads_done": 0, "loads_failed": 0, "handshakes": 0, "handshake_failures": 0,
+            "transfer_failures": 0, "lease_expiries": 0, "late_notifs": 0,
+            "unknown_notifs": 0, "bad_notifs": 0, "heartbeats_sent": 0, "releases_sent": 0,
+            "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
+            "peer_restarts": 0,
+        }
+        self._closed = False
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, caches: KVCaches) -> None:
+        name = f"kvb-{self.ctx.engine_id[:32]}-r{self.rank_index}-{uuid.uuid4().hex[:8]}"
+        transport = NixlTransport(name)
+        self.transport = transport
+        tensors = []
+        layer_addrs: dict[int, int] = {}
+        num_blocks = set()
+        for index, shape in enumerate(caches.shapes):
+            for layer in shape.layer_ids:
+                tensor = caches.layers[layer]
+                tensors.append(tensor)
+                layer_addrs[layer] = int(tensor.data_ptr())
+                self.memory[layer] = LayerMemory(int(tensor.data_ptr()),
+                                                 shape.block_bytes_per_layer,
+                                                 caches.num_blocks[index])
+                num_blocks.add(caches.num_blocks[index])
+        transport.register_regions(tensors)
+        meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
+                                   self.ctx.spec, self.rank, layer_addrs,
+                                   max(num_blocks) if num_blocks else 0)
+        self._agent_doc = encode_agent(meta)
+
+    def get_handshake_metadata(self) -> bytes | None:
+        return self._agent_doc
+
+    # ------------------------------------------------------------------ hooks
+
+    def start_load_kv(self) -> None:
+        meta = self.connector_metadata
+        assert isinstance(meta, NixlMetadata)
+        now = time.monotonic()
+        for hold in meta.holds:
+            if hold.push:
+                self._push_jobs.setdefault(hold.request_id, _PushJob(hold.request_id,
+                                                                     hold.block_ids,
+                                                                     started_at=now))
+            for verdict in self._leases.hold(hold.request_id, now):
+                self._answer(verdict)
+        for order in meta.loads:
+            self._start_load(order, now)
+        for release in meta.releases:
+            self._releases.append(release)
+            self._ensure_session(release.params, now)
+        for params in meta.heartbeats:
+            self._heartbeat_params(params)
+        self._step_pushes = meta.pushes
+        for push in meta.pushes:
+            job = self._push_jobs.setdefault(push.request_id,
+                                             _PushJob(push.request_id, started_at=now))
+            job.block_ids = tuple(tuple(g) for g in push.block_ids)
+            job.final = job.final or push.final
+            for sender, reg in self._early_registers.pop(push.request_id, []):
+                self._on_register(sender, reg, now)
+        self._progress()
+
+    def wait_for_layer_load(self, layer_id: int) -> None:
+        """Loads are asynchronous (requests wait in WAITING_FOR_REMOTE_KVS): nothing to wait for."""
+
+    def save_kv_layer(self, layer_id: int, kv_layer: Any) -> None:
+        if not self._step_pushes:
+            return
+        for push in self._step_pushes:
+            job = self._push_jobs.get(push.request_id)
+            if job is not None and push.final:
+                job.layers_ready.add(layer_id)
+                self._post_push_writes(job)
+
+    def wait_for_save(self) -> None:
+        """Writes stay in flight across steps; the blocks are held by ``delay_free``."""
+        self._step_pushes = ()
+
+    def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
+        self._progress()
+        done_sending: set[str] = set()
+        completed, expired = self._leases.take_finished()
+        for rid in completed + expired:
+            done_sending.add(rid)
+            self._drop_push_job(rid)
+        self._counters["finished_sending"] += len(done_sending)
+        done_recving, self._done_recving = self._done_recving, set()
+        return done_sending, done_recving
+
+    def get_failed_recving(self) -> set[str]:
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> set[BlockRef]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_stats(self) -> dict[str, int | float]:
+        """This rank's cumulative counters (the engine keeps the latest snapshot)."""
+        stats = dict(self._counters)
+        lease = self._leases.stats
+        stats["lease_expiries"] = lease.expiries
+        stats["late_notifs"] = lease.late_notifs
+        stats["unknown_notifs"] = lease.unknown_notifs
+        return stats
+
+    def totals(self) -> dict[str, int | float]:
+        """Cumulative counters of this rank (not reset by :meth:`get_stats`)."""
+        stats = dict(self._counters)
+        stats["lease_expiries"] = self._leases.stats.expiries
+        stats["late_notifs"] = self._leases.stats.late_notifs
+        stats["unknown_notifs"] = self._leases.stats.unknown_notifs
+        stats["held"] = len(self._leases.held())
+        stats["in_flight"] = len(self._recv)
+        stats["sessions"] = len(self._sessions)
+        if self.transport is not None:
+            c = self.transport.counters()
+            stats.update({"nixl_registrations": c.registrations, "nixl_dlists": c.dlists,
+                          "nixl_xfer_handles": c.xfer_handles, "nixl_peers": c.peers,
+                          "nixl_zombies": c.zombies, "nixl_forced_releases": c.forced_releases})
+        return stats
+
+    def records(self) -> list[TransferRecord]:
+        """Finished loads/pushes of this rank (latency samples), oldest first."""
+        return list(self._records)
+
+    # ------------------------------------------------------------------ consumer: loads
+
+    def _session_key(self, params: TransferParams) -> SessionKey:
+        return (params.producer_engine_id, params.producer_host, params.producer_port)
+
+    def _start_load(self, order: LoadOrder, now: float) -> None:
+        recv = RecvTransfer(order.request_id, order.params, order.consumer_block_ids,
+                            order.producer_block_ids, order.start,
+                            deadline=now + self.settings.transfer_timeout_s, started_at=now)
+        self._recv[order.request_id] = recv
+        self._by_producer_rid[(order.params.producer_engine_id,
+                               order.params.producer_request_id)] = order.request_id
+        if order.error:
+            self._fail(recv, f"refused: {order.error}", now)
+            return
+        self._ensure_session(order.params, now)
+
+    def _ensure_session(self, params: TransferParams, now: float) -> None:
+        key = self._session_key(params)
+        session = self._sessions.get(key)
+        if session is not None:
+            if (now - session.validated_at > self.settings.revalidate_s
+                    and key not in self._revalidating and session.active == 0):
+                self._revalidating[key] = self._pool().submit(
+                    self._client.fetch, session.address, expected=self.header)
+            return
+        if key in self._connecting:
+            return
+        assert self.transport is not None
+        future = self._pool().submit(
+            open_session, key, self.transport, self._client, self.header, self.ctx.spec,
+            self.sizes, self.rank, self.memory, self._agent_doc, self._local_cache)
+        self._connecting[key] = _Connecting(future, now)
+        self._counters["handshakes"] += 1
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"kvb-nixl-hs-r{self.rank_index}")
+        return self._executor
+
+    def _settle_sessions(self, now: float) -> None:
+        for key, pending in list(self._connecting.items()):
+            if not pending.future.done():
+                continue
+            del self._connecting[key]
+            try:
+                session = pending.future.result()
+            except Exception as exc:
+                self._counters["handshake_failures"] += 1
+                self._fail_key(key, f"handshake with {key[1]}:{key[2]} failed: {exc}", now)
+                self._releases = [r for r in self._releases
+                                  if self._session_key(r.params) != key]
+                continue
+            self._sessions[key] = session
+        for key, future in list(self._revalidating.items()):
+            if not future.done():
+                continue
+            del self._revalidating[key]
+            session = self._sessions.get(key)
+            if session is None:
+                continue
+            try:
+                fresh = future.result().metadata
+            except Exception as exc:
+                logger.warning("nixl: revalidating %s:%s failed (%s); dropping the session",
+                               key[1], key[2], exc)
+                self._drop_session(key, now, reason=f"revalidation failed: {exc}")
+                continue
+            if (fresh.incarnation != session.metadata.incarnation
+                    or fresh.generation != session.metadata.generation):
+                self._counters["peer_restarts"] += 1
+                logger.warning("nixl: peer %s at %s:%s changed (incarnation %s gen %d -> %s gen "
+                               "%d); re-handshaking", key[0], key[1], key[2],
+                               session.metadata.incarnation, session.metadata.generation,
+                               fresh.incarnation, fresh.generation)
+                self._drop_session(key, now, reason="peer restarted")
+            else:
+                session.validated_at = now
+
+    def _session_ready(self, key: SessionKey) -> PeerSession | None:
+        if key in self._revalidating:
+            return None
+        return self._sessions.get(key)
+
+    def _post(self, recv: RecvTransfer, session: PeerSession, now: float) -> None:
+        assert self.transport is not None
+        params = recv.params
+        rid = params.producer_request_id
+        transfers: list[object] = []
+        try:
+            if params.mode is TransferMode.PULL:
+                local = session.local
+                for p in session.targets:
+                    peer = session.peers[p]
+                    if p not in session.rank_plan.sources:
+                        self.transport.send_notif(peer, messages.encode(messages.ReadDone(
+                            rid, self.rank_index, session.expected[p], read=False)))
+                        continue
+                    assert local is not None
+                    lidx, ridx = pull_indices(session.rank_plan, local.table,
+                                              session.remote_tables[p], p,
+                                              recv.consumer_block_ids, recv.producer_block_ids)
+                    notif = messages.encode(messages.ReadDone(rid, self.rank_index,
+                                                              session.expected[p]))
+                    if lidx.size == 0:
+                        self.transport.send_notif(peer, notif)
+                        continue
+                    xfer = self.transport.post(XferOp.READ, local.dlist, lidx,
+                                               session.remote_lists[p], ridx, notif,
+                                               deadline_s=max(0.001, recv.deadline - now))
+                    transfers.append(xfer)
+                    recv.nbytes += xfer.nbytes
+                    recv.num_descs += xfer.num_descs
+            else:
+                for p in session.targets:
+                    reg = messages.Register(rid, self.rank_index, session.expected[p],
+                                            recv.start, recv.consumer_block_ids)
+                    self.transport.send_notif(session.peers[p], messages.encode(reg))
+        except Exception as exc:
+            self._fail(recv, f"posting failed: {exc}", now)
+            self._drop_session(session.key, now, reason=str(exc))
+            return
+        session.active += 1
+        expected = frozenset(session.rank_plan.sources)
+        recv.posted(expected, transfers, params.mode is TransferMode.PULL)
+
+    def _progress_recv(self, now: float) -> None:
+        assert self.transport is not None
+        for recv in list(self._recv.values()):
+            if recv.state is RecvState.BOOTSTRAPPING:
+                key = self._session_key(recv.params)
+                session = self._session_ready(key)
+                if session is not None:
+                    self._post(recv, session, now)
+                elif key not in self._connecting and key not in self._revalidating:
+                    self._ensure_session(recv.params, now)
+            if recv.state is RecvState.TRANSFERRING:
+                states = [self.transport.poll(x) for x in recv.transfers
+                          if isinstance(x, Transfer)]
+                bad = [x for x in recv.transfers if isinstance(x, Transfer)
+                       and x.state in (XferState.FAILED, XferState.TIMED_OUT)]
+                if bad:
+                    first = bad[0]
+                    assert isinstance(first, Transfer)
+                    self._counters["transfer_failures"] += 1
+                    self._fail(recv, f"READ {first.state.value}: {first.error}", now)
+                    self._drop_session(self._session_key(recv.params), now,
+                                       reason=f"transfer {first.state.value}")
+                    continue
+                if all(s is XferState.DONE for s in states):
+                    recv.transfers_done()
+            state = recv.poll(now)
+            if state is RecvState.FAILED:
+                self._fail(recv, recv.error or "failed", now)
+            elif state is RecvState.DONE:
+                self._complete(recv)
+
+    def _complete(self, recv: RecvTransfer) -> None:
+        self._recv.pop(recv.request_id, None)
+        self._unindex(recv)
+        self._done_recving.add(recv.request_id)
+        self._counters["loads_done"] += 1
+        self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0)
+        self._record(TransferRecord(recv.request_id, True, recv.nbytes, recv.num_descs,
+                                    recv.duration_s or 0.0))
+        session = self._sessions.get(self._session_key(recv.params))
+        if session is not None and session.active > 0:
+            session.active -= 1
+
+    def _fail(self, recv: RecvTransfer, reason: str, now: float) -> None:
+        """Finish ``recv`` as failed: exact local blocks as load errors, one log line."""
+        recv.fail(reason, now)
+        if recv.request_id not in self._recv:
+            return
+        del self._recv[recv.request_id]
+        self._unindex(recv)
+        self._done_recving.add(recv.request_id)
+        self._failed_recving.add(recv.request_id)
+        self._load_errors |= recv.local_blocks
+        self._counters["loads_failed"] += 1
+        self._record(TransferRecord(recv.request_id, False, recv.nbytes, recv.num_descs,
+                                    now - recv.started_at))
+        params = recv.params
+        logger.warning(
+            "nixl load failed: engine=%s rank=%d request=%s producer_engine=%s "
+            "producer_request=%s mode=%s blocks=%d state=%s reason=%s",
+            self.ctx.engine_id, self.rank_index, recv.request_id, params.producer_engine_id,
+            params.producer_request_id, params.mode.value, recv.num_blocks,
+            recv.state.value, reason)
+        session = self._sessions.get(self._session_key(params))
+        if session is not None and session.active > 0:
+            session.active -= 1
+
+    def _unindex(self, recv: RecvTransfer) -> None:
+        self._by_producer_rid.pop((recv.params.producer_engine_id,
+                                   recv.params.producer_request_id), None)
+
+    def _fail_key(self, key: SessionKey, reason: str, now: float) -> None:
+        for recv in list(self._recv.values()):
+            if self._session_key(recv.params) == key:
+                self._fail(recv, reason, now)
+
+    def _drop_session(self, key: SessionKey, now: float, reason: str) -> None:
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return
+        self._counters["sessions_dropped"] += 1
+        assert self.transport is not None
+        session.close(self.transport)
+        self._client.invalidate(session.address)
+        self._fail_key(key, f"session to {key[1]}:{key[2]} dropped: {reason}", now)
+
+    def _send_releases(self, now: float) -> None:
+        keep = []
+        for release in self._releases:
+            key = self._session_key(release.params)
+            session = self._session_ready(key)
+            if session is None:
+                if key not in self._connecting and key not in self._revalidating:
+                    self._ensure_session(release.params, now)
+                keep.append(release)
+                continue
+            rid = release.params.producer_request_id
+            assert self.transport is not None
+            for p in session.targets:
+                if release.params.mode is TransferMode.PULL:
+                    msg: messages.Notif = messages.ReadDone(rid, self.rank_index,
+                                                            session.expected[p], read=False)
+                else:
+                    msg = messages.Register(rid, self.rank_index, session.expected[p],
+                                            tuple(0 for _ in self.ctx.spec.regions),
+                                            tuple(() for _ in self.ctx.spec.regions),
+                                            cancel=True)
+                try:
+                    self.transport.send_notif(session.peers[p], messages.encode(msg))
+                    self._counters["releases_sent"] += 1
+                except NixlTransportError as exc:
+                    logger.warning("nixl: release of %s to producer rank %d failed: %s "
+                                   "(its lease will expire)", rid, p, exc)
+        self._releases = keep
+
+    def _heartbeat_params(self, params: TransferParams) -> None:
+        session = self._sessions.get(self._session_key(params))
+        if session is None:
+            self._ensure_session(params, time.monotonic())
+            return
+        self._send_heartbeat(session, [params.producer_request_id])
+
+    def _send_heartbeat(self, session: PeerSession, rids: Sequence[str]) -> None:
+        assert self.transport is not None
+        msg = messages.encode(messages.Heartbeat(tuple(rids)))
+        for p in session.targets:
+            try:
+                self.transport.send_notif(session.peers[p], msg)
+                self._counters["heartbeats_sent"] += 1
+            except NixlTransportError as exc:
+                logger.info("nixl: heartbeat to producer rank %d failed: %s", p, exc)
+
+    def _heartbeats(self, now: float) -> None:
+        if now - self._last_heartbeat < self.settings.heartbeat_interval_s:
+            return
+        self._last_heartbeat = now
+        by_key: dict[SessionKey, list[str]] = {}
+        for recv in self._recv.values():
+            by_key.setdefault(self._session_key(recv.params), []).append(
+                recv.params.producer_request_id)
+        for key, rids in by_key.items():
+            session = self._sessions.get(key)
+            if session is not None:
+                self._send_heartbeat(session, rids)
+
+    # ------------------------------------------------------------------ notifications
+
+    def _drain_notifs(self, now: float) -> None:
+        assert self.transport is not None
+        for sender, msgs in self.transport.get_notifs().items():
+            for raw in msgs:
+                try:
+                    msg = messages.decode(raw)
+                except messages.NotifError as exc:
+                    self._counters["bad_notifs"] += 1
+                    logger.warning("nixl: bad notification from %s: %s", sender, exc)
+                    continue
+                try:
+                    self._on_notif(sender, msg, now)
+                except Exception as exc:  # one peer's bad message must not stop the rank
+                    self._counters["bad_notifs"] += 1
+                    logger.warning("nixl: notification %s from %s refused: %s",
+                                   type(msg).__name__, sender, exc)
+
+    def _on_notif(self, sender: str, msg: messages.Notif, now: float) -> None:
+        if isinstance(msg, messages.Hello):
+            self._on_hello(sender, msg)
+        elif isinstance(msg, messages.ReadDone):
+            verdict = self._leases.notify(msg.request_id, msg.consumer_rank, msg.expected,
+                                          sender, now)
+            if verdict is not None and msg.read:
+                self._answer(verdict)
+        elif isinstance(msg, messages.Heartbeat):
+            for rid in msg.request_ids:
+                self._leases.renew(rid, now)
+        elif isinstance(msg, messages.Register):
+            self._on_register(sender, msg, now)
+        elif isinstance(msg, messages.Ack | messages.Pushed):
+            self._on_answer(sender, msg, now)
+
+    def _on_hello(self, sender: str, msg: messages.Hello) -> None:
+        assert self.transport is not None
+        meta = decode_agent(msg.agent)
+        if meta.agent_name != sender:
+            raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")
+        peer = self.transport.add_peer(sender, meta.agent_blob)
+        self._consumers[sender] = _ConsumerPeer(peer, meta)
+        for pending in self._pending_acks.pop(sender, []):
+            self._send_to(sender, pending)
+
+    def _answer(self, verdict: Verdict) -> None:
+        if verdict.ok:
+            ack: messages.Notif = messages.Ack(verdict.request_id, self.rank_index, True)
+        else:
+            ack = messages.Ack(verdict.request_id, self.rank_index, False,
+                               f"lease {verdict.kind.value} on producer rank {self.rank_index}")
+            logger.warning("nixl: producer engine=%s rank=%d request=%s: %s notification from "
+                           "consumer rank %d (%s)", self.ctx.engine_id, self.rank_index,
+                           verdict.request_id, verdict.kind.value, verdict.consumer_rank,
+                           verdict.peer)
+        self._send_to(verdict.peer, ack)
+
+    def _send_to(self, agent: str, msg: messages.Notif) -> None:
+        consumer = self._consumers.get(agent)
+        if consumer is None:
+            self._pending_acks.setdefault(agent, []).append(msg)
+            return
+        assert self.transport is not None
+        try:
+            self.transport.send_notif(consumer.peer, messages.encode(msg))
+        except NixlTransportError as exc:
+            logger.warning("nixl: cannot answer consumer %s: %s; dropping it", agent, exc)
+            self._forget_consumer(agent)
+
+    def _forget_consumer(self, agent: str) -> None:
+        consumer = self._consumers.pop(agent, None)
+        if consumer is not None and self.transport is not None:
+            self.transport.remove_peer(consumer.peer)
+
+    def _on_answer(self, sender: str, msg: messages.Ack | messages.Pushed, now: float) -> None:
+        for key, session in self._sessions.items():
+            peer = session.peers.get(msg.producer_rank)
+            if peer is None or peer.name != sender:
+                continue
+            rid = self._by_producer_rid.get((key[0], msg.request_id))
+            recv = self._recv.get(rid) if rid is not None else None
+            if recv is not None:
+                recv.answer(msg.producer_rank, msg.ok, msg.reason, now)
+            return
+
+    # ------------------------------------------------------------------ producer: push
+
+    def _on_register(self, sender: str, reg: messages.Register, now: float) -> None:
+        rid = reg.request_id
+        job = self._push_jobs.get(rid)
+        if reg.cancel:
+            self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
+            return  # a cancel needs no answer
+        if job is None:
+            if self._leases.ended(rid) == "expired":
+                self._counters["pushes_failed"] += 1
+                self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+                                                      "lease expired before registration"))
+                return
+            self._early_registers.setdefault(rid, []).append((sender, reg))
+            return
+        consumer = self._consumers.get(sender)
+        if consumer is None:
+            raise NixlTransportError(f"register from {sender} before its hello")
+        plan = plan_transfer(self.ctx.spec, self.sizes, consumer.meta.topology.sizes())
+        sub = plan.for_consumer(reg.consumer_rank).for_producer(self.rank_index)
+        target = _PushTarget(reg.consumer_rank, consumer.peer, reg)
+        if sub.num_descriptors:
+            assert self.transport is not None
+            target.local = build_table(sub.regions, sub.layers, sub.producer_offsets,
+                                       sub.lengths, self.memory, "producer")
+            target.remote = build_table(sub.regions, sub.layers, sub.consumer_offsets,
+                                        sub.lengths, consumer.meta.layer_memory(), "consumer")
+            target.local_list = self.transport.prepare_local_descs(target.local.rows)
+            target.remote_list = self.transport.prepare_remote(consumer.peer, target.remote.rows)
+            target.layers_needed = frozenset(int(x) for x in sub.layers.tolist())
+        job.targets[reg.consumer_rank] = target
+        if not target.layers_needed:
+            target.finished = True
+            self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
+            return
+        if job.final and not self._step_pushes:
+            job.layers_ready |= set(self.memory)  # prefill already complete: everything
+        self._post_push_writes(job)
+
+    def _post_push_writes(self, job: _PushJob) -> None:
+        assert self.transport is not None
+        now = time.monotonic()
+        for target in job.targets.values():
+            if target.finished or target.local is None or target.remote is None:
+                continue
+            layers = (job.layers_ready & target.layers_needed) - target.layers_written
+            if not layers:
+                continue
+            assert target.local_list is not None and target.remote_list is not None
+            reg = target.register
+            producer_ids = []
+            for r, start in enumerate(reg.start):
+                theirs = job.block_ids[r] if r < len(job.block_ids) else ()
+                producer_ids.append(theirs[start:start + len(reg.block_ids[r])])
+            which = np.flatnonzero(np.isin(target.local.layers,
+                                           np.fromiter(layers, dtype=np.int64)))
+            try:
+                if any(len(p) != len(c) for p, c in zip(producer_ids, reg.block_ids,
+                                                        strict=True)):
+                    raise NixlTransportError(f"consumer registered {[len(c) for c in reg.block_ids]}"
+                                             f" blocks; producer holds {[len(p) for p in producer_ids]}")
+                lidx = target.local.indices(which, producer_ids, "producer")
+                ridx = target.remote.indices(which, reg.block_ids, "consumer")
+                target.layers_written |= layers
+                if lidx.size:
+                    target.transfers.append(self.transport.post(
+                        XferOp.WRITE, target.local_list, lidx, target.remote_list, ridx,
+                        b"", deadline_s=self.settings.transfer_timeout_s))
+            except Exception as exc:
+                self._finish_push_target(job, target, False, f"write refused: {exc}", now)
+
+    def _progress_pushes(self, now: float) -> None:
+        assert self.transport is not None
+        for job in list(self._push_jobs.values()):
+            for target in job.targets.values():
+                if target.finished:
+                    continue
+                states = [self.transport.poll(x) for x in target.transfers]
+                bad = [x for x in target.transfers
+                       if x.state in (XferState.FAILED, XferState.TIMED_OUT)]
+                if bad:
+                    self._counters["transfer_failures"] += 1
+                    self._finish_push_target(job, target, False,
+                                             f"WRITE {bad[0].state.value}: {bad[0].error}", now)
+                    continue
+                if (target.layers_written >= target.layers_needed
+                        and all(s is XferState.DONE for s in states)):
+                    self._finish_push_target(job, target, True, "", now)
+
+    def _finish_push_target(self, job: _PushJob, target: _PushTarget, ok: bool, reason: str,
+                            now: float) -> None:
+        target.finished = True
+        nbytes = sum(x.nbytes for x in target.transfers)
+        ndescs = sum(x.num_descs for x in target.transfers)
+        self._counters["pushes_done" if ok else "pushes_failed"] += 1
+        if ok:
+            self._count_transfer(nbytes, ndescs, now - job.started_at)
+        else:
+            logger.warning("nixl push failed: engine=%s rank=%d request=%s consumer_rank=%d "
+                           "blocks=%d reason=%s", self.ctx.engine_id, self.rank_index,
+                           job.request_id, target.consumer_rank,
+                           sum(len(g) for g in target.register.block_ids), reason)
+        self._record(TransferRecord(job.request_id, ok, nbytes, ndescs, now - job.started_at))
+        self._send_to(target.peer.name, messages.Pushed(job.request_id, self.rank_index, ok,
+                                                        reason))
+        reg = target.register
+        self._leases.notify(job.request_id, reg.consumer_rank, reg.expected, target.peer.name,
+                            now)
+
+    def _drop_push_job(self, rid: str) -> None:
+        job = self._push_jobs.pop(rid, None)
+        if job is None or self.transport is None:
+            return
+        for target in job.targets.values():
+            for dlist in (target.local_list, target.remote_list):
+                if dlist is not None:
+                    self.transport.release_dlist(dlist)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _progress(self) -> None:
+        if self.transport is None or self._closed:
+            return
+        now = time.monotonic()
+        self._drain_notifs(now)
+        self._settle_sessions(now)
+        self._progress_recv(now)
+        self._send_releases(now)
+        self._progress_pushes(now)
+        for verdict in self._leases.expire(now):
+            self._answer(verdict)
+        self._heartbeats(now)
+
+    def _count_transfer(self, nbytes: int, ndescs: int, duration_s: float) -> None:
+        self._counters["transfers"] += 1
+        self._counters["transfer_bytes"] += nbytes
+        self._counters["transfer_descs"] += ndescs
+        self._counters["transfer_time_s"] += duration_s
+
+    def _record(self, record: TransferRecord) -> None:
+        self._records.append(record)
+        if len(self._records) > MAX_SAMPLES:
+            del self._records[: len(self._records) - MAX_SAMPLES]
+
+    def progress(self) -> None:
+        """Progress outside an engine step (an idle engine loop may call it)."""
+        self._progress()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        transport = self.transport
+        if transport is None:
+            return
+        now = time.monotonic()
+        for key, pending in list(self._connecting.items()):
+            try:
+                session = pending.future.result(timeout=0)
+                session.close(transport)
+            except Exception:
+                pass
+            del self._connecting[key]
+        for recv in list(self._recv.values()):
+            self._fail(recv, "connector shut down", now)
+        for key in list(self._sessions):
+            self._sessions.pop(key).close(transport)
+        for rid in list(self._push_jobs):
+            self._drop_push_job(rid)
+        for agent in list(self._consumers):
+            self._forget_consumer(agent)
+        self._local_cache.clear()
+        final = transport.close(strict=False)
+        if final.live:
+            logger.error("nixl worker %s rank %d leaked at shutdown: %s", self.ctx.engine_id,
+                         self.rank_index, final)
+        self._final_counters = final
