@@ -260,7 +260,7 @@ class ConnectorOutput:
     in the step where the last participating rank reported it. It is in
     ``failed_recving`` if any rank reported it failed. ``invalid_block_ids``
     is the union over ranks, reported as soon as any rank reports it.
-    ``worker_stats`` holds each rank's stats of this step (index = worker).
+    ``worker_stats`` holds each rank's latest cumulative stats (index = worker).
     """
 
     finished_sending: frozenset[str] = frozenset()
@@ -276,7 +276,7 @@ class ConnectorOutput:
                     or self.events)
 
     def merged_stats(self) -> dict[str, int | float]:
-        """Sum of every numeric stat over ranks."""
+        """Sum of every numeric stat over ranks (engine-wide cumulative counters)."""
         total: dict[str, int | float] = {}
         for stats in self.worker_stats:
             for key, value in stats.items():
@@ -553,7 +553,11 @@ class WorkerConnector(ABC):
         return None
 
     def get_stats(self) -> dict[str, int | float]:
-        """This rank's counters for the step just run."""
+        """This rank's cumulative counters (since creation; monotonic numbers).
+
+        Reported every step; the engine keeps each rank's latest snapshot, so
+        a counter is never double-counted.
+        """
         return {}
 
     def take_events(self) -> list[KVEvent]:

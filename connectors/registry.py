@@ -31,7 +31,19 @@ _registered: dict[str, type[ConnectorPlugin]] = {}
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    """Entry points of the group from *every* distribution on the path.
+
+    Not ``metadata.entry_points(group=...)``: it keeps only the first
+    distribution of a name, and a stale ``kvbridge.egg-info`` next to the
+    sources (left by an older editable install) would hide entries that the
+    installed metadata has. The first definition of a name wins.
+    """
+    found: dict[str, metadata.EntryPoint] = {}
+    for dist in metadata.distributions():
+        for entry in dist.entry_points:
+            if entry.group == ENTRY_POINT_GROUP and entry.name not in found:
+                found[entry.name] = entry
+    return found
 
 
 def available() -> dict[str, str]:
