@@ -265,3 +265,41 @@ def test_waiter_on_someone_elses_failed_promotion_recomputes_without_retry(make_
         m.step()
         assert m.lookup("r2", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
     assert len(opens) == 1 and m.stats()["promotions_started"] == 1
+
+
+def test_lookup_never_waits_for_io(make_manager) -> None:
+    """With every probe and load stuck in the kernel, lookups still answer (RETRY/HIT_PENDING)."""
+    import threading
+
+    from kvbridge.offload.fs_io import FsIO
+
+    gate = threading.Event()
+    armed = threading.Event()
+
+    class Stuck(FsIO):
+        def exists(self, path: str) -> bool:
+            if armed.is_set():
+                gate.wait(10)
+            return super().exists(path)
+
+        def open_read(self, path: str, direct: bool) -> int:
+            if armed.is_set() and path.endswith(".kvb"):
+                gate.wait(10)
+            return super().open_read(path, direct)
+
+    m = make_manager(num_slots=4, io=Stuck())
+    store(m, "w", [k(0)])
+    m.request_finished("w")
+    evict_all(m)
+    armed.set()
+    try:
+        statuses = set()
+        for _ in range(200):
+            statuses.add(m.lookup("r1", [k(0), k(1)]).status)
+            m.step()
+        assert statuses == {LookupStatus.RETRY}          # answered 200 times, probe still stuck
+        assert not gate.is_set()
+    finally:
+        gate.set()
+    result, _ = settle(m, "r1", [k(0), k(1)])
+    assert result == LookupResult(LookupStatus.HIT, 1)

@@ -1,0 +1,75 @@
+"""Fault injection: deterministic plans, each kind through the real I/O path."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from kvbridge.offload.faults import ALL_KINDS, FaultKind, FaultPlan, FaultyFsIO
+from kvbridge.offload.fs_io import load_block, store_block
+from kvbridge.offload.types import OffloadError, ShortReadError
+
+BLOCK = 4096
+
+
+def test_rate_plan_is_deterministic_and_near_its_rate() -> None:
+    plan = FaultPlan(rate=0.05, seed=3)
+    draws = [plan.draw(f"/store/{i}.kvb", 0) for i in range(4000)]
+    assert draws == [plan.draw(f"/store/{i}.kvb", 0) for i in range(4000)]
+    hits = [d for d in draws if d is not None]
+    assert 120 <= len(hits) <= 280                  # 5% of 4000 = 200, generous bounds
+    assert set(hits) == set(ALL_KINDS)              # every kind is drawn
+    other_seed = [FaultPlan(rate=0.05, seed=4).draw(f"/store/{i}.kvb", 0) for i in range(4000)]
+    assert other_seed != draws
+    assert FaultPlan().draw("/x", 0) is None
+
+
+def test_plan_validation_names_the_field() -> None:
+    with pytest.raises(OffloadError, match="rate"):
+        FaultPlan(rate=1.5)
+    with pytest.raises(OffloadError, match="kinds"):
+        FaultPlan(rate=0.1, kinds=())
+    with pytest.raises(OffloadError, match="slow_s"):
+        FaultPlan(slow_s=-1)
+
+
+@pytest.mark.parametrize("kind, errno_, kept", [
+    (FaultKind.ELOOP, errno.ELOOP, True),
+    (FaultKind.EIO, errno.EIO, True),
+    (FaultKind.SHORT_READ, None, False),
+])
+def test_each_failing_kind_through_the_real_load_path(tmp_path, kind, errno_, kept) -> None:
+    path = str(tmp_path / "blk.kvb")
+    data = memoryview(bytearray(os.urandom(BLOCK)))
+    io = FaultyFsIO(FaultPlan(per_key={b"k": kind}), lambda key: path)
+    try:
+        assert store_block(io, path, [data], BLOCK, direct=False)
+        with pytest.raises(OSError) as info:
+            load_block(io, path, [memoryview(bytearray(BLOCK))], BLOCK, direct=False)
+        if errno_ is None:
+            assert isinstance(info.value, ShortReadError) and info.value.deleted
+        else:
+            assert info.value.errno == errno_
+        assert os.path.exists(path) is kept
+        assert [f.kind for f in io.injected] == [kind]
+    finally:
+        io.close_injector()
+    assert not os.path.exists(io.loop_path)             # the symlink loop is cleaned up
+
+
+@pytest.mark.parametrize("kind", [FaultKind.CLOSE_ERROR, FaultKind.SLOW])
+def test_non_failing_kinds_still_load_the_bytes(tmp_path, kind) -> None:
+    path = str(tmp_path / "blk.kvb")
+    data = bytes(os.urandom(BLOCK))
+    io = FaultyFsIO(FaultPlan(per_key={b"k": kind}, slow_s=0.001), lambda key: path)
+    try:
+        store_block(io, path, [memoryview(bytearray(data))], BLOCK, direct=False)
+        out = memoryview(bytearray(BLOCK))
+        outcome = load_block(io, path, [out], BLOCK, direct=False)
+        assert bytes(out) == data
+        assert outcome.close_error is (kind is FaultKind.CLOSE_ERROR)
+        assert [f.kind for f in io.injected] == [kind]
+    finally:
+        io.close_injector()
