@@ -240,11 +240,12 @@ class KVEventPublisher:
                 return 0
             self._closed = True
         deadline = time.monotonic() + max(0.0, timeout_s)
+        # Set before the sentinel: the thread reads it when it closes the PUB socket.
+        self._linger_ms = int(max(0.0, timeout_s) * 1000)
         try:
             self._queue.put(_SENTINEL, timeout=max(0.0, deadline - time.monotonic()))
         except queue.Full:
             self._abort.set()
-        self._linger_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             self._abort.set()

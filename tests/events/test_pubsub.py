@@ -494,15 +494,28 @@ def test_close_drains_the_queue_and_refuses_more(
     make_subscriber: Callable[..., KVEventSubscriber],
 ) -> None:
     pub = make_publisher()
-    sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0)
+    # Live only (no replay endpoint): what arrives was drained and flushed by close().
+    sub = make_subscriber(endpoint=pub.endpoint)
+    deadline = time.monotonic() + 5.0
+    while sub.get(0.05) is None:  # a probe until the SUB is attached
+        assert time.monotonic() < deadline
+        pub.publish([AllBlocksCleared()])
     for i in range(500):
         pub.publish(step_events(i))
     assert pub.close(timeout_s=5.0) == 0
-    assert pub.stats.published_batches == 500 and pub.stats.dropped_batches == 0
+    assert pub.stats.dropped_batches == 0
     with pytest.raises(PublisherClosedError):
         pub.publish(step_events(0))
     assert pub.close() == 0  # idempotent
-    del sub  # the fixture closes it
+    got: list[ReceivedBatch] = []
+    deadline = time.monotonic() + 10.0
+    while len(got) < 500:
+        item = sub.get(max(0.0, deadline - time.monotonic()))
+        assert item is not None, f"only {len(got)} of 500 batches arrived after close()"
+        if isinstance(item, ReceivedBatch) and item.batch.events != (AllBlocksCleared(),):
+            got.append(item)
+    assert [list(b.batch.events) for b in got] == [step_events(i) for i in range(500)]
+    assert sub.stats.gaps == 0
 
 
 def _soak(make_publisher: Callable[..., KVEventPublisher],
