@@ -1,0 +1,246 @@
+"""Multi-process harness: engines in their own processes, and a PD router between them.
+
+:class:`EngineProcess` starts ``python -m kvbridge.engine.server`` (one engine
+with all its ranks), waits for its ready line (bounded), and talks to it with
+msgpack over a ZeroMQ REQ socket on 127.0.0.1 with a timeout on every call.
+:func:`run_pd_processes` runs a producer process and a consumer process and
+routes requests between them the way a PD proxy does (pull: prefill on the
+producer with ``remote_decode``, forward its ``TransferParams`` dict with the
+prompt to the consumer; push: send to both with push params built from the
+engines' connector endpoints).
+
+Everything is bounded: start-up, each call, the whole workload, shutdown
+(``shutdown`` op, then SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvbridge.connectors import TransferMode, TransferParams
+from kvbridge.engine.core import EngineConfig
+from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
+from kvbridge.engine.server import config_to_dict
+from kvbridge.engine.workload import WorkloadResult, check_outputs
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start, died, or answered with an error."""
+
+
+class EngineProcess:
+    """A reference engine in a child process. Use as a context manager."""
+
+    def __init__(self, config: EngineConfig, *, start_timeout_s: float = 60.0,
+                 call_timeout_s: float = 30.0, name: str = "engine",
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.call_timeout_s = call_timeout_s
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge.engine.server",
+             "--config", json.dumps(config_to_dict(config))],
+            stdout=subprocess.PIPE, stderr=None, env=child_env, text=True)
+        self._context = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = None
+        try:
+            ready = self._read_ready(start_timeout_s)
+            self.port = int(ready["port"])
+            self.engine_id = str(ready["engine_id"])
+            self.endpoint: tuple[str, int] | None = (
+                (ready["endpoint"][0], int(ready["endpoint"][1])) if ready.get("endpoint")
+                else None)
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_ready(self, timeout_s: float) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self._proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineProcessError(f"{self.name}: no ready line within {timeout_s} s")
+                if not selector.select(timeout=min(left, 0.5)):
+                    if self._proc.poll() is not None:
+                        raise EngineProcessError(f"{self.name}: exited with code "
+                                                 f"{self._proc.returncode} before ready")
+                    continue
+                line = self._proc.stdout.readline()
+                if not line:
+                    self._proc.wait(timeout=5)
+                    raise EngineProcessError(f"{self.name}: exited with code "
+                                             f"{self._proc.returncode} before ready")
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a stray print from a library
+                if isinstance(data, dict) and data.get("ready"):
+                    return data
+        finally:
+            selector.close()
+
+    def _connect(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        sock = self._context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        timeout_ms = int(self.call_timeout_s * 1000)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        sock.connect(f"tcp://127.0.0.1:{self.port}")
+        self._sock = sock
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One request/reply; raises :class:`EngineProcessError` on error or timeout."""
+        if self._sock is None:
+            raise EngineProcessError(f"{self.name}: closed")
+        try:
+            self._sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
+            reply = msgpack.unpackb(self._sock.recv(), raw=False)
+        except zmq.Again:
+            self._connect()  # a REQ socket is stuck after a timeout
+            alive = self._proc.poll() is None
+            raise EngineProcessError(f"{self.name}: no reply to {op!r} within "
+                                     f"{self.call_timeout_s} s (process "
+                                     f"{'alive' if alive else 'dead'})") from None
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            detail = reply.get("error") if isinstance(reply, dict) else reply
+            kind = reply.get("type") if isinstance(reply, dict) else "?"
+            raise EngineProcessError(f"{self.name}: {op} failed: {kind}: {detail}")
+        return reply
+
+    def submit(self, specs: list[RequestSpec]) -> None:
+        self.call("submit", requests=[s.to_dict() for s in specs])
+
+    def results(self) -> list[RequestResult]:
+        return [RequestResult.from_dict(r) for r in self.call("results")["results"]]
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def close(self, timeout_s: float = 15.0) -> int | None:
+        """Shut the engine down (bounded). Returns the exit code."""
+        if self._sock is not None and self._proc.poll() is None:
+            try:
+                self.call("shutdown")
+            except EngineProcessError:
+                pass
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._context.term()
+        return self._proc.returncode
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_pd_processes(requests: list[RequestSpec], producer: EngineConfig,
+                     consumer: EngineConfig, *, mode: TransferMode = TransferMode.PULL,
+                     timeout_s: float = 120.0, poll_interval_s: float = 0.01,
+                     ) -> tuple[WorkloadResult, dict[str, Any]]:
+    """Producer and consumer engines in two processes, routed as a PD proxy does.
+
+    Returns the workload result and ``{"producer": stats, "consumer": stats}``
+    (each with ``idle_problems`` after the workload drained).
+    """
+    specs = {s.request_id: s for s in requests}
+    with EngineProcess(producer, name="producer") as prod, \
+            EngineProcess(consumer, name="consumer") as cons:
+        start = time.monotonic()
+        if mode is TransferMode.PULL:
+            prod.submit([replace(s, remote_decode=True, max_tokens=1, transfer_params=None)
+                         for s in requests])
+        else:
+            if prod.endpoint is None or cons.endpoint is None:
+                raise EngineProcessError("push mode needs both connectors to expose endpoints")
+            push = []
+            for s in requests:
+                params = TransferParams(
+                    mode=TransferMode.PUSH, producer_engine_id=prod.engine_id,
+                    producer_host=prod.endpoint[0], producer_port=prod.endpoint[1],
+                    producer_request_id=s.request_id, block_ids=(),
+                    producer_topology=producer.topology.sizes(), num_tokens=len(s.prompt),
+                    consumer_engine_id=cons.engine_id, consumer_host=cons.endpoint[0],
+                    consumer_port=cons.endpoint[1], consumer_request_id=s.request_id,
+                    spec_fingerprint=producer.spec.fingerprint())
+                push.append(params)
+            cons.submit([replace(s, transfer_params=p)
+                         for s, p in zip(requests, push, strict=True)])
+            prod.submit([replace(s, remote_decode=True, max_tokens=1, transfer_params=p)
+                         for s, p in zip(requests, push, strict=True)])
+        producer_results: list[RequestResult] = []
+        results: list[RequestResult] = []
+        done: set[str] = set()
+        deadline = start + timeout_s
+        while len(done) < len(requests):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PD processes: {len(done)}/{len(requests)} requests done "
+                                   f"after {timeout_s} s")
+            forward = []
+            for result in prod.results():
+                producer_results.append(result)
+                if result.state is not RequestState.FINISHED_LENGTH:
+                    results.append(result)
+                    done.add(result.request_id)
+                elif mode is TransferMode.PULL:
+                    params = result.transfer_params
+                    # the wire form a router sees, parsed again at the consumer's edge
+                    forward.append(replace(specs[result.request_id], transfer_params=(
+                        TransferParams.from_dict(params.to_dict()) if params else None)))
+            if forward:
+                cons.submit(forward)
+            for result in cons.results():
+                if result.request_id not in done:
+                    results.append(result)
+                    done.add(result.request_id)
+            if not forward:
+                time.sleep(poll_interval_s)
+        elapsed = time.monotonic() - start
+        # let delayed frees drain before reading the final state (bounded)
+        drain_deadline = time.monotonic() + min(30.0, timeout_s)
+        while True:
+            prod_stats, cons_stats = prod.stats(), cons.stats()
+            if (not prod_stats["idle_problems"] and not cons_stats["idle_problems"]) or \
+                    time.monotonic() > drain_deadline:
+                break
+            time.sleep(poll_interval_s)
+    workload = WorkloadResult(results=results, producer_results=producer_results,
+                              wrong_outputs=check_outputs(results, requests), elapsed_s=elapsed,
+                              engine_stats=cons_stats["stats"],
+                              producer_stats=prod_stats["stats"])
+    return workload, {"producer": prod_stats, "consumer": cons_stats}

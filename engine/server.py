@@ -1,0 +1,184 @@
+"""One reference engine in its own process, controlled with msgpack over ZeroMQ.
+
+Run as ``python -m kvbridge.engine.server --config JSON`` (what
+:class:`kvbridge.engine.harness.EngineProcess` does). The process binds a REP
+socket on 127.0.0.1 (a free port), prints one JSON line
+``{"ready": true, "port": P, "engine_id": ..., "endpoint": [host, port] | null}``
+on stdout, then serves requests while stepping the engine whenever it has work.
+
+Control protocol (each message one msgpack map; never pickle):
+
+* ``{"op": "info"}`` -> ``{"ok": true, "engine_id", "endpoint", "topology", "fingerprint"}``
+* ``{"op": "submit", "requests": [RequestSpec.to_dict(), ...]}`` -> ``{"ok": true, "accepted": n}``
+  (all or nothing: every request is validated before any is queued)
+* ``{"op": "results"}`` -> ``{"ok": true, "results": [RequestResult.to_dict(), ...]}``
+* ``{"op": "abort", "request_id": id}`` -> ``{"ok": true, "aborted": bool}``
+* ``{"op": "stats"}`` -> ``{"ok": true, "stats": {...}, "idle_problems": [...]}``
+* ``{"op": "shutdown"}`` -> ``{"ok": true}``, then the engine shuts down and the process exits.
+
+Errors are ``{"ok": false, "type": "ConfigError", "error": "field: reason"}``;
+the server keeps serving. The process also exits when its parent dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+import kvbridge.backends  # noqa: F401  (UCX/NIXL env defaults before any agent exists)
+from kvbridge.connectors import ConnectorConfig
+from kvbridge.engine.core import Engine, EngineConfig
+from kvbridge.engine.request import RequestSpec
+from kvbridge.layouts import KVCacheSpec, ParallelTopology, load_spec
+
+logger = logging.getLogger(__name__)
+
+
+def config_to_dict(config: EngineConfig) -> dict[str, Any]:
+    """Plain form of an :class:`EngineConfig` (inverse: :func:`config_from_dict`)."""
+    return {
+        "spec": config.spec.to_dict(),
+        "topology": config.topology.sizes().to_dict(),
+        "num_blocks": config.num_blocks,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.max_num_seqs,
+        "connector": config.connector.to_dict() if config.connector else None,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "verify_loads": config.verify_loads,
+        "remote_kv_timeout_s": config.remote_kv_timeout_s,
+        "engine_id": config.engine_id,
+    }
+
+
+def config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    spec_data = data["spec"]
+    spec = load_spec(spec_data) if isinstance(spec_data, str) else KVCacheSpec.from_dict(spec_data)
+    connector = data.get("connector")
+    return EngineConfig(
+        spec=spec,
+        topology=ParallelTopology.from_dict(data.get("topology", {})),
+        num_blocks=int(data.get("num_blocks", 256)),
+        max_num_batched_tokens=int(data.get("max_num_batched_tokens", 512)),
+        max_num_seqs=int(data.get("max_num_seqs", 32)),
+        connector=ConnectorConfig.from_dict(connector) if connector else None,
+        enable_prefix_caching=bool(data.get("enable_prefix_caching", True)),
+        verify_loads=bool(data.get("verify_loads", True)),
+        remote_kv_timeout_s=float(data.get("remote_kv_timeout_s", 60.0)),
+        engine_id=data.get("engine_id"),
+    )
+
+
+def _handle(engine: Engine, message: Any) -> tuple[dict[str, Any], bool]:
+    """One control message -> (reply, stop)."""
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        return {"ok": False, "type": "ProtocolError",
+                "error": "op: expected a map with a string 'op'"}, False
+    op = message["op"]
+    try:
+        if op == "info":
+            endpoint = engine.endpoint()
+            return {"ok": True, "engine_id": engine.engine_id,
+                    "endpoint": list(endpoint) if endpoint else None,
+                    "topology": engine.sizes.to_dict(),
+                    "fingerprint": engine.spec.fingerprint()}, False
+        if op == "submit":
+            raw = message.get("requests")
+            if not isinstance(raw, list):
+                raise ValueError("requests: expected a list of request maps")
+            specs = [RequestSpec.from_dict(item) for item in raw]
+            ids = [s.request_id for s in specs]
+            if len(set(ids)) != len(ids) or any(i in engine.requests for i in ids):
+                raise ValueError("requests: duplicate request id")
+            for spec in specs:
+                engine.add_request(spec)
+            return {"ok": True, "accepted": len(specs)}, False
+        if op == "results":
+            return {"ok": True, "results": [r.to_dict() for r in engine.pop_results()]}, False
+        if op == "abort":
+            return {"ok": True, "aborted": engine.abort(str(message.get("request_id")))}, False
+        if op == "stats":
+            return {"ok": True, "stats": engine.stats(),
+                    "idle_problems": engine.idle_problems()}, False
+        if op == "shutdown":
+            return {"ok": True}, True
+        return {"ok": False, "type": "ProtocolError", "error": f"op: unknown op {op!r}"}, False
+    except Exception as exc:  # the server keeps serving after a bad request
+        return {"ok": False, "type": type(exc).__name__, "error": str(exc)}, False
+
+
+def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
+          ready_stream: Any = None) -> None:
+    """Run the engine and its control socket until a ``shutdown`` op or parent death."""
+    parent = os.getppid()
+    engine = Engine(config)
+    context = zmq.Context()
+    sock = context.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        endpoint = engine.endpoint()
+        line = json.dumps({"ready": True, "port": port, "engine_id": engine.engine_id,
+                           "endpoint": list(endpoint) if endpoint else None})
+        stream = ready_stream or sys.stdout
+        stream.write(line + "\n")
+        stream.flush()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        last_parent_check = time.monotonic()
+        while True:
+            timeout_ms = 0 if engine.has_work() else 20
+            if poller.poll(timeout_ms):
+                raw = sock.recv()
+                try:
+                    message = msgpack.unpackb(raw, raw=False)
+                except Exception as exc:
+                    reply, stop = {"ok": False, "type": "ProtocolError",
+                                   "error": f"message: not msgpack ({exc})"}, False
+                else:
+                    reply, stop = _handle(engine, message)
+                sock.send(msgpack.packb(reply, use_bin_type=True))
+                if stop:
+                    break
+            if engine.has_work():
+                engine.step()
+            now = time.monotonic()
+            if now - last_parent_check > 0.5:
+                last_parent_check = now
+                if os.getppid() != parent:
+                    logger.error("engine %s: parent process died; shutting down",
+                                 engine.engine_id)
+                    break
+    finally:
+        engine.shutdown()
+        sock.close(linger=0)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.engine.server")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(1)  # many engine processes share few cores
+    serve(config_from_dict(json.loads(args.config)), port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
