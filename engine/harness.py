@@ -15,6 +15,7 @@ Everything is bounded: start-up, each call, the whole workload, shutdown
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -141,10 +142,8 @@ class EngineProcess:
     def close(self, timeout_s: float = 15.0) -> int | None:
         """Shut the engine down (bounded). Returns the exit code."""
         if self._sock is not None and self._proc.poll() is None:
-            try:
+            with contextlib.suppress(EngineProcessError):
                 self.call("shutdown")
-            except EngineProcessError:
-                pass
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -218,10 +217,10 @@ def run_pd_processes(requests: list[RequestSpec], producer: EngineConfig,
                     results.append(result)
                     done.add(result.request_id)
                 elif mode is TransferMode.PULL:
-                    params = result.transfer_params
+                    out = result.transfer_params
                     # the wire form a router sees, parsed again at the consumer's edge
                     forward.append(replace(specs[result.request_id], transfer_params=(
-                        TransferParams.from_dict(params.to_dict()) if params else None)))
+                        TransferParams.from_dict(out.to_dict()) if out else None)))
             if forward:
                 cons.submit(forward)
             for result in cons.results():
