@@ -566,3 +566,39 @@ def test_soak_100k_events_no_loss(
     make_subscriber: Callable[..., KVEventSubscriber],
 ) -> None:
     _soak(make_publisher, make_subscriber, 100_000)
+
+
+def test_full_queue_drops_are_visible_to_subscribers(
+    make_publisher: Callable[..., KVEventPublisher],
+    make_subscriber: Callable[..., KVEventSubscriber],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publisher thread that cannot keep up (fault injected: the real encoder,
+    slowed down) drops batches with their seqs consumed; subscribers report
+    exactly those as lost instead of silently missing them."""
+    import kvbridge.events.publisher as publisher_module
+
+    real_encode = publisher_module.encode_events
+
+    def slow_encode(*args: Any, **kwargs: Any) -> bytes:
+        time.sleep(0.002)
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_module, "encode_events", slow_encode)
+    pub = make_publisher(max_queue_batches=2, enqueue_timeout_s=0.0)
+    results = [pub.publish(step_events(i)) for i in range(100)]
+    dropped = [i for i, seq in enumerate(results) if seq is None]
+    assert dropped, "a 2-batch queue in front of a slowed encoder must overflow"
+    assert pub.flush(10.0)
+    # Drops at the very end are revealed by the next batch (as on the live stream).
+    assert pub.publish(step_events(100)) == 100
+    assert pub.flush(10.0)
+    assert pub.stats.dropped_batches == len(dropped)
+    assert pub.stats.next_seq == 101  # dropped batches still consumed their seq
+    sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, start_seq=0)
+    kept = [i for i in range(101) if i not in dropped]
+    items = collect(sub, len(kept))
+    assert [b.seq for b in batches_of(items)] == kept
+    lost = {seq for item in items if isinstance(item, GapLost)
+            for seq in range(item.start_seq, item.end_seq)}
+    assert lost == set(dropped) and sub.stats.lost_batches == len(dropped)
