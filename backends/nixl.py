@@ -161,7 +161,7 @@ class TransportCounters:
         return self.registrations + self.dlists + self.xfer_handles + self.peers
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: each post is a distinct transfer
 class Transfer:
     """One posted transfer. Created by :meth:`NixlTransport.post`, advanced by ``poll``.
 

@@ -173,74 +173,70 @@ class PeerProcess:
 # -------------------------------------------------------------- benchmark
 
 
-def _timed(fn: Any, min_iters: int, min_time_s: float, max_iters: int) -> list[float]:
-    times: list[float] = []
-    t_stop = time.perf_counter() + min_time_s
-    while len(times) < max_iters and (len(times) < min_iters or time.perf_counter() < t_stop):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _raw_nixl(op: str, peer: PeerProcess, local: torch.Tensor, nb: int, bb: int,
-              min_iters: int, min_time_s: float, deadline_s: float) -> dict[str, Any]:
+class _RawSide:
     """The NIXL library called directly: one prepared transfer of all blocks, re-posted."""
-    api = load_nixl_api()
-    agent = api.nixl_agent(f"raw-{os.getpid()}-{time.monotonic_ns()}",
-                           api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    reg = agent.register_memory(local)
-    t0 = time.perf_counter()
-    remote_name = agent.add_remote_agent(peer.metadata)
-    add_ms = (time.perf_counter() - t0) * 1e3
-    ldl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(local.data_ptr(), bb, nb), "DRAM")
-    rdl = agent.prep_xfer_dlist(remote_name, block_descs(peer.addr, bb, nb), "DRAM")
-    idx = np.arange(nb, dtype=np.int32)
-    handle = agent.make_prepped_xfer(op, ldl, idx, rdl, idx)
 
-    def once() -> None:
-        t_end = time.monotonic() + deadline_s
-        state = agent.transfer(handle)
+    def __init__(self, op: str, peer: PeerProcess, local: torch.Tensor, nb: int, bb: int,
+                 deadline_s: float) -> None:
+        api = load_nixl_api()
+        self.deadline_s = deadline_s
+        self.agent = api.nixl_agent(
+            f"raw-{os.getpid()}-{time.monotonic_ns()}",
+            api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+        )
+        self.reg = self.agent.register_memory(local)
+        t0 = time.perf_counter()
+        self.remote = self.agent.add_remote_agent(peer.metadata)
+        self.add_ms = (time.perf_counter() - t0) * 1e3
+        self.ldl = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", block_descs(local.data_ptr(), bb, nb), "DRAM"
+        )
+        self.rdl = self.agent.prep_xfer_dlist(self.remote, block_descs(peer.addr, bb, nb), "DRAM")
+        idx = np.arange(nb, dtype=np.int32)
+        self.handle = self.agent.make_prepped_xfer(op, self.ldl, idx, self.rdl, idx)
+
+    def once(self) -> None:
+        t_end = time.monotonic() + self.deadline_s
+        state = self.agent.transfer(self.handle)
         while state == "PROC":
             if time.monotonic() > t_end:
                 raise TimeoutError("raw NIXL transfer past its deadline")
-            state = agent.check_xfer_state(handle)
+            state = self.agent.check_xfer_state(self.handle)
         if state != "DONE":
             raise RuntimeError(f"raw NIXL transfer state {state}")
 
-    t0 = time.perf_counter()
-    once()
-    first_ms = (time.perf_counter() - t0) * 1e3
-    times = _timed(once, min_iters, min_time_s, 10_000)
-    agent.release_xfer_handle(handle)
-    agent.release_dlist_handle(ldl)
-    agent.release_dlist_handle(rdl)
-    agent.remove_remote_agent(remote_name)
-    agent.deregister_memory(reg)
-    return {"times": times, "add_remote_agent_ms": add_ms, "first_transfer_ms": first_ms}
+    def close(self) -> None:
+        self.agent.release_xfer_handle(self.handle)
+        self.agent.release_dlist_handle(self.ldl)
+        self.agent.release_dlist_handle(self.rdl)
+        self.agent.remove_remote_agent(self.remote)
+        self.agent.deregister_memory(self.reg)
 
 
-def _adapter(op: str, peer: PeerProcess, local: torch.Tensor, nb: int, bb: int,
-             min_iters: int, min_time_s: float, deadline_s: float) -> dict[str, Any]:
-    """This package's adapter: a fresh ``post`` of all block indices per iteration."""
-    transport = NixlTransport()
-    transport.register_regions([local])
-    ldl = transport.prepare_local(0, bb, nb)
-    t0 = time.perf_counter()
-    ph = transport.add_peer(peer.name, peer.metadata)
-    add_ms = (time.perf_counter() - t0) * 1e3
-    rdl = transport.prepare_remote(ph, block_descs(peer.addr, bb, nb))
-    idx = np.arange(nb, dtype=np.int32)
+class _AdapterSide:
+    """This package's adapter: a fresh ``post`` of all block indices per iteration,
+    as a connector does per request."""
 
-    def once() -> None:
-        xfer = transport.post(op, ldl, idx, rdl, idx, deadline_s=deadline_s)
-        if transport.wait(xfer) is not XferState.DONE:
+    def __init__(self, op: str, peer: PeerProcess, local: torch.Tensor, nb: int, bb: int,
+                 deadline_s: float) -> None:
+        self.op, self.deadline_s = op, deadline_s
+        self.transport = NixlTransport()
+        self.transport.register_regions([local])
+        self.ldl = self.transport.prepare_local(0, bb, nb)
+        t0 = time.perf_counter()
+        ph = self.transport.add_peer(peer.name, peer.metadata)
+        self.add_ms = (time.perf_counter() - t0) * 1e3
+        self.rdl = self.transport.prepare_remote(ph, block_descs(peer.addr, bb, nb))
+        self.idx = np.arange(nb, dtype=np.int32)
+
+    def once(self) -> None:
+        t = self.transport
+        xfer = t.post(self.op, self.ldl, self.idx, self.rdl, self.idx, deadline_s=self.deadline_s)
+        if t.wait(xfer) is not XferState.DONE:
             raise RuntimeError(f"adapter transfer {xfer.state.value}: {xfer.error}")
 
-    once()
-    times = _timed(once, min_iters, min_time_s, 10_000)
-    final = transport.close()
-    return {"times": times, "add_peer_ms": add_ms, "leaks": final.live}
+    def close(self) -> int:
+        return self.transport.close().live
 
 
 def run_nixl_raw_bench(
@@ -248,15 +244,18 @@ def run_nixl_raw_bench(
     op: str = "READ",
     *,
     min_iters: int = 5,
-    min_time_s: float = 1.0,
+    min_time_s: float = 2.0,
     deadline_s: float = 30.0,
 ) -> dict[str, Any]:
     """Benchmark ``op`` (READ or WRITE) for each ``(num_blocks, block_bytes)`` pattern.
 
-    Returns per pattern: GB/s (median iteration) for ``raw_nixl``, ``adapter``
-    and ``torch_copy``, the ratios ``adapter_over_raw`` and
-    ``raw_over_memcpy``, ``add_remote_agent_ms``, and whether the bytes moved
-    were verified. A peer process is spawned per pattern and always reaped.
+    The three ways are *interleaved* (raw, adapter, torch copy, in rotating
+    order) so that on a shared, noisy machine they see the same load; each
+    reports the median iteration. Returns per pattern: GB/s for ``raw_nixl``, ``adapter`` and
+    ``torch_copy`` (one contiguous ``copy_`` of the same bytes in one process),
+    ``adapter_over_raw``, ``raw_over_memcpy``, ``add_remote_agent_ms``, the
+    first transfer's latency, and whether the bytes moved were verified
+    byte for byte. A peer process is spawned per pattern and always reaped.
     """
     import torch
 
@@ -267,26 +266,49 @@ def run_nixl_raw_bench(
     for nb, bb in patterns:
         total = nb * bb
         seed = 7
-        peer = PeerProcess(f"bench-peer-{os.getpid()}-{nb}x{bb}", total, seed=seed if op == "READ" else -1)
+        peer = PeerProcess(f"bench-peer-{os.getpid()}-{nb}x{bb}", total,
+                           seed=seed if op == "READ" else -1)
+        raw: _RawSide | None = None
+        ad: _AdapterSide | None = None
+        leaks = -1
         try:
             if op == "READ":
-                local = torch.zeros(total, dtype=torch.uint8)
+                raw_buf = torch.zeros(total, dtype=torch.uint8)
+                ad_buf = torch.zeros(total, dtype=torch.uint8)
             else:
-                local = torch.from_numpy(pattern(total, seed))
-            raw = _raw_nixl(op, peer, local, nb, bb, min_iters, min_time_s, deadline_s)
-            ok_raw = _verify(op, peer, local, total, seed)
-            if op == "READ":
-                local.zero_()
-            ad = _adapter(op, peer, local, nb, bb, min_iters, min_time_s, deadline_s)
-            ok_ad = _verify(op, peer, local, total, seed)
+                raw_buf = torch.from_numpy(pattern(total, seed))
+                ad_buf = raw_buf.clone()
+            raw = _RawSide(op, peer, raw_buf, nb, bb, deadline_s)
+            ad = _AdapterSide(op, peer, ad_buf, nb, bb, deadline_s)
+            src = torch.from_numpy(pattern(total, seed))
+            dst = torch.empty_like(src)
+            t0 = time.perf_counter()
+            raw.once()
+            first_ms = (time.perf_counter() - t0) * 1e3
+            ad.once()
+            dst.copy_(src)  # warm all three
+            ok = _verify(op, peer, raw_buf, total, seed) and _verify(op, peer, ad_buf, total, seed)
+            times: dict[str, list[float]] = {"raw": [], "adapter": [], "copy": []}
+            steps = (("raw", raw.once), ("adapter", ad.once), ("copy", lambda d=dst, s=src: d.copy_(s)))
+            t_stop = time.perf_counter() + min_time_s
+            while len(times["raw"]) < min_iters or (
+                time.perf_counter() < t_stop and len(times["raw"]) < 10_000
+            ):
+                k = len(times["raw"]) % len(steps)  # rotate: no way always follows the copy
+                for key, fn in steps[k:] + steps[:k]:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[key].append(time.perf_counter() - t0)
+            ok = ok and _verify(op, peer, ad_buf, total, seed)
         finally:
+            if raw is not None:
+                raw.close()
+            if ad is not None:
+                leaks = ad.close()
             peer.close()
-        src = torch.from_numpy(pattern(total, seed))
-        dst = torch.empty_like(src)
-        copy_times = _timed(lambda d=dst, s=src: d.copy_(s), min_iters, min_time_s / 2, 10_000)
-        raw_gbps = total / statistics.median(raw["times"]) / 1e9
-        ad_gbps = total / statistics.median(ad["times"]) / 1e9
-        cp_gbps = total / statistics.median(copy_times) / 1e9
+        raw_gbps = total / statistics.median(times["raw"]) / 1e9
+        ad_gbps = total / statistics.median(times["adapter"]) / 1e9
+        cp_gbps = total / statistics.median(times["copy"]) / 1e9
         results.append({
             "num_blocks": nb,
             "block_bytes": bb,
@@ -297,13 +319,12 @@ def run_nixl_raw_bench(
             "torch_copy_gbps": round(cp_gbps, 3),
             "adapter_over_raw": round(ad_gbps / raw_gbps, 3),
             "raw_over_memcpy": round(raw_gbps / cp_gbps, 3),
-            "raw_iters": len(raw["times"]),
-            "adapter_iters": len(ad["times"]),
-            "add_remote_agent_ms": round(raw["add_remote_agent_ms"], 2),
-            "adapter_add_peer_ms": round(ad["add_peer_ms"], 2),
-            "raw_first_transfer_ms": round(raw["first_transfer_ms"], 2),
-            "verified": bool(ok_raw and ok_ad),
-            "adapter_leaks": ad["leaks"],
+            "iters": len(times["raw"]),
+            "add_remote_agent_ms": round(raw.add_ms if raw else -1.0, 2),
+            "adapter_add_peer_ms": round(ad.add_ms if ad else -1.0, 2),
+            "first_transfer_ms": round(first_ms, 2),
+            "verified": bool(ok),
+            "adapter_leaks": leaks,
         })
     return {"op": op, "patterns": results}
 

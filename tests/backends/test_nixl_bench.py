@@ -20,7 +20,7 @@ def test_bench_reports_all_three_ways_and_verifies(op: str) -> None:
         assert (row["num_blocks"], row["block_bytes"], row["total_bytes"]) == (nb, bb, nb * bb)
         assert row["verified"] is True
         assert row["adapter_leaks"] == 0
-        assert row["raw_iters"] >= 2 and row["adapter_iters"] >= 2
+        assert row["iters"] >= 2
         for key in ("raw_nixl_gbps", "adapter_gbps", "torch_copy_gbps"):
             assert row[key] > 0
         assert row["adapter_over_raw"] == pytest.approx(
