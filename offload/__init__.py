@@ -6,7 +6,7 @@ See ``kvbridge.offload.manager`` for the life of a request and the rules.
 """
 
 from kvbridge.offload.async_lookup import LookupCache, ProbeRunner
-from kvbridge.offload.cpu import CpuTier, SlotState
+from kvbridge.offload.cpu import CpuTier, SlotMemory, SlotState
 from kvbridge.offload.faults import FaultKind, FaultPlan, FaultyFsIO
 from kvbridge.offload.fs import FsTier
 from kvbridge.offload.manager import LoadSpec, ManagerStats, OffloadManager, StoreSpec
@@ -29,5 +29,5 @@ __all__ = [
     "FaultKind", "FaultPlan", "FaultyFsIO", "FsTier", "JobResult", "LRUPolicy", "LoadSpec",
     "LookupCache", "LookupResult", "LookupStatus", "ManagerStats", "OffloadError",
     "OffloadEvent", "OffloadKey", "OffloadManager", "ProbeRunner", "SecondaryTier",
-    "ShortReadError", "SlotState", "StoreSpec", "make_policy",
+    "ShortReadError", "SlotMemory", "SlotState", "StoreSpec", "make_policy",
 ]

@@ -96,9 +96,9 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
     so a store never finds its destination already there); the medians are
     reported, which keeps one noisy round on a shared machine from deciding.
     """
-    if min(num_blocks, block_bytes, batch_blocks, rounds) <= 0:
-        raise OffloadError("bench", "num_blocks, block_bytes, batch_blocks and rounds must be "
-                           "positive")
+    if min(num_blocks, block_bytes, batch_blocks, rounds, lookup_keys, lookup_iterations) <= 0:
+        raise OffloadError("bench", "num_blocks, block_bytes, batch_blocks, rounds, lookup_keys and "
+                           "lookup_iterations must be positive")
     total = num_blocks * block_bytes
     samples: dict[str, list[float]] = {"plain_write": [], "plain_read": [], "store": [],
                                        "load": []}

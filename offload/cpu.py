@@ -14,8 +14,10 @@ bookkeeping here is not.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import mmap
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,23 +49,86 @@ class Slot:
         return self.state is SlotState.READY and not self.pinned_by and self.io_refs == 0
 
 
-class CpuTier:
-    """Slots of ``block_bytes`` each, ``num_slots`` of them, evicted by ``policy``."""
+class SlotMemory:
+    """``num_slots * block_bytes`` page-aligned bytes: anonymous, or a shared file.
 
-    name = TIER_CPU
-    medium = Medium.CPU.value
+    With ``path`` (e.g. under /dev/shm) the memory is a MAP_SHARED mapping of
+    that file, so worker processes can ``SlotMemory.attach`` the same slots the
+    scheduler-side tier manages; the creator removes the file on ``close``.
+    """
 
-    def __init__(self, num_slots: int, block_bytes: int, policy: str | EvictionPolicy = "lru"
-                 ) -> None:
+    def __init__(self, num_slots: int, block_bytes: int, path: str | None = None,
+                 create: bool = True) -> None:
         if num_slots <= 0:
             raise OffloadError("num_slots", f"expected a positive count, got {num_slots}")
         if block_bytes <= 0:
             raise OffloadError("block_bytes", f"expected a positive size, got {block_bytes}")
         self.num_slots = num_slots
         self.block_bytes = block_bytes
+        self.path = path
+        self._owner = create and path is not None
+        nbytes = num_slots * block_bytes
+        if path is None:
+            self._mmap = mmap.mmap(-1, nbytes)
+        else:
+            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+            fd = os.open(path, flags, 0o600)
+            try:
+                if create:
+                    os.ftruncate(fd, nbytes)
+                elif os.fstat(fd).st_size != nbytes:
+                    raise OffloadError("path", f"{path} holds {os.fstat(fd).st_size} bytes, "
+                                       f"expected {nbytes}")
+                self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        self.buffer = memoryview(self._mmap)
+
+    @classmethod
+    def attach(cls, path: str, num_slots: int, block_bytes: int) -> SlotMemory:
+        """Map slots another process created (a worker attaching the scheduler's tier)."""
+        return cls(num_slots, block_bytes, path, create=False)
+
+    def view(self, index: int) -> memoryview:
+        start = index * self.block_bytes
+        return self.buffer[start:start + self.block_bytes]
+
+    def as_tensor(self) -> object:
+        """The slots as a torch uint8 tensor ``[num_slots, block_bytes]`` (no copy)."""
+        import torch
+
+        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return flat.view(self.num_slots, self.block_bytes)
+
+    def close(self) -> None:
+        """Unmap (if no view is still exported; else the GC unmaps later); remove our file."""
+        try:
+            self.buffer.release()
+            self._mmap.close()
+        except BufferError:
+            pass
+        if self._owner and self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            self._owner = False
+
+
+class CpuTier:
+    """Slots of ``block_bytes`` each, ``num_slots`` of them, evicted by ``policy``.
+
+    ``shm_path``: back the slots by a shared file there (see ``SlotMemory``).
+    """
+
+    name = TIER_CPU
+    medium = Medium.CPU.value
+
+    def __init__(self, num_slots: int, block_bytes: int, policy: str | EvictionPolicy = "lru",
+                 shm_path: str | None = None) -> None:
+        self.memory = SlotMemory(num_slots, block_bytes, shm_path)
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
         self.policy = policy if isinstance(policy, EvictionPolicy) else make_policy(policy, num_slots)
-        self._mmap = mmap.mmap(-1, num_slots * block_bytes)
-        self._buffer = memoryview(self._mmap)
+        self._buffer = self.memory.buffer
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._slots: dict[OffloadKey, Slot] = {}
         self._events: list[OffloadEvent] = []
@@ -82,10 +147,7 @@ class CpuTier:
 
     def as_tensor(self) -> object:
         """The slot memory as a torch uint8 tensor ``[num_slots, block_bytes]`` (no copy)."""
-        import torch
-
-        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        return flat.view(self.num_slots, self.block_bytes)
+        return self.memory.as_tensor()
 
     # -- bookkeeping ---------------------------------------------------------
     def get(self, key: OffloadKey) -> Slot | None:
@@ -196,8 +258,4 @@ class CpuTier:
 
     def close(self) -> None:
         """Unmap the slots; if views are still exported (a tensor), the GC unmaps later."""
-        try:
-            self._buffer.release()
-            self._mmap.close()
-        except BufferError:
-            pass
+        self.memory.close()

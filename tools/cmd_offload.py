@@ -64,6 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--block-kib", type=int, default=1024,
                        help="block size in KiB (default 1024)")
     bench.add_argument("--batch", type=int, default=8, help="blocks per tier job (default 8)")
+    bench.add_argument("--rounds", type=int, default=3,
+                       help="alternating plain/tier rounds; medians are reported (default 3)")
+    bench.add_argument("--lookups", type=int, default=400,
+                       help="lookups timed per phase (idle, busy) (default 400)")
     bench.add_argument("--buffered", action="store_true", help="do not use O_DIRECT")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.set_defaults(func=run_bench)
@@ -102,6 +106,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         result = run_offload_bench(args.dir, num_blocks=args.blocks,
                                    block_bytes=args.block_kib * 1024, batch_blocks=args.batch,
+                                   rounds=args.rounds, lookup_iterations=args.lookups,
                                    use_o_direct=not args.buffered)
     except OffloadError as exc:
         print(f"kvbridge offload bench: {exc}", file=sys.stderr)

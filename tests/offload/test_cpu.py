@@ -75,3 +75,21 @@ def test_bad_sizes_are_rejected_naming_the_field() -> None:
         CpuTier(0, 64)
     with pytest.raises(OffloadError, match="block_bytes"):
         CpuTier(1, 0)
+
+
+def test_shared_slot_memory_is_seen_by_an_attached_mapping(tmp_path) -> None:
+    from kvbridge.offload.cpu import SlotMemory
+
+    path = str(tmp_path / "slots")
+    tier = CpuTier(2, 4096, shm_path=path)
+    worker = SlotMemory.attach(path, 2, 4096)
+    try:
+        (slot,) = tier.allocate([k(0)], SlotState.WRITING_STORE)
+        worker.view(slot.index)[:5] = b"hello"          # the worker fills the slot
+        assert bytes(tier.view(slot.index)[:5]) == b"hello"
+        with pytest.raises(OffloadError, match="path"):
+            SlotMemory.attach(path, 3, 4096)
+    finally:
+        worker.close()
+        tier.close()
+    assert not (tmp_path / "slots").exists()            # the creator removed it

@@ -137,7 +137,8 @@ def test_cli_fsck_clean_store_exits_zero(make_fs, store_dir, capsys) -> None:
 
 def test_cli_bench_small_run(tmp_path, capsys) -> None:
     code = main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "4",
-                 "--block-kib", "64", "--batch", "2", "--json"])
+                 "--block-kib", "64", "--batch", "2", "--rounds", "2", "--lookups", "30",
+                 "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["verified"] is True and data["failed_jobs"] == 0
     assert data["bytes"] == 4 * 64 * 1024
