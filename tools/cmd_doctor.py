@@ -1,0 +1,271 @@
+"""`kvbridge doctor`: what this machine can run, checked for real, with how to fix it.
+
+Each backend is exercised, not just imported: torch allocates and copies a
+tensor; ZeroMQ does a REQ/REP round trip on 127.0.0.1; msgpack round-trips a
+record; NIXL creates an agent with the UCX backend and registers memory *in a
+child process with a timeout* (a broken UCX can hang or crash the process that
+loads it); Mooncake's store module is imported in a child process and
+``mooncake_master`` is located. Every registered connector is loaded and
+matched against the backends it declares.
+
+Required: torch, pyzmq, msgpack, NIXL (kvbridge's dependencies) and every
+backend a registered connector declares. Exit 1 if a required check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK
+
+EPILOG = """\
+examples:
+  kvbridge doctor
+  kvbridge doctor --json
+  kvbridge doctor --timeout 60
+
+exit codes: 0 every required check passed, 1 a required check failed
+"""
+
+CORE_BACKENDS = ("torch", "zmq", "msgpack", "nixl")
+
+_NIXL_PROBE = """
+import json, sys
+import kvbridge.backends  # UCX_MODULES=^ib before the first agent
+import torch
+from kvbridge.backends.nixl import NixlTransport, load_nixl_api
+api = load_nixl_api()
+transport = NixlTransport("kvbridge-doctor")
+buf = torch.zeros(4096, dtype=torch.uint8)
+transport.register_regions([buf])
+metadata = transport.agent_metadata()
+transport.close()
+print(json.dumps({"module": api.__name__, "metadata_bytes": len(metadata)}))
+sys.stdout.flush()
+"""
+
+_MOONCAKE_PROBE = """
+import json
+import kvbridge.backends
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+print(json.dumps({"store": type(store).__name__}))
+"""
+
+_FIXES = {
+    "torch": "install a CPU build of torch first: pip install torch==2.13.0 "
+             "--index-url https://download.pytorch.org/whl/cpu (or run `make setup`)",
+    "zmq": "pip install 'pyzmq>=25' into this environment",
+    "msgpack": "pip install 'msgpack>=1.0' into this environment",
+    "nixl": "pip install nixl-cu12==1.5.1 after torch (an unpinned `nixl` pulls CUDA builds); "
+            "keep UCX_MODULES=^ib (kvbridge sets it unless you override it) and check "
+            "UCX_TLS if you set it",
+    "mooncake": "pip install mooncake-transfer-engine-non-cuda (no GPU driver) or "
+                "mooncake-transfer-engine (with libcuda.so.1), then apt-get install "
+                "libibverbs1 librdmacm1 libnuma1 libcurl4",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    required: bool
+    detail: str
+    fix: str = ""
+    seconds: float = 0.0
+
+
+def _timed(name: str, required: bool, fn: Callable[[], str], fix: str) -> Check:
+    start = time.monotonic()
+    try:
+        detail = fn()
+        return Check(name, True, required, detail, "", time.monotonic() - start)
+    except Exception as exc:
+        return Check(name, False, required, f"{type(exc).__name__}: {exc}", fix,
+                     time.monotonic() - start)
+
+
+def check_torch() -> str:
+    import torch
+
+    a = torch.arange(1 << 16, dtype=torch.float16)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    if not torch.equal(a, b):
+        raise RuntimeError("tensor copy mismatch")
+    return f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def check_zmq() -> str:
+    import zmq
+
+    context = zmq.Context()
+    try:
+        rep = context.socket(zmq.REP)
+        req = context.socket(zmq.REQ)
+        for sock in (rep, req):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 2000)
+            sock.setsockopt(zmq.SNDTIMEO, 2000)
+        port = rep.bind_to_random_port("tcp://127.0.0.1")
+        req.connect(f"tcp://127.0.0.1:{port}")
+        req.send(b"ping")
+        rep.send(rep.recv())
+        if req.recv() != b"ping":
+            raise RuntimeError("REQ/REP round trip returned other bytes")
+        rep.close()
+        req.close()
+    finally:
+        context.term()
+    return f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), loopback round trip ok"
+
+
+def check_msgpack() -> str:
+    import msgpack
+
+    record = {"version": 1, "block_ids": [[1, 2], [3]], "blob": b"\x00\x01"}
+    if msgpack.unpackb(msgpack.packb(record, use_bin_type=True), raw=False) != record:
+        raise RuntimeError("round trip changed the record")
+    return f"msgpack {'.'.join(map(str, msgpack.version))}"
+
+
+def _probe(code: str, timeout_s: float) -> dict[str, object]:
+    env = dict(os.environ)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"no answer within {timeout_s:.0f} s (hung while loading or "
+                           f"creating the backend)") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        signal_note = ""
+        if proc.returncode < 0 or proc.returncode >= 128:
+            signal_note = " (killed by a signal: a native library crashed)"
+        raise RuntimeError(f"probe exited with {proc.returncode}{signal_note}: "
+                           + " | ".join(tail))
+    for line in reversed(proc.stdout.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(data, dict):
+            return data
+    raise RuntimeError("probe printed no result")
+
+
+def check_nixl(timeout_s: float) -> str:
+    data = _probe(_NIXL_PROBE, timeout_s)
+    return (f"{data['module']}: agent with UCX created, 4 KiB registered, "
+            f"{data['metadata_bytes']} B of agent metadata")
+
+
+def check_mooncake(timeout_s: float) -> str:
+    data = _probe(_MOONCAKE_PROBE, timeout_s)
+    from kvbridge.backends.mooncake_master import find_master_binary
+
+    master = find_master_binary()
+    return f"mooncake.store imports ({data['store']}); mooncake_master at {master}"
+
+
+def check_connectors() -> tuple[list[dict[str, object]], set[str], list[Check]]:
+    """Registered connectors, the backends they need, and a check per unloadable one."""
+    from kvbridge.connectors import registry
+
+    rows: list[dict[str, object]] = []
+    needed: set[str] = set()
+    problems: list[Check] = []
+    for name, origin in registry.available().items():
+        try:
+            plugin = registry.load(name)
+        except Exception as exc:
+            rows.append({"name": name, "origin": origin, "loaded": False, "error": str(exc)})
+            problems.append(Check(f"connector {name}", False, True, str(exc),
+                                  f"fix or reinstall the package providing {origin}"))
+            continue
+        backends = [b for b in plugin.backends]
+        needed.update(backends)
+        rows.append({"name": name, "origin": origin, "loaded": True,
+                     "roles": sorted(r.value for r in plugin.supported_roles),
+                     "deprecated_roles": sorted(r.value for r in plugin.deprecated_roles),
+                     "backends": backends, "description": plugin.description})
+    return rows, needed, problems
+
+
+def run_checks(timeout_s: float) -> dict[str, object]:
+    connectors, needed, connector_problems = check_connectors()
+    required = set(CORE_BACKENDS) | needed
+    checks = [
+        _timed("torch", "torch" in required, check_torch, _FIXES["torch"]),
+        _timed("zmq", "zmq" in required, check_zmq, _FIXES["zmq"]),
+        _timed("msgpack", "msgpack" in required, check_msgpack, _FIXES["msgpack"]),
+        _timed("nixl", "nixl" in required, lambda: check_nixl(timeout_s), _FIXES["nixl"]),
+        _timed("mooncake", "mooncake" in required, lambda: check_mooncake(timeout_s),
+               _FIXES["mooncake"]),
+        *connector_problems,
+    ]
+    status = {c.name: c.ok for c in checks}
+    for row in connectors:
+        if row.get("loaded"):
+            backends = row.get("backends")
+            assert isinstance(backends, list)
+            missing = [b for b in backends if not status.get(b, True)]
+            row["usable"] = not missing
+            if missing:
+                row["missing_backends"] = missing
+    ok = all(c.ok for c in checks if c.required)
+    return {"ok": ok, "checks": [asdict(c) for c in checks], "connectors": connectors,
+            "environment": {k: os.environ.get(k) for k in
+                            ("UCX_MODULES", "UCX_TLS", "NIXL_LOG_LEVEL", "MC_LOG_LEVEL",
+                             "MC_TCP_BIND_ADDRESS")},
+            "python": sys.version.split()[0]}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="check this machine's backends and registered connectors",
+        description="Exercise every backend for real (torch, ZeroMQ, msgpack, NIXL/UCX, "
+                    "Mooncake) and list registered connectors; says how to fix what fails.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                        help="seconds allowed for each child-process probe (default 60)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kvbridge.backends  # noqa: F401  (env defaults, as every kvbridge process has them)
+
+    report = run_checks(args.timeout)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        checks = report["checks"]
+        assert isinstance(checks, list)
+        for check in checks:
+            mark = "ok  " if check["ok"] else ("FAIL" if check["required"] else "warn")
+            print(f"[{mark}] {check['name']:<10} {check['detail']} ({check['seconds']:.1f} s)")
+            if not check["ok"]:
+                print(f"       fix: {check['fix']}")
+        connectors = report["connectors"]
+        assert isinstance(connectors, list)
+        print(f"connectors ({len(connectors)} registered):")
+        for row in connectors:
+            if not row.get("loaded"):
+                print(f"  {row['name']:<16} cannot load: {row.get('error')}")
+                continue
+            usable = "usable" if row.get("usable") else \
+                f"needs {', '.join(row.get('missing_backends', []))}"
+            print(f"  {row['name']:<16} roles {','.join(row['roles'])}; backends "
+                  f"{','.join(row['backends']) or '-'}; {usable}")
+        print("doctor: all required checks passed" if report["ok"]
+              else "doctor: a required check failed (see fix lines above)")
+    return EXIT_OK if report["ok"] else EXIT_FAILURE
