@@ -156,12 +156,12 @@ class NixlScheduler(SchedulerConnector):
             return None
         if params.mode is not self.settings.mode or (
                 params.spec_fingerprint is not None
-                and params.spec_fingerprint != self.header.fingerprint):
+                and params.spec_fingerprint != self.ctx.spec.fingerprint()):
             self._stats["refused_params"] += 1
             logger.warning("nixl: request %s: transfer params of mode %s / fingerprint %s do "
                            "not pair with this engine (%s / %s); recomputing",
                            request.request_id, params.mode.value, params.spec_fingerprint,
-                           self.settings.mode.value, self.header.fingerprint)
+                           self.settings.mode.value, self.ctx.spec.fingerprint())
             self._handled.add(request.request_id)
             return None
         return params
@@ -273,7 +273,7 @@ class NixlScheduler(SchedulerConnector):
             producer_host=host, producer_port=port, producer_request_id=rid,
             block_ids=tuple(tuple(g) for g in block_ids),
             producer_topology=self.ctx.topology.sizes(), num_tokens=num_tokens,
-            spec_fingerprint=self.header.fingerprint)
+            spec_fingerprint=self.ctx.spec.fingerprint())
         return True, params
 
     def get_stats(self) -> dict[str, int | float]:
