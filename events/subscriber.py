@@ -178,6 +178,7 @@ class KVEventSubscriber:
         self.publisher_supports_incarnation: bool | None = None
         self._needs_catch_up = config.start_seq is not None and config.replay_endpoint is not None
         self._connects = 0
+        self._needs_hello = self._monitor is not None
         self._verify_incarnation = False
         self._closed = False
         self._last_activity = time.monotonic()
@@ -210,6 +211,8 @@ class KVEventSubscriber:
                 if now - self._last_monitor_check >= 0.005:
                     self._drain_monitor()  # reconnects must be noticed on a busy stream too
                 self._on_live(frames)
+                if not self._ready and deadline is not None and now >= deadline:
+                    return None  # only duplicates arrived: still honour the timeout
                 continue
             self._drain_monitor()
             if self._resync_due():
@@ -306,6 +309,11 @@ class KVEventSubscriber:
         except EventDecodeError as exc:
             self._malformed("live", str(exc))
             return
+        if self._needs_hello:
+            # Learn the incarnation up front, so that a reconnect can be checked.
+            self._needs_hello = False
+            if self.incarnation is None and self.publisher_supports_incarnation is not False:
+                self._request_replay(0, 0)
         if self._verify_incarnation:
             self._verify_incarnation = False
             new_incarnation = self._current_incarnation_if_changed()

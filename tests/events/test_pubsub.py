@@ -602,3 +602,40 @@ def test_full_queue_drops_are_visible_to_subscribers(
     lost = {seq for item in items if isinstance(item, GapLost)
             for seq in range(item.start_seq, item.end_seq)}
     assert lost == set(dropped) and sub.stats.lost_batches == len(dropped)
+
+
+def test_restart_that_looks_like_a_continuation_is_detected(
+    make_publisher: Callable[..., KVEventPublisher],
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """The new publisher's first batch heard live carries exactly the seq the
+    subscriber expects next. Only the incarnation (checked after each reconnect)
+    reveals the restart."""
+    endpoint, replay = _fixed_endpoints()
+    first = make_publisher(endpoint=endpoint, replay_endpoint=replay)
+    sub = make_subscriber(endpoint=endpoint, replay_endpoint=replay)  # live tail
+    deadline = time.monotonic() + 5.0
+    while not isinstance(sub.get(0.05), ReceivedBatch):
+        assert time.monotonic() < deadline
+        first.publish([AllBlocksCleared()])
+    assert first.flush()
+    while sub.get(0.2) is not None:
+        pass
+    assert sub.incarnation == first.incarnation  # learned when the stream started
+    expected = sub.next_seq
+    assert expected == first.stats.next_seq
+    first.close()
+    second = _rebind(make_publisher, endpoint=endpoint, replay_endpoint=replay)
+    for i in range(expected):  # missed live: the SUB has not reconnected yet
+        second.publish(step_events(300 + i))
+    assert second.flush()
+    time.sleep(0.5)
+    second.publish(step_events(300 + expected))
+    items = collect(sub, expected + 1)
+    restarts = [item for item in items if isinstance(item, PublisherRestarted)]
+    assert len(restarts) == 1 and restarts[0].incarnation == second.incarnation
+    got = batches_of(items)
+    assert [b.seq for b in got] == list(range(expected + 1))
+    assert [list(b.batch.events) for b in got] == [
+        step_events(300 + i) for i in range(expected + 1)
+    ]
