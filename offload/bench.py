@@ -81,7 +81,7 @@ def _wait_jobs(tier: FsTier, job_ids: set[int], timeout_s: float) -> list[JobRes
             break
         if time.monotonic() > deadline:
             raise OffloadError("bench", f"{len(job_ids)} jobs unfinished after {timeout_s} s")
-        time.sleep(0.0002)
+        tier.wait_for_finished(0.05)
     return results
 
 

@@ -369,16 +369,19 @@ class OffloadManager:
     def num_jobs_in_flight(self) -> int:
         return len(self._jobs)
 
-    def wait_idle(self, timeout_s: float = 10.0, poll_s: float = 0.001) -> bool:
-        """Call ``step`` until no job is in flight (tests, benchmarks, shutdown)."""
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Call ``step`` until no job is in flight (tests, benchmarks, shutdown; it blocks)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.step()
             if not self._jobs:
                 return True
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 return False
-            time.sleep(poll_s)
+            busy = [t for t in self.secondaries if t.num_jobs_in_flight]
+            if busy:
+                busy[0].wait_for_finished(min(remaining, 0.05))
 
     def take_events(self) -> list[OffloadEvent]:
         """Stored/removed records of every tier since the last call."""

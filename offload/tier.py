@@ -77,6 +77,7 @@ class SecondaryTier(abc.ABC):
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._done_event = threading.Event()
         self._job_keys: dict[int, tuple[JobKind, tuple[OffloadKey, ...]]] = {}
         self._events: list[OffloadEvent] = []
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvbridge-{name}-rd")
@@ -164,9 +165,16 @@ class SecondaryTier(abc.ABC):
             logger.exception("%s %s job %d failed: %s", self.name, kind.value, job_id, exc)
             done = _Done(job_id, kind, False, 0)
         self._done.put(done)
+        self._done_event.set()
+
+    def wait_for_finished(self, timeout_s: float) -> bool:
+        """Block until a job may have finished since the last ``get_finished_jobs`` (tests,
+        benchmarks, shutdown; the scheduler never waits). True if one did."""
+        return self._done_event.wait(timeout_s)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Finished jobs, each once; failed loads correct this tier's lookup cache."""
+        self._done_event.clear()   # before draining: a job finishing now sets it again
         results: list[JobResult] = []
         while True:
             try:
