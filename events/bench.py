@@ -123,7 +123,7 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
     decode_s = time.perf_counter() - start
 
     # Raw pyzmq: same frames, XPUB so we know the subscriber is attached.
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     xpub = ctx.socket(zmq.XPUB)
     xpub.setsockopt(zmq.SNDHWM, 0)
     xpub.setsockopt(zmq.LINGER, 1000)
@@ -227,7 +227,7 @@ def run_events_bench(
 
 
 def _receive_raw(endpoint: str, expect_batches: int) -> dict[str, Any]:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, _TOPIC.encode())
