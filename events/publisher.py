@@ -141,6 +141,7 @@ class KVEventPublisher:
         self._bad_replay_requests = 0
         self._linger_ms = 0
         self._sent_next = 0  # seq after the newest batch sent (thread-owned)
+        self._last_drop_log = -1.0e9
 
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket[Any] | None = None
@@ -193,13 +194,17 @@ class KVEventPublisher:
                 self._queue.put((seq, stamp, tuple(events)), timeout=self.config.enqueue_timeout_s)
             except queue.Full:
                 self._dropped_batches += 1
-                logger.warning(
-                    "KV event queue full for %.3f s: dropped batch seq=%d (%d events); "
-                    "subscribers will see it as lost",
-                    self.config.enqueue_timeout_s,
-                    seq,
-                    len(events),
-                )
+                now = time.monotonic()
+                if now - self._last_drop_log >= 1.0:  # at most one line per second
+                    self._last_drop_log = now
+                    logger.warning(
+                        "KV event queue full for %.3f s: dropped batch seq=%d (%d events; "
+                        "%d dropped so far); subscribers will report them lost",
+                        self.config.enqueue_timeout_s,
+                        seq,
+                        len(events),
+                        self._dropped_batches,
+                    )
                 return None
         return seq
 
