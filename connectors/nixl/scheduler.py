@@ -124,7 +124,7 @@ class NixlScheduler(SchedulerConnector):
         self._store: MetadataStore | None = None
         self._server: HandshakeServer | None = None
         self._stats: dict[str, int] = {"loads_ordered": 0, "releases_ordered": 0,
-                                       "holds_ordered": 0, "refused_params": 0,
+                                       "holds_ordered": 0, "refused_params": 0, "blocks_ordered": 0,
                                        "finished_sending": 0, "finished_recving": 0,
                                        "failed_recving": 0}
 
@@ -210,6 +210,7 @@ class NixlScheduler(SchedulerConnector):
         self._pending.loads.append(LoadOrder(request.request_id, params, tuple(consumer),
                                              tuple(producer), tuple(starts), error))
         self._stats["loads_ordered"] += 1
+        self._stats["blocks_ordered"] += sum(len(ids) for ids in consumer)
 
     # ------------------------------------------------------------------ both
 

@@ -75,6 +75,33 @@ logger = logging.getLogger(__name__)
 #: Transfer latency samples kept per rank (for percentiles in the demo and bench).
 MAX_SAMPLES = 100_000
 
+#: Upper bounds (ms) of the latency histogram reported in stats as ``latency_ms_le_<bound>``
+#: counters: counts add up across ranks (percentiles would not), so the engine-wide
+#: sum still gives percentiles to within one bucket (:func:`histogram_percentile`).
+LATENCY_BUCKETS_MS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000,
+                      10000, 30000, 60000)
+
+
+def latency_key(bound_ms: float) -> str:
+    return f"latency_ms_le_{bound_ms:g}"
+
+
+def histogram_percentile(stats: dict[str, Any], q: float) -> float | None:
+    """The ``q``-quantile (0..1) in ms from summed ``latency_ms_le_*`` counters
+    (the upper bound of the bucket holding it); None without samples."""
+    counts = [(b, int(stats.get(latency_key(b), 0))) for b in LATENCY_BUCKETS_MS]
+    counts.append((float("inf"), int(stats.get("latency_ms_le_inf", 0))))
+    total = sum(c for _, c in counts)
+    if total == 0:
+        return None
+    rank = q * total
+    seen = 0
+    for bound, count in counts:
+        seen += count
+        if seen >= rank and count:
+            return bound
+    return counts[-1][0]
+
 
 @dataclass
 class _Connecting:
@@ -790,6 +817,11 @@ class NixlWorker(WorkerConnector):
         self._counters["transfer_time_s"] += duration_s
 
     def _record(self, record: TransferRecord) -> None:
+        if record.ok:
+            ms = record.duration_s * 1000.0
+            key = next((latency_key(b) for b in LATENCY_BUCKETS_MS if ms <= b),
+                       "latency_ms_le_inf")
+            self._counters[key] = self._counters.get(key, 0) + 1
         self._records.append(record)
         if len(self._records) > MAX_SAMPLES:
             del self._records[: len(self._records) - MAX_SAMPLES]
