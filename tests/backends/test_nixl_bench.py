@@ -18,14 +18,14 @@ def test_bench_reports_all_three_ways_and_verifies(op: str) -> None:
     assert out["op"] == op and len(out["patterns"]) == 2
     for row, (nb, bb) in zip(out["patterns"], ((4, 256 << 10), (64, 4 << 10)), strict=True):
         assert (row["num_blocks"], row["block_bytes"], row["total_bytes"]) == (nb, bb, nb * bb)
-        assert row["verified"] is True
-        assert row["adapter_leaks"] == 0
-        assert row["iters"] >= 2
+        assert row["verified"] is True, row
+        assert row["adapter_leaks"] == 0, row
+        assert row["iters"] >= 2, row
         for key in ("raw_nixl_gbps", "adapter_gbps", "torch_copy_gbps"):
-            assert row[key] > 0
+            assert row[key] > 0, row
         assert row["adapter_over_raw"] == pytest.approx(
-            row["adapter_gbps"] / row["raw_nixl_gbps"], rel=0.01
-        )
+            row["adapter_gbps"] / row["raw_nixl_gbps"], rel=0.02, abs=0.01
+        ), row
 
 
 def test_bench_rejects_unknown_op() -> None:
