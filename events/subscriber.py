@@ -516,6 +516,8 @@ class KVEventSubscriber:
                 if use_ext and info is None:
                     # A vLLM publisher read our request as an out-of-range seq.
                     self.publisher_supports_incarnation = False
+                    if end is not None and end <= start:
+                        return _ReplayResult(None, batches, complete=True)  # a probe only
                     use_ext = False
                     sock.send_multipart((b"", encode_seq(start)))
                     continue

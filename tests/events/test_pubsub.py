@@ -468,7 +468,8 @@ def test_subscriber_repairs_gaps_from_a_vllm_style_publisher(
     vllm = VllmStylePublisher(b"kv-events")
     try:
         sub = make_subscriber(
-            endpoint=vllm.endpoint, replay_endpoint=vllm.replay_endpoint, topic="kv-events"
+            endpoint=vllm.endpoint, replay_endpoint=vllm.replay_endpoint, topic="kv-events",
+            idle_resync_s=None,
         )
         time.sleep(0.3)
         vllm.send(0, step_events(0))
@@ -481,6 +482,8 @@ def test_subscriber_repairs_gaps_from_a_vllm_style_publisher(
         assert [list(b.batch.events) for b in got] == [step_events(s) for s in range(1, 6)]
         assert [b.replayed for b in got] == [True] * 4 + [False]
         assert sub.publisher_supports_incarnation is False  # fell back to the plain protocol
+        # One probe (answered by the end marker alone) and one plain request for the gap.
+        assert sub.stats.replay_requests == 2
         assert sub.stats.lost_batches == 0
     finally:
         vllm.close()
