@@ -71,6 +71,7 @@ from kvbridge.engine.request import (
     common_hit_tokens,
 )
 from kvbridge.engine.worker import ComputeItem, Worker
+from kvbridge.events import EventSink, KVEvent
 from kvbridge.layouts import KVCacheSpec, ParallelTopology
 
 logger = logging.getLogger(__name__)
@@ -124,8 +125,11 @@ class StepReport:
 class Engine:
     """A paged-KV engine with all its ranks in this process. Not thread-safe."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None) -> None:
+        """``event_sink`` (e.g. a ``kvbridge.events.KVEventPublisher``) gets each step's
+        KV events as one batch; without one they accumulate in ``self.events``."""
         self.config = config
+        self.event_sink = event_sink
         self.spec = config.spec
         self.sizes = config.topology.sizes()
         self.dcp_size = self.sizes.dcp_size
@@ -149,7 +153,7 @@ class Engine:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.results: list[RequestResult] = []
-        self.events: list[object] = []
+        self.events: list[KVEvent] = []
         self._finished_since_last_step: set[str] = set()
         self._delayed: dict[str, tuple[EngineRequest, float]] = {}  # delayed frees
         self._free_on_recv: dict[str, EngineRequest] = {}  # aborted while receiving
@@ -295,6 +299,7 @@ class Engine:
         self._finished_since_last_step = set()
 
         metadata: ConnectorMetadata | None = None
+        step_events: list[KVEvent] = []
         if self.scheduler_connector is not None:
             step = SchedulerStep(
                 step_id=self.step_id,
@@ -333,7 +338,7 @@ class Engine:
             self._record("scheduler", None, "update_connector_output", None)
             self.scheduler_connector.update_connector_output(output)
             self._handle_finished_transfers(output)
-            self.events.extend(output.events)
+            step_events.extend(output.events)
 
         finished: list[str] = []
         num_tokens = 0
@@ -357,7 +362,12 @@ class Engine:
         self._check_remote_timeouts()
         if self.scheduler_connector is not None:
             self._record("scheduler", None, "take_events", None)
-            self.events.extend(self.scheduler_connector.take_events())
+            step_events.extend(self.scheduler_connector.take_events())
+        if step_events:
+            if self.event_sink is not None:
+                self.event_sink.publish(step_events)
+            else:
+                self.events.extend(step_events)
         return StepReport(self.step_id, len(items), num_tokens, frozenset(preempted),
                           tuple(finished), output)
 

@@ -86,3 +86,15 @@ def test_producer_emits_self_describing_stored_events(tmp_path: Path) -> None:
         stored[0].block_hashes[0]
     assert list(stored[0].token_ids) == list(requests[0].prompt[:16])
     engine.shutdown()
+
+
+def test_engine_publishes_each_steps_events_to_a_sink(tmp_path: Path) -> None:
+    from kvbridge.engine import Engine
+    from kvbridge.events import CollectingEventSink
+
+    sink = CollectingEventSink()
+    engine = Engine(EngineConfig(load_spec("tiny-gqa"), num_blocks=32, connector=ConnectorConfig(
+        "shared_storage", KVRole.BOTH, extra={"path": str(tmp_path)})), event_sink=sink)
+    run_workload(make_requests(2, prompt_tokens=40, max_tokens=1), engine=engine)
+    assert len(sink.events) == 4 and not engine.events
+    assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in sink.events)
