@@ -483,6 +483,8 @@ class NixlTransport:
         caller handles one failure path); argument errors raise.
         """
         op = XferOp(op)
+        if not deadline_s > 0:
+            raise NixlTransportError(f"deadline_s must be > 0, got {deadline_s}")
         with self._lock:
             self._check_open()
             lentry = self._dlist(local, want_peer=None)
@@ -542,6 +544,14 @@ class NixlTransport:
                 return xfer.state
             self._advance(xfer, status, "check_xfer_state")
             return xfer.state
+
+    def poll_all(self) -> list[Transfer]:
+        """Poll every pending transfer once; return those that became terminal now.
+
+        Deadlines are only enforced when a transfer is polled: a connector calls
+        this (or ``poll``) every step."""
+        with self._lock:
+            return [x for x in list(self._pending.values()) if self.poll(x).terminal]
 
     def wait(self, xfer: Transfer, interval_s: float = 0.0) -> XferState:
         """Poll until terminal (bounded by the transfer's own deadline)."""

@@ -155,8 +155,22 @@ def test_notifications_both_ways(side, peer) -> None:
     assert got_back == [b"hello-back"]
 
 
+def test_poll_all_returns_newly_finished(side) -> None:
+    t, local, ldl, ph, rdl = side
+    xs = [t.post("READ", ldl, [i], rdl, [i], deadline_s=WAIT_S) for i in range(4)]
+    finished: list = [x for x in xs if x.state.terminal]
+    t_end = time.monotonic() + WAIT_S
+    while len(finished) < 4 and time.monotonic() < t_end:
+        finished += t.poll_all()
+    assert sorted(x.transfer_id for x in finished) == sorted(x.transfer_id for x in xs)
+    assert all(x.state is XferState.DONE and x.quiesced for x in xs)
+    assert t.poll_all() == [] and t.pending() == []
+
+
 def test_argument_errors(side) -> None:
     t, local, ldl, ph, rdl = side
+    with pytest.raises(NixlTransportError, match="deadline_s"):
+        t.post("READ", ldl, [0], rdl, [0], deadline_s=0)
     with pytest.raises(NixlTransportError, match="remote_idx"):
         t.post("READ", ldl, [0], rdl, [NB])
     with pytest.raises(NixlTransportError, match="equal length"):
