@@ -51,6 +51,7 @@ class CaseEnv:
     scenario for this case (say why in ``skip_reason``).
     ``async_loads``: True if this connector loads across steps, so a failed
     load must also show up in ``failed_recving``.
+    ``check_released``: optional leak check run after shutdown.
     """
 
     consumer: ConnectorConfig
@@ -58,6 +59,9 @@ class CaseEnv:
     break_loads: BreakLoads | None = None
     async_loads: bool = False
     skip_reason: str = ""
+    #: called after both engines shut down (still inside ``setup``): returns leaks found
+    #: (registrations, handles, sockets the connector still holds), empty when clean
+    check_released: Callable[[], list[str]] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 

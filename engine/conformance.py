@@ -219,6 +219,8 @@ def run_case(case: ConformanceCase, tmp_path: Path, scenario: str, *,
         finally:
             for engine in engines:
                 engine.shutdown()
+        if env.check_released is not None:
+            report.problems += [f"after shutdown: {p}" for p in env.check_released()]
         for engine in engines:
             shutdowns = [c for c in engine.hook_log if c.hook == "shutdown"]
             if len(shutdowns) != len(engine.workers) + 1:

@@ -668,16 +668,30 @@ class Engine:
                 local = req.num_computed_tokens
                 for r, t in enumerate(self.tokens_per_block):
                     keep = local // t
-                    self._quarantined.extend((r, b) for b in req.block_ids[r][keep:])
+                    self._quarantine(r, req.block_ids[r][keep:])
                     req.block_ids[r] = req.block_ids[r][:keep]
                 req.num_recomputed_tokens += req.pending_external_tokens
                 req.pending_external_tokens = 0
                 req.state = RequestState.WAITING
                 req.connector_done = True
                 self._ignore_recv.add(req.request_id)
-                # the connector already answered; do not ask it again for this request
-                self._recv_done.pop(req.request_id, None)
                 req.sync_load = None
+        for request_id, req in list(self._free_on_recv.items()):
+            if now - req.waiting_since > timeout:
+                # aborted while receiving and the receive never ended: never reuse its blocks
+                self._stats["remote_kv_timeouts"] += 1
+                logger.error("engine %s: aborted request %s: its receive never finished; "
+                             "quarantining its blocks", self.engine_id, request_id)
+                del self._free_on_recv[request_id]
+                self._ignore_recv.add(request_id)
+                for r, ids in enumerate(req.block_ids):
+                    self._quarantine(r, ids)
+                req.block_ids = [[] for _ in range(self.num_regions)]
+                self.requests.pop(request_id, None)
+
+    def _quarantine(self, region: int, block_ids: list[int]) -> None:
+        """Keep blocks referenced forever: a late transfer may still write them."""
+        self._quarantined.extend((region, b) for b in block_ids)
 
     # ------------------------------------------------------------------ finishing
 
@@ -718,6 +732,10 @@ class Engine:
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = dict(self._stats)
         out["delayed_frees_pending"] = len(self._delayed)
+        now = time.monotonic()
+        out["delayed_frees_overdue"] = sum(
+            1 for _, since in self._delayed.values()
+            if now - since > self.config.remote_kv_timeout_s)
         out["receives_pending_after_abort"] = len(self._free_on_recv)
         out["quarantined_blocks"] = len(self._quarantined)
         out["blocks_used"] = [pool.num_used for pool in self.pools]

@@ -281,3 +281,23 @@ def test_hook_order_checker_flags_violations() -> None:
     assert any("without a lookup" in p for p in problems)
     assert any("build_connector_meta called 2 times" in p for p in problems)
     assert any("request_finished twice" in p for p in problems)
+
+
+def test_abort_while_receiving_holds_blocks_until_the_receive_ends(misbehaving: Any) -> None:
+    misbehaving.behaviour = "never"
+    engine = Engine(EngineConfig(load_spec("tiny-gqa"), num_blocks=32,
+                                 connector=ConnectorConfig(_Plugin.name, KVRole.CONSUMER),
+                                 remote_kv_timeout_s=0.2))
+    spec = make_requests(1, prompt_tokens=40, max_tokens=2)[0]
+    engine.add_request(spec)
+    engine.step()
+    assert engine.requests[spec.request_id].state is RequestState.WAITING_FOR_REMOTE_KVS
+    assert engine.abort(spec.request_id)
+    assert engine.pop_results()[0].state is RequestState.FINISHED_ABORTED
+    # the blocks a transfer may still write are not reused while it could
+    assert engine.pools[0].num_used == 2 and engine.has_pending_transfers()
+    engine.run_until_done(timeout_s=10)
+    assert not engine.has_work()
+    stats = engine.stats()
+    assert stats["remote_kv_timeouts"] == 1 and stats["quarantined_blocks"] == 2
+    engine.shutdown()
