@@ -43,6 +43,8 @@ class Slot:
     pinned_by: set[str] = field(default_factory=set)
     #: in-flight jobs reading the slot (cascade to secondary tiers)
     io_refs: int = 0
+    #: the tier a promoted block came from, until its first load (hit statistics)
+    origin: str | None = None
 
     @property
     def evictable(self) -> bool:

@@ -124,8 +124,6 @@ class OffloadManager:
         self._failed_loads: dict[RequestId, dict[OffloadKey, None]] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
-        #: where each READY-by-promotion key came from (stats: hits per medium)
-        self._origin: dict[OffloadKey, str] = {}
         self._closed = False
 
     # -- lookup ----------------------------------------------------------------
@@ -243,7 +241,8 @@ class OffloadManager:
                 pins.add(key)
             slots.append(slot.index)
             # the first load after a promotion is credited to the tier it came from
-            tier = self._origin.pop(key, self.primary.name)
+            tier = slot.origin or self.primary.name
+            slot.origin = None
             self._stats.hits_by_tier[tier] = self._stats.hits_by_tier.get(tier, 0) + 1
         self.primary.touch(keys)
         return LoadSpec(request_id, tuple(keys), tuple(slots))
@@ -317,7 +316,9 @@ class OffloadManager:
             if done:
                 self.primary.mark_ready(done)
                 for key in done:
-                    self._origin[key] = job.tier.name
+                    promoted = self.primary.get(key)
+                    assert promoted is not None
+                    promoted.origin = job.tier.name
             if failed:
                 self._drop_failed_writes(failed)
             self._stats.promotions_ok += len(done)
@@ -333,7 +334,6 @@ class OffloadManager:
             slot = self.primary.get(key)
             waiters = set(slot.pinned_by) if slot is not None else set()
             self.primary.discard([key])
-            self._origin.pop(key, None)
             for request_id in waiters:
                 self._pins.get(request_id, set()).discard(key)
                 self._failed_loads.setdefault(request_id, {})[key] = None

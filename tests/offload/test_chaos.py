@@ -61,8 +61,12 @@ def workload(num_requests: int, seed: int) -> list[tuple[str, list[bytes]]]:
     return out
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path, policy) -> None:
+@pytest.mark.parametrize("policy, io_per_step", [("lru", True), ("arc", True), ("lru", False)])
+def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path, policy,
+                                                                       io_per_step) -> None:
+    """``io_per_step``: each step ends when the tier's jobs are done (like an engine whose
+    model step outlasts the I/O), so the counts are reproducible; otherwise I/O overlaps
+    freely with the scheduler and only the invariants are asserted."""
     plan = FaultPlan(rate=RATE, kinds=KINDS, seed=11, slow_s=0.002)
     fs = RecordingFs(str(tmp_path / "store"), BLOCK, "00c4a05c4a05c4a0", faults=plan,
                      use_o_direct=False, write_threads=2)
@@ -71,6 +75,8 @@ def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path,
 
     def check_kept(m: OffloadManager) -> None:
         nonlocal kept_checked
+        if io_per_step:
+            assert m.wait_idle(30)
         while fs.partial:
             result = fs.partial.pop()
             for key in result.successful_keys:   # loaded before the failure: READY now
@@ -97,9 +103,11 @@ def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path,
         stats = manager.stats()
         tier = stats["tiers"]["fs"]
         injected = fs.injector.injected_kinds() if fs.injector else {}
+        assert tier["files_deleted"] <= injected.get(F.SHORT_READ, 0)
+        if not io_per_step:
+            return
         assert failed_total > 0 and tier["load_jobs_failed"] > 0, (summary, stats)
         assert set(injected) >= LOAD_FAILURE_KINDS, injected
-        assert tier["files_deleted"] <= injected.get(F.SHORT_READ, 0)
         assert stats["promotions_ok"] > 100, stats            # the fs tier really served hits
         assert kept_checked > 0, "no batch failed part-way; the rule went unexercised"
     finally:

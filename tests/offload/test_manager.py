@@ -303,3 +303,12 @@ def test_lookup_never_waits_for_io(make_manager) -> None:
         gate.set()
     result, _ = settle(m, "r1", [k(0), k(1)])
     assert result == LookupResult(LookupStatus.HIT, 1)
+
+
+def test_touch_protects_a_block_from_lru_eviction(make_manager) -> None:
+    m = make_manager(num_slots=2, fs=False)
+    store(m, "w", [k(0)])
+    store(m, "w", [k(1)])                 # LRU order: k0, k1
+    m.touch([k(0)])                       # now k1, k0
+    store(m, "w", [k(2)])
+    assert k(0) in m.primary and k(1) not in m.primary
