@@ -304,7 +304,8 @@ def test_close_force_releases_unsettled_zombies(fault_side) -> None:
 def test_restarted_peer_is_re_added_with_new_metadata(fault_side) -> None:
     p, t, local, ldl, ph, rdl = fault_side
     name = p.name
-    p.close()
+    p.proc.kill()  # crash, then restart under the same agent name
+    p.kill()
     p2 = PeerProcess(name, FN * FB, seed=SEED + 1)
     try:
         assert p2.metadata != p.metadata
@@ -333,3 +334,27 @@ def test_add_peer_name_must_match_metadata(fault_side) -> None:
     # The real peer is still usable after the refused add.
     x = t.post("READ", ldl, [1], rdl, [1], deadline_s=WAIT_S)
     assert t.wait(x) is XferState.DONE, x.error
+
+
+def test_killed_peer_on_default_transports_fails_fast() -> None:
+    """Loopback defaults (cma + tcp): a dead peer is FAILED at post, well within the deadline."""
+    p = PeerProcess(_name("kpeer"), 4 * BB, seed=SEED)
+    t = NixlTransport(_name("klocal"))
+    try:
+        local = torch.zeros(4 * BB, dtype=torch.uint8)
+        t.register_regions([local])
+        ldl = t.prepare_local(0, BB, 4)
+        ph = t.add_peer(p.name, p.metadata)
+        rdl = t.prepare_remote(ph, block_descs(p.addr, BB, 4))
+        x = t.post("READ", ldl, [0, 1], rdl, [2, 3], deadline_s=WAIT_S)
+        assert t.wait(x) is XferState.DONE, x.error
+        p.proc.kill()
+        p.proc.join(5)
+        x = t.post("READ", ldl, [0, 1, 2, 3], rdl, [0, 1, 2, 3], deadline_s=5.0)
+        assert t.wait(x, 0.001) is XferState.FAILED, x.error
+        assert x.duration_s is not None and x.duration_s < 5.0 and x.quiesced
+        assert "Disconnect" in (x.error or ""), x.error
+    finally:
+        p.kill()
+        final = t.close()
+    assert final.live == 0 and final.failed == 1
