@@ -96,12 +96,21 @@ class PushOrder:
 
 @dataclass
 class NixlMetadata(ConnectorMetadata):
+    """The per-step orders (read-only for the workers).
+
+    ``cancels``: consumer requests finished (aborted) while loading; push loads
+    ask the producer to stop. ``drops``: producer push requests that finished
+    without a hold (aborted before the prompt was complete).
+    """
+
     step_id: int = 0
     loads: tuple[LoadOrder, ...] = ()
     releases: tuple[ReleaseOrder, ...] = ()
     holds: tuple[HoldOrder, ...] = ()
     pushes: tuple[PushOrder, ...] = ()
     heartbeats: tuple[TransferParams, ...] = ()
+    cancels: tuple[str, ...] = ()
+    drops: tuple[str, ...] = ()
 
 
 @dataclass
@@ -109,6 +118,8 @@ class _SchedState:
     loads: list[LoadOrder] = field(default_factory=list)
     releases: list[ReleaseOrder] = field(default_factory=list)
     holds: list[HoldOrder] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)
 
 
 class NixlScheduler(SchedulerConnector):
@@ -232,7 +243,8 @@ class NixlScheduler(SchedulerConnector):
             self._last_heartbeat = now
         meta = NixlMetadata(step.step_id, tuple(self._pending.loads),
                             tuple(self._pending.releases), tuple(self._pending.holds),
-                            tuple(pushes), heartbeats)
+                            tuple(pushes), heartbeats, tuple(self._pending.cancels),
+                            tuple(self._pending.drops))
         self._pending = _SchedState()
         return meta
 
@@ -253,17 +265,26 @@ class NixlScheduler(SchedulerConnector):
         handled = rid in self._handled
         self._handled.discard(rid)
         if request.transfer_params is not None and not request.remote_decode \
-                and not handled and self.ctx.role.is_consumer:
-            # finished before the connector was ever asked (aborted while queued)
-            self._pending.releases.append(ReleaseOrder(rid, request.transfer_params))
-            self._stats["releases_ordered"] += 1
+                and self.ctx.role.is_consumer:
+            if not handled:
+                # finished before the connector was ever asked (aborted while queued)
+                self._pending.releases.append(ReleaseOrder(rid, request.transfer_params))
+                self._stats["releases_ordered"] += 1
+            else:
+                self._pending.cancels.append(rid)  # a no-op for loads already finished
             return False, None
         if not (self.ctx.role.is_producer and request.remote_decode):
             return False, None
-        num_tokens = min(request.num_prompt_tokens, request.num_computed_tokens)
-        if num_tokens <= 0 or not any(block_ids):
-            return False, None
         push = self.settings.mode is TransferMode.PUSH
+        num_tokens = min(request.num_prompt_tokens, request.num_computed_tokens)
+        # A remote prefill ends by producing its one token; without it the request was
+        # aborted (or failed) and nobody will come for its blocks: free them now.
+        complete = request.num_tokens > request.num_prompt_tokens and \
+            request.num_computed_tokens >= request.num_prompt_tokens
+        if num_tokens <= 0 or not any(block_ids) or not complete:
+            if push:
+                self._pending.drops.append(rid)
+            return False, None
         self._pending.holds.append(HoldOrder(rid, tuple(tuple(g) for g in block_ids), push))
         self._stats["holds_ordered"] += 1
         if push:

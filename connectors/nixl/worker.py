@@ -130,6 +130,7 @@ class _PushTarget:
     layers_written: set[int] = field(default_factory=set)
     transfers: list[Transfer] = field(default_factory=list)
     finished: bool = False
+    cancelled: bool = False
 
 
 @dataclass
@@ -137,6 +138,7 @@ class _PushJob:
     request_id: str
     block_ids: tuple[tuple[int, ...], ...] = ()
     final: bool = False
+    dropped: bool = False
     layers_ready: set[int] = field(default_factory=set)
     targets: dict[int, _PushTarget] = field(default_factory=dict)
     started_at: float = 0.0
@@ -197,6 +199,8 @@ class NixlWorker(WorkerConnector):
             "peer_restarts": 0,
         }
         self._closed = False
+        self._fault_next_loads = False
+        self._faulty: set[str] = set()
 
     # ------------------------------------------------------------------ registration
 
@@ -240,11 +244,26 @@ class NixlWorker(WorkerConnector):
                 self._answer(verdict)
         for order in meta.loads:
             self._start_load(order, now)
+            if self._fault_next_loads:
+                self._faulty.add(order.request_id)
+        self._fault_next_loads = False
         for release in meta.releases:
             self._releases.append(release)
             self._ensure_session(release.params, now)
         for params in meta.heartbeats:
             self._heartbeat_params(params)
+        for rid in meta.cancels:
+            self._cancel_load(rid, now)
+        for rid in meta.drops:
+            self._early_registers.pop(rid, None)
+            job = self._push_jobs.get(rid)
+            if job is not None:
+                job.dropped = True
+                for target in job.targets.values():
+                    if not target.finished and not self._writes_pending(target):
+                        self._finish_push_target(job, target, False, "producer request aborted",
+                                                 now)
+                self._maybe_drop_job(job)
         self._step_pushes = meta.pushes
         for push in meta.pushes:
             job = self._push_jobs.setdefault(push.request_id,
@@ -409,6 +428,10 @@ class NixlWorker(WorkerConnector):
         params = recv.params
         rid = params.producer_request_id
         transfers: list[object] = []
+        if recv.request_id in self._faulty:
+            self._faulty.discard(recv.request_id)
+            for peer in list(session.peers.values()):
+                self.transport.remove_peer(peer)  # the real NIXL call: the peer vanishes
         try:
             if params.mode is TransferMode.PULL:
                 local = session.local
@@ -445,6 +468,34 @@ class NixlWorker(WorkerConnector):
         session.active += 1
         expected = frozenset(session.rank_plan.sources)
         recv.posted(expected, transfers, params.mode is TransferMode.PULL)
+
+    def inject_fault_next_loads(self) -> None:
+        """Fault injection (tests, conformance): the loads ordered in the next step lose
+        their NIXL peers just before posting (the real ``remove_remote_agent``), so they
+        fail the way a vanished peer makes them fail."""
+        self._fault_next_loads = True
+
+    def _cancel_load(self, request_id: str, now: float) -> None:
+        """The engine finished a request while it was loading (abort). Pull: its READ
+        settles as usual (the blocks stay pinned until then). Push: ask the producer to
+        stop; its answer (after in-flight writes settle) finishes the request."""
+        recv = self._recv.get(request_id)
+        if recv is None or recv.params.mode is not TransferMode.PUSH:
+            return
+        session = self._sessions.get(self._session_key(recv.params))
+        if session is None or recv.state is RecvState.BOOTSTRAPPING:
+            self._fail(recv, "cancelled before registration", now)
+            return
+        assert self.transport is not None
+        msg = messages.encode(messages.Register(
+            recv.params.producer_request_id, self.rank_index, 1, recv.start,
+            recv.consumer_block_ids, cancel=True))
+        for p in session.targets:
+            try:
+                self.transport.send_notif(session.peers[p], msg)
+            except NixlTransportError as exc:
+                self._fail(recv, f"cancel: {exc}", now)
+                return
 
     def _progress_recv(self, now: float) -> None:
         assert self.transport is not None
@@ -682,8 +733,18 @@ class NixlWorker(WorkerConnector):
         rid = reg.request_id
         job = self._push_jobs.get(rid)
         if reg.cancel:
+            target_c = job.targets.get(reg.consumer_rank) if job is not None else None
+            if job is not None and target_c is not None and not target_c.finished:
+                target_c.cancelled = True  # answered once its writes settle
+                if not self._writes_pending(target_c):
+                    self._finish_push_target(job, target_c, False, "cancelled by consumer",
+                                             now)
+                return
+            if self._leases.is_held(rid) or job is not None:
+                self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+                                                      "cancelled by consumer"))
             self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
-            return  # a cancel needs no answer
+            return
         if job is None:
             if self._leases.ended(rid) == "expired":
                 self._counters["pushes_failed"] += 1
@@ -719,8 +780,11 @@ class NixlWorker(WorkerConnector):
     def _post_push_writes(self, job: _PushJob) -> None:
         assert self.transport is not None
         now = time.monotonic()
+        if job.dropped:
+            return
         for target in job.targets.values():
-            if target.finished or target.local is None or target.remote is None:
+            if (target.finished or target.cancelled or target.local is None
+                    or target.remote is None):
                 continue
             layers = (job.layers_ready & target.layers_needed) - target.layers_written
             if not layers:
@@ -748,11 +812,25 @@ class NixlWorker(WorkerConnector):
             except Exception as exc:
                 self._finish_push_target(job, target, False, f"write refused: {exc}", now)
 
+    def _writes_pending(self, target: _PushTarget) -> bool:
+        assert self.transport is not None
+        return any(self.transport.poll(x) is XferState.PENDING or not x.quiesced
+                   for x in target.transfers)
+
+    def _maybe_drop_job(self, job: _PushJob) -> None:
+        if job.dropped and all(t.finished for t in job.targets.values()):
+            self._drop_push_job(job.request_id)
+
     def _progress_pushes(self, now: float) -> None:
         assert self.transport is not None
         for job in list(self._push_jobs.values()):
+            self._maybe_drop_job(job)
             for target in job.targets.values():
                 if target.finished:
+                    continue
+                if target.cancelled or job.dropped:
+                    if not self._writes_pending(target):
+                        self._finish_push_target(job, target, False, "cancelled", now)
                     continue
                 states = [self.transport.poll(x) for x in target.transfers]
                 bad = [x for x in target.transfers
