@@ -10,8 +10,9 @@ what the raw binding lacks:
 - **bounded calls**: the raw binding blocks ~90 s in ``setup()`` when no master
   listens, and ~4.4 s per call once the master has died. This client checks
   that the master's RPC port accepts (a ~70 µs TCP connect on loopback) before
-  ``setup()`` and before each operation, and runs each Mooncake call on a
-  worker thread that the caller waits for at most ``op_timeout_s``;
+  ``setup()`` and before each operation, and runs each batch call on a worker
+  thread that the caller waits for at most ``op_timeout_s`` (the batch calls
+  release the GIL; ``setup()`` and ``close()`` hold it, see their docs);
 - **validation** of keys, pointers and sizes at the edge, with errors that
   name the field.
 
@@ -54,6 +55,8 @@ import queue
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -317,8 +320,11 @@ class MooncakeConfig:
     ``global_segment_size`` (bytes) is what this client lends to the store (0
     mounts nothing: a pure reader/writer); ``local_buffer_size`` (bytes) is the
     client's staging buffer. ``device_name`` is the RDMA device list (ignored
-    with TCP). ``op_timeout_s`` bounds each batch call; ``setup_timeout_s``
-    bounds ``setup()``; ``probe_timeout_s`` bounds each reachability check.
+    with TCP). ``op_timeout_s`` bounds each batch call; ``probe_timeout_s``
+    bounds each reachability check (and the checks before ``setup()``).
+    ``check_master_before_ops`` makes every call probe the master first and
+    fail fast with ``MASTER_UNREACHABLE`` (~70 µs per call on loopback).
+    ``num_op_threads`` calls can run at once (abandoned calls occupy one each).
     """
 
     master_address: str
@@ -329,7 +335,6 @@ class MooncakeConfig:
     protocol: Protocol = Protocol.TCP
     device_name: str = ""
     op_timeout_s: float = 5.0
-    setup_timeout_s: float = 30.0
     probe_timeout_s: float = 0.5
     check_master_before_ops: bool = True
     replica_num: int = 1
@@ -352,7 +357,7 @@ class MooncakeConfig:
             raise MooncakeConfigError(f"global_segment_size must be >= 0 bytes, got {self.global_segment_size}")
         if self.local_buffer_size < 0:
             raise MooncakeConfigError(f"local_buffer_size must be >= 0 bytes, got {self.local_buffer_size}")
-        for name in ("op_timeout_s", "setup_timeout_s", "probe_timeout_s"):
+        for name in ("op_timeout_s", "probe_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise MooncakeConfigError(f"{name} must be > 0 seconds, got {value}")
@@ -404,6 +409,24 @@ def tcp_reachable(host: str, port: int, timeout_s: float) -> bool:
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except OSError:
+        return False
+
+
+def http_answers(url: str, timeout_s: float) -> bool:
+    """True when an HTTP server at ``url`` answers (any status) within ``timeout_s``.
+
+    Mooncake's metadata server lives in the master process, so an HTTP answer
+    also shows the master is not stalled; ``setup()`` against a stalled master
+    would block for minutes with the GIL held.
+    """
+    probe = url + ("&" if "?" in url else "?") + "key=kvbridge-liveness-probe"
+    try:
+        with urllib.request.urlopen(probe, timeout=timeout_s) as response:
+            response.read(256)
+        return True
+    except urllib.error.HTTPError:
+        return True  # 404 "metadata not found" is the expected answer
+    except (OSError, ValueError):
         return False
 
 
@@ -533,11 +556,14 @@ class MooncakeStoreClient:
         return client
 
     def setup(self) -> None:
-        """Join the store, bounded by ``setup_timeout_s``.
+        """Join the store (~0.2-0.5 s against a live master).
 
-        Checks first that the master's RPC port (and an ``http://`` metadata
-        server's port) accept a connection, because Mooncake's ``setup()``
-        against an absent master blocks ~90 s. With a loopback
+        Checks first, each within ``probe_timeout_s``, that the master's RPC
+        port accepts a connection and that an ``http://`` metadata server
+        answers HTTP, because Mooncake's ``setup()`` against an absent or
+        stalled master blocks ~90 s **holding the GIL** (so no watchdog thread
+        can cut it short). A master that stalls between these checks and
+        ``setup()`` is not covered. With a loopback
         ``local_hostname``, sets ``MC_TCP_BIND_ADDRESS`` to it unless already
         set, so the transfer engine does not look for a LAN address.
         Raises :class:`MooncakeSetupError` (or :class:`MooncakeUnavailable`).
@@ -555,46 +581,33 @@ class MooncakeStoreClient:
                 f"(checked within {cfg.probe_timeout_s} s); start one with "
                 "`kvbridge mooncake master` or fix master_address"
             )
-        meta = cfg.metadata_host_port
-        if meta is not None and not tcp_reachable(meta[0], meta[1], cfg.probe_timeout_s):
+        if cfg.metadata_host_port is not None and not http_answers(
+            cfg.metadata_server, cfg.probe_timeout_s
+        ):
             raise MooncakeSetupError(
-                f"metadata server {cfg.metadata_server} does not accept connections; "
-                "a master started with --enable_http_metadata_server serves it"
+                f"metadata server {cfg.metadata_server} does not answer HTTP within "
+                f"{cfg.probe_timeout_s} s; a master started with "
+                "--enable_http_metadata_server=true serves it (is the master stalled?)"
             )
         if cfg.protocol is Protocol.TCP and _is_loopback(cfg.local_hostname):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg.local_hostname)
         store_cls = import_store_class()
         store = store_cls()
-        outcome: Future[int] = Future()
-
-        def run_setup() -> None:
-            try:
-                outcome.set_result(
-                    int(
-                        store.setup(
-                            cfg.local_hostname,
-                            cfg.metadata_server,
-                            cfg.global_segment_size,
-                            cfg.local_buffer_size,
-                            cfg.protocol.value,
-                            cfg.device_name,
-                            cfg.master_address,
-                        )
-                    )
-                )
-            except BaseException as exc:
-                outcome.set_exception(exc)
-
         started = time.monotonic()
-        threading.Thread(target=run_setup, name="mooncake-setup", daemon=True).start()
+        # Runs on this thread: the binding holds the GIL during setup(), so a
+        # watchdog thread could not return early anyway (measured).
         try:
-            rc = outcome.result(timeout=cfg.setup_timeout_s)
-        except FutureTimeout:
-            # The store object stays referenced by the setup thread until it returns.
-            raise MooncakeSetupError(
-                f"Mooncake setup() against {cfg.master_address} did not finish within "
-                f"{cfg.setup_timeout_s} s (setup_timeout_s)"
-            ) from None
+            rc = int(
+                store.setup(
+                    cfg.local_hostname,
+                    cfg.metadata_server,
+                    cfg.global_segment_size,
+                    cfg.local_buffer_size,
+                    cfg.protocol.value,
+                    cfg.device_name,
+                    cfg.master_address,
+                )
+            )
         except Exception as exc:
             raise MooncakeSetupError(f"Mooncake setup() raised {exc!r}") from exc
         if rc != 0:
@@ -617,8 +630,9 @@ class MooncakeStoreClient:
     def close(self) -> None:
         """Unregister remaining buffers and close the store. Idempotent.
 
-        Mooncake's own ``close()`` takes ~2 s (it unmounts the segment). It is
-        bounded by ``setup_timeout_s``; past that the store is abandoned.
+        Mooncake's own ``close()`` takes ~2 s (it unmounts the segment) and
+        ~11 s when the master is dead, holding the GIL throughout (measured):
+        close clients at shutdown, not on a latency-sensitive path.
         """
         with self._state_lock:
             if self._closed:
@@ -633,23 +647,17 @@ class MooncakeStoreClient:
         # Let in-flight calls finish (each is bounded by Mooncake) before tearing down.
         if not workers.wait_idle(self.config.op_timeout_s):
             logger.warning("closing Mooncake client with %d calls still in flight", workers.busy)
-
-        def teardown() -> int:
-            for ptr in registered:
-                with contextlib.suppress(Exception):
-                    store.unregister_buffer(ptr)
-            return int(store.close())
-
-        fut = workers.submit(teardown)
+        workers.shutdown()
+        for ptr in registered:
+            with contextlib.suppress(Exception):
+                store.unregister_buffer(ptr)
         try:
-            rc = fut.result(timeout=self.config.setup_timeout_s)
-            if rc != 0:
-                logger.warning("Mooncake close() returned %d (%s)", rc, McStatus.name_of(rc))
-        except FutureTimeout:
-            logger.warning("Mooncake close() did not finish within %.1f s", self.config.setup_timeout_s)
+            rc = int(store.close())
         except Exception as exc:
             logger.warning("Mooncake close() raised %r", exc)
-        workers.shutdown()
+            return
+        if rc != 0:
+            logger.warning("Mooncake close() returned %d (%s)", rc, McStatus.name_of(rc))
 
     def __enter__(self) -> MooncakeStoreClient:
         if self._store is None:

@@ -313,6 +313,37 @@ class MooncakeMaster:
         """SIGKILL the master now (fault injection); keeps ports and log for :meth:`restart`."""
         return self._reap(force=True)
 
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP the master and wait until it is stopped (fault injection).
+
+        A paused master's ports still accept TCP connections (the kernel does
+        that), but nothing answers. ``kill()`` returns before the target stops,
+        so this waits (bounded) for /proc to report the stopped state.
+        """
+        self._signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        stat_path = Path(f"/proc/{self.pid}/stat")
+        while time.monotonic() < deadline:
+            try:
+                # Field 3 of /proc/PID/stat, after the parenthesised command name.
+                state = stat_path.read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return  # not Linux-like /proc: best effort
+            if state in ("T", "t"):
+                return
+            time.sleep(0.005)
+        raise MooncakeMasterError(f"master pid {self.pid} did not stop within {timeout_s} s")
+
+    def resume(self) -> None:
+        """SIGCONT a paused master."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if not self.is_running:
+            raise MooncakeMasterError(f"master is not running; cannot send {sig.name}")
+        assert self._proc is not None
+        self._proc.send_signal(sig)
+
     def restart(self) -> MooncakeMaster:
         """Stop (if running) and start again on the same ports. The new master has no keys."""
         if self.is_running:
@@ -417,6 +448,7 @@ class MooncakeMaster:
                     proc.kill()
                 else:
                     proc.terminate()
+                    proc.send_signal(signal.SIGCONT)  # a paused master must run to exit
             try:
                 proc.wait(timeout=self.stop_timeout_s if not force else 5.0)
             except subprocess.TimeoutExpired:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import time
 
-from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeConfig, MooncakeStoreClient
+import pytest
+
+from kvbridge.backends.mooncake import (
+    KeyStatus,
+    McStatus,
+    MooncakeConfig,
+    MooncakeSetupError,
+    MooncakeStoreClient,
+)
 from kvbridge.backends.mooncake_master import MooncakeMaster
 from tests.conftest import require
 
@@ -98,3 +106,40 @@ def test_killed_master_gives_bounded_errors_and_restart_recovers(
         assert torch.equal(dst[0], src[0])
         assert all(r.ok for r in unchecked.batch_put_from(keys[1:], ptrs[1:], sizes[1:]))
         assert checked.batch_exists(keys) == [True] * 4
+
+
+def test_paused_master_times_out_ops_and_refuses_new_setup_fast(
+    mooncake_master_fresh: MooncakeMaster,
+) -> None:
+    master = mooncake_master_fresh
+    src = torch.randint(0, 255, (2, 4096), dtype=torch.uint8)
+    keys = ["kvbridge-test/paused/0", "kvbridge-test/paused/1"]
+    ptrs, sizes = [src[0].data_ptr(), src[1].data_ptr()], [4096, 4096]
+    with MooncakeStoreClient(_config(master, check_first=True)) as client:
+        client.register_buffer(src.data_ptr(), src.nbytes)
+        assert all(r.ok for r in client.batch_put_from(keys, ptrs, sizes))
+        master.pause()
+        try:
+            # The kernel still accepts TCP connections, so the cheap check passes;
+            # the deadline is what bounds the call.
+            assert client.is_master_reachable()
+            # Keys this client never touched (nothing a client-side cache could answer).
+            fresh = ["kvbridge-test/paused/never-0", "kvbridge-test/paused/never-1"]
+            for call in (
+                lambda: client.batch_exists_results(fresh),
+                lambda: client.batch_put_from(fresh, ptrs, sizes),
+            ):
+                started = time.monotonic()
+                results = call()
+                assert time.monotonic() - started < OP_TIMEOUT_S + SLACK_S
+                assert [r.code for r in results] == [McStatus.TIMEOUT] * 2
+            assert client.stats().timeouts == 2
+            # A new client must not enter Mooncake's setup() (minutes, GIL held).
+            started = time.monotonic()
+            with pytest.raises(MooncakeSetupError, match="does not answer HTTP"):
+                MooncakeStoreClient.connect(_config(master, check_first=True))
+            assert time.monotonic() - started < SLACK_S + 1
+        finally:
+            master.resume()
+        assert client.wait_idle(15.0)
+        assert client.batch_exists(keys) == [True, True]
