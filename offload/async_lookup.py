@@ -139,9 +139,12 @@ class ProbeRunner:
     recomputed) and is logged.
     """
 
-    def __init__(self, probe: Callable[[Sequence[OffloadKey]], Sequence[bool]], name: str
-                 ) -> None:
+    def __init__(self, probe: Callable[[Sequence[OffloadKey]], Sequence[bool]], name: str,
+                 on_result: Callable[[], None] | None = None) -> None:
         self._probe = probe
+        self._on_result = on_result
+        self._submitted = 0
+        self._drained = 0
         self._requests: queue.SimpleQueue[ProbeBatch | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[list[ProbeResult]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"kvbridge-probe-{name}",
@@ -152,6 +155,7 @@ class ProbeRunner:
 
     def submit(self, batch: ProbeBatch) -> None:
         if batch and not self._closed:
+            self._submitted += 1
             self._requests.put(batch)
 
     def drain(self) -> list[ProbeResult]:
@@ -159,8 +163,14 @@ class ProbeRunner:
         while True:
             try:
                 out.extend(self._results.get_nowait())
+                self._drained += 1
             except queue.Empty:
                 return out
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches submitted whose results were not drained yet (caller's thread)."""
+        return self._submitted - self._drained
 
     def _run(self) -> None:
         while True:
@@ -176,7 +186,10 @@ class ProbeRunner:
                 logger.exception("probe of %d keys failed; answering absent", len(keys))
                 verdicts = [False] * len(keys)
             self.batches_run += 1
-            self._results.put([(key, gen, bool(v)) for (key, gen), v in zip(batch, verdicts, strict=True)])
+            self._results.put([(key, gen, bool(v))
+                               for (key, gen), v in zip(batch, verdicts, strict=True)])
+            if self._on_result is not None:
+                self._on_result()
 
     def close(self, timeout_s: float = 5.0) -> None:
         if self._closed:

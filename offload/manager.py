@@ -370,16 +370,18 @@ class OffloadManager:
         return len(self._jobs)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
-        """Call ``step`` until no job is in flight (tests, benchmarks, shutdown; it blocks)."""
+        """Call ``step`` until no job or probe is in flight (tests, benchmarks, shutdown;
+        it blocks, the scheduler never calls it). True when idle."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.step()
-            if not self._jobs:
+            busy = [t for t in self.secondaries
+                    if t.num_jobs_in_flight or t.num_probes_in_flight]
+            if not self._jobs and not busy:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            busy = [t for t in self.secondaries if t.num_jobs_in_flight]
             if busy:
                 busy[0].wait_for_finished(min(remaining, 0.05))
 

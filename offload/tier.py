@@ -83,7 +83,7 @@ class SecondaryTier(abc.ABC):
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvbridge-{name}-rd")
         self._write_pool = ThreadPoolExecutor(write_threads,
                                               thread_name_prefix=f"kvbridge-{name}-wr")
-        self._runner = ProbeRunner(self._probe_counted, name)
+        self._runner = ProbeRunner(self._probe_counted, name, on_result=self._done_event.set)
         self._closed = False
 
     # -- blocking calls, run on the tier's threads --------------------------
@@ -168,8 +168,8 @@ class SecondaryTier(abc.ABC):
         self._done_event.set()
 
     def wait_for_finished(self, timeout_s: float) -> bool:
-        """Block until a job may have finished since the last ``get_finished_jobs`` (tests,
-        benchmarks, shutdown; the scheduler never waits). True if one did."""
+        """Block until a job or probe may have finished since the last ``get_finished_jobs``
+        (tests, benchmarks, shutdown; the scheduler never waits). True if one did."""
         return self._done_event.wait(timeout_s)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -207,6 +207,11 @@ class SecondaryTier(abc.ABC):
     @property
     def num_jobs_in_flight(self) -> int:
         return len(self._job_keys)
+
+    @property
+    def num_probes_in_flight(self) -> int:
+        """Probe batches sent whose results were not applied yet."""
+        return self._runner.batches_in_flight
 
     def take_events(self) -> list[OffloadEvent]:
         events, self._events = self._events, []

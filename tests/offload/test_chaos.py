@@ -20,7 +20,8 @@ from kvbridge.offload.faults import LOAD_FAILURE_KINDS, FaultKind, FaultPlan
 from kvbridge.offload.fs import FsTier
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.testing import RequestSimulator
-from kvbridge.offload.types import JobResult, OffloadKey
+from kvbridge.offload.tier import BlockBuffers
+from kvbridge.offload.types import BatchIOError, JobResult, OffloadKey
 
 BLOCK = 4096
 F = FaultKind
@@ -37,6 +38,15 @@ class RecordingFs(FsTier):
         self.probed: Counter[OffloadKey] = Counter()
         self._probe_lock = threading.Lock()
         self.partial: list[JobResult] = []
+        self.failed_attempts: Counter[OffloadKey] = Counter()
+
+    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+        try:
+            super().load_batch(keys, buffers)
+        except BatchIOError as exc:
+            with self._probe_lock:
+                self.failed_attempts[keys[exc.num_succeeded]] += 1
+            raise
 
     def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
         with self._probe_lock:
@@ -100,6 +110,10 @@ def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path,
             assert set(req.loaded) | set(req.computed) == set(req.keys)
         # no lookup entry was probed twice: one probe per enqueue, ever
         assert fs.probed == Counter(fs.cache.enqueue_count)
+        # a failed load is never retried while its lookup entry lives: at most one
+        # failure per entry (the livelock rule, across requests)
+        for k, n in fs.failed_attempts.items():
+            assert n <= fs.cache.enqueue_count[k], (k, n, fs.cache.enqueue_count[k])
         stats = manager.stats()
         tier = stats["tiers"]["fs"]
         injected = fs.injector.injected_kinds() if fs.injector else {}
