@@ -141,8 +141,9 @@ class OffloadManager:
         primary = self.primary
         pins = self._pins.setdefault(request_id, set())
         num_ready = 0
-        pending = False
-        unknown = False
+        gap = False        # a key before this one is not ready yet: stop counting
+        in_flight = False  # a promotion this request waits for is running
+        unknown = False    # a secondary tier's verdict is still being probed
         to_promote: list[tuple[OffloadKey, SecondaryTier]] = []
         failed = self._failed_loads.get(request_id)
         for key in keys:
@@ -158,8 +159,8 @@ class OffloadManager:
                     primary.pin(key, request_id)
                     pins.add(key)
                 if slot.state is SlotState.WRITING_PROMOTION:
-                    pending = True
-                elif not pending:
+                    gap = in_flight = True
+                elif not gap:
                     num_ready += 1
                 continue
             source: SecondaryTier | None = None
@@ -181,17 +182,13 @@ class OffloadManager:
                 break
             if not unknown:
                 to_promote.append((key, source))
-                pending = True  # keys after this one are not ready before it is
-        if to_promote:
-            started = self._promote(request_id, to_promote, pins)
-            # nothing started (no free slot): the prefix ends at the first key to promote,
-            # unless an earlier promotion is in flight
-            pending = started or any(
-                (s := primary.get(k)) is not None and s.state is SlotState.WRITING_PROMOTION
-                for k in pins)
+                gap = True
+        if to_promote and self._promote(request_id, to_promote, pins):
+            in_flight = True
+        # (nothing started -- no free slot -- ends the prefix at the first key to promote)
         if unknown:
             return LookupResult(LookupStatus.RETRY, num_ready)
-        if pending:
+        if in_flight:
             return LookupResult(LookupStatus.HIT_PENDING, num_ready)
         # final verdict: keep pins only on the reported prefix
         counted = set(keys[:num_ready])
