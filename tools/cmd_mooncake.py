@@ -35,8 +35,9 @@ examples:
 BENCH_EPILOG = """\
 Puts and gets the same blocks with Mooncake's own batch_put_from /
 batch_get_into and with kvbridge's MooncakeStoreClient, alternating in each
-round on one store, and prints GB/s (median over rounds), client/raw ratios
-and memcpy of the same bytes. Every round's get is verified byte for byte;
+round on one store, and prints GB/s (median over rounds), the client/raw
+ratio (median of per-round paired ratios; best rounds alongside) and memcpy of
+the same bytes. Every round's get is verified byte for byte;
 exit code 1 if any round failed. Starts a local master unless --master is given.
 
 examples:
@@ -94,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--pattern", action="append", default=None, metavar="NxSIZE",
                        help="blocks x block size, e.g. 64x2MiB (repeatable; "
                             "default 64x2MiB and 4096x16KiB)")
-    bench.add_argument("--rounds", type=int, default=5, help="timed rounds per side (default 5)")
+    bench.add_argument("--rounds", type=int, default=7, help="timed rounds per side (default 7)")
     bench.add_argument("--master", default=None, metavar="HOST:PORT",
                        help="use this master instead of starting one (needs --metadata)")
     bench.add_argument("--metadata", default=None, metavar="URL",
@@ -204,7 +205,8 @@ def _size(nbytes: int) -> str:
 def format_bench(report: dict[str, Any]) -> str:
     lines = [
         f"Mooncake store, one process (blocks in the client's own segment), master "
-        f"{report['master']}, median of {report['rounds']} rounds",
+        f"{report['master']}, {report['rounds']} rounds; GB/s are medians, ratio = median of "
+        "per-round client/raw",
         f"{'pattern':>16} {'op':>4} {'raw GB/s':>9} {'client GB/s':>12} {'ratio':>6} "
         f"{'best ratio':>10} {'memcpy GB/s':>12} {'verified':>8}",
     ]
