@@ -39,8 +39,8 @@ def _workdir(directory: str | None) -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _plain_sequential(path: str, buf: memoryview, direct: bool) -> tuple[float, float]:
-    """Seconds to write ``buf`` to one new file, then to read it back (one syscall stream)."""
+def _plain_write(path: str, buf: memoryview, direct: bool) -> float:
+    """Seconds to write ``buf`` to one new file as one sequential stream (8 MiB syscalls)."""
     flags = O_DIRECT if direct else 0
     chunk = 8 << 20
     start = time.perf_counter()
@@ -53,7 +53,13 @@ def _plain_sequential(path: str, buf: memoryview, direct: bool) -> tuple[float, 
                 done += os.write(fd, piece[done:])
     finally:
         os.close(fd)
-    write_s = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def _plain_read(path: str, buf: memoryview, direct: bool) -> float:
+    """Seconds to read the file back into ``buf`` as one sequential stream."""
+    flags = O_DIRECT if direct else 0
+    chunk = 8 << 20
     start = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | flags)
     try:
@@ -67,7 +73,7 @@ def _plain_sequential(path: str, buf: memoryview, direct: bool) -> tuple[float, 
                 done += n
     finally:
         os.close(fd)
-    return write_s, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def _wait_jobs(tier: FsTier, job_ids: set[int], timeout_s: float) -> list[JobResult]:
@@ -93,8 +99,10 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
     """Run the benchmark in a temp dir under ``directory``; returns a JSON-able dict.
 
     ``rounds`` alternate plain and tier runs (fresh files and keys each round,
-    so a store never finds its destination already there); the medians are
-    reported, which keeps one noisy round on a shared machine from deciding.
+    so a store never finds its destination already there; who goes first
+    alternates; every timed phase starts after an untimed ``os.sync``); the
+    medians are reported, which keeps one noisy round on a shared machine
+    from deciding.
     """
     if min(num_blocks, block_bytes, batch_blocks, rounds, lookup_keys, lookup_iterations) <= 0:
         raise OffloadError("bench", "num_blocks, block_bytes, batch_blocks, rounds, lookup_keys and "
@@ -123,25 +131,41 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
             job_id = 0
             for r in range(rounds):
                 plain = os.path.join(work, f"plain-{r}.bin")
-                write_s, read_s = _plain_sequential(plain, primary.buffer, tier.o_direct)
-                os.remove(plain)
-                samples["plain_write"].append(write_s)
-                samples["plain_read"].append(read_s)
                 keys = [b"bench|%d|%d" % (r, i) for i in range(num_blocks)]
-                for kind in ("store", "load"):
-                    if kind == "load":
-                        primary.buffer[:] = bytes(total)   # loads must really refill the slots
+
+                def tier_run(kind: str, keys: list[bytes] = keys) -> float:
+                    nonlocal job_id, failures
+                    submit = tier.submit_store if kind == "store" else tier.submit_load
                     start = time.perf_counter()
                     ids = set()
                     for batch in batches:
                         job_id += 1
                         ids.add(job_id)
-                        submit = tier.submit_store if kind == "store" else tier.submit_load
                         submit(job_id, [keys[i] for i in batch], [buffers[i] for i in batch])
                     results = _wait_jobs(tier, ids, timeout_s)
-                    samples[kind].append(time.perf_counter() - start)
                     failures += sum(not res.success for res in results)
-                verified = verified and bytes(primary.buffer) == expected
+                    return time.perf_counter() - start
+
+                # alternate who goes first, and start every timed phase with no dirty
+                # pages left by the previous one (os.sync, not timed)
+                first_plain = r % 2 == 0
+                for phase in (("plain_write", "store") if first_plain else ("store", "plain_write")):
+                    os.sync()
+                    if phase == "store":
+                        samples["store"].append(tier_run("store"))
+                    else:
+                        samples["plain_write"].append(
+                            _plain_write(plain, primary.buffer, tier.o_direct))
+                for phase in (("plain_read", "load") if first_plain else ("load", "plain_read")):
+                    os.sync()
+                    primary.buffer[:] = bytes(total)   # reads must really refill the slots
+                    if phase == "load":
+                        samples["load"].append(tier_run("load"))
+                        verified = verified and bytes(primary.buffer) == expected
+                    else:
+                        samples["plain_read"].append(
+                            _plain_read(plain, primary.buffer, tier.o_direct))
+                os.remove(plain)
         finally:
             tier.shutdown()
             primary.close()
