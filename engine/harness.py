@@ -22,6 +22,7 @@ import selectors
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -171,11 +172,13 @@ class EngineProcess:
 def run_pd_processes(requests: list[RequestSpec], producer: EngineConfig,
                      consumer: EngineConfig, *, mode: TransferMode = TransferMode.PULL,
                      timeout_s: float = 120.0, poll_interval_s: float = 0.01,
+                     on_progress: Callable[[int, int], None] | None = None,
                      ) -> tuple[WorkloadResult, dict[str, Any]]:
     """Producer and consumer engines in two processes, routed as a PD proxy does.
 
     Returns the workload result and ``{"producer": stats, "consumer": stats}``
-    (each with ``idle_problems`` after the workload drained).
+    (each with ``idle_problems`` after the workload drained). ``on_progress(done,
+    total)`` is called whenever more requests finished (for a progress line).
     """
     specs = {s.request_id: s for s in requests}
     with EngineProcess(producer, name="producer") as prod, \
@@ -223,10 +226,13 @@ def run_pd_processes(requests: list[RequestSpec], producer: EngineConfig,
                         TransferParams.from_dict(out.to_dict()) if out else None)))
             if forward:
                 cons.submit(forward)
+            before = len(done)
             for result in cons.results():
                 if result.request_id not in done:
                     results.append(result)
                     done.add(result.request_id)
+            if on_progress is not None and len(done) != before:
+                on_progress(len(done), len(requests))
             if not forward:
                 time.sleep(poll_interval_s)
         elapsed = time.monotonic() - start

@@ -174,12 +174,14 @@ def run_workload(requests: Sequence[RequestSpec], *, engine: EngineConfig | Engi
                  mode: TransferMode = TransferMode.PULL, timeout_s: float = 120.0,
                  max_steps: int = 200_000, shutdown: bool = True,
                  consumer_step_hook: Callable[[Engine, SchedulerStep], None] | None = None,
+                 on_progress: Callable[[int, int], None] | None = None,
                  ) -> WorkloadResult:
     """Run ``requests`` to completion on one engine, or through a producer/consumer pair.
 
     ``engine``/``consumer`` may be configs (engines are created and, with
     ``shutdown``, shut down here) or live engines (left running).
     ``consumer_step_hook`` is added to the loading engine's ``step_hooks``.
+    ``on_progress(done, total)`` is called whenever more requests finished.
     Raises ``TimeoutError`` if the workload does not drain in time.
     """
     created: list[Engine] = []
@@ -202,7 +204,20 @@ def run_workload(requests: Sequence[RequestSpec], *, engine: EngineConfig | Engi
         if second is None:
             for spec in requests:
                 first.add_request(spec)
-            results = first.run_until_done(max_steps=max_steps, timeout_s=timeout_s)
+            results: list[RequestResult] = []
+            steps = 0
+            while first.has_work():
+                if time.monotonic() > deadline or steps >= max_steps:
+                    raise TimeoutError(f"workload still busy after {steps} steps: "
+                                       f"{len(results)}/{len(requests)} done; {first.stats()}")
+                if first.step().num_scheduled == 0:
+                    time.sleep(0.0005)
+                steps += 1
+                finished = first.pop_results()
+                if finished:
+                    results.extend(finished)
+                    if on_progress is not None:
+                        on_progress(len(results), len(requests))
             elapsed = time.monotonic() - start
             return WorkloadResult(results=results, wrong_outputs=check_outputs(results, requests),
                                   elapsed_s=elapsed, engine_stats=first.stats())
@@ -215,9 +230,12 @@ def run_workload(requests: Sequence[RequestSpec], *, engine: EngineConfig | Engi
                 raise TimeoutError(f"PD workload still busy after {steps} steps: "
                                    f"{len(router.results)}/{len(requests)} done; producer "
                                    f"{first.stats()}, consumer {second.stats()}")
+            before = len(router.results)
             if router.poll() == 0:
                 time.sleep(0.0005)
             steps += 1
+            if on_progress is not None and len(router.results) != before:
+                on_progress(len(router.results), len(requests))
         elapsed = time.monotonic() - start
         return WorkloadResult(results=router.results, producer_results=router.producer_results,
                               wrong_outputs=check_outputs(router.results, requests),
