@@ -395,7 +395,8 @@ class OffloadManager:
                           "free_slots": self.primary.num_free,
                           "evictions": self.primary.evictions,
                           "policy": self.primary.policy.name}
-        out["tiers"] = {t.name: {"medium": t.medium, "locality": t.locality, **asdict(t.stats)}
+        out["tiers"] = {t.name: {"medium": t.medium, "locality": t.locality,
+                                 **t.stats_snapshot()}
                         for t in self.secondaries}
         out["jobs_in_flight"] = len(self._jobs)
         return out

@@ -27,7 +27,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kvbridge.events.schema import Locality, Medium
 from kvbridge.offload.async_lookup import LookupCache, ProbeRunner
@@ -223,6 +223,11 @@ class SecondaryTier(abc.ABC):
             self.stats.probes += len(keys)
             self.stats.probe_batches += 1
         return verdicts
+
+    def stats_snapshot(self) -> dict[str, object]:
+        """The counters as a dict, read under the lock the I/O threads count under."""
+        with self._stats_lock:
+            return asdict(self.stats)
 
     def count(self, name: str, n: int = 1) -> None:
         """Thread-safe counter in ``stats.extra`` (for I/O threads)."""
