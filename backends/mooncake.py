@@ -290,7 +290,7 @@ class MooncakeUnavailable(MooncakeError):
 
 
 class MooncakeSetupError(MooncakeError):
-    """``setup()`` failed, timed out, or its master / metadata server is unreachable."""
+    """``setup()`` failed, or its master / metadata server is unreachable or stalled."""
 
 
 class MooncakeClosedError(MooncakeError):
@@ -420,8 +420,10 @@ def http_answers(url: str, timeout_s: float) -> bool:
     would block for minutes with the GIL held.
     """
     probe = url + ("&" if "?" in url else "?") + "key=kvbridge-liveness-probe"
+    # No proxies: an http_proxy in the environment must not answer for the master.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(probe, timeout=timeout_s) as response:
+        with opener.open(probe, timeout=timeout_s) as response:
             response.read(256)
         return True
     except urllib.error.HTTPError:

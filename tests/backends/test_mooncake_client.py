@@ -198,9 +198,10 @@ def test_second_client_reads_blocks_stored_in_first_clients_segment(
     keys = _keys("cross", 3)
     with Registered(client, src):
         assert all(r.ok for r in client.batch_put_from(keys, *_rows(src)))
+    # A client that lends no memory (segment 0) still reads and writes through others'.
     reader_config = MooncakeConfig(
         mooncake_master.rpc_address, mooncake_master.metadata_url,
-        global_segment_size=16 * MiB, local_buffer_size=16 * MiB,
+        global_segment_size=0, local_buffer_size=16 * MiB,
     )
     dst = torch.zeros_like(src)
     with MooncakeStoreClient(reader_config) as reader, Registered(reader, dst):
@@ -208,7 +209,11 @@ def test_second_client_reads_blocks_stored_in_first_clients_segment(
         assert reader.batch_exists(keys) == [True] * 3
         got = reader.batch_get_into(keys, *_rows(dst))
         assert all(r.ok for r in got), [str(r) for r in got]
+        (extra,) = _keys("cross-from-reader", 1)
+        assert reader.batch_put_from([extra], [dst[0].data_ptr()], [dst[0].nbytes])[0].ok
     assert torch.equal(src, dst)
+    assert client.batch_exists([extra]) == [True]
+    assert all(r.ok for r in client.remove(keys + [extra], force=True))
     with pytest.raises(MooncakeClosedError):
         reader.batch_exists(keys)
     reader.close()  # idempotent
