@@ -52,7 +52,7 @@ from kvbridge.backends.nixl import (
 )
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.leases import LeaseTable, Verdict
+from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind
 from kvbridge.connectors.nixl.routing import DescTable, build_table, pull_indices
 from kvbridge.connectors.nixl.scheduler import LoadOrder, NixlMetadata, PushOrder, ReleaseOrder
 from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey, open_session
@@ -201,6 +201,7 @@ class NixlWorker(WorkerConnector):
         self._closed = False
         self._fault_next_loads = False
         self._faulty: set[str] = set()
+        self._cancelled: dict[str, float] = {}  # producer: push rids cancelled before known
 
     # ------------------------------------------------------------------ registration
 
@@ -268,6 +269,8 @@ class NixlWorker(WorkerConnector):
         for push in meta.pushes:
             job = self._push_jobs.setdefault(push.request_id,
                                              _PushJob(push.request_id, started_at=now))
+            if self._cancelled.pop(push.request_id, None) is not None:
+                job.dropped = True
             job.block_ids = tuple(tuple(g) for g in push.block_ids)
             job.final = job.final or push.final
             for sender, reg in self._early_registers.pop(push.request_id, []):
@@ -524,7 +527,8 @@ class NixlWorker(WorkerConnector):
                     recv.transfers_done()
             state = recv.poll(now)
             if state is RecvState.FAILED:
-                self._fail(recv, recv.error or "failed", now)
+                refused = recv.error is not None and recv.error.startswith("producer rank")
+                self._fail(recv, recv.error or "failed", now, tell_producer=not refused)
             elif state is RecvState.DONE:
                 self._complete(recv)
 
@@ -540,11 +544,18 @@ class NixlWorker(WorkerConnector):
         if session is not None and session.active > 0:
             session.active -= 1
 
-    def _fail(self, recv: RecvTransfer, reason: str, now: float) -> None:
-        """Finish ``recv`` as failed: exact local blocks as load errors, one log line."""
+    def _fail(self, recv: RecvTransfer, reason: str, now: float, *,
+              tell_producer: bool = True) -> None:
+        """Finish ``recv`` as failed: exact local blocks as load errors, one log line.
+
+        ``tell_producer``: queue a release for the producer (it holds the blocks
+        under a lease; without a word it would wait for the lease to run out).
+        False when the failure *is* the producer's answer."""
         recv.fail(reason, now)
         if recv.request_id not in self._recv:
             return
+        if tell_producer:
+            self._releases.append(ReleaseOrder(recv.request_id, recv.params))
         del self._recv[recv.request_id]
         self._unindex(recv)
         self._done_recving.add(recv.request_id)
@@ -693,7 +704,8 @@ class NixlWorker(WorkerConnector):
         else:
             ack = messages.Ack(verdict.request_id, self.rank_index, False,
                                f"lease {verdict.kind.value} on producer rank {self.rank_index}")
-            logger.warning("nixl: producer engine=%s rank=%d request=%s: %s notification from "
+            log = logger.warning if verdict.kind is VerdictKind.LATE else logger.info
+            log("nixl: producer engine=%s rank=%d request=%s: %s notification from "
                            "consumer rank %d (%s)", self.ctx.engine_id, self.rank_index,
                            verdict.request_id, verdict.kind.value, verdict.consumer_rank,
                            verdict.peer)
@@ -740,9 +752,10 @@ class NixlWorker(WorkerConnector):
                     self._finish_push_target(job, target_c, False, "cancelled by consumer",
                                              now)
                 return
-            if self._leases.is_held(rid) or job is not None:
-                self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
-                                                      "cancelled by consumer"))
+            self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+                                                  "cancelled by consumer"))
+            if job is None:
+                self._cancelled[rid] = now  # a later push order starts dropped
             self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
             return
         if job is None:
@@ -886,6 +899,9 @@ class NixlWorker(WorkerConnector):
         self._progress_pushes(now)
         for verdict in self._leases.expire(now):
             self._answer(verdict)
+        for rid, at in list(self._cancelled.items()):
+            if now - at > self.settings.lease_s:
+                del self._cancelled[rid]
         self._heartbeats(now)
 
     def _count_transfer(self, nbytes: int, ndescs: int, duration_s: float) -> None:
