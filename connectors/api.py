@@ -460,9 +460,14 @@ class SchedulerConnector(ABC):
                          block_ids: BlockIds) -> tuple[bool, TransferParams | None]:
         """``request`` finished or was aborted. Returns ``(delay_free, transfer_params)``.
 
-        ``delay_free`` True: the engine keeps ``block_ids`` allocated until every
-        rank reports the request in ``finished_sending``. ``transfer_params``
-        (producer): what the router forwards to the consumer.
+        ``block_ids`` hold valid KV for ``request.num_computed_tokens`` tokens
+        (a producer that prefilled a prompt and sampled one token has
+        ``num_computed_tokens == num_prompt_tokens``; the sampled token has no
+        KV yet). ``delay_free`` True: the engine keeps ``block_ids`` allocated
+        until every rank reports the request in ``finished_sending``.
+        ``transfer_params`` (producer): what the router forwards to the consumer.
+        Called exactly once per request, also for aborted ones (a consumer
+        aborted before it was scheduled must still let its producer free).
         """
 
     def take_events(self) -> list[KVEvent]:
