@@ -217,3 +217,55 @@ def test_second_client_reads_blocks_stored_in_first_clients_segment(
     with pytest.raises(MooncakeClosedError):
         reader.batch_exists(keys)
     reader.close()  # idempotent
+
+
+_WRITER = r"""
+import ctypes, sys
+from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient
+rpc, meta, prefix, n, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+buf = (ctypes.c_ubyte * (n * size))()
+for i in range(n):
+    ctypes.memset(ctypes.addressof(buf) + i * size, 17 + i, size)
+with MooncakeStoreClient(MooncakeConfig(rpc, meta, global_segment_size=16 << 20)) as client:
+    base = ctypes.addressof(buf)
+    client.register_buffer(base, n * size)
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    results = client.batch_put_from(keys, [base + i * size for i in range(n)], [size] * n)
+    print("stored" if all(r.ok for r in results) else f"failed {results}", flush=True)
+    sys.stdin.readline()  # keep the segment mounted until the reader is done
+    client.unregister_buffer(base)
+"""
+
+
+def test_blocks_stored_by_another_process_are_read_over_tcp(
+    mooncake_master: MooncakeMaster, client: MooncakeStoreClient
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    n, size = 4, 256 << 10
+    (prefix,) = _keys("other-process", 1)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, mooncake_master.rpc_address, mooncake_master.metadata_url,
+         prefix, str(n), str(size)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+    )
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        assert writer.stdout.readline().strip() == "stored"
+        dst = torch.zeros((n, size), dtype=torch.uint8)
+        keys = [f"{prefix}/{i}" for i in range(n)]
+        with Registered(client, dst):
+            got = client.batch_get_into(keys, *_rows(dst))
+        assert all(r.ok for r in got), [str(r) for r in got]
+        for i in range(n):
+            assert bool((dst[i] == 17 + i).all())
+        writer.stdin.write("done\n")
+        writer.stdin.flush()
+        assert writer.wait(timeout=30) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait(timeout=10)
