@@ -131,7 +131,7 @@ def _engine_problems(engine: Engine) -> list[str]:
     problems = [f"{engine.engine_id}: {p}" for p in engine.idle_problems()]
     stats = engine.stats()
     for key in ("stray_finished_sending", "stray_finished_recving", "stray_invalid_blocks",
-                "remote_kv_timeouts", "mismatched_bytes"):
+                "remote_kv_timeouts", "lookup_timeouts", "mismatched_bytes"):
         if stats[key]:
             problems.append(f"{engine.engine_id}: {key} = {stats[key]}")
     return problems

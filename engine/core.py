@@ -164,7 +164,8 @@ class Engine:
         self._stats: dict[str, int] = {
             "steps": 0, "preemptions": 0, "tokens_computed": 0, "local_hit_tokens": 0,
             "external_tokens": 0, "recomputed_tokens": 0, "failed_loads": 0,
-            "remote_kv_timeouts": 0, "lookups_deferred": 0, "stray_finished_sending": 0,
+            "remote_kv_timeouts": 0, "lookup_timeouts": 0, "lookups_deferred": 0,
+            "stray_finished_sending": 0,
             "stray_finished_recving": 0, "stray_invalid_blocks": 0, "verified_bytes": 0,
             "mismatched_bytes": 0, "aborted": 0, "finished": 0,
         }
@@ -452,6 +453,8 @@ class Engine:
                 matched, load_async = connector.get_num_new_matched_tokens(req.view(local), local)
                 if matched is None:
                     self._stats["lookups_deferred"] += 1
+                    if req.state is not RequestState.WAITING_FOR_LOOKUP:
+                        req.waiting_since = time.monotonic()
                     req.state = RequestState.WAITING_FOR_LOOKUP
                     skipped.append(req)
                     continue
@@ -676,6 +679,14 @@ class Engine:
                 req.connector_done = True
                 self._ignore_recv.add(req.request_id)
                 req.sync_load = None
+            elif (req.state is RequestState.WAITING_FOR_LOOKUP
+                    and now - req.waiting_since > timeout):
+                self._stats["lookup_timeouts"] += 1
+                logger.error("engine %s: request %s: the connector answered 'ask again' for "
+                             "%.1f s; treating it as a miss", self.engine_id, req.request_id,
+                             now - req.waiting_since)
+                req.connector_done = True
+                req.state = RequestState.WAITING
         for request_id, req in list(self._free_on_recv.items()):
             if now - req.waiting_since > timeout:
                 # aborted while receiving and the receive never ended: never reuse its blocks
@@ -769,6 +780,8 @@ class Engine:
                 problems.append(f"half-reported transfers: {pending}")
         if self._stats["remote_kv_timeouts"]:
             problems.append(f"{self._stats['remote_kv_timeouts']} engine-side remote KV timeouts")
+        if self._stats["lookup_timeouts"]:
+            problems.append(f"{self._stats['lookup_timeouts']} engine-side lookup timeouts")
         return problems
 
     def verify_request_blocks(self, request_id: str, start: int, end: int) -> tuple[int, int]:

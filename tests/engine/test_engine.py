@@ -301,3 +301,34 @@ def test_abort_while_receiving_holds_blocks_until_the_receive_ends(misbehaving: 
     stats = engine.stats()
     assert stats["remote_kv_timeouts"] == 1 and stats["quarantined_blocks"] == 2
     engine.shutdown()
+
+
+class _AsksForever(_Sched):
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return None, False
+
+
+class _AsksForeverPlugin(_Plugin):
+    name = "test-asks-forever"
+
+    @classmethod
+    def create_scheduler(cls, ctx: ConnectorContext) -> SchedulerConnector:
+        return _AsksForever(ctx)
+
+
+def test_lookup_that_never_answers_becomes_a_miss() -> None:
+    registry.register(_AsksForeverPlugin)
+    try:
+        engine = Engine(EngineConfig(load_spec("tiny-gqa"), num_blocks=32, connector=(
+            ConnectorConfig(_AsksForeverPlugin.name, KVRole.CONSUMER)),
+            remote_kv_timeout_s=0.1))
+        spec = make_requests(1, prompt_tokens=40, max_tokens=2)[0]
+        results = run_workload([spec], engine=engine, shutdown=False, timeout_s=30).results
+        assert list(results[0].output) == reference_output(spec.prompt, 2)
+        stats = engine.stats()
+        assert stats["lookup_timeouts"] == 1 and stats["lookups_deferred"] >= 1
+        assert any("lookup timeouts" in p for p in engine.idle_problems())
+        engine.shutdown()
+    finally:
+        registry.unregister(_AsksForeverPlugin.name)
