@@ -1,0 +1,395 @@
+"""Worker half of the Mooncake store connector: zero-copy puts and gets of one rank's blocks.
+
+Every KV tensor of the rank is registered with the store client at
+``register_kv_caches``; a block of one layer is ``tensor[block_id]``, one
+contiguous slice, so each store object (one layer of one block, see
+:mod:`.keys`) moves straight between the tensor and the store.
+
+* **Saves** run inside ``wait_for_save`` as one batch put per step: the
+  engine may overwrite a block once the step ends, and a put reads the
+  tensor directly. Only the designated writer of a de-duplicated namespace
+  puts (``write_targets``); the others have nothing to write. A failed put is
+  counted (``put_failures``) and dropped; its block is simply not in the
+  store. A put that timed out may still be reading the tensor, so its keys
+  are removed once the client is idle again (they could hold later bytes).
+* **Loads** run on this rank's load thread (``load_async``, the default) or
+  inside ``start_load_kv``. Every key a block needs must arrive in full, or
+  the block is reported in ``get_block_ids_with_load_errors`` (and the
+  request in ``failed_recving`` for async loads); the engine recomputes it.
+  Every request the scheduler told this rank to load is reported finished,
+  also when this rank holds none of its layers.
+* **Bounded**: each Mooncake call is bounded by the client (reachability
+  check first, then ``op_timeout_s``). After a *timed-out* get the rank waits
+  at most ``abandon_grace_s`` for the abandoned call before reporting, so a
+  late write cannot land in a block the engine already gave to someone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvbridge.backends.mooncake import McStatus, MooncakeStoreClient
+from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
+from kvbridge.connectors.errors import ContractError
+from kvbridge.connectors.mooncake_store import clients
+from kvbridge.connectors.mooncake_store.keys import layer_key_prefix
+from kvbridge.connectors.mooncake_store.metadata import LoadBlock, StoreMetadata
+from kvbridge.connectors.mooncake_store.scheduler import pool_key
+from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
+from kvbridge.layouts import ParallelTopology, namespace_for, write_targets
+
+logger = logging.getLogger(__name__)
+
+#: Upper bounds (ms) of the load-latency histogram in the worker stats (``load_ms_le_<b>``).
+LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """Where one layer's blocks live in memory, and its key prefix in the store."""
+
+    layer_id: int
+    prefix: str
+    base_ptr: int
+    block_stride: int  # bytes from one block to the next (== block_nbytes: block-major)
+    block_nbytes: int
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """What this rank stores and loads of one region (no layers: nothing on this stage)."""
+
+    region_index: int
+    num_blocks: int
+    is_writer: bool
+    layers: tuple[LayerSlot, ...]
+
+
+def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
+                ) -> tuple[RegionPlan, ...]:
+    """Pure: key prefixes and block addresses of every region on ``rank``."""
+    writers = {t.region: t.is_writer for t in write_targets(ctx.spec, rank)}
+    plans = []
+    for index, shape in enumerate(caches.shapes):
+        slots = []
+        if shape.layer_ids:
+            namespace = namespace_for(ctx.spec, shape.region, rank)
+            for layer_id in shape.layer_ids:
+                tensor = caches.layers[layer_id]
+                if not tensor.is_contiguous():
+                    raise ContractError(f"kv_caches.layers[{layer_id}]",
+                                        "expected a contiguous block-major tensor")
+                stride = tensor.stride(0) * tensor.element_size()
+                if stride != shape.block_bytes_per_layer:
+                    raise ContractError(f"kv_caches.layers[{layer_id}]",
+                                        f"expected {shape.block_bytes_per_layer} bytes per "
+                                        f"block, got a stride of {stride}")
+                slots.append(LayerSlot(layer_id, layer_key_prefix(namespace, layer_id),
+                                       int(tensor.data_ptr()), stride,
+                                       shape.block_bytes_per_layer))
+        plans.append(RegionPlan(index, caches.num_blocks[index],
+                                writers.get(shape.region.name, False), tuple(slots)))
+    return tuple(plans)
+
+
+class MooncakeStoreWorker(WorkerConnector):
+    """One per rank."""
+
+    def __init__(self, ctx: ConnectorContext) -> None:
+        super().__init__(ctx)
+        settings: MooncakeStoreSettings = ctx.extra
+        self.settings = settings
+        if ctx.rank is None:
+            raise ContractError("rank", "a worker half needs its rank")
+        self.rank = ctx.rank
+        self._pool_key = pool_key(settings, ctx.engine_id)
+        self.client: MooncakeStoreClient | None = None
+        self.plans: tuple[RegionPlan, ...] = ()
+        self._registered: list[int] = []
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[str, tuple[LoadBlock, ...]] | None] = (
+            queue.SimpleQueue())
+        self._thread: threading.Thread | None = None
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self._invalid: set[BlockRef] = set()
+        self._report_failed: set[str] = set()
+        self._report_invalid: set[BlockRef] = set()
+        self._orphans: list[str] = []  # keys of timed-out puts, removed once idle
+        self._stats: dict[str, int | float] = {
+            "put_calls": 0, "put_keys": 0, "put_bytes": 0, "put_time_s": 0.0,
+            "blocks_saved": 0, "put_failures": 0, "put_timeouts": 0, "orphans_removed": 0,
+            "get_calls": 0, "get_keys": 0, "get_bytes": 0, "get_time_s": 0.0,
+            "blocks_loaded": 0, "load_errors": 0, "load_not_found": 0, "get_timeouts": 0,
+            "abandoned_gets": 0,
+            **{f"load_ms_le_{b}": 0 for b in LATENCY_BUCKETS_MS}, "load_ms_le_inf": 0,
+        }
+        self._closed = False
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, caches: KVCaches) -> None:
+        plans = build_plans(caches, self.ctx, self.rank)
+        client = clients.acquire(self._pool_key, self.settings.client_config())
+        self.client = client
+        try:
+            for tensor in caches.layers.values():
+                ptr = int(tensor.data_ptr())
+                client.register_buffer(ptr, tensor.numel() * tensor.element_size())
+                self._registered.append(ptr)
+        except BaseException:
+            self._release_client()
+            raise
+        self.plans = plans
+        if self.settings.load_async:
+            self._thread = threading.Thread(
+                target=self._run_loads, daemon=True,
+                name=f"kvb-mooncake-load-{self.ctx.engine_id[:8]}-{self.ctx.worker_index}")
+            self._thread.start()
+
+    def _release_client(self) -> None:
+        client, self.client = self.client, None
+        if client is None:
+            return
+        for ptr in self._registered:
+            try:
+                client.unregister_buffer(ptr)
+            except Exception as exc:  # keep releasing the rest
+                logger.warning("mooncake store: unregister 0x%x failed: %r", ptr, exc)
+        self._registered.clear()
+        clients.release(self._pool_key)
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load_kv(self) -> None:
+        meta = self.connector_metadata
+        assert isinstance(meta, StoreMetadata)
+        for request_id, blocks in meta.loads.items():
+            if self._thread is not None:
+                self._jobs.put((request_id, blocks))
+                continue
+            failed = self._load(request_id, blocks)
+            with self._lock:
+                self._invalid |= failed
+
+    def wait_for_layer_load(self, layer_id: int) -> None:
+        return None  # synchronous loads completed in start_load_kv; async ones across steps
+
+    def _run_loads(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            request_id, blocks = job
+            try:
+                failed = self._load(request_id, blocks)
+            except Exception:  # never leave a request waiting: fail all of its blocks
+                logger.exception("mooncake store: load for %s crashed", request_id)
+                failed = {(b.region_index, b.block_id) for b in blocks}
+            with self._lock:
+                self._invalid |= failed
+                self._recv_done.add(request_id)
+                if failed:
+                    self._recv_failed.add(request_id)
+
+    def _load(self, request_id: str, blocks: Sequence[LoadBlock]) -> set[BlockRef]:
+        """Get every key of ``blocks`` into its tensor slot; the blocks that failed."""
+        keys: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        owners: list[int] = []
+        failed: set[BlockRef] = set()
+        for i, block in enumerate(blocks):
+            plan = self.plans[block.region_index]
+            if not plan.layers:
+                continue  # this pipeline stage holds no layer of the region
+            if not 0 <= block.block_id < plan.num_blocks:  # never write outside the tensor
+                logger.error("mooncake store: %s: block id %d outside region %d's %d blocks",
+                             request_id, block.block_id, block.region_index, plan.num_blocks)
+                failed.add((block.region_index, block.block_id))
+                continue
+            digest = block.block_hash.hex()
+            for slot in plan.layers:
+                keys.append(slot.prefix + digest)
+                ptrs.append(slot.base_ptr + block.block_id * slot.block_stride)
+                sizes.append(slot.block_nbytes)
+                owners.append(i)
+        if not keys:
+            return failed
+        client = self.client
+        if client is None:
+            return failed | {(b.region_index, b.block_id) for b in blocks}
+        started = time.perf_counter()
+        results = client.batch_get_into(keys, ptrs, sizes)
+        elapsed = time.perf_counter() - started
+        nbytes = 0
+        not_found = 0
+        timed_out = False
+        for owner, result in zip(owners, results, strict=True):
+            if result.ok:
+                nbytes += result.nbytes
+                continue
+            block = blocks[owner]
+            failed.add((block.region_index, block.block_id))
+            not_found += result.not_found
+            timed_out = timed_out or result.code == McStatus.TIMEOUT
+        abandoned = False
+        if timed_out and not client.wait_idle(self.settings.abandon_grace_s):
+            abandoned = True
+            logger.error("mooncake store: %s: a timed-out get is still running after %.1f s; "
+                         "its blocks are reported failed anyway", request_id,
+                         self.settings.abandon_grace_s)
+        if failed:
+            first = next(r for r in results if not r.ok)
+            logger.warning("mooncake store rank %s: load for %s: %d of %d blocks failed "
+                           "(first: %s)", self.ctx.worker_index, request_id, len(failed),
+                           len(blocks), first)
+        with self._lock:
+            s = self._stats
+            s["get_calls"] += 1
+            s["get_keys"] += len(keys)
+            s["get_bytes"] += nbytes
+            s["get_time_s"] += elapsed
+            s["blocks_loaded"] += len({o for o in owners}) - len(failed)
+            s["load_errors"] += len(failed)
+            s["load_not_found"] += not_found
+            s["get_timeouts"] += int(timed_out)
+            s["abandoned_gets"] += int(abandoned)
+            s[_bucket(elapsed * 1000.0)] += 1
+        return failed
+
+    # ------------------------------------------------------------------ saves
+
+    def save_kv_layer(self, layer_id: int, kv_layer: object) -> None:
+        return None  # the step's blocks are put together in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self.connector_metadata
+        assert isinstance(meta, StoreMetadata)
+        if not meta.saves:
+            return
+        keys: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (save index, first key, end key)
+        for i, save in enumerate(meta.saves):
+            plan = self.plans[save.region_index]
+            if not plan.is_writer or not plan.layers:
+                continue
+            if not 0 <= save.block_id < plan.num_blocks:
+                raise ContractError("saves.block_id", f"block {save.block_id} outside region "
+                                                      f"{save.region_index}'s "
+                                                      f"{plan.num_blocks} blocks")
+            digest = save.block_hash.hex()
+            first = len(keys)
+            for slot in plan.layers:
+                keys.append(slot.prefix + digest)
+                ptrs.append(slot.base_ptr + save.block_id * slot.block_stride)
+                sizes.append(slot.block_nbytes)
+            spans.append((i, first, len(keys)))
+        stored = [True] * len(meta.saves)
+        if keys:
+            client = self.client
+            assert client is not None, "register_kv_caches runs before any step"
+            started = time.perf_counter()
+            results = client.batch_put_from(keys, ptrs, sizes)
+            elapsed = time.perf_counter() - started
+            failures = 0
+            nbytes = 0
+            orphans: list[str] = []
+            for i, lo, hi in spans:
+                part = results[lo:hi]
+                if all(r.ok for r in part):
+                    nbytes += sum(r.nbytes for r in part)
+                    continue
+                stored[i] = False
+                failures += 1
+                orphans.extend(k for k, r in zip(keys[lo:hi], part, strict=True)
+                               if r.code == McStatus.TIMEOUT)
+            if failures:
+                first_error = next(r for r in results if not r.ok)
+                logger.warning("mooncake store rank %s: %d of %d block puts failed (first: %s); "
+                               "dropped", self.ctx.worker_index, failures, len(spans),
+                               first_error)
+            with self._lock:
+                s = self._stats
+                s["put_calls"] += 1
+                s["put_keys"] += len(keys)
+                s["put_bytes"] += nbytes
+                s["put_time_s"] += elapsed
+                s["blocks_saved"] += len(spans) - failures
+                s["put_failures"] += failures
+                s["put_timeouts"] += int(bool(orphans))
+                self._orphans.extend(orphans)
+        for save, ok in zip(meta.saves, stored, strict=True):
+            if ok:  # this rank's part is in the store (or it has none to write)
+                self.ctx.events.append(save.event)
+
+    def _remove_orphans(self) -> None:
+        client = self.client
+        if not self._orphans or client is None or not client.wait_idle(0):
+            return
+        orphans, self._orphans = self._orphans, []
+        results = client.remove(orphans, force=True)
+        with self._lock:
+            self._stats["orphans_removed"] += sum(1 for r in results if r.ok or r.not_found)
+
+    # ------------------------------------------------------------------ reporting
+
+    def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
+        self._remove_orphans()
+        with self._lock:  # one snapshot: the load thread may finish while we report
+            done_recving, self._recv_done = self._recv_done, set()
+            self._report_failed, self._recv_failed = self._recv_failed, set()
+            self._report_invalid, self._invalid = self._invalid, set()
+        return set(), done_recving
+
+    def get_failed_recving(self) -> set[str]:
+        failed, self._report_failed = self._report_failed, set()
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> set[BlockRef]:
+        invalid, self._report_invalid = self._report_invalid, set()
+        return invalid
+
+    def get_stats(self) -> dict[str, int | float]:
+        with self._lock:
+            return dict(self._stats)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(self.settings.op_timeout_s + self.settings.abandon_grace_s + 1.0)
+            if self._thread.is_alive():
+                logger.warning("mooncake store: load thread still busy at shutdown")
+        self._release_client()
+
+
+def _bucket(ms: float) -> str:
+    for bound in LATENCY_BUCKETS_MS:
+        if ms <= bound:
+            return f"load_ms_le_{bound}"
+    return "load_ms_le_inf"
+
+
+def latency_percentile(stats: dict[str, int | float], q: float) -> float | None:
+    """Upper bound (ms) of the bucket holding quantile ``q`` of the load latencies in ``stats``."""
+    counts = [(b, int(stats.get(f"load_ms_le_{b}", 0))) for b in LATENCY_BUCKETS_MS]
+    counts.append((float("inf"), int(stats.get("load_ms_le_inf", 0))))  # type: ignore[arg-type]
+    total = sum(c for _, c in counts)
+    if not total:
+        return None
+    seen = 0
+    for bound, count in counts:
+        seen += count
+        if seen >= q * total:
+            return float(bound)
+    return None
