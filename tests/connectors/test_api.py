@@ -209,3 +209,68 @@ def test_resolve_checks_role_and_extra_before_anything_is_built() -> None:
     finally:
         registry.unregister("test-pd")
         registry.unregister("test-producer-only")
+
+
+def test_context_role_check_and_block_tokens() -> None:
+    from kvbridge.connectors import ConnectorContext
+    from kvbridge.layouts import load_spec
+
+    spec = load_spec("tiny-hybrid")
+    ctx = ConnectorContext(spec=spec, topology=ParallelTopology(tp_size=2, dcp_size=2),
+                           config=ConnectorConfig("x", KVRole.CONSUMER), num_blocks=(8, 8))
+    assert ctx.block_tokens(0) == 32 and ctx.block_tokens(1) == 16  # token-sharded vs not
+    assert ctx.num_workers == 2 and not ctx.is_worker
+    ctx.require_role("load", KVRole.CONSUMER, KVRole.BOTH)
+    with pytest.raises(RoleError, match="save needs role kv_producer; this engine is "
+                                        "kv_consumer"):
+        ctx.require_role("save", KVRole.PRODUCER)
+    with pytest.raises(ContractError, match="worker halves only"):
+        ctx.rank_shapes()
+
+
+def test_worker_collect_output_calls_reporting_hooks_in_order() -> None:
+    from kvbridge.connectors import ConnectorContext, WorkerConnector
+    from kvbridge.events import BlockRemoved
+    from kvbridge.layouts import load_spec
+
+    calls: list[str] = []
+
+    class W(WorkerConnector):
+        def register_kv_caches(self, caches):  # type: ignore[no-untyped-def]
+            calls.append("register")
+
+        def start_load_kv(self) -> None: ...
+        def wait_for_layer_load(self, layer_id: int) -> None: ...
+        def save_kv_layer(self, layer_id, kv_layer) -> None: ...  # type: ignore[no-untyped-def]
+        def wait_for_save(self) -> None: ...
+
+        def get_finished(self, finished_request_ids):  # type: ignore[no-untyped-def]
+            calls.append("get_finished")
+            return {"s"}, {"r"}
+
+        def get_failed_recving(self) -> set[str]:
+            calls.append("failed")
+            return {"f"}
+
+        def get_block_ids_with_load_errors(self):  # type: ignore[no-untyped-def]
+            calls.append("errors")
+            return {(0, 3)}
+
+        def get_stats(self) -> dict[str, int | float]:
+            calls.append("stats")
+            return {"n": 1}
+
+        def shutdown(self) -> None: ...
+
+    ctx = ConnectorContext(spec=load_spec("tiny-gqa"), topology=ParallelTopology(tp_size=2),
+                           config=ConnectorConfig("x", KVRole.BOTH), num_blocks=(4,),
+                           rank=ParallelTopology(tp_size=2, tp_rank=1), worker_index=1)
+    worker = W(ctx)
+    with pytest.raises(ContractError, match="no metadata bound"):
+        _ = worker.connector_metadata
+    ctx.events.append(BlockRemoved(block_hashes=(b"h",)))
+    out = worker.collect_output(frozenset())
+    assert calls == ["get_finished", "failed", "errors", "stats"]
+    assert out.worker_index == 1 and out.finished_recving == {"r", "f"}
+    assert out.failed_recving == {"f"} and out.invalid_block_ids == {(0, 3)}
+    assert out.events == (BlockRemoved(block_hashes=(b"h",)),) and out.stats == {"n": 1}
