@@ -171,9 +171,13 @@ class Router:
 
     def poll(self) -> int:
         """Forward finished prefills and collect results; returns how many moved."""
-        moved = 0
+        return (self.on_producer_results(self.producer.results())
+                + self.on_consumer_results(self.consumer.results()))
+
+    def on_producer_results(self, results: list[RequestResult]) -> int:
+        """Producer results of this router's requests: forward pull params to the consumer."""
         forward = []
-        for result in self.producer.results():
+        for result in results:
             self.producer_results.append(result)
             if result.state is not RequestState.FINISHED_LENGTH:
                 self.results.setdefault(result.request_id, result)
@@ -183,11 +187,12 @@ class Router:
                     TransferParams.from_dict(out.to_dict()) if out else None)))
         if forward:
             self.consumer.submit(forward)
-            moved += len(forward)
-        for result in self.consumer.results():
+        return len(forward)
+
+    def on_consumer_results(self, results: list[RequestResult]) -> int:
+        for result in results:
             self.results.setdefault(result.request_id, result)
-            moved += 1
-        return moved
+        return len(results)
 
     @property
     def done(self) -> bool:

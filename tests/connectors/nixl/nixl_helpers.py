@@ -1,0 +1,146 @@
+"""Helpers of the NIXL connector tests: engine host processes and a router over them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode
+from kvbridge.engine.core import EngineConfig
+from kvbridge.engine.request import RequestResult, RequestSpec
+from kvbridge.engine.server import config_to_dict
+from kvbridge.layouts import ParallelTopology, load_spec
+
+HOST_SCRIPT = Path(__file__).with_name("engine_host.py")
+
+
+def nixl_config(model: str, role: KVRole, topology: ParallelTopology, mode: TransferMode,
+                *, num_blocks: int = 32, **extra: Any) -> EngineConfig:
+    settings = {"mode": mode.value, "transfer_timeout_s": 10.0, **extra}
+    return EngineConfig(spec=load_spec(model), topology=topology, num_blocks=num_blocks,
+                        max_num_batched_tokens=2048, max_num_seqs=64,
+                        connector=ConnectorConfig("nixl", role, extra=settings),
+                        remote_kv_timeout_s=60.0)
+
+
+class EngineHost:
+    """A child process hosting several named engines (``engine_host.py``)."""
+
+    def __init__(self, engines: dict[str, EngineConfig], *, start_timeout_s: float = 180.0,
+                 call_timeout_s: float = 60.0) -> None:
+        payload = json.dumps({n: config_to_dict(c) for n, c in engines.items()})
+        self.proc = subprocess.Popen([sys.executable, str(HOST_SCRIPT), "--engines", payload],
+                                     stdout=subprocess.PIPE, text=True)
+        self.context = zmq.Context()
+        self.call_timeout_s = call_timeout_s
+        self.sock: zmq.Socket[bytes] | None = None
+        try:
+            ready = self._ready(start_timeout_s)
+            self.port = int(ready["port"])
+            self.engines: dict[str, dict[str, Any]] = ready["engines"]
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=0.5):
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"engine host exited with {self.proc.returncode}")
+                    continue
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError("engine host closed stdout before ready")
+                with contextlib.suppress(json.JSONDecodeError):
+                    data = json.loads(line)
+                    if isinstance(data, dict) and data.get("ready"):
+                        return data
+            raise RuntimeError(f"engine host not ready within {timeout_s} s")
+        finally:
+            sel.close()
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        sock = self.context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(self.call_timeout_s * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(self.call_timeout_s * 1000))
+        sock.connect(f"tcp://127.0.0.1:{self.port}")
+        self.sock = sock
+
+    def call(self, engine: str, op: str, **fields: Any) -> dict[str, Any]:
+        assert self.sock is not None
+        try:
+            self.sock.send(msgpack.packb({"engine": engine, "op": op, **fields},
+                                         use_bin_type=True))
+            reply = msgpack.unpackb(self.sock.recv(), raw=False)
+        except zmq.Again:
+            self._connect()
+            raise RuntimeError(f"engine host: no reply to {op} within {self.call_timeout_s} s"
+                               ) from None
+        if not reply.get("ok"):
+            raise RuntimeError(f"engine host: {op} on {engine}: {reply}")
+        return dict(reply)
+
+    def engine(self, name: str) -> HostedEngine:
+        return HostedEngine(self, name)
+
+    def close(self) -> int | None:
+        if self.sock is not None and self.proc.poll() is None:
+            with contextlib.suppress(RuntimeError):
+                self.call("*", "shutdown")
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.context.term()
+        return self.proc.returncode
+
+
+class HostedEngine:
+    """One engine of an :class:`EngineHost` (the interface ``tools.demo_nixl.Router`` uses)."""
+
+    def __init__(self, host: EngineHost, name: str) -> None:
+        self.host, self.name = host, name
+        info = host.engines[name]
+        self.engine_id = str(info["engine_id"])
+        ep = info.get("endpoint") or []
+        self.endpoint = (str(ep[0]), int(ep[1])) if ep else None
+
+    def submit(self, specs: list[RequestSpec]) -> None:
+        self.host.call(self.name, "submit", requests=[s.to_dict() for s in specs])
+
+    def results(self) -> list[RequestResult]:
+        return [RequestResult.from_dict(r)
+                for r in self.host.call(self.name, "results")["results"]]
+
+    def stats(self) -> dict[str, Any]:
+        return self.host.call(self.name, "stats")
+
+    def abort(self, request_id: str) -> bool:
+        return bool(self.host.call(self.name, "abort", request_id=request_id)["aborted"])
+
+    def close(self, timeout_s: float = 15.0) -> int | None:
+        return None
