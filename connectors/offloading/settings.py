@@ -1,0 +1,100 @@
+"""Settings of the offloading connector (``kv_connector_extra_config``), parsed once.
+
+Keys:
+
+* ``cpu_blocks`` (256): CPU slots per pool (primary tier size, in blocks).
+* ``policy`` ("lru"): CPU eviction policy, ``lru`` or ``arc``.
+* ``fs_dir`` (none): directory of the ``fs`` secondary tier; none = no fs tier.
+* ``fs_o_direct`` (true): use O_DIRECT where the store directory allows it.
+* ``fs_faults`` (none): fault injection around the real fs I/O, e.g.
+  ``{"rate": 0.05, "kinds": ["eio", "eloop", "short_read"], "seed": 1}``
+  (``kvbridge.offload.faults.FaultPlan``; for tests and the demo).
+* ``obj`` (none): a Mooncake client config (``kvbridge.backends.mooncake.
+  MooncakeConfig`` fields, e.g. ``{"master_address": "127.0.0.1:50051",
+  "metadata_server": "http://127.0.0.1:8080/metadata"}``) for the ``obj``
+  secondary tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.connectors.errors import ConfigError
+from kvbridge.offload.faults import FaultKind, FaultPlan
+
+_PREFIX = "kv_connector_extra_config"
+KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_faults", "obj")
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    cpu_blocks: int = 256
+    policy: str = "lru"
+    fs_dir: str | None = None
+    fs_o_direct: bool = True
+    fs_faults: FaultPlan | None = None
+    obj: Mapping[str, Any] | None = field(default=None)
+
+
+def _faults(value: object) -> FaultPlan:
+    name = f"{_PREFIX}.fs_faults"
+    if not isinstance(value, Mapping):
+        raise ConfigError(name, f"expected an object with rate/kinds/seed, got {value!r}")
+    unknown = sorted(set(value) - {"rate", "kinds", "seed", "slow_s"})
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}", "unknown setting; expected rate, kinds, "
+                                                  "seed or slow_s")
+    rate = value.get("rate", 0.0)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+        raise ConfigError(f"{name}.rate", f"expected a probability in [0, 1], got {rate!r}")
+    kinds_raw = value.get("kinds", [k.value for k in FaultKind])
+    if not isinstance(kinds_raw, list | tuple) or not kinds_raw:
+        raise ConfigError(f"{name}.kinds", "expected a non-empty list of fault kinds")
+    kinds = []
+    for kind in kinds_raw:
+        try:
+            kinds.append(FaultKind(kind))
+        except ValueError:
+            raise ConfigError(f"{name}.kinds", f"unknown fault kind {kind!r}; expected one "
+                                               f"of {[k.value for k in FaultKind]}") from None
+    seed = value.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"{name}.seed", f"expected an integer, got {seed!r}")
+    slow_s = value.get("slow_s", 0.005)
+    if isinstance(slow_s, bool) or not isinstance(slow_s, int | float) or slow_s < 0:
+        raise ConfigError(f"{name}.slow_s", f"expected seconds >= 0, got {slow_s!r}")
+    return FaultPlan(rate=float(rate), kinds=tuple(kinds), seed=seed, slow_s=float(slow_s))
+
+
+def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
+    """Validate ``extra``; a ConfigError names the offending key."""
+    for key in extra:
+        if key not in KNOWN:
+            raise ConfigError(f"{_PREFIX}.{key}", f"unknown setting; expected one of {list(KNOWN)}")
+    cpu_blocks = extra.get("cpu_blocks", 256)
+    if isinstance(cpu_blocks, bool) or not isinstance(cpu_blocks, int) or cpu_blocks < 1:
+        raise ConfigError(f"{_PREFIX}.cpu_blocks",
+                          f"expected a positive number of blocks, got {cpu_blocks!r}")
+    policy = extra.get("policy", "lru")
+    if policy not in ("lru", "arc"):
+        raise ConfigError(f"{_PREFIX}.policy", f"expected 'lru' or 'arc', got {policy!r}")
+    fs_dir = extra.get("fs_dir")
+    if fs_dir is not None and (not isinstance(fs_dir, str) or not fs_dir):
+        raise ConfigError(f"{_PREFIX}.fs_dir", f"expected a directory path, got {fs_dir!r}")
+    o_direct = extra.get("fs_o_direct", True)
+    if not isinstance(o_direct, bool):
+        raise ConfigError(f"{_PREFIX}.fs_o_direct", f"expected true or false, got {o_direct!r}")
+    faults = None
+    if extra.get("fs_faults") is not None:
+        if fs_dir is None:
+            raise ConfigError(f"{_PREFIX}.fs_faults", "fault injection needs an fs tier (fs_dir)")
+        faults = _faults(extra["fs_faults"])
+    obj = extra.get("obj")
+    if obj is not None:
+        if not isinstance(obj, Mapping) or not all(isinstance(k, str) for k in obj):
+            raise ConfigError(f"{_PREFIX}.obj", "expected a Mooncake client config object "
+                                                "(master_address, metadata_server, ...)")
+        obj = dict(obj)
+    return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj)

@@ -1,0 +1,176 @@
+"""Worker half of the offloading connector: memcpy between the engine's KV and CPU slots.
+
+A slot of pool ``p`` holds one part of one block: this rank's bytes of the
+block across its layers of the region, layer after layer in layer order
+(``RankRegionShape.block_bytes``). Loads run in ``start_load_kv`` (before any
+layer is computed), stores in ``wait_for_save`` (after every layer of the step
+is computed); both finish inside the step, so the scheduler completes them in
+``update_connector_output`` of the same step.
+
+The slot memory is the scheduler's CPU tier, found through a process-local
+registry by the token in the metadata (the worker runs in the scheduler's
+process). A load that cannot copy (no slot memory, an injected copy fault)
+reports its blocks in ``get_block_ids_with_load_errors``; the engine then
+recomputes from the first bad token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
+from kvbridge.connectors.errors import ContractError
+from kvbridge.connectors.offloading.parts import build_part_table
+from kvbridge.connectors.offloading.scheduler import CopyItem, OffloadMetadata, pools_of
+
+logger = logging.getLogger(__name__)
+
+
+class CopyFault(OSError):
+    """An injected failure of one copy (``OffloadingWorker.fail_next_loads``)."""
+
+
+class OffloadingWorker(WorkerConnector):
+    def __init__(self, ctx: ConnectorContext) -> None:
+        super().__init__(ctx)
+        assert ctx.rank is not None
+        table = build_part_table(ctx.spec, ctx.topology)
+        parts = table.rank_parts(ctx.spec, ctx.rank)
+        #: part index -> region index, for the parts this rank reads / writes
+        self.read_parts = {part.index: r for r, (part, _) in parts.items()}
+        self.write_parts = {part.index: r for r, (part, writer) in parts.items() if writer}
+        self.caches: KVCaches | None = None
+        self._slots: dict[str, list[torch.Tensor]] = {}
+        self._invalid: set[BlockRef] = set()
+        self._fail_loads = 0
+        self._fail_step = False
+        self._lock = threading.Lock()
+        self._stats = {"load_copies": 0, "store_copies": 0, "load_bytes": 0, "store_bytes": 0,
+                       "load_copy_errors": 0, "store_copy_errors": 0}
+
+    def register_kv_caches(self, caches: KVCaches) -> None:
+        self.caches = caches
+
+    def fail_next_loads(self, count: int) -> None:
+        """Fault injection: the next ``count`` block loads fail as a failed DMA would
+        (nothing is copied; the blocks are reported as load errors)."""
+        with self._lock:
+            self._fail_loads += count
+
+    def fail_loads_of_next_step(self) -> None:
+        """Fault injection: every block load of the next step fails (see ``fail_next_loads``)."""
+        with self._lock:
+            self._fail_step = True
+
+    def _pool_tensors(self, token: str) -> list[torch.Tensor]:
+        tensors = self._slots.get(token)
+        if tensors is None:
+            tiers = pools_of(token)
+            if tiers is None:
+                raise ContractError("pools_token", "no CPU tier registered under this token "
+                                    "(the scheduler half must run in this process)")
+            tensors = [tier.as_tensor() for tier in tiers]  # type: ignore[misc]
+            self._slots = {token: tensors}
+        return tensors
+
+    def _block_bytes(self, region: int, block_id: int) -> list[torch.Tensor]:
+        assert self.caches is not None
+        return [tensor[block_id].view(-1).view(torch.uint8)
+                for _, tensor in self.caches.region_layers(region)]
+
+    def _copy(self, item: CopyItem, pools: list[torch.Tensor], load: bool) -> int:
+        _, region, block_id, pool, slot = item
+        row = pools[pool][slot]
+        offset = 0
+        for block in self._block_bytes(region, block_id):
+            size = block.numel()
+            if load:
+                block.copy_(row[offset:offset + size])
+            else:
+                row[offset:offset + size].copy_(block)
+            offset += size
+        if offset != row.numel():
+            raise ContractError("slot", f"slot of {row.numel()} bytes for a part of "
+                                        f"{offset} bytes (region {region})")
+        return offset
+
+    def start_load_kv(self) -> None:
+        meta = self.connector_metadata
+        assert isinstance(meta, OffloadMetadata)
+        with self._lock:
+            fail_all, self._fail_step = self._fail_step, False
+        if not meta.loads:
+            return
+        try:
+            pools = self._pool_tensors(meta.pools_token)
+        except ContractError as exc:
+            logger.error("offloading worker %s: %s", self.ctx.worker_index, exc)
+            for items in meta.loads.values():
+                self._invalid |= {(r, b) for p, r, b, _, _ in items if p in self.read_parts}
+            return
+        for request_id, items in meta.loads.items():
+            for item in items:
+                if item[0] not in self.read_parts:
+                    continue
+                try:
+                    with self._lock:
+                        if fail_all or self._fail_loads > 0:
+                            self._fail_loads = max(0, self._fail_loads - 1)
+                            raise CopyFault(f"injected copy fault (block {item[2]})")
+                    nbytes = self._copy(item, pools, load=True)
+                except (OSError, RuntimeError, ContractError) as exc:
+                    logger.warning("offloading worker %s: load of block %d (region %d) for %s "
+                                   "failed: %s", self.ctx.worker_index, item[2], item[1],
+                                   request_id, exc)
+                    self._invalid.add((item[1], item[2]))
+                    self._stats["load_copy_errors"] += 1
+                    continue
+                self._stats["load_copies"] += 1
+                self._stats["load_bytes"] += nbytes
+
+    def wait_for_layer_load(self, layer_id: int) -> None:
+        return None  # every load of the step finished in start_load_kv
+
+    def save_kv_layer(self, layer_id: int, kv_layer: torch.Tensor) -> None:
+        return None  # a slot holds all layers of a block: copied in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self.connector_metadata
+        assert isinstance(meta, OffloadMetadata)
+        if not meta.stores:
+            return
+        try:
+            pools = self._pool_tensors(meta.pools_token)
+        except ContractError as exc:
+            logger.error("offloading worker %s: %s", self.ctx.worker_index, exc)
+            self._stats["store_copy_errors"] += 1
+            return
+        for item in meta.stores:
+            if item[0] not in self.write_parts:
+                continue
+            try:
+                nbytes = self._copy(item, pools, load=False)
+            except (RuntimeError, ContractError) as exc:
+                logger.error("offloading worker %s: store of block %d (region %d) failed: %s",
+                             self.ctx.worker_index, item[2], item[1], exc)
+                self._stats["store_copy_errors"] += 1
+                continue
+            self._stats["store_copies"] += 1
+            self._stats["store_bytes"] += nbytes
+
+    def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
+        return set(), set()  # loads and stores finish inside the step
+
+    def get_block_ids_with_load_errors(self) -> set[BlockRef]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def get_stats(self) -> dict[str, int | float]:
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        self._slots = {}
+        self.caches = None
