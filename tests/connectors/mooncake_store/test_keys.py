@@ -1,0 +1,88 @@
+"""Pure key and lookup arithmetic of the Mooncake store connector (no store needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.connectors import ConfigError
+from kvbridge.connectors.mooncake_store import (
+    leading_hits,
+    matched_tokens,
+    parse_settings,
+    region_lookups,
+    store_key,
+)
+from kvbridge.connectors.mooncake_store.keys import missing_blocks
+from kvbridge.layouts import KeyNamespace, ParallelTopology, load_spec, namespace_for
+
+H = bytes(range(32))
+
+
+def test_store_key_names_namespace_layer_and_hash() -> None:
+    spec = load_spec("tiny-gqa")
+    ns = namespace_for(spec, "attn", ParallelTopology(tp_size=2, dcp_size=2).with_rank(tp_rank=1))
+    key = store_key(ns, 3, H)
+    namespace, layer, digest = key.rsplit(":", 2)
+    assert KeyNamespace.parse(namespace) == ns
+    assert layer == "L3" and bytes.fromhex(digest) == H
+    assert ns.dcp_rank == 1 and ns.tp_rank == 1
+
+
+def test_dcp_lookup_checks_every_dcp_rank_and_layer() -> None:
+    spec = load_spec("tiny-gqa")
+    (attn,) = region_lookups(spec, ParallelTopology(tp_size=2, dcp_size=2))
+    namespaces = {KeyNamespace.parse(p.rsplit(":", 2)[0]) for p in attn.prefixes}
+    assert {ns.dcp_rank for ns in namespaces} == {0, 1}
+    assert len(attn.prefixes) == 2 * 4  # two DCP namespaces x four layers
+    assert attn.tokens_per_key == 32    # token-sharded: block_size * dcp_size
+    keys = attn.keys([H, H[::-1]])
+    assert len(keys) == 16 and keys[0].endswith(H.hex()) and keys[8].endswith(H[::-1].hex())
+
+
+def test_replicated_region_is_stored_once_without_dcp() -> None:
+    spec = load_spec("tiny-mla")
+    (mla,) = region_lookups(spec, ParallelTopology(tp_size=2))
+    assert {KeyNamespace.parse(p.rsplit(":", 2)[0]).tp_rank for p in mla.prefixes} == {0}
+    (mla_dcp,) = region_lookups(spec, ParallelTopology(tp_size=2, dcp_size=2))
+    assert {KeyNamespace.parse(p.rsplit(":", 2)[0]).tp_rank for p in mla_dcp.prefixes} == {0, 1}
+
+
+def test_pipeline_stages_each_contribute_their_layers() -> None:
+    spec = load_spec("tiny-hybrid")
+    attn, state = region_lookups(spec, ParallelTopology(pp_size=2))
+    by_stage: dict[int, set[str]] = {}
+    for prefix in attn.prefixes + state.prefixes:
+        ns_text, layer = prefix.rstrip(":").rsplit(":", 1)
+        by_stage.setdefault(KeyNamespace.parse(ns_text).pp_rank, set()).add(layer)
+    assert by_stage == {0: {"L0", "L1"}, 1: {"L2", "L3"}}
+
+
+def test_leading_hits_and_missing_blocks() -> None:
+    exists = [True, True, True, False, True, True]  # 3 blocks of 2 keys
+    assert leading_hits(exists, 2) == 1
+    assert missing_blocks(exists, 2) == [1]
+    assert leading_hits([True] * 4, 2) == 2
+    assert leading_hits([], 2) == 0
+    with pytest.raises(ValueError):
+        leading_hits([True] * 3, 2)
+
+
+def test_matched_tokens_floors_to_lcm_of_regions() -> None:
+    assert matched_tokens([3], [16]) == 48
+    assert matched_tokens([3, 5], [32, 16]) == 64   # 80 covered by state, 96 by attn -> 64
+    assert matched_tokens([1, 1], [32, 16]) == 0    # 16 tokens is not a whole attn key
+
+
+def test_settings_name_the_bad_key() -> None:
+    base = {"master_address": "127.0.0.1:1", "metadata_server": "http://127.0.0.1:2/metadata"}
+    settings = parse_settings({**base, "op_timeout_s": 2})
+    assert settings.lookup_timeout_s == 3.0 and settings.load_async
+    assert parse_settings(settings.to_extra()) == settings
+    for bad, field in (({}, "master_address"), ({**base, "bogus": 1}, "bogus"),
+                       ({**base, "op_timeout_s": 0}, "op_timeout_s"),
+                       ({**base, "load_async": "yes"}, "load_async"),
+                       ({**base, "client_scope": "node"}, "client_scope"),
+                       ({**base, "global_segment_size": -1}, "global_segment_size")):
+        with pytest.raises(ConfigError) as info:
+            parse_settings(bad)
+        assert field in info.value.field
