@@ -37,6 +37,7 @@ class NixlSettings:
     advertise_host: str | None = None
     early_grace_s: float = 10.0
     revalidate_s: float = 1.0
+    idle_progress_ms: float = 5.0
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -71,6 +72,11 @@ class NixlSettings:
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < hi:
                     raise ConfigError(where, f"expected an integer in [0, {hi}), got {value!r}")
                 values[key] = value
+            elif key == "idle_progress_ms":
+                if (not isinstance(value, int | float) or isinstance(value, bool)
+                        or value < 0):
+                    raise ConfigError(where, f"expected milliseconds >= 0, got {value!r}")
+                values[key] = float(value)
             else:
                 if value is None and key == "heartbeat_s":
                     values[key] = None

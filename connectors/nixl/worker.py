@@ -31,13 +31,15 @@ each with the engine ids, request id and block count.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -155,6 +157,21 @@ class TransferRecord:
     duration_s: float
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run a hook under the worker's state lock (the idle pump shares the state)."""
+
+    @functools.wraps(method)
+    def wrapper(self: NixlWorker, *args: Any, **kwargs: Any) -> Any:
+        with self._state_lock:
+            self._last_progress = time.monotonic()
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
 class NixlWorker(WorkerConnector):
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
@@ -199,6 +216,10 @@ class NixlWorker(WorkerConnector):
             "peer_restarts": 0,
         }
         self._closed = False
+        self._state_lock = threading.RLock()
+        self._last_progress = time.monotonic()
+        self._pump_stop = threading.Event()
+        self._pump: threading.Thread | None = None
         self._fault_next_loads = False
         self._faulty: set[str] = set()
         self._cancelled: dict[str, float] = {}  # producer: push rids cancelled before known
@@ -222,6 +243,10 @@ class NixlWorker(WorkerConnector):
                                                  caches.num_blocks[index])
                 num_blocks.add(caches.num_blocks[index])
         transport.register_regions(tensors)
+        if self.settings.idle_progress_ms > 0:
+            self._pump = threading.Thread(target=self._pump_loop, daemon=True,
+                                          name=f"kvb-nixl-pump-r{self.rank_index}")
+            self._pump.start()
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
                                    max(num_blocks) if num_blocks else 0)
@@ -232,6 +257,7 @@ class NixlWorker(WorkerConnector):
 
     # ------------------------------------------------------------------ hooks
 
+    @_locked
     def start_load_kv(self) -> None:
         meta = self.connector_metadata
         assert isinstance(meta, NixlMetadata)
@@ -280,6 +306,7 @@ class NixlWorker(WorkerConnector):
     def wait_for_layer_load(self, layer_id: int) -> None:
         """Loads are asynchronous (requests wait in WAITING_FOR_REMOTE_KVS): nothing to wait for."""
 
+    @_locked
     def save_kv_layer(self, layer_id: int, kv_layer: Any) -> None:
         if not self._step_pushes:
             return
@@ -293,6 +320,7 @@ class NixlWorker(WorkerConnector):
         """Writes stay in flight across steps; the blocks are held by ``delay_free``."""
         self._step_pushes = ()
 
+    @_locked
     def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
         self._progress()
         done_sending: set[str] = set()
@@ -304,14 +332,17 @@ class NixlWorker(WorkerConnector):
         done_recving, self._done_recving = self._done_recving, set()
         return done_sending, done_recving
 
+    @_locked
     def get_failed_recving(self) -> set[str]:
         failed, self._failed_recving = self._failed_recving, set()
         return failed
 
+    @_locked
     def get_block_ids_with_load_errors(self) -> set[BlockRef]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    @_locked
     def get_stats(self) -> dict[str, int | float]:
         """This rank's cumulative counters (the engine keeps the latest snapshot)."""
         stats = dict(self._counters)
@@ -321,6 +352,7 @@ class NixlWorker(WorkerConnector):
         stats["unknown_notifs"] = lease.unknown_notifs
         return stats
 
+    @_locked
     def totals(self) -> dict[str, int | float]:
         """Cumulative counters of this rank (not reset by :meth:`get_stats`)."""
         stats = dict(self._counters)
@@ -337,6 +369,7 @@ class NixlWorker(WorkerConnector):
                           "nixl_zombies": c.zombies, "nixl_forced_releases": c.forced_releases})
         return stats
 
+    @_locked
     def records(self) -> list[TransferRecord]:
         """Finished loads/pushes of this rank (latency samples), oldest first."""
         return list(self._records)
@@ -472,6 +505,7 @@ class NixlWorker(WorkerConnector):
         expected = frozenset(session.rank_plan.sources)
         recv.posted(expected, transfers, params.mode is TransferMode.PULL)
 
+    @_locked
     def inject_fault_next_loads(self) -> None:
         """Fault injection (tests, conformance): the loads ordered in the next step lose
         their NIXL peers just before posting (the real ``remove_remote_agent``), so they
@@ -655,9 +689,31 @@ class NixlWorker(WorkerConnector):
 
     # ------------------------------------------------------------------ notifications
 
+    def _pump_loop(self) -> None:
+        """Progress while the engine is idle (no hook call for ``idle_progress_ms``).
+
+        An idle engine does not step, yet a peer may be reading from this rank
+        (the passive side must progress its UCX worker) or waiting for an ack.
+        The pump runs the same :meth:`_progress` as the hooks, under the same
+        lock, so the worker's state is only ever touched by one thread at a time."""
+        interval = self.settings.idle_progress_ms / 1000.0
+        while not self._pump_stop.wait(interval):
+            if time.monotonic() - self._last_progress < interval:
+                continue
+            with self._state_lock:
+                if self._closed:
+                    return
+                try:
+                    self._progress()
+                except Exception:  # never kill the pump; the next hook reports properly
+                    logger.exception("nixl: idle progress failed on rank %d", self.rank_index)
+
     def _drain_notifs(self, now: float) -> None:
         assert self.transport is not None
-        for sender, msgs in self.transport.get_notifs().items():
+        self._handle_batch(self.transport.get_notifs(), now)
+
+    def _handle_batch(self, batch: dict[str, list[bytes]], now: float) -> None:
+        for sender, msgs in batch.items():
             for raw in msgs:
                 try:
                     msg = messages.decode(raw)
@@ -892,6 +948,7 @@ class NixlWorker(WorkerConnector):
         if self.transport is None or self._closed:
             return
         now = time.monotonic()
+        self._last_progress = now
         self._drain_notifs(now)
         self._settle_sessions(now)
         self._progress_recv(now)
@@ -920,6 +977,7 @@ class NixlWorker(WorkerConnector):
         if len(self._records) > MAX_SAMPLES:
             del self._records[: len(self._records) - MAX_SAMPLES]
 
+    @_locked
     def progress(self) -> None:
         """Progress outside an engine step (an idle engine loop may call it)."""
         self._progress()
@@ -929,7 +987,12 @@ class NixlWorker(WorkerConnector):
     def shutdown(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._state_lock:
+            self._closed = True
+        self._pump_stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+            self._pump = None
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
