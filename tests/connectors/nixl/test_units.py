@@ -1,0 +1,257 @@
+"""Pure parts of the NIXL connector: notification schema, leases, routing math, receive states."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvbridge.connectors import ConfigError, TransferMode, TransferParams
+from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.leases import LeaseTable, VerdictKind
+from kvbridge.connectors.nixl.routing import (
+    consumer_table,
+    expected_notifs,
+    notify_targets,
+    producer_table,
+    pull_indices,
+)
+from kvbridge.connectors.nixl.settings import NixlSettings
+from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
+from kvbridge.connectors.nixl.worker import LATENCY_BUCKETS_MS, histogram_percentile, latency_key
+from kvbridge.layouts import (
+    LayerMemory,
+    LayoutError,
+    ParallelTopology,
+    load_spec,
+    plan_transfer,
+    rank_memory,
+)
+
+# ---------------------------------------------------------------- notifications
+
+SAMPLES = [
+    messages.Hello(b"\x01agent"),
+    messages.ReadDone("req-1", 3, 2),
+    messages.ReadDone("req-1", 0, 1, read=False),
+    messages.Ack("req-1", 1, True),
+    messages.Ack("req-1", 1, False, "lease late"),
+    messages.Heartbeat(("a", "b")),
+    messages.Register("r", 1, 2, (0, 3), ((1, 2), (9,))),
+    messages.Register("r", 1, 2, (0,), ((),), cancel=True),
+    messages.Pushed("r", 0, True),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_notif_round_trip(msg: messages.Notif) -> None:
+    assert messages.decode(messages.encode(msg)) == msg
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    (b"\xc1", "bytes"),
+    (msgpack.packb([1, 2]), "bytes"),
+    (msgpack.packb({"v": 2, "t": "ack"}), "v"),
+    (msgpack.packb({"v": 1, "t": "nope"}), "t"),
+    (msgpack.packb({"v": 1, "t": "ack", "rid": "x", "pr": 0, "ok": True}), "why"),
+    (msgpack.packb({"v": 1, "t": "ack", "rid": "x", "pr": 0, "ok": 1, "why": ""}), "ok"),
+    (msgpack.packb({"v": 1, "t": "read", "rid": "x", "cr": -1, "n": 1, "read": True}), "cr"),
+    (msgpack.packb({"v": 1, "t": "read", "rid": "x", "cr": 0, "n": 0, "read": True}), "n"),
+    (msgpack.packb({"v": 1, "t": "register", "rid": "x", "cr": 0, "n": 1, "start": [0],
+                    "ids": [[1], [2]], "cancel": False}), "ids"),
+    (msgpack.packb({"v": 1, "t": "register", "rid": "x", "cr": 0, "n": 1, "start": [0],
+                    "ids": [[-4]], "cancel": False}), "ids[0][0]"),
+    (msgpack.packb({"v": 1, "t": "hello", "agent": "text", "x": 1}), "x"),
+])
+def test_notif_decode_names_the_field(raw: bytes, field: str) -> None:
+    with pytest.raises(messages.NotifError) as info:
+        messages.decode(raw)
+    assert info.value.field == field
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_lease_completes_when_every_expected_rank_notified() -> None:
+    table = LeaseTable(lease_s=10)
+    assert table.hold("r", now=0) == []
+    assert table.notify("r", 0, 2, "c0", now=1).kind is VerdictKind.OK
+    assert table.take_finished() == ([], [])
+    assert table.notify("r", 0, 2, "c0", now=1).kind is VerdictKind.DUPLICATE
+    assert table.notify("r", 1, 2, "c1", now=2).kind is VerdictKind.OK
+    assert table.take_finished() == (["r"], [])
+    assert table.take_finished() == ([], [])  # reported once
+    assert table.stats.completed == 1 and table.stats.expiries == 0
+
+
+def test_lease_expires_renewal_and_late_notification() -> None:
+    table = LeaseTable(lease_s=10)
+    table.hold("r", now=0)
+    assert table.renew("r", now=8)  # deadline 18
+    table.expire(now=17.9)
+    assert table.is_held("r")
+    table.expire(now=18)
+    assert table.take_finished() == ([], ["r"])
+    assert table.stats.expiries == 1
+    verdict = table.notify("r", 0, 1, "c0", now=19)
+    assert verdict is not None and verdict.kind is VerdictKind.LATE and not verdict.ok
+    assert table.stats.late_notifs == 1
+    assert table.take_finished() == ([], [])  # a late read never completes anything
+
+
+def test_early_notification_waits_for_the_hold_then_becomes_unknown() -> None:
+    table = LeaseTable(lease_s=10, early_grace_s=5)
+    assert table.notify("r", 0, 1, "c0", now=0) is None  # early: no verdict yet
+    verdicts = table.hold("r", now=1)
+    assert [v.kind for v in verdicts] == [VerdictKind.OK]
+    assert table.take_finished() == (["r"], [])
+    assert table.notify("x", 0, 1, "c0", now=0) is None
+    assert table.expire(now=4.9) == []
+    unknown = table.expire(now=5)
+    assert [(v.request_id, v.kind) for v in unknown] == [("x", VerdictKind.UNKNOWN)]
+    assert table.num_early() == 0 and table.stats.unknown_notifs == 1
+
+
+# ---------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize(("model", "p", "c"), [
+    ("tiny-gqa", (1, 1), (2, 1)), ("tiny-gqa", (4, 1), (2, 1)), ("tiny-mla", (4, 1), (1, 1)),
+    ("tiny-hybrid", (2, 1), (4, 1)), ("tiny-gqa", (1, 2), (1, 1)), ("tiny-mla", (2, 2), (4, 1)),
+])
+def test_notify_targets_cover_every_producer_rank(model: str, p: tuple[int, int],
+                                                  c: tuple[int, int]) -> None:
+    plan = plan_transfer(load_spec(model), ParallelTopology(tp_size=p[0], pp_size=p[1]),
+                         ParallelTopology(tp_size=c[0], pp_size=c[1]))
+    targets = notify_targets(plan)
+    for rank in plan.ranks:  # every source is notified by the rank that reads it
+        assert set(rank.sources) <= set(targets[rank.consumer_rank])
+    for producer_rank in range(plan.producer.world_size):
+        assert expected_notifs(targets, producer_rank) >= 1
+
+
+def _memory(spec_name: str, topo: ParallelTopology, base: int, num_blocks: int
+            ) -> dict[int, LayerMemory]:
+    spec = load_spec(spec_name)
+    addrs, addr = {}, base
+    for shape in spec.rank_shapes(topo):
+        for layer in shape.layer_ids:
+            addrs[layer] = addr
+            addr += shape.block_bytes_per_layer * num_blocks + 4096
+    return rank_memory(spec, topo, addrs, num_blocks)
+
+
+def test_pull_indices_match_absolute_descriptors() -> None:
+    """Index rows into the prepared lists name exactly the planner's absolute descriptors."""
+    from kvbridge.layouts import absolute_descriptors
+
+    spec = load_spec("tiny-hybrid")
+    producer, consumer = ParallelTopology(tp_size=2), ParallelTopology(tp_size=4)
+    plan = plan_transfer(spec, producer, consumer)
+    me = consumer.with_rank(tp_rank=3)
+    rank_plan = plan.for_consumer(me)
+    c_mem = _memory("tiny-hybrid", me, 1 << 32, 16)
+    p_mems = {p: _memory("tiny-hybrid", producer.with_rank(tp_rank=p), (p + 2) << 32, 24)
+              for p in rank_plan.sources}
+    local = consumer_table(rank_plan, c_mem)
+    c_ids = ((3, 1, 7), (2, 0, 5))
+    p_ids = ((20, 4, 9), (11, 12, 13))
+    for p in rank_plan.sources:
+        remote = producer_table(rank_plan.for_producer(p), p_mems[p])
+        lidx, ridx = pull_indices(rank_plan, local, remote, p, c_ids, p_ids)
+        got = sorted(zip(map(tuple, local.rows[lidx].tolist()),
+                         map(tuple, remote.rows[ridx].tolist()), strict=True))
+        # the oracle: the planner's own absolute descriptors, region by region
+        want = []
+        for region in range(2):
+            sub = rank_plan.for_producer(p)
+            mask = sub.regions == region
+            if not mask.any():
+                continue
+            for d in absolute_descriptors(rank_plan, c_mem, p_mems, c_ids[region],
+                                          p_ids[region], producer_ranks=[p],
+                                          layers=set(sub.layers[mask].tolist())):
+                want += list(zip(map(tuple, d.consumer.tolist()),
+                                 map(tuple, d.producer.tolist()), strict=True))
+        assert got == sorted(want)
+
+
+def test_remote_block_ids_are_bounds_checked_before_posting() -> None:
+    spec = load_spec("tiny-gqa")
+    plan = plan_transfer(spec, ParallelTopology(), ParallelTopology())
+    rank_plan = plan.for_consumer(0)
+    local = consumer_table(rank_plan, _memory("tiny-gqa", ParallelTopology(), 1 << 32, 8))
+    remote = producer_table(rank_plan.for_producer(0),
+                            _memory("tiny-gqa", ParallelTopology(), 1 << 33, 4))
+    with pytest.raises(LayoutError) as info:
+        pull_indices(rank_plan, local, remote, 0, ((1,),), ((4,),))  # producer has 4 blocks
+    assert info.value.field == "producer_block_ids"
+    with pytest.raises(LayoutError):
+        pull_indices(rank_plan, local, remote, 0, ((8,),), ((0,),))
+    lidx, ridx = pull_indices(rank_plan, local, remote, 0, ((7,),), ((3,),))
+    assert lidx.dtype == np.int32 and (local.rows[lidx, 1] == remote.rows[ridx, 1]).all()
+
+
+def test_descriptor_leaving_its_block_is_refused() -> None:
+    from kvbridge.connectors.nixl.routing import build_table
+
+    one = np.array([0], dtype=np.int64)
+    with pytest.raises(LayoutError):
+        build_table(one, one, np.array([100]), np.array([64]),
+                    {0: LayerMemory(1 << 20, 128, 4)}, "producer")
+
+
+# ---------------------------------------------------------------- receive state machine
+
+
+def _params() -> TransferParams:
+    return TransferParams(mode=TransferMode.PULL, producer_engine_id="p", producer_host="h",
+                          producer_port=1, producer_request_id="r", block_ids=((1, 2),),
+                          producer_topology=ParallelTopology(), num_tokens=20)
+
+
+def test_recv_transfer_states() -> None:
+    recv = RecvTransfer("r", _params(), ((5, 6),), ((1, 2),), (0,), deadline=10, started_at=0)
+    assert recv.poll(1) is RecvState.BOOTSTRAPPING
+    recv.posted(frozenset({0, 1}), [object()], pull=True)
+    assert recv.poll(2) is RecvState.TRANSFERRING
+    recv.transfers_done()
+    recv.answer(0, True, "", 3)
+    assert recv.poll(3) is RecvState.WAITING
+    recv.answer(1, True, "", 4)
+    assert recv.poll(4) is RecvState.DONE and recv.duration_s == 4
+    assert not recv.fail("late", 5)  # terminal states never change
+
+
+def test_recv_transfer_fails_on_refusal_and_deadline() -> None:
+    refused = RecvTransfer("r", _params(), ((5, 6),), ((1, 2),), (0,), deadline=10,
+                           started_at=0)
+    refused.posted(frozenset({0}), [], pull=True)
+    refused.answer(0, False, "lease late", 1)
+    assert refused.poll(1) is RecvState.FAILED and "lease late" in (refused.error or "")
+    assert refused.local_blocks == {(0, 5), (0, 6)}
+    stuck = RecvTransfer("s", _params(), ((7,),), ((1,),), (0,), deadline=10, started_at=0)
+    assert stuck.poll(9.99) is RecvState.BOOTSTRAPPING
+    assert stuck.poll(10) is RecvState.FAILED and "bootstrapping" in (stuck.error or "")
+
+
+# ---------------------------------------------------------------- settings and stats
+
+
+def test_settings_parse_and_refuse() -> None:
+    s = NixlSettings.parse({"mode": "push", "lease_s": 5, "port": 7000})
+    assert s.mode is TransferMode.PUSH and s.lease_s == 5.0 and s.heartbeat_interval_s == 5 / 3
+    for bad, field in [({"mode": "both"}, "mode"), ({"lease_s": 0}, "lease_s"),
+                       ({"port": 70000}, "port"), ({"nope": 1}, "nope")]:
+        with pytest.raises(ConfigError) as info:
+            NixlSettings.parse(bad)
+        assert info.value.field == f"kv_connector_extra_config.{field}"
+
+
+def test_histogram_percentiles() -> None:
+    stats = {latency_key(1): 50, latency_key(10): 40, latency_key(1000): 10}
+    assert histogram_percentile(stats, 0.5) == 1
+    assert histogram_percentile(stats, 0.9) == 10
+    assert histogram_percentile(stats, 0.99) == 1000
+    assert histogram_percentile({}, 0.5) is None
+    assert len(set(LATENCY_BUCKETS_MS)) == len(LATENCY_BUCKETS_MS)
