@@ -433,8 +433,8 @@ class NixlWorker(WorkerConnector):
             if not future.done():
                 continue
             del self._revalidating[key]
-            session = self._sessions.get(key)
-            if session is None:
+            current = self._sessions.get(key)
+            if current is None:
                 continue
             try:
                 fresh = future.result().metadata
@@ -443,16 +443,16 @@ class NixlWorker(WorkerConnector):
                                key[1], key[2], exc)
                 self._drop_session(key, now, reason=f"revalidation failed: {exc}")
                 continue
-            if (fresh.incarnation != session.metadata.incarnation
-                    or fresh.generation != session.metadata.generation):
+            if (fresh.incarnation != current.metadata.incarnation
+                    or fresh.generation != current.metadata.generation):
                 self._counters["peer_restarts"] += 1
                 logger.warning("nixl: peer %s at %s:%s changed (incarnation %s gen %d -> %s gen "
                                "%d); re-handshaking", key[0], key[1], key[2],
-                               session.metadata.incarnation, session.metadata.generation,
+                               current.metadata.incarnation, current.metadata.generation,
                                fresh.incarnation, fresh.generation)
                 self._drop_session(key, now, reason="peer restarted")
             else:
-                session.validated_at = now
+                current.validated_at = now
 
     def _session_ready(self, key: SessionKey) -> PeerSession | None:
         if key in self._revalidating:
