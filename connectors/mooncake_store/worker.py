@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbridge.backends.mooncake import McStatus, MooncakeStoreClient
+from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
 from kvbridge.connectors.mooncake_store import clients
@@ -255,7 +255,7 @@ class MooncakeStoreWorker(WorkerConnector):
             s["get_keys"] += len(keys)
             s["get_bytes"] += nbytes
             s["get_time_s"] += elapsed
-            s["blocks_loaded"] += len({o for o in owners}) - len(failed)
+            s["blocks_loaded"] += len(set(owners)) - len(failed)
             s["load_errors"] += len(failed)
             s["load_not_found"] += not_found
             s["get_timeouts"] += int(timed_out)
@@ -271,64 +271,61 @@ class MooncakeStoreWorker(WorkerConnector):
     def wait_for_save(self) -> None:
         meta = self.connector_metadata
         assert isinstance(meta, StoreMetadata)
-        if not meta.saves:
+        saves = meta.saves
+        if not saves:
             return
         keys: list[str] = []
         ptrs: list[int] = []
         sizes: list[int] = []
-        spans: list[tuple[int, int, int]] = []  # (save index, first key, end key)
-        for i, save in enumerate(meta.saves):
-            plan = self.plans[save.region_index]
+        owners: list[int] = []  # index into saves, per key
+        plans = self.plans
+        for i, save in enumerate(saves):
+            plan = plans[save.region_index]
             if not plan.is_writer or not plan.layers:
-                continue
-            if not 0 <= save.block_id < plan.num_blocks:
-                raise ContractError("saves.block_id", f"block {save.block_id} outside region "
+                continue  # nothing of this region for this rank to write
+            block_id = save.block_id
+            if not 0 <= block_id < plan.num_blocks:
+                raise ContractError("saves.block_id", f"block {block_id} outside region "
                                                       f"{save.region_index}'s "
                                                       f"{plan.num_blocks} blocks")
             digest = save.block_hash.hex()
-            first = len(keys)
             for slot in plan.layers:
                 keys.append(slot.prefix + digest)
-                ptrs.append(slot.base_ptr + save.block_id * slot.block_stride)
+                ptrs.append(slot.base_ptr + block_id * slot.block_stride)
                 sizes.append(slot.block_nbytes)
-            spans.append((i, first, len(keys)))
-        stored = [True] * len(meta.saves)
+                owners.append(i)
+        failed: set[int] = set()
         if keys:
             client = self.client
             assert client is not None, "register_kv_caches runs before any step"
             started = time.perf_counter()
             results = client.batch_put_from(keys, ptrs, sizes)
             elapsed = time.perf_counter() - started
-            failures = 0
-            nbytes = 0
             orphans: list[str] = []
-            for i, lo, hi in spans:
-                part = results[lo:hi]
-                if all(r.ok for r in part):
-                    nbytes += sum(r.nbytes for r in part)
-                    continue
-                stored[i] = False
-                failures += 1
-                orphans.extend(k for k, r in zip(keys[lo:hi], part, strict=True)
-                               if r.code == McStatus.TIMEOUT)
-            if failures:
+            ok_status = KeyStatus.OK
+            for index, result in enumerate(results):
+                if result.status is not ok_status:
+                    failed.add(owners[index])
+                    if result.code == McStatus.TIMEOUT:
+                        orphans.append(keys[index])
+            nbytes = sum(r.nbytes for r in results)
+            if failed:
                 first_error = next(r for r in results if not r.ok)
                 logger.warning("mooncake store rank %s: %d of %d block puts failed (first: %s); "
-                               "dropped", self.ctx.worker_index, failures, len(spans),
-                               first_error)
+                               "dropped", self.ctx.worker_index, len(failed),
+                               len(set(owners)), first_error)
             with self._lock:
                 s = self._stats
                 s["put_calls"] += 1
                 s["put_keys"] += len(keys)
                 s["put_bytes"] += nbytes
                 s["put_time_s"] += elapsed
-                s["blocks_saved"] += len(spans) - failures
-                s["put_failures"] += failures
+                s["blocks_saved"] += len(set(owners)) - len(failed)
+                s["put_failures"] += len(failed)
                 s["put_timeouts"] += int(bool(orphans))
                 self._orphans.extend(orphans)
-        for save, ok in zip(meta.saves, stored, strict=True):
-            if ok:  # this rank's part is in the store (or it has none to write)
-                self.ctx.events.append(save.event)
+        # this rank's part of each other block is in the store (or it has none to write)
+        self.ctx.events.extend([save.event for i, save in enumerate(saves) if i not in failed])
 
     def _remove_orphans(self) -> None:
         client = self.client

@@ -1,0 +1,51 @@
+"""The CLI-facing pieces: ``kvbridge demo --connector mooncake`` and the connector bench."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.tools.cli import main
+
+
+def test_demo_through_the_store(mooncake_master: MooncakeMaster,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Two engine processes, the shared master given with --master/--metadata."""
+    rc = main(["demo", "--connector", "mooncake", "--master", mooncake_master.rpc_address,
+               "--metadata", mooncake_master.metadata_url, "--requests", "4",
+               "--model", "tiny-mla", "--producer", "tp=2", "--consumer", "tp=2",
+               "--kv-config", json.dumps({"global_segment_size": 16 << 20,
+                                          "local_buffer_size": 4 << 20}),
+               "--timeout", "120", "--json"])
+    summary: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert rc == 0, summary
+    assert summary["connector"] == "mooncake" and summary["requests"] == 4
+    assert summary["failed_requests"] == 0 and summary["mismatched_bytes"] == 0
+    assert summary["external_tokens"] > 0 and summary["verified_bytes"] > 0
+    assert summary["bytes"] > 0 and summary["put_bytes"] > 0 and summary["load_errors"] == 0
+    assert summary["idle_problems"] == {"producer": [], "consumer": []}
+
+
+def test_demo_rejects_metadata_without_master(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["demo", "--connector", "mooncake", "--metadata", "http://127.0.0.1:1/metadata"])
+    assert rc == 2
+    assert "--metadata needs --master" in capsys.readouterr().err
+
+
+def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> None:
+    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
+
+    report = run_bench([(8, 64 << 10), (64, 16 << 10)], rounds=2,
+                       master_address=mooncake_master.rpc_address,
+                       metadata_server=mooncake_master.metadata_url)
+    assert [(p["num_blocks"], p["block_bytes"]) for p in report["patterns"]] == [
+        (8, 64 << 10), (64, 16 << 10)]
+    for pattern in report["patterns"]:
+        assert pattern["verified"], pattern["failed_rounds"]
+        for side in ("raw", "connector"):
+            assert pattern[side]["put_gbps"] > 0 and pattern[side]["get_gbps"] > 0
+        assert pattern["ratio"]["put"] > 0 and pattern["ratio"]["get"] > 0
+    assert "64x16KiB" in format_report(report)

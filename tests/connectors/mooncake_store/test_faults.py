@@ -1,0 +1,102 @@
+"""Failures are misses: a master killed mid-run and restarted, with requests still flowing.
+
+Real ``mooncake_master`` (a fresh one: this test kills it). A producer and a
+consumer engine in this process share the store; the consumer's loads are
+broken by killing the master right when they start.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.connectors import ConnectorConfig, KVRole
+from kvbridge.connectors.mooncake_store import clients
+from kvbridge.engine.core import Engine, EngineConfig
+from kvbridge.engine.workload import make_requests, run_workload
+from kvbridge.layouts import ParallelTopology, load_spec
+from tests.connectors.mooncake_store.conftest import store_extra
+
+
+def pair(master: MooncakeMaster, **overrides: Any) -> tuple[Engine, Engine]:
+    extra = store_extra(master, op_timeout_s=1.5, reconnect_interval_s=0.2, **overrides)
+    spec = load_spec("tiny-gqa")
+    topology = ParallelTopology(tp_size=2)
+    producer = Engine(EngineConfig(spec, topology, num_blocks=96, connector=ConnectorConfig(
+        "mooncake_store", KVRole.PRODUCER, extra=extra)))
+    consumer = Engine(EngineConfig(spec, topology, num_blocks=96, connector=ConnectorConfig(
+        "mooncake_store", KVRole.CONSUMER, extra=extra)))
+    return producer, consumer
+
+
+class KillOnLoad:
+    """Consumer step hook: SIGKILL the master in the first step in which loads start."""
+
+    def __init__(self, master: MooncakeMaster) -> None:
+        self.master = master
+        self.fired_on: set[str] = set()
+
+    def __call__(self, engine: Engine, step: object) -> None:
+        if not self.fired_on and engine.loads_started:
+            self.fired_on = set(engine.loads_started)
+            self.master.kill()
+
+
+def test_master_killed_mid_run_then_restarted(mooncake_master_fresh: MooncakeMaster) -> None:
+    master = mooncake_master_fresh
+    producer, consumer = pair(master)
+    try:
+        # 1. healthy: everything the producer stored is loaded by the consumer
+        healthy = run_workload(make_requests(3, prompt_tokens=70, max_tokens=2, seed=1,
+                                             prefix="up"), engine=producer, consumer=consumer,
+                               shutdown=False)
+        assert healthy.failed_requests == 0 and healthy.mismatched_bytes == 0
+        assert all(r.num_external_tokens > 0 for r in healthy.results)
+
+        # 2. the master dies as the consumer's loads start: loads fail, requests recompute
+        killer = KillOnLoad(master)
+        started = time.monotonic()
+        broken = run_workload(make_requests(3, prompt_tokens=70, max_tokens=2, seed=2,
+                                            prefix="kill"), engine=producer, consumer=consumer,
+                              shutdown=False, consumer_step_hook=killer, timeout_s=60)
+        consumer.step_hooks.clear()
+        assert killer.fired_on, "no load started, so the master was never killed"
+        assert broken.failed_requests == 0, "every request must finish with the right output"
+        assert broken.mismatched_bytes == 0
+        assert broken.recomputed_tokens > 0
+        assert consumer.stats()["failed_loads"] >= len(killer.fired_on)
+
+        # 3. master still down: lookups miss, puts fail and are dropped, nothing hangs
+        down = run_workload(make_requests(2, prompt_tokens=70, max_tokens=2, seed=3,
+                                          prefix="down"), engine=producer, consumer=consumer,
+                            shutdown=False, timeout_s=60)
+        assert down.failed_requests == 0 and down.external_tokens == 0
+        producer_workers = producer.stats()["worker_stats"]
+        assert isinstance(producer_workers, dict) and producer_workers["put_failures"] > 0
+        # bounded: fail-fast reachability checks, not Mooncake's ~4.4 s per call
+        assert time.monotonic() - started < 45
+
+        # 4. master back (empty, same ports): the clients re-mount by themselves and
+        #    later requests hit again, without restarting the engines
+        master.restart()
+        deadline = time.monotonic() + 30
+        rounds = 0
+        while True:
+            rounds += 1
+            again = run_workload(make_requests(2, prompt_tokens=70, max_tokens=2,
+                                               seed=100 + rounds, prefix=f"back{rounds}"),
+                                 engine=producer, consumer=consumer, shutdown=False,
+                                 timeout_s=60)
+            assert again.failed_requests == 0 and again.mismatched_bytes == 0
+            if again.external_tokens > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert again.external_tokens > 0, f"no hit within {rounds} rounds after the restart"
+        assert again.verified_bytes > 0
+        for eng in (producer, consumer):
+            assert eng.idle_problems() == []
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+    assert not [k for k in clients.live_keys() if k.master_address == master.rpc_address]
