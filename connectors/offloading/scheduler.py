@@ -159,7 +159,11 @@ class OffloadingScheduler(SchedulerConnector):
             "lookups": 0, "lookups_deferred": 0, "hit_blocks": 0, "load_blocks": 0,
             "load_parts": 0, "store_parts": 0, "store_parts_failed": 0,
             "max_lookups_per_request": 0, "loads_failed_in_engine": 0,
+            "failed_load_blocks": 0,
         }
+        #: tests: when a list, every final lookup appends ``(request_id, region, block_index,
+        #: matched_tokens)`` for each block whose promotion failed while the request waited
+        self.failed_load_log: list[tuple[str, int, int, int]] | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ lookups
@@ -203,9 +207,30 @@ class OffloadingScheduler(SchedulerConnector):
         matched = min(tokens) // step * step
         new = max(0, matched - num_computed_tokens)
         self._counted[rid] = counted
+        self._note_failed_loads(request, num_computed_tokens, matched)
         if new:
             self._stats["hit_blocks"] += sum(new // t for t in block_tokens)
         return new, False
+
+    def _note_failed_loads(self, request: ConnectorRequest, num_computed_tokens: int,
+                           matched: int) -> None:
+        """Count blocks a failed promotion turned into recomputes (a stat; a log for tests)."""
+        rid = request.request_id
+        for r, parts in enumerate(self.table.region_parts):
+            if not parts:
+                continue
+            failed: set[bytes] = set()
+            for manager in self.managers:
+                failed.update(manager.failed_loads(_manager_request_id(rid, r)))
+            if not failed:
+                continue
+            t = self.ctx.block_tokens(r)
+            start = num_computed_tokens // t
+            for index in range(start, len(request.block_hashes[r])):
+                if any(p.key(request.block_hashes[r][index]) in failed for p in parts):
+                    self._stats["failed_load_blocks"] += 1
+                    if self.failed_load_log is not None:
+                        self.failed_load_log.append((rid, r, index, matched))
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
@@ -375,6 +400,8 @@ class OffloadingScheduler(SchedulerConnector):
                 out[name] = out.get(name, 0) + value
             hits = stats["hits_by_tier"]
             assert isinstance(hits, dict)
+            for tier_name in [manager.primary.name] + [t.name for t in manager.secondaries]:
+                out.setdefault(f"hits_{tier_name}", 0)
             for tier, count in hits.items():
                 out[f"hits_{tier}"] = out.get(f"hits_{tier}", 0) + count
             primary = stats["primary"]

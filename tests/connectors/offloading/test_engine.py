@@ -1,0 +1,209 @@
+"""The offloading connector in the reference engine: fs hits byte for byte, parts,
+injected load failures (real fs faults), KV events, the Mooncake obj tier."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.connectors import ConnectorConfig, KVRole
+from kvbridge.connectors.offloading import OffloadingScheduler, build_part_table, pool_fingerprint
+from kvbridge.engine.core import Engine, EngineConfig
+from kvbridge.engine.request import EngineRequest, RequestResult, RequestSpec, RequestState
+from kvbridge.engine.workload import check_outputs, make_requests
+from kvbridge.events import BlockRemoved, BlockStored
+from kvbridge.layouts import ParallelTopology, load_spec
+from kvbridge.offload.fs import FileMapper
+from tests.conftest import require
+
+MAX_STEPS = 400  # per run: a livelock would spin far beyond this
+
+
+def _engine(fs_dir: Path | None, *, model: str = "tiny-gqa",
+            topology: ParallelTopology | None = None, **extra: Any) -> Engine:
+    settings: dict[str, Any] = {"cpu_blocks": 64, "fs_o_direct": False, **extra}
+    if fs_dir is not None:
+        settings["fs_dir"] = str(fs_dir)
+    return Engine(EngineConfig(load_spec(model), topology or ParallelTopology(), num_blocks=128,
+                               connector=ConnectorConfig("offloading", KVRole.BOTH,
+                                                         extra=settings)))
+
+
+def _run(engine: Engine, specs: list[RequestSpec]) -> tuple[list[RequestResult], int]:
+    for spec in specs:
+        engine.add_request(spec)
+    steps = 0
+    while engine.has_work():
+        assert steps < MAX_STEPS, f"not done after {MAX_STEPS} steps: {engine.stats()}"
+        if engine.step().num_scheduled == 0:
+            time.sleep(0.001)  # only promotions or probes in flight
+        steps += 1
+    results = engine.pop_results()
+    assert not check_outputs(results, specs)
+    assert all(r.state is RequestState.FINISHED_LENGTH for r in results)
+    return results, steps
+
+
+def _scheduler(engine: Engine) -> OffloadingScheduler:
+    scheduler = engine.scheduler_connector
+    assert isinstance(scheduler, OffloadingScheduler)
+    return scheduler
+
+
+def _computed_once(engine: Engine, results: list[RequestResult]) -> None:
+    """Without preemption every token is computed exactly once: loaded or computed."""
+    stats = engine.stats()
+    assert stats["preemptions"] == 0
+    expected = sum(r.num_prompt_tokens + len(r.output) - 1 - r.num_local_hit_tokens
+                   - r.num_external_tokens for r in results)
+    assert stats["tokens_computed"] == expected
+
+
+def _again(specs: list[RequestSpec], tag: str) -> list[RequestSpec]:
+    return [RequestSpec(f"{s.request_id}-{tag}", s.prompt, max_tokens=s.max_tokens)
+            for s in specs]
+
+
+def _block_files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*.kvb")}
+
+
+def test_restarted_engine_loads_every_block_from_fs_byte_for_byte(tmp_path: Path) -> None:
+    specs = make_requests(6, prompt_tokens=64, shared_prefix_tokens=32, max_tokens=2, seed=1)
+    with _engine(tmp_path) as first:
+        _run(first, specs)
+    # shutdown finished the cascades: every distinct full block is a file
+    spec = load_spec("tiny-gqa")
+    block_bytes = spec.rank_shapes(ParallelTopology())[0].block_bytes
+    files = _block_files(tmp_path)
+    assert files and all(p.stat().st_size == block_bytes for p in files)
+    with _engine(tmp_path) as second:  # empty CPU tier: everything comes from fs
+        results, _ = _run(second, _again(specs, "again"))
+        stats = _scheduler(second).get_stats()
+        engine_stats = second.stats()
+    assert stats.get("hits_cpu", 0) + stats["hits_fs"] == stats["load_parts"]
+    assert stats["hits_fs"] > 0 and stats["promotions_failed"] == 0
+    assert sum(r.num_external_tokens for r in results) > 0
+    # every loaded token verified against the content function, none mismatched
+    per_token = block_bytes // 16
+    assert engine_stats["verified_bytes"] == engine_stats["external_tokens"] * per_token
+    assert engine_stats["mismatched_bytes"] == 0
+
+
+def test_a_block_is_a_hit_only_if_every_part_hits(tmp_path: Path) -> None:
+    model, topology = "tiny-gqa", ParallelTopology(tp_size=2)
+    spec = load_spec(model)
+    specs = make_requests(2, prompt_tokens=80, max_tokens=2, seed=2)
+    with _engine(tmp_path, model=model, topology=topology) as first:
+        _run(first, specs)
+    table = build_part_table(spec, topology)
+    assert len(table.parts) == 2
+    # remove rank 1's part of block 2 of the first request
+    request = EngineRequest(specs[0], 1)
+    request.update_hashes(spec, 1)
+    part = table.parts[1]
+    mapper = FileMapper(str(tmp_path), pool_fingerprint(spec, part.block_bytes))
+    os.remove(mapper.path(part.key(request.hashes[0][2])))
+    with _engine(tmp_path, model=model, topology=topology) as second:
+        results, _ = _run(second, _again(specs, "again"))
+        assert second.stats()["mismatched_bytes"] == 0
+    by_id = {r.request_id: r for r in results}
+    assert by_id[f"{specs[0].request_id}-again"].num_external_tokens == 2 * 16
+    assert by_id[f"{specs[1].request_id}-again"].num_external_tokens == 79
+
+
+@pytest.mark.parametrize("kind", ["short_read", "eloop", "eio"])
+def test_failed_fs_loads_recompute_once_and_never_loop(tmp_path: Path, kind: str) -> None:
+    specs = make_requests(8, prompt_tokens=64, shared_prefix_tokens=48, max_tokens=2, seed=3)
+    with _engine(tmp_path) as first:
+        _run(first, specs)
+    files_before = _block_files(tmp_path)
+    faults = {"rate": 1.0, "kinds": [kind], "seed": 1}
+    with _engine(tmp_path, fs_faults=faults) as second:
+        scheduler = _scheduler(second)
+        scheduler.failed_load_log = []
+        results, steps = _run(second, _again(specs, "again"))
+        stats = scheduler.get_stats()
+        _computed_once(second, results)
+        log = list(scheduler.failed_load_log)
+        assert second.stats()["mismatched_bytes"] == 0
+    assert stats["promotions_failed"] > 0 and stats["hits_fs"] == 0
+    assert sum(r.num_external_tokens for r in results) == 0  # nothing came through
+    # each failed block was recomputed, by each request that waited for it, once
+    assert log and len(log) == len(set(log))
+    assert all(matched <= index * 16 for _, _, index, matched in log)
+    # no key is promoted again after its failure: at most one attempt per stored block
+    assert stats["promotions_started"] <= len(files_before)
+    assert steps < MAX_STEPS
+    if kind == "short_read":
+        assert stats["fs_files_deleted"] > 0  # provably torn: deleted
+    else:
+        assert _block_files(tmp_path) == files_before  # transient: every file kept
+
+
+def test_close_error_after_a_full_read_is_a_hit(tmp_path: Path) -> None:
+    specs = make_requests(3, prompt_tokens=64, max_tokens=2, seed=4)
+    with _engine(tmp_path) as first:
+        _run(first, specs)
+    faults = {"rate": 1.0, "kinds": ["close_error"], "seed": 1}
+    with _engine(tmp_path, fs_faults=faults) as second:
+        results, _ = _run(second, _again(specs, "again"))
+        stats = _scheduler(second).get_stats()
+        assert second.stats()["mismatched_bytes"] == 0
+    assert stats["promotions_failed"] == 0 and stats["hits_fs"] == 12
+    assert stats["fs_close_errors_ignored"] == 12
+    assert sum(r.num_external_tokens for r in results) == 3 * 63
+
+
+def test_kv_events_per_tier(tmp_path: Path) -> None:
+    specs = make_requests(6, prompt_tokens=64, max_tokens=2, seed=5)
+    with _engine(tmp_path, cpu_blocks=8) as engine:
+        for spec in specs:  # one at a time: a step stores at most as many blocks as slots
+            _run(engine, [spec])
+            assert _scheduler(engine).wait_idle()
+        engine.step()  # publish the last cascades' events
+        assert _scheduler(engine).get_stats()["stores_skipped_no_slot"] == 0
+        events = list(engine.events)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    media = {(e.medium, e.locality) for e in stored}
+    assert media == {("CPU", "LOCAL"), ("STORAGE", "LOCAL")}
+    cpu = [e for e in stored if e.medium == "CPU"]
+    assert all(len(e.token_ids) == e.block_size == 16 and e.group_idx == 0 for e in cpu)
+    # chained: each block's parent is the previous block of its request
+    by_hash = {e.block_hashes[0]: e for e in cpu}
+    assert any(e.parent_block_hash in by_hash for e in cpu)
+    fs_hashes = {e.block_hashes[0] for e in stored if e.medium == "STORAGE"}
+    assert fs_hashes == set(by_hash)  # every block cascaded to fs once
+    assert removed and all(e.medium == "CPU" for e in removed)  # evicted from 8 slots
+
+
+def test_obj_tier_serves_a_restarted_engine(tmp_path: Path, mooncake_master: Any) -> None:
+    require("mooncake.store")
+    from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient
+
+    obj = {"master_address": mooncake_master.rpc_address,
+           "metadata_server": mooncake_master.metadata_url,
+           "global_segment_size": 0, "local_buffer_size": 16 << 20}
+    # the objects live in the segment of a client that outlives both engines (a store node)
+    holder = MooncakeStoreClient.connect(MooncakeConfig(
+        mooncake_master.rpc_address, mooncake_master.metadata_url,
+        global_segment_size=64 << 20, local_buffer_size=0))
+    specs = make_requests(3, prompt_tokens=64, max_tokens=2, seed=6)
+    try:
+        with _engine(None, obj=obj) as first:
+            _run(first, specs)
+        second = _engine(None, obj=obj)
+    except BaseException:
+        holder.close()
+        raise
+    with holder, second:
+        results, _ = _run(second, _again(specs, "obj"))
+        stats = _scheduler(second).get_stats()
+        assert second.stats()["mismatched_bytes"] == 0
+    assert stats["hits_obj"] == 12
+    assert sum(r.num_external_tokens for r in results) == 3 * 63

@@ -1,0 +1,90 @@
+"""Part tables: every namespace a lookup must check, its bytes, its pool, its writer."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.connectors import ConfigError
+from kvbridge.connectors.offloading import build_part_table, parse_settings, pool_fingerprint
+from kvbridge.layouts import (
+    BlockKey,
+    KVCacheSpec,
+    ParallelTopology,
+    RegionLayout,
+    RegionSpec,
+    load_spec,
+    lookup_namespaces,
+)
+
+
+def test_one_pool_per_part_size_and_every_lookup_namespace() -> None:
+    spec = load_spec("tiny-gqa")
+    topology = ParallelTopology(tp_size=2)
+    table = build_part_table(spec, topology)
+    assert [p.namespace for p in table.parts] == list(lookup_namespaces(spec, topology))
+    assert len(table.parts) == 2 and len(table.pool_bytes) == 1
+    shape = spec.rank_shapes(topology)[0]
+    assert table.pool_bytes == (shape.block_bytes,)
+    # a part's key is exactly the layouts' BlockKey bytes
+    h = bytes(range(32))
+    assert table.parts[1].key(h) == BlockKey(table.parts[1].namespace, h).to_bytes()
+
+
+def test_replicated_region_has_one_part_but_dcp_ranks_keep_theirs() -> None:
+    spec = load_spec("tiny-mla")
+    assert len(build_part_table(spec, ParallelTopology(tp_size=2)).parts) == 1
+    dcp = build_part_table(spec, ParallelTopology(tp_size=2, dcp_size=2))
+    assert sorted(p.namespace.dcp_rank for p in dcp.parts) == [0, 1]
+
+
+def test_unequal_pipeline_stages_get_their_own_pools() -> None:
+    spec = KVCacheSpec("three-layers", (
+        RegionSpec("attn", RegionLayout.SPLIT, (0, 1, 2), block_size=16, num_kv_heads=4,
+                   head_dim=32, dtype="float16"),))
+    topology = ParallelTopology(pp_size=2)
+    table = build_part_table(spec, topology)
+    assert len(table.parts) == 2
+    assert len(table.pool_bytes) == 2
+    assert {p.block_bytes for p in table.parts} == set(table.pool_bytes)
+    assert pool_fingerprint(spec, table.pool_bytes[0]) != pool_fingerprint(spec,
+                                                                            table.pool_bytes[1])
+
+
+def test_replicated_heads_share_a_part_and_only_the_writer_stores() -> None:
+    spec = load_spec("tiny-gqa")  # 8 KV heads
+    topology = ParallelTopology(tp_size=16)
+    table = build_part_table(spec, topology)
+    assert len(table.parts) == 8
+    writers = 0
+    readers: dict[int, int] = {}
+    for rank in topology.ranks():
+        part, writer = table.rank_parts(spec, rank)[0]
+        writers += writer
+        readers[part.index] = readers.get(part.index, 0) + 1
+    assert writers == 8
+    assert set(readers.values()) == {2}
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"cpu_blocks": 0}, "cpu_blocks"),
+    ({"policy": "mru"}, "policy"),
+    ({"fs_dir": ""}, "fs_dir"),
+    ({"fs_faults": {"rate": 0.1}}, "fs_faults"),
+    ({"fs_dir": "/x", "fs_faults": {"rate": 2}}, "fs_faults.rate"),
+    ({"fs_dir": "/x", "fs_faults": {"kinds": ["nope"]}}, "fs_faults.kinds"),
+    ({"obj": "localhost"}, "obj"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_settings_errors_name_the_key(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_settings(extra)
+    assert info.value.field == f"kv_connector_extra_config.{field}"
+
+
+def test_settings_parse_fault_plan() -> None:
+    settings = parse_settings({"fs_dir": "/x", "fs_faults": {"rate": 0.05,
+                                                             "kinds": ["eio", "eloop"],
+                                                             "seed": 7}})
+    assert settings.fs_faults is not None
+    assert settings.fs_faults.rate == 0.05 and settings.fs_faults.seed == 7
+    assert [k.value for k in settings.fs_faults.kinds] == ["eio", "eloop"]

@@ -1,0 +1,228 @@
+"""`kvbridge demo --connector offload`: one engine, the tiered offload store, shared prefixes.
+
+Rounds of the same prompts (fresh request ids) run through one engine with the
+``offloading`` connector. Between rounds the engine's prefix cache is reset and
+the store's cascades are finished, so every round after the first must take its
+prefixes from the store; the CPU tier is kept smaller than the working set, so
+blocks also come back from the ``fs`` tier (promoted into CPU first). With
+``--inject-faults RATE`` a share of the fs tier's block opens fail for real
+(torn block, ELOOP, EIO): those blocks are recomputed, every request still
+finishes, and every loaded byte is verified against the content function.
+
+``run_offload_workload`` is the library call behind it (tests use it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
+from kvbridge.connectors.offloading import OffloadingScheduler
+from kvbridge.engine.core import Engine, EngineConfig
+from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
+from kvbridge.engine.workload import check_outputs, make_requests
+from kvbridge.events import BlockRemoved, BlockStored
+from kvbridge.layouts import ParallelTopology, load_spec
+
+CONNECTOR = "offload"
+
+#: the fault kinds that make a load fail (a close error after a full read does not)
+LOAD_FAULT_KINDS = ("short_read", "eloop", "eio")
+
+Progress = Callable[[str], None]
+
+
+def make_prompts(num_requests: int, *, groups: int, prompt_tokens: int,
+                 shared_prefix_tokens: int, max_tokens: int, seed: int) -> list[RequestSpec]:
+    """``num_requests`` prompts in ``groups`` families, each family sharing a prefix."""
+    if groups < 1 or num_requests < 1:
+        raise ConfigError("requests", "expected at least one request and one group")
+    out: list[RequestSpec] = []
+    per_group = -(-num_requests // groups)
+    for group in range(groups):
+        count = min(per_group, num_requests - len(out))
+        if count <= 0:
+            break
+        out.extend(make_requests(count, prompt_tokens=prompt_tokens,
+                                 shared_prefix_tokens=shared_prefix_tokens,
+                                 max_tokens=max_tokens, seed=seed * 1000 + group,
+                                 prefix=f"g{group}"))
+    return out
+
+
+def run_offload_workload(*, model: str = "tiny-gqa",
+                         topology: ParallelTopology | None = None,
+                         requests: int = 64, rounds: int = 3, groups: int = 4,
+                         prompt_tokens: int = 96, shared_prefix_tokens: int = 48,
+                         max_tokens: int = 2, cpu_blocks: int = 16, num_blocks: int = 256,
+                         offload_dir: str | None = None, fault_rate: float = 0.0,
+                         fault_kinds: tuple[str, ...] = LOAD_FAULT_KINDS, seed: int = 0,
+                         policy: str = "lru", o_direct: bool = True,
+                         timeout_s: float = 300.0, max_steps: int = 1_000_000,
+                         progress: Progress | None = None,
+                         record_failed_loads: bool = False) -> dict[str, Any]:
+    """Run the rounds; returns the summary (see the module docstring).
+
+    ``max_steps`` bounds every round (a livelock would show up as a TimeoutError).
+    With ``record_failed_loads`` the summary carries ``failed_load_log``
+    (``OffloadingScheduler.failed_load_log``) and per-request ``results``.
+    """
+    if rounds < 1:
+        raise ConfigError("rounds", f"expected >= 1, got {rounds}")
+    spec = load_spec(model)
+    topology = topology or ParallelTopology()
+    with contextlib.ExitStack() as stack:
+        directory = offload_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvbridge-offload-demo-"))
+        extra: dict[str, Any] = {"cpu_blocks": cpu_blocks, "policy": policy,
+                                 "fs_dir": directory, "fs_o_direct": o_direct}
+        if fault_rate > 0:
+            extra["fs_faults"] = {"rate": fault_rate, "kinds": list(fault_kinds), "seed": seed}
+        config = EngineConfig(spec, topology, num_blocks=num_blocks,
+                              connector=ConnectorConfig("offloading", KVRole.BOTH, extra=extra),
+                              remote_kv_timeout_s=timeout_s)
+        engine = stack.enter_context(Engine(config))
+        scheduler = engine.scheduler_connector
+        assert isinstance(scheduler, OffloadingScheduler)
+        if record_failed_loads:
+            scheduler.failed_load_log = []
+        prompts = make_prompts(requests, groups=groups, prompt_tokens=prompt_tokens,
+                               shared_prefix_tokens=shared_prefix_tokens,
+                               max_tokens=max_tokens, seed=seed)
+        results: list[RequestResult] = []
+        specs: list[RequestSpec] = []
+        steps_per_round: list[int] = []
+        start = time.monotonic()
+        deadline = start + timeout_s
+        for round_index in range(rounds):
+            batch = [RequestSpec(f"r{round_index}-{p.request_id}", p.prompt,
+                                 max_tokens=p.max_tokens) for p in prompts]
+            specs.extend(batch)
+            for item in batch:
+                engine.add_request(item)
+            steps = 0
+            while engine.has_work():
+                if steps >= max_steps or time.monotonic() > deadline:
+                    raise TimeoutError(f"round {round_index}: still busy after {steps} steps "
+                                       f"({len(engine.waiting)} waiting, "
+                                       f"{len(engine.running)} running)")
+                if engine.step().num_scheduled == 0:
+                    time.sleep(0.0005)  # only promotions/probes in flight
+                steps += 1
+                done = engine.pop_results()
+                if done:
+                    results.extend(done)
+                    if progress is not None:
+                        progress(f"round {round_index + 1}/{rounds}: "
+                                 f"{len(results)}/{len(prompts) * rounds} requests")
+            steps_per_round.append(steps)
+            # the next round must come from the store: forget the engine's own cache and
+            # let the cascades to fs finish (blocks evicted from CPU come back from fs)
+            engine.reset_prefix_cache()
+            scheduler.wait_idle(timeout_s=max(1.0, deadline - time.monotonic()))
+        elapsed = time.monotonic() - start
+        summary = _summary(engine, scheduler, results, specs, elapsed, steps_per_round)
+        sizes = topology.sizes()
+        summary.update(model=model, rounds=rounds,
+                       topology=f"tp={sizes.tp_size},pp={sizes.pp_size},dcp={sizes.dcp_size},"
+                                f"pcp={sizes.pcp_size}",
+                       cpu_blocks=cpu_blocks, fault_rate=fault_rate,
+                       offload_dir=offload_dir)
+        if record_failed_loads:
+            summary["failed_load_log"] = list(scheduler.failed_load_log or ())
+            summary["results"] = results
+        return summary
+
+
+def _summary(engine: Engine, scheduler: OffloadingScheduler, results: list[RequestResult],
+             specs: list[RequestSpec], elapsed: float,
+             steps_per_round: list[int]) -> dict[str, Any]:
+    stats = engine.stats()
+    cstats = scheduler.get_stats()
+    wrong = check_outputs(results, specs)
+    failed = sum(1 for r in results if r.state is not RequestState.FINISHED_LENGTH
+                 or r.request_id in wrong)
+    tiers = ["cpu"] + [t.name for t in scheduler.managers[0].secondaries]
+    events: dict[str, dict[str, int]] = {}
+    for event in engine.events:
+        if isinstance(event, BlockStored | BlockRemoved):
+            medium = f"{event.medium}/{event.locality}" if event.locality else str(event.medium)
+            kind = "stored" if isinstance(event, BlockStored) else "removed"
+            row = events.setdefault(medium, {"stored": 0, "removed": 0})
+            row[kind] += len(event.block_hashes)
+    block_tokens = min(engine.tokens_per_block)
+    engine_recomputed = int(stats["recomputed_tokens"])  # type: ignore[call-overload]
+    verified = int(stats["verified_bytes"])  # type: ignore[call-overload]
+    return {
+        "connector": "offloading", "mode": "tiered",
+        "requests": len(results), "failed_requests": failed, "wrong_outputs": len(wrong),
+        "steps": sum(steps_per_round), "max_steps_per_round": max(steps_per_round),
+        "hit_blocks_by_tier": {t: int(cstats.get(f"hits_{t}", 0)) for t in tiers},
+        "external_tokens": stats["external_tokens"],
+        "failed_loads": int(cstats.get("promotions_failed", 0)),
+        "recomputed_blocks": int(cstats.get("failed_load_blocks", 0))
+        + engine_recomputed // block_tokens,
+        "engine_failed_loads": stats["failed_loads"],
+        "injected_faults": scheduler.injected_faults(),
+        "fs_files_deleted": int(cstats.get("fs_files_deleted", 0)),
+        "cpu_evictions": int(cstats.get("cpu_evictions", 0)),
+        "stored_parts": int(cstats.get("store_parts", 0)),
+        "max_lookups_per_request": int(cstats.get("max_lookups_per_request", 0)),
+        "events": events,
+        "verified_bytes": verified,
+        "mismatched_bytes": stats["mismatched_bytes"],
+        "preemptions": stats["preemptions"],
+        "tokens_computed": stats["tokens_computed"],
+        "elapsed_s": round(elapsed, 3),
+        "bytes": verified,
+        "throughput_gbps": round(verified / max(elapsed, 1e-9) / 1e9, 4),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("offload demo (--connector offload)")
+    group.add_argument("--offload-dir", metavar="DIR",
+                       help="fs tier directory (default: a temp dir, removed afterwards)")
+    group.add_argument("--inject-faults", type=float, default=0.0, metavar="RATE",
+                       help="share of fs block opens that fail (torn block, ELOOP, EIO)")
+    group.add_argument("--rounds", type=int, default=3, metavar="N",
+                       help="rounds of the same prompts (default 3)")
+    group.add_argument("--cpu-blocks", type=int, default=16, metavar="N",
+                       help="CPU tier slots (default 16: smaller than the working set)")
+    group.add_argument("--seed", type=int, default=0, metavar="N")
+
+
+def format_details(summary: dict[str, Any]) -> str:
+    hits = ", ".join(f"{k} {v}" for k, v in summary["hit_blocks_by_tier"].items())
+    events = ", ".join(f"{m}: +{v['stored']} -{v['removed']}"
+                       for m, v in sorted(summary["events"].items()))
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(summary["injected_faults"].items()))
+    return "\n".join([
+        f"  rounds          {summary['rounds']} (CPU tier {summary['cpu_blocks']} blocks, "
+        f"{summary['cpu_evictions']} evictions)",
+        f"  hits by tier    {hits} (blocks loaded; fs hits were promoted into CPU first)",
+        f"  failed loads    {summary['failed_loads']} (injected: {faults or 'none'}); "
+        f"recomputed blocks {summary['recomputed_blocks']}",
+        f"  KV events       {events or 'none'}",
+    ])
+
+
+def run_cli(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    if not 0.0 <= args.inject_faults <= 1.0:
+        raise ConfigError("inject_faults", f"expected a rate in [0, 1], got {args.inject_faults}")
+    summary = run_offload_workload(
+        model=args.model, topology=ParallelTopology.parse(args.consumer, "consumer"),
+        requests=args.requests, rounds=args.rounds, prompt_tokens=max(args.prompt_tokens, 2),
+        shared_prefix_tokens=args.prompt_tokens // 2, cpu_blocks=args.cpu_blocks,
+        num_blocks=args.num_blocks, offload_dir=args.offload_dir,
+        fault_rate=args.inject_faults, seed=args.seed, timeout_s=args.timeout,
+        progress=progress)
+    summary["producer"] = summary["consumer"] = summary["topology"]
+    if not args.json:
+        print(format_details(summary))
+    return summary
