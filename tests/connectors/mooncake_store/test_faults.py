@@ -20,7 +20,7 @@ from tests.connectors.mooncake_store.conftest import store_extra
 
 
 def pair(master: MooncakeMaster, **overrides: Any) -> tuple[Engine, Engine]:
-    extra = store_extra(master, op_timeout_s=1.5, reconnect_interval_s=0.2, **overrides)
+    extra = store_extra(master, **{"op_timeout_s": 1.5, "reconnect_interval_s": 0.2, **overrides})
     spec = load_spec("tiny-gqa")
     topology = ParallelTopology(tp_size=2)
     producer = Engine(EngineConfig(spec, topology, num_blocks=96, connector=ConnectorConfig(
@@ -100,3 +100,33 @@ def test_master_killed_mid_run_then_restarted(mooncake_master_fresh: MooncakeMas
         consumer.shutdown()
         producer.shutdown()
     assert not [k for k in clients.live_keys() if k.master_address == master.rpc_address]
+
+
+def test_stalled_master_costs_timeouts_not_hangs(mooncake_master_fresh: MooncakeMaster) -> None:
+    """SIGSTOP: the master's ports still accept, nothing answers; every call is bounded."""
+    master = mooncake_master_fresh
+    producer, consumer = pair(master, op_timeout_s=0.5, abandon_grace_s=0.5)
+    try:
+        warm = run_workload(make_requests(1, prompt_tokens=40, max_tokens=1, seed=5,
+                                          prefix="warm"), engine=producer, consumer=consumer,
+                            shutdown=False)
+        assert warm.failed_requests == 0
+        master.pause()
+        try:
+            started = time.monotonic()
+            stalled = run_workload(make_requests(2, prompt_tokens=40, max_tokens=2, seed=6,
+                                                 prefix="stall"), engine=producer,
+                                   consumer=consumer, shutdown=False, timeout_s=60)
+            elapsed = time.monotonic() - started
+        finally:
+            master.resume()
+        assert stalled.failed_requests == 0 and stalled.external_tokens == 0
+        assert elapsed < 30, f"requests took {elapsed:.1f} s against a stalled master"
+        producer_workers = producer.stats()["worker_stats"]
+        assert isinstance(producer_workers, dict) and producer_workers["put_failures"] > 0
+        connector_stats = consumer.stats()["connector_stats"]
+        assert isinstance(connector_stats, dict)
+        assert connector_stats["lookup_failures"] + connector_stats["lookup_timeouts"] > 0
+    finally:
+        consumer.shutdown()
+        producer.shutdown()

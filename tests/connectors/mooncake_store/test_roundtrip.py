@@ -19,7 +19,9 @@ from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts import ParallelTopology, load_spec
 
-TOPOLOGIES = {"tp2": ParallelTopology(tp_size=2), "tp2dcp2": ParallelTopology(tp_size=2, dcp_size=2)}
+TOPOLOGIES = {"tp2": ParallelTopology(tp_size=2),
+              "tp2dcp2": ParallelTopology(tp_size=2, dcp_size=2),
+              "pp2": ParallelTopology(pp_size=2)}
 
 
 def both_engine(model: str, topology: ParallelTopology, extra: dict[str, Any],
@@ -30,7 +32,9 @@ def both_engine(model: str, topology: ParallelTopology, extra: dict[str, Any],
 
 
 CASES = [pytest.param(model, topology, True, id=f"{model}-{topology}-async")
-         for model in ("tiny-gqa", "tiny-mla", "tiny-hybrid") for topology in sorted(TOPOLOGIES)]
+         for model in ("tiny-gqa", "tiny-mla", "tiny-hybrid") for topology in ("tp2", "tp2dcp2")]
+# PP: every stage stores and loads its own layers; a hit needs every stage's keys
+CASES.append(pytest.param("tiny-hybrid", "pp2", True, id="tiny-hybrid-pp2-async"))
 CASES.append(pytest.param("tiny-hybrid", "tp2dcp2", False, id="tiny-hybrid-tp2dcp2-sync"))
 
 
