@@ -122,6 +122,30 @@ def multi_cases() -> tuple[ConformanceCase, ...]:
             break_loads=break_both(store))
 
     @contextmanager
+    def nixl_pd(tmp: Path) -> Iterator[CaseEnv]:
+        _, offload = dirs(tmp)
+        nixl = {"mode": "pull", "transfer_timeout_s": 10.0, "lease_s": 30.0}
+
+        def pair(role: KVRole, fs_dir: Path) -> ConnectorConfig:
+            return ConnectorConfig("multi", role, extra={"connectors": [
+                {"connector": "nixl", "extra": nixl},
+                {"connector": "offloading", "role": "kv_both",
+                 "extra": {"cpu_blocks": 32, "fs_dir": str(fs_dir), "fs_o_direct": False}}]})
+
+        def break_loads(engine: Any, step: Any) -> None:
+            for worker in engine.workers:
+                for child in getattr(worker.connector, "children", ()):
+                    inject = getattr(child, "inject_fault_next_loads", None)
+                    if inject is not None:
+                        inject()
+                    if isinstance(child, OffloadingWorker):
+                        child.fail_loads_of_next_step()
+
+        yield CaseEnv(producer=pair(KVRole.PRODUCER, tmp / "offload-producer"),
+                      consumer=pair(KVRole.CONSUMER, offload), break_loads=break_loads,
+                      async_loads=True)
+
+    @contextmanager
     def single(tmp: Path) -> Iterator[CaseEnv]:
         store, offload = dirs(tmp)
         yield CaseEnv(consumer=ConnectorConfig("multi", KVRole.BOTH, extra={
@@ -130,6 +154,9 @@ def multi_cases() -> tuple[ConformanceCase, ...]:
 
     return (
         ConformanceCase("multi-storage+offloading-pd", CaseKind.PD, pd),
+        ConformanceCase("multi-nixl+offloading-pd", CaseKind.PD, nixl_pd,
+                        consumer_topology=ParallelTopology(tp_size=2),
+                        backends=("nixl_cu12",), num_blocks=64),
         ConformanceCase("multi-offloading+storage-single-tp2", CaseKind.SINGLE, single,
                         model="tiny-hybrid", consumer_topology=ParallelTopology(tp_size=2)),
     )
