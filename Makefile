@@ -38,6 +38,7 @@ clean:
 # Real vLLM (CPU build) with kvbridge's connectors: its own venv, see integrations/vllm/setup.sh.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvbridge-vllm-setup
+VLLM_TESTS ?= tests/integrations
 .PHONY: setup-vllm test-vllm
 setup-vllm: $(VLLM_STAMP)
 
@@ -45,5 +46,5 @@ $(VLLM_STAMP): pyproject.toml integrations/vllm/setup.sh
 	bash integrations/vllm/setup.sh
 
 test-vllm: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 KVBRIDGE_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
-		$(VLLM_VENV)/bin/python -m pytest -q -m vllm --timeout 900 tests/integrations $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 KVBRIDGE_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVBRIDGE_VLLM_LOGS=$(CURDIR)/build/vllm-logs \
+		$(VLLM_VENV)/bin/python -m pytest -q -m vllm --timeout 900 $(VLLM_TESTS) $(PYTEST_ARGS)

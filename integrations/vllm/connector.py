@@ -69,6 +69,7 @@ from kvbridge.connectors import (
     ScheduledRequest,
     SchedulerConnector,
     SchedulerStep,
+    TransferMode,
     TransferParams,
     TransferParamsError,
     UnknownConnectorError,
@@ -114,9 +115,16 @@ FALLBACK_PATHS = {
 
 @dataclass
 class KVBridgeVllmMetadata(KVConnectorMetadata):
-    """The kvbridge connector's per-step metadata, carried through vLLM to the workers."""
+    """The kvbridge connector's per-step metadata, carried through vLLM to the workers.
+
+    ``new_ids``: kvbridge request id -> vLLM request id, for requests first seen
+    this step whose kvbridge id differs (push-mode producers use the router's
+    ``producer_request_id``, which the consumer names in its registration;
+    vLLM's own ids carry a random suffix no router can know).
+    """
 
     inner: ConnectorMetadata
+    new_ids: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -291,6 +299,22 @@ class EngineDescription:
         return cls(adapter, topology, config, int(kv_cache_config.num_blocks))
 
 
+def _configure_logging() -> None:
+    """``KVBRIDGE_LOG_LEVEL`` (e.g. INFO, DEBUG) shows kvbridge's own log lines in vLLM's
+    output; without it only warnings and errors appear (Python's last-resort handler)."""
+    import os
+
+    level = os.environ.get("KVBRIDGE_LOG_LEVEL")
+    root = logging.getLogger("kvbridge")
+    if not level or root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("(kvbridge pid=%(process)d) %(levelname)s "
+                                           "%(asctime)s [%(name)s] %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
 def _resolve(config: ConnectorConfig) -> Any:
     try:
         return kvb_registry.resolve(config)
@@ -360,6 +384,7 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _configure_logging()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         name = self.KVBRIDGE_CONNECTOR or (transfer.kv_connector_extra_config or {}).get(
@@ -393,6 +418,10 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
         self._blocks: dict[str, list[list[int]]] = {}
         self._local_computed: dict[str, int] = {}
         self._step_id = 0
+        # kvbridge id <-> vLLM id, only where they differ (see KVBridgeVllmMetadata)
+        self._to_vllm: dict[str, str] = {}
+        self._to_kvb: dict[str, str] = {}
+        self._new_ids: dict[str, str] = {}
         # worker-side state
         self._views: dict[str, torch.Tensor] = {}
         self._records_seen: Any = None
@@ -416,14 +445,21 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
 
     def _view(self, request: Request, num_computed: int | None = None) -> ConnectorRequest:
         rid = request.request_id
+        params, remote_decode = parse_transfer_params(request.kv_transfer_params)
+        kvb_id = rid
+        if params is not None and remote_decode and params.mode is TransferMode.PUSH:
+            kvb_id = params.producer_request_id
+            if self._to_kvb.get(rid) != kvb_id:
+                self._to_kvb[rid] = kvb_id
+                self._to_vllm[kvb_id] = rid
+                self._new_ids[kvb_id] = rid
         chain = self._chains.get(rid)
         if chain is None:
             chain = self._chains[rid] = _HashChain(len(self._block_tokens),
                                                    getattr(request, "cache_salt", None))
         tokens = list(request.all_token_ids)
-        params, remote_decode = parse_transfer_params(request.kv_transfer_params)
         return ConnectorRequest(
-            request_id=rid,
+            request_id=kvb_id,
             token_ids=tuple(tokens),
             num_prompt_tokens=int(request.num_prompt_tokens),
             block_hashes=chain.update(tokens, self._block_tokens),
@@ -444,6 +480,13 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
         self._chains.pop(rid, None)
         self._blocks.pop(rid, None)
         self._local_computed.pop(rid, None)
+        self._new_ids.pop(self._to_kvb.get(rid, rid), None)
+
+    def _kvb_ids(self, vllm_ids: Iterable[str] | None) -> frozenset[str]:
+        return frozenset(self._to_kvb.get(i, i) for i in vllm_ids or ())
+
+    def _vllm_ids(self, kvb_ids: Iterable[str]) -> set[str]:
+        return {self._to_vllm.get(i, i) for i in kvb_ids}
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -499,18 +542,24 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
         self._step_id += 1
         step = SchedulerStep(
             step_id=self._step_id, scheduled=tuple(scheduled),
-            finished_request_ids=frozenset(scheduler_output.finished_req_ids),
-            preempted_request_ids=frozenset(scheduler_output.preempted_req_ids or ()))
-        return KVBridgeVllmMetadata(self.kvbridge_scheduler.build_connector_meta(step))
+            finished_request_ids=self._kvb_ids(scheduler_output.finished_req_ids),
+            preempted_request_ids=self._kvb_ids(scheduler_output.preempted_req_ids))
+        new_ids, self._new_ids = self._new_ids, {}
+        return KVBridgeVllmMetadata(self.kvbridge_scheduler.build_connector_meta(step), new_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        sent = self._kvb_ids(connector_output.finished_sending)
         out = ConnectorOutput(
-            finished_sending=frozenset(connector_output.finished_sending or ()),
-            finished_recving=frozenset(connector_output.finished_recving or ()),
-            failed_recving=frozenset(getattr(connector_output, "failed_recving", None) or ()),
+            finished_sending=sent,
+            finished_recving=self._kvb_ids(connector_output.finished_recving),
+            failed_recving=self._kvb_ids(getattr(connector_output, "failed_recving", None)),
             invalid_block_ids=frozenset((0, b) for b in connector_output.invalid_block_ids or ()),
         )
         self.kvbridge_scheduler.update_connector_output(out)
+        for kvb_id in sent:  # a held request is done for good once sent
+            vllm_id = self._to_vllm.pop(kvb_id, None)
+            if vllm_id is not None:
+                self._to_kvb.pop(vllm_id, None)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -592,7 +641,16 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KVBridgeVllmMetadata)
-        self.kvbridge_worker.bind_connector_metadata(connector_metadata.inner)
+        for kvb_id, vllm_id in connector_metadata.new_ids.items():
+            self._to_vllm[kvb_id] = vllm_id
+            self._to_kvb[vllm_id] = kvb_id
+        worker = self.kvbridge_worker
+        worker.bind_connector_metadata(connector_metadata.inner)
+        # vLLM 0.32 calls start_load_kv *after* the forward unless the step has
+        # synchronous loads; kvbridge's contract calls it before any layer is
+        # computed (a push producer learns the step's writes there, before
+        # save_kv_layer). Starting here keeps kvbridge's order on every path.
+        worker.start_load_kv()
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -600,7 +658,7 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
             self._worker.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.kvbridge_worker.start_load_kv()
+        """Already done in :meth:`bind_connector_metadata` (see there)."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         lid = self._desc.adapter.layer_id(layer_name)
@@ -619,16 +677,22 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str],
                      ) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self.kvbridge_worker.get_finished(frozenset(finished_req_ids))
-        return set(sending) or None, set(recving) or None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self.kvbridge_worker
-        sending, recving = worker.get_finished(frozenset(finished_req_ids))
+        sending, recving = worker.get_finished(self._kvb_ids(finished_req_ids))
         failed = worker.get_failed_recving()
-        return KVConnectorTransferResults(finished_sending=set(sending),
-                                          finished_recving=set(recving) | set(failed),
-                                          failed_recving=set(failed))
+        results = KVConnectorTransferResults(
+            finished_sending=self._vllm_ids(sending),
+            finished_recving=self._vllm_ids(set(recving) | set(failed)),
+            failed_recving=self._vllm_ids(failed))
+        for kvb_id in sending:
+            vllm_id = self._to_vllm.pop(kvb_id, None)
+            if vllm_id is not None:
+                self._to_kvb.pop(vllm_id, None)
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

@@ -367,3 +367,41 @@ def make_prompts(num_prompts: int, num_tokens: int, vocab_size: int = 1024,
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(num_tokens)]
             for _ in range(num_prompts)]
+
+
+def kvbridge_push_params(*, producer_engine_id: str, producer_port: int,
+                         consumer_engine_id: str, consumer_port: int, request_id: str,
+                         num_tokens: int) -> dict[str, Any]:
+    """A push-mode record as a router builds it before either engine has the request.
+
+    Push needs both kvbridge side channels at known addresses (``port`` in
+    each engine's ``kv_connector_extra_config``) and engine ids (``engine_id``
+    in ``--kv-transfer-config``); ``request_id`` is the router's id, which the
+    adapter uses as the producer's kvbridge request id.
+    """
+    return {
+        "version": 1, "mode": "push",
+        "producer_engine_id": producer_engine_id, "producer_host": LOOPBACK,
+        "producer_port": producer_port, "producer_request_id": request_id,
+        "block_ids": [], "producer_topology": {"tp_size": 1, "pp_size": 1, "dcp_size": 1,
+                                               "pcp_size": 1},
+        "num_tokens": num_tokens,
+        "consumer_engine_id": consumer_engine_id, "consumer_host": LOOPBACK,
+        "consumer_port": consumer_port, "consumer_request_id": request_id,
+    }
+
+
+def disaggregated_push(producer: VllmServer, consumer: VllmServer, prompt: Sequence[int],
+                       max_tokens: int, params: Mapping[str, Any],
+                       timeout_s: float = 120.0) -> tuple[Completion, Completion]:
+    """Push: the consumer gets the request first (it allocates and registers), the
+    producer prefills and writes; both run concurrently, each bounded."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        decode = pool.submit(consumer.complete, prompt, max_tokens, {"kvbridge": dict(params)},
+                             timeout_s)
+        first = producer.complete(prompt, 1, {"do_remote_decode": True,
+                                              "kvbridge": dict(params)}, timeout_s)
+        second = decode.result(timeout=timeout_s)
+    return first, second
