@@ -180,6 +180,8 @@ def _summary(engine: Engine, scheduler: OffloadingScheduler, results: list[Reque
         "tokens_computed": stats["tokens_computed"],
         "elapsed_s": round(elapsed, 3),
         "bytes": verified,
+        "blocks": int(cstats.get("load_blocks", 0)),
+        "transfers": sum(1 for r in results if r.num_external_tokens),
         "throughput_gbps": round(verified / max(elapsed, 1e-9) / 1e9, 4),
     }
 
