@@ -70,6 +70,21 @@ class _PendingLookup:
     submitted_at: float
     keys_per_region: tuple[int, ...]  # how many keys of the batch belong to each region
     answer: int | None = None  # tokens matched (absolute), once computed
+    hits: tuple[int, ...] | None = None  # leading hit blocks per region (absolute)
+
+
+def _covers(entry: _PendingLookup, signature: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """True when an answered lookup still answers for ``signature``.
+
+    The engine may ask again with more tokens computed locally (another
+    request cached a shared prefix meanwhile): the old answer still holds if
+    the hashes are the same and every region's new start lies within the
+    blocks the old lookup found, from its own start on.
+    """
+    if entry.hits is None or entry.signature[1] != signature[1]:
+        return False
+    return all(old <= new <= hit for old, new, hit in
+               zip(entry.signature[0], signature[0], entry.hits, strict=True))
 
 
 class MooncakeStoreScheduler(SchedulerConnector):
@@ -105,7 +120,9 @@ class MooncakeStoreScheduler(SchedulerConnector):
             return 0, False  # some region has no full block to find: nothing can match
         signature = (starts, tuple(len(h) for h in hashes))
         entry = self._pending.get(request.request_id)
-        if entry is None or entry.signature != signature:
+        if entry is not None and entry.signature != signature and not _covers(entry, signature):
+            entry = None
+        if entry is None:
             self._submit(request.request_id, signature, hashes)
             return None, False
         if entry.answer is None:
@@ -117,7 +134,7 @@ class MooncakeStoreScheduler(SchedulerConnector):
                                request.request_id, self.settings.lookup_timeout_s)
                 entry.answer = num_computed_tokens
             else:
-                entry.answer = self._evaluate(entry, starts, hashes)
+                entry.answer = self._evaluate(entry, entry.signature[0], hashes)
         new = max(0, entry.answer - num_computed_tokens)
         return new, self.settings.load_async and new > 0
 
@@ -153,6 +170,7 @@ class MooncakeStoreScheduler(SchedulerConnector):
             self._forget_missing(region.region_index,
                                  [hashes[region.region_index][start + i]
                                   for i in missing_blocks(exists, per_block)])
+        entry.hits = tuple(hits)
         matched = matched_tokens(hits, self.tokens_per_key)
         new_blocks = sum(h - s for h, s in zip(hits, starts, strict=True))
         self._stats["hit_blocks"] += new_blocks
