@@ -290,18 +290,37 @@ class OutputAggregator:
     Stateful across steps: rank 0 may report a request finished in step 5 and
     rank 1 in step 6; the request is finished (once) in step 6. Invariant: a
     request is finished only when every one of ``num_workers`` ranks reported
-    it; it is failed if any rank reported it failed. A KV event is emitted once
-    every rank reported an equal event (as vLLM aggregates worker events).
+    it; it is failed if any rank reported it failed.
+
+    KV events (as vLLM aggregates worker events): an event is emitted once every
+    rank that *holds* its block reported an equal event -- ``holders[g]`` are the
+    worker indices holding layers of region (KV-cache group) ``g``, for events
+    with ``group_idx == g``; all ranks for other events or without ``holders``.
+    Reports from ranks outside the holders are ignored. Reports are counted, not
+    just noted: an event that every holder reported ``k`` times is emitted ``k``
+    times (a block stored, removed and stored again is announced twice), even
+    when one rank reports both before another reports the first.
     """
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int,
+                 holders: Sequence[frozenset[int]] | None = None) -> None:
         if num_workers < 1:
             raise ConfigError("num_workers", f"expected >= 1, got {num_workers}")
         self.num_workers = num_workers
+        self._holders = tuple(frozenset(h) for h in holders) if holders is not None else ()
+        everyone = frozenset(range(num_workers))
+        for group, ranks in enumerate(self._holders):
+            if not ranks or not ranks <= everyone:
+                raise ConfigError("holders", f"group {group}: expected a non-empty subset of "
+                                             f"worker indices 0..{num_workers - 1}, got "
+                                             f"{sorted(ranks)}")
+        self._everyone = everyone
         self._sending: dict[str, set[int]] = {}
         self._recving: dict[str, set[int]] = {}
         self._failed: set[str] = set()
-        self._events: dict[object, set[int]] = {}
+        # event -> reports per worker index not yet matched by every holder (insertion
+        # ordered: events complete in the order they were first reported)
+        self._events: dict[KVEvent, dict[int, int]] = {}
 
     def aggregate(self, outputs: Sequence[WorkerOutput]) -> ConnectorOutput:
         sending_done: set[str] = set()
@@ -324,11 +343,10 @@ class OutputAggregator:
                 if self._add(self._recving, request_id, worker):
                     recving_done.add(request_id)
             for event in output.events:
-                seen = self._events.setdefault(event, set())
-                seen.add(worker)
-                if len(seen) == self.num_workers:
-                    del self._events[event]
-                    events.append(event)
+                if worker in self._holders_of(event):
+                    counts = self._events.setdefault(event, {})
+                    counts[worker] = counts.get(worker, 0) + 1
+        events.extend(self._complete_events())
         failed = frozenset(recving_done & self._failed)
         self._failed -= recving_done
         return ConnectorOutput(
@@ -339,6 +357,32 @@ class OutputAggregator:
             worker_stats=tuple(stats),
             events=tuple(events),
         )
+
+    def _holders_of(self, event: KVEvent) -> frozenset[int]:
+        group = getattr(event, "group_idx", None)
+        if isinstance(group, int) and 0 <= group < len(self._holders):
+            return self._holders[group]
+        return self._everyone
+
+    def _complete_events(self) -> list[KVEvent]:
+        out: list[KVEvent] = []
+        for event, counts in list(self._events.items()):
+            holders = self._holders_of(event)
+            rounds = min(counts.get(w, 0) for w in holders)
+            if rounds == 0:
+                continue
+            out.extend([event] * rounds)
+            left = {w: n - rounds for w, n in counts.items() if n > rounds}
+            if left:
+                self._events[event] = left
+            else:
+                del self._events[event]
+        return out
+
+    @property
+    def num_pending_events(self) -> int:
+        """Distinct worker events some holder has not reported yet."""
+        return len(self._events)
 
     def _add(self, table: dict[str, set[int]], request_id: str, worker: int) -> bool:
         ranks = table.setdefault(request_id, set())

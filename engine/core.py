@@ -21,7 +21,16 @@ in one process, single-threaded. ``step()`` runs one engine step:
 6. **advance** computed tokens, cache full blocks by their chained hash, sample
    the next token (deterministic), finish requests at ``max_tokens``:
    ``request_finished`` -> free now or delay the free;
-7. ``take_events``.
+7. ``take_events``; publish the step's KV events as one batch.
+
+KV events, published once per step to the ``event_sink``: first the block
+pools' (with ``enable_kv_cache_events``; medium GPU, locality LOCAL, as vLLM's
+block pool: ``BlockStored`` when full blocks become findable by their hash,
+``BlockRemoved`` when a cached hash is evicted for reuse or forgotten,
+``AllBlocksCleared`` when :meth:`Engine.reset_prefix_cache` cleared them all),
+then the workers' connector events once every rank holding the block reported
+them (:class:`~kvbridge.connectors.OutputAggregator`), then the scheduler
+connector's. A reset between steps publishes its events at once.
 
 Bounded by construction: a request waiting for remote KV longer than
 ``remote_kv_timeout_s`` is failed by the engine itself (its blocks are
@@ -37,7 +46,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -62,6 +71,7 @@ from kvbridge.connectors import (
 )
 from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.content import next_token
+from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.request import (
     EngineRequest,
     RequestResult,
@@ -71,7 +81,7 @@ from kvbridge.engine.request import (
     common_hit_tokens,
 )
 from kvbridge.engine.worker import ComputeItem, Worker
-from kvbridge.events import EventSink, KVEvent
+from kvbridge.events import AllBlocksCleared, EventSink, KVEvent, KVEventPublisher
 from kvbridge.layouts import KVCacheSpec, ParallelTopology
 
 logger = logging.getLogger(__name__)
@@ -92,6 +102,9 @@ class EngineConfig:
     remote_kv_timeout_s: float = 60.0
     engine_id: str | None = None
     record_hooks: bool = False
+    #: emit the block pools' KV events (medium GPU), as vLLM's ``enable_kv_cache_events``;
+    #: connector events are always collected
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -125,9 +138,43 @@ class StepReport:
 class Engine:
     """A paged-KV engine with all its ranks in this process. Not thread-safe."""
 
-    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None) -> None:
+    def __init__(self, config: EngineConfig, event_sink: EventSink | None = None, *,
+                 events: EngineEventsConfig | None = None,
+                 keep_events: bool | None = None) -> None:
         """``event_sink`` (e.g. a ``kvbridge.events.KVEventPublisher``) gets each step's
-        KV events as one batch; without one they accumulate in ``self.events``."""
+        KV events as one batch; without one they accumulate in ``self.events``
+        (``keep_events`` decides; default: when no sink is given).
+
+        ``events``: the engine binds its own publisher there (closed by
+        :meth:`shutdown`) and turns ``enable_kv_cache_events`` on; so does an
+        engine built without either inside
+        :func:`kvbridge.engine.kv_events.publish_engine_events` (at the next
+        engine's endpoints).
+        """
+        #: events also go to ``self.events``
+        self.keep_events = event_sink is None if keep_events is None else keep_events
+        publishing = active_publishing() if event_sink is None and events is None else None
+        if publishing is not None:
+            events = publishing.assign()
+        self.publisher: KVEventPublisher | None = None
+        if events is not None:
+            if event_sink is not None:
+                raise ConfigError("events", "give either an event sink or an events config")
+            config = replace(config, enable_kv_cache_events=True)
+            self.publisher = events.make_publisher()
+            event_sink = self.publisher
+        self._close_timeout_s = events.close_timeout_s if events is not None else 0.0
+        try:
+            self._start(config, event_sink)
+        except BaseException:
+            if self.publisher is not None:
+                self.publisher.close(timeout_s=0)
+            raise
+        if publishing is not None and self.publisher is not None:
+            publishing.record(self.role.value if self.role else "engine", self.engine_id,
+                              self.publisher.endpoint, self.publisher.replay_endpoint)
+
+    def _start(self, config: EngineConfig, event_sink: EventSink | None) -> None:
         self.config = config
         self.event_sink = event_sink
         self.spec = config.spec
@@ -139,7 +186,10 @@ class Engine:
         self.engine_id = (config.connector.engine_id if config.connector is not None
                           else config.engine_id or uuid.uuid4().hex[:16])
         self.role: KVRole | None = config.connector.role if config.connector else None
-        self.pools = [BlockPool(n) for n in num_blocks]
+        self.pools = [BlockPool(n, block_size=t, group_idx=r,
+                                emit_events=config.enable_kv_cache_events)
+                      for r, (n, t) in enumerate(zip(num_blocks, self.tokens_per_block,
+                                                     strict=True))]
         self.hook_log: list[HookCall] = []
         #: each step's aggregated connector output (kept when ``record_hooks``)
         self.output_log: list[ConnectorOutput] = []
@@ -212,7 +262,11 @@ class Engine:
             if self.scheduler_connector is not None:
                 self.scheduler_connector.shutdown()
             raise
-        self.aggregator = OutputAggregator(len(self.workers))
+        # a worker event of region r completes once every rank holding r's layers reported it
+        holders = [frozenset(w.worker_index for w in self.workers
+                             if self.spec.rank_shapes(w.rank)[r].layer_ids)
+                   for r in range(self.num_regions)]
+        self.aggregator = OutputAggregator(len(self.workers), holders=holders)
 
     # ------------------------------------------------------------------ client API
 
@@ -300,7 +354,7 @@ class Engine:
         self._finished_since_last_step = set()
 
         metadata: ConnectorMetadata | None = None
-        step_events: list[KVEvent] = []
+        connector_events: list[KVEvent] = []
         if self.scheduler_connector is not None:
             step = SchedulerStep(
                 step_id=self.step_id,
@@ -339,7 +393,7 @@ class Engine:
             self._record("scheduler", None, "update_connector_output", None)
             self.scheduler_connector.update_connector_output(output)
             self._handle_finished_transfers(output)
-            step_events.extend(output.events)
+            connector_events.extend(output.events)
 
         finished: list[str] = []
         num_tokens = 0
@@ -363,12 +417,8 @@ class Engine:
         self._check_remote_timeouts()
         if self.scheduler_connector is not None:
             self._record("scheduler", None, "take_events", None)
-            step_events.extend(self.scheduler_connector.take_events())
-        if step_events:
-            if self.event_sink is not None:
-                self.event_sink.publish(step_events)
-            else:
-                self.events.extend(step_events)
+            connector_events.extend(self.scheduler_connector.take_events())
+        self._publish(self._take_pool_events() + connector_events)
         return StepReport(self.step_id, len(items), num_tokens, frozenset(preempted),
                           tuple(finished), output)
 
@@ -629,10 +679,25 @@ class Engine:
     def _cache_full_blocks(self, req: EngineRequest) -> None:
         if not self.config.enable_prefix_caching:
             return
+        # what besides the tokens went into each block's hash (see update_hashes)
+        extra: tuple[object, ...] | None = (req.spec.cache_salt,) if req.spec.cache_salt \
+            else None
         for r, t in enumerate(self.tokens_per_block):
             full = min(req.num_computed_tokens // t, len(req.hashes[r]), len(req.block_ids[r]))
-            for index in range(full):
-                self.pools[r].cache_block(req.block_ids[r][index], req.hashes[r][index])
+            self.pools[r].cache_full_blocks(req.block_ids[r], req.hashes[r], req.token_ids,
+                                            full, extra)
+
+    def _take_pool_events(self) -> list[KVEvent]:
+        return [event for pool in self.pools for event in pool.take_events()]
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        """One batch to the sink (and ``self.events`` when kept); nothing when empty."""
+        if not events:
+            return
+        if self.event_sink is not None:
+            self.event_sink.publish(events)
+        if self.keep_events:
+            self.events.extend(events)
 
     def _handle_finished_transfers(self, output: ConnectorOutput) -> None:
         for request_id in output.finished_recving:
@@ -795,13 +860,19 @@ class Engine:
         return verified, mismatched
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no request references; returns how many."""
-        count = 0
-        for pool in self.pools:
-            for block_id in range(pool.num_blocks):
-                if pool.ref_count(block_id) == 0 and pool.hash_of(block_id) is not None:
-                    pool.uncache_block(block_id)
-                    count += 1
+        """Forget every cached block that no request references; returns how many.
+
+        Events (published at once, as their own batch): ``AllBlocksCleared``
+        when no cached block is left in any pool (vLLM's successful reset),
+        else a ``BlockRemoved`` per pool for the hashes forgotten.
+        """
+        clears_all = all(pool.num_cached == len(pool.unreferenced_cached())
+                         for pool in self.pools)
+        count = sum(len(pool.drop_unreferenced(emit=not clears_all)) for pool in self.pools)
+        events = self._take_pool_events()
+        if clears_all and self.config.enable_kv_cache_events:
+            events.append(AllBlocksCleared())
+        self._publish(events)
         return count
 
     def endpoint(self) -> tuple[str, int] | None:
@@ -822,6 +893,8 @@ class Engine:
                 self.scheduler_connector.shutdown()
             except Exception:
                 logger.exception("engine %s: scheduler connector shutdown failed", self.engine_id)
+        if self.publisher is not None:
+            self.publisher.close(timeout_s=self._close_timeout_s)  # logs what it abandons
 
     def __enter__(self) -> Engine:
         return self

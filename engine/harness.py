@@ -11,6 +11,11 @@ engines' connector endpoints).
 
 Everything is bounded: start-up, each call, the whole workload, shutdown
 (``shutdown`` op, then SIGTERM, then SIGKILL).
+
+KV events: an engine process given an ``EngineEventsConfig`` (or started inside
+:func:`kvbridge.engine.kv_events.publish_engine_events`, at the next engine's
+endpoints) publishes its events itself; ``EngineProcess.events_endpoint`` and
+``events_replay_endpoint`` say where (a ``*`` port resolved).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import zmq
 
 from kvbridge.connectors import TransferMode, TransferParams
 from kvbridge.engine.core import EngineConfig
+from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.server import config_to_dict
 from kvbridge.engine.workload import WorkloadResult, check_outputs
@@ -45,15 +51,23 @@ class EngineProcess:
 
     def __init__(self, config: EngineConfig, *, start_timeout_s: float = 60.0,
                  call_timeout_s: float = 30.0, name: str = "engine",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 events: EngineEventsConfig | None = None) -> None:
         self.name = name
         self.call_timeout_s = call_timeout_s
+        publishing = active_publishing() if events is None else None
+        if publishing is not None:
+            events = publishing.assign()
+        self.events_endpoint: str | None = None
+        self.events_replay_endpoint: str | None = None
         child_env = dict(os.environ)
         child_env.update(env or {})
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.engine.server",
-             "--config", json.dumps(config_to_dict(config))],
-            stdout=subprocess.PIPE, stderr=None, env=child_env, text=True)
+        argv = [sys.executable, "-m", "kvbridge.engine.server",
+                "--config", json.dumps(config_to_dict(config))]
+        if events is not None:
+            argv += ["--events", json.dumps(events.to_dict())]
+        self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, env=child_env,
+                                      text=True)
         self._context = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         try:
@@ -63,6 +77,14 @@ class EngineProcess:
             self.endpoint: tuple[str, int] | None = (
                 (ready["endpoint"][0], int(ready["endpoint"][1])) if ready.get("endpoint")
                 else None)
+            published = ready.get("events")
+            if isinstance(published, dict):
+                self.events_endpoint = str(published["endpoint"])
+                replay = published.get("replay_endpoint")
+                self.events_replay_endpoint = str(replay) if replay else None
+            if publishing is not None and self.events_endpoint is not None:
+                publishing.record(name, self.engine_id, self.events_endpoint,
+                                  self.events_replay_endpoint)
             self._connect()
         except BaseException:
             self.close()
@@ -136,6 +158,9 @@ class EngineProcess:
     def stats(self) -> dict[str, Any]:
         return self.call("stats")
 
+    def reset_prefix_cache(self) -> int:
+        return int(self.call("reset_prefix_cache")["blocks"])
+
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -173,16 +198,21 @@ def run_pd_processes(requests: list[RequestSpec], producer: EngineConfig,
                      consumer: EngineConfig, *, mode: TransferMode = TransferMode.PULL,
                      timeout_s: float = 120.0, poll_interval_s: float = 0.01,
                      on_progress: Callable[[int, int], None] | None = None,
+                     events: EngineEventsConfig | None = None,
                      ) -> tuple[WorkloadResult, dict[str, Any]]:
     """Producer and consumer engines in two processes, routed as a PD proxy does.
 
     Returns the workload result and ``{"producer": stats, "consumer": stats}``
     (each with ``idle_problems`` after the workload drained). ``on_progress(done,
     total)`` is called whenever more requests finished (for a progress line).
+    ``events``: the producer publishes its KV events at ``events.for_engine(0)``,
+    the consumer at ``events.for_engine(1)``.
     """
     specs = {s.request_id: s for s in requests}
-    with EngineProcess(producer, name="producer") as prod, \
-            EngineProcess(consumer, name="consumer") as cons:
+    with EngineProcess(producer, name="producer",
+                       events=events.for_engine(0) if events else None) as prod, \
+            EngineProcess(consumer, name="consumer",
+                          events=events.for_engine(1) if events else None) as cons:
         start = time.monotonic()
         if mode is TransferMode.PULL:
             prod.submit([replace(s, remote_decode=True, max_tokens=1, transfer_params=None)

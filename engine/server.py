@@ -3,8 +3,14 @@
 Run as ``python -m kvbridge.engine.server --config JSON`` (what
 :class:`kvbridge.engine.harness.EngineProcess` does). The process binds a REP
 socket on 127.0.0.1 (a free port), prints one JSON line
-``{"ready": true, "port": P, "engine_id": ..., "endpoint": [host, port] | null}``
-on stdout, then serves requests while stepping the engine whenever it has work.
+``{"ready": true, "port": P, "engine_id": ..., "endpoint": [host, port] | null,
+"events": {"endpoint", "replay_endpoint"} | null}`` on stdout, then serves
+requests while stepping the engine whenever it has work.
+
+With ``--events JSON`` (an :class:`~kvbridge.engine.kv_events.EngineEventsConfig`)
+the engine publishes its KV events (block pool and connectors, one batch per
+step) on a ZMQ PUB socket bound there; ``events`` in the ready line says
+where (a ``*`` port resolved). Without it, events are dropped.
 
 Control protocol (each message one msgpack map; never pickle):
 
@@ -14,6 +20,8 @@ Control protocol (each message one msgpack map; never pickle):
 * ``{"op": "results"}`` -> ``{"ok": true, "results": [RequestResult.to_dict(), ...]}``
 * ``{"op": "abort", "request_id": id}`` -> ``{"ok": true, "aborted": bool}``
 * ``{"op": "stats"}`` -> ``{"ok": true, "stats": {...}, "idle_problems": [...]}``
+* ``{"op": "reset_prefix_cache"}`` -> ``{"ok": true, "blocks": n}`` (unreferenced cached
+  blocks forgotten; published as ``AllBlocksCleared`` when none is left)
 * ``{"op": "shutdown"}`` -> ``{"ok": true}``, then the engine shuts down and the process exits.
 
 Errors are ``{"ok": false, "type": "ConfigError", "error": "field: reason"}``;
@@ -28,6 +36,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -36,7 +45,9 @@ import zmq
 import kvbridge.backends  # noqa: F401  (UCX/NIXL env defaults before any agent exists)
 from kvbridge.connectors import ConnectorConfig
 from kvbridge.engine.core import Engine, EngineConfig
+from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.request import RequestSpec
+from kvbridge.events import EventSink, KVEventPublisher, NullEventSink
 from kvbridge.layouts import KVCacheSpec, ParallelTopology, load_spec
 
 logger = logging.getLogger(__name__)
@@ -55,6 +66,7 @@ def config_to_dict(config: EngineConfig) -> dict[str, Any]:
         "verify_loads": config.verify_loads,
         "remote_kv_timeout_s": config.remote_kv_timeout_s,
         "engine_id": config.engine_id,
+        "enable_kv_cache_events": config.enable_kv_cache_events,
     }
 
 
@@ -73,6 +85,7 @@ def config_from_dict(data: dict[str, Any]) -> EngineConfig:
         verify_loads=bool(data.get("verify_loads", True)),
         remote_kv_timeout_s=float(data.get("remote_kv_timeout_s", 60.0)),
         engine_id=data.get("engine_id"),
+        enable_kv_cache_events=bool(data.get("enable_kv_cache_events", False)),
     )
 
 
@@ -107,6 +120,8 @@ def _handle(engine: Engine, message: Any) -> tuple[dict[str, Any], bool]:
         if op == "stats":
             return {"ok": True, "stats": engine.stats(),
                     "idle_problems": engine.idle_problems()}, False
+        if op == "reset_prefix_cache":
+            return {"ok": True, "blocks": engine.reset_prefix_cache()}, False
         if op == "shutdown":
             return {"ok": True}, True
         return {"ok": False, "type": "ProtocolError", "error": f"op: unknown op {op!r}"}, False
@@ -115,10 +130,24 @@ def _handle(engine: Engine, message: Any) -> tuple[dict[str, Any], bool]:
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
-          ready_stream: Any = None) -> None:
-    """Run the engine and its control socket until a ``shutdown`` op or parent death."""
+          ready_stream: Any = None, events: EngineEventsConfig | None = None,
+          event_sink: EventSink | None = None) -> None:
+    """Run the engine and its control socket until a ``shutdown`` op or parent death.
+
+    KV events go to ``event_sink`` (the caller closes it; a ``KVEventPublisher``
+    given here is announced in the ready line), or to a publisher the engine
+    binds at ``events`` or, inside ``publish_engine_events``, at the next
+    engine's endpoints (closed at shutdown), or nowhere. Each but the last turns
+    the block pool's events on. Nothing accumulates in memory in a long run.
+    """
     parent = os.getppid()
-    engine = Engine(config)
+    if event_sink is not None:
+        config = replace(config, enable_kv_cache_events=True)
+    elif events is None and active_publishing() is None:
+        event_sink = NullEventSink()
+    engine = Engine(config, event_sink, events=events, keep_events=False)
+    publisher = engine.publisher or (event_sink if isinstance(event_sink, KVEventPublisher)
+                                     else None)
     context = zmq.Context()
     sock = context.socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
@@ -129,7 +158,10 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
             port = sock.bind_to_random_port(f"tcp://{host}")
         endpoint = engine.endpoint()
         line = json.dumps({"ready": True, "port": port, "engine_id": engine.engine_id,
-                           "endpoint": list(endpoint) if endpoint else None})
+                           "endpoint": list(endpoint) if endpoint else None,
+                           "events": ({"endpoint": publisher.endpoint,
+                                       "replay_endpoint": publisher.replay_endpoint}
+                                      if publisher is not None else None)})
         stream = ready_stream or sys.stdout
         stream.write(line + "\n")
         stream.flush()
@@ -169,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbridge.engine.server")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--events", default=None, metavar="JSON",
+                        help="EngineEventsConfig as JSON: publish KV events there")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -176,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # many engine processes share few cores
-    serve(config_from_dict(json.loads(args.config)), port=args.port)
+    events = EngineEventsConfig.from_dict(json.loads(args.events)) if args.events else None
+    serve(config_from_dict(json.loads(args.config)), port=args.port, events=events)
     return 0
 
 
