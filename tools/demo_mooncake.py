@@ -181,6 +181,9 @@ def summarize(opts: StoreDemoOptions, master: str, results: list[RequestResult],
         "throughput_gbps": round(nbytes / max(elapsed, 1e-9) / 1e9, 4),
         "transfer_gbps": round(nbytes / busy_s / 1e9, 4) if busy_s else None,
         "latency_ms": {f"p{int(q * 100)}": latency_percentile(cw, q) for q in (0.5, 0.9, 0.99)},
+        "notes": ([] if opts.producer.sizes() == opts.consumer.sizes() else
+                  ["producer and consumer parallel sizes differ: store keys name them, so "
+                   "no block can hit (every consumer request is computed)"]),
         "idle_problems": {"producer": producer_stats.get("idle_problems", []),
                           "consumer": consumer_stats.get("idle_problems", [])},
     }
