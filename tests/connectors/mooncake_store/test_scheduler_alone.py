@@ -75,3 +75,50 @@ def test_engine_start_without_master_fails_fast_and_cleanly() -> None:
             break
         time.sleep(0.05)
     assert not extra_threads, [t.name for t in extra_threads]
+
+
+def _ask(scheduler: MooncakeStoreScheduler, view: ConnectorRequest,
+         timeout_s: float = 15.0) -> tuple[int | None, bool]:
+    deadline = time.monotonic() + timeout_s
+    answer = scheduler.get_num_new_matched_tokens(view, 0)
+    while answer[0] is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        answer = scheduler.get_num_new_matched_tokens(view, 0)
+    return answer
+
+
+def test_scheduler_without_master_misses_then_recovers(tmp_path: Any) -> None:
+    """No master at first: lookups are misses (never a wait); once a master serves on that
+    address the scheduler's client is set up and lookups run, without a restart."""
+    from kvbridge.backends.mooncake_master import MooncakeMaster
+    from tests.conftest import require
+
+    require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
+    rpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    extra = {"master_address": f"127.0.0.1:{rpc_port}",
+             "metadata_server": f"http://127.0.0.1:{http_port}/metadata",
+             "client_scope": "engine", "reconnect_interval_s": 0.2}
+    spec = load_spec("tiny-gqa")
+    config = ConnectorConfig("mooncake_store", KVRole.CONSUMER, extra=extra, engine_id="late")
+    ctx = ConnectorContext(spec=spec, topology=ParallelTopology(), config=config,
+                           num_blocks=(32,), extra=parse_settings(extra))
+    (req,) = make_requests(1, prompt_tokens=40, max_tokens=1, seed=41, prefix="late")
+    view = ConnectorRequest("late-0", req.prompt, len(req.prompt),
+                            (tuple(hash_blocks(req.prompt, 16)),))
+    scheduler = MooncakeStoreScheduler(ctx)
+    try:
+        assert _ask(scheduler, view) == (0, False)
+        assert scheduler.get_stats()["client_setup_failures"] >= 1
+        scheduler.request_finished(view, ((),))
+        with MooncakeMaster(rpc_port=rpc_port, http_port=http_port, metrics_port=metrics_port,
+                            log_path=tmp_path / "late_master.log"):
+            time.sleep(0.3)  # past reconnect_interval_s
+            lookups = scheduler.get_stats()["lookups"]
+            assert _ask(scheduler, view) == (0, False)  # an empty store: a real miss
+            stats = scheduler.get_stats()
+            assert stats["lookups"] == lookups + 1
+            assert stats["lookup_failures"] == 1  # only the one before the master existed
+            scheduler.shutdown()
+    finally:
+        scheduler.shutdown()
+    assert not any(k.scope == "engine:late" for k in clients.live_keys())
