@@ -22,8 +22,8 @@ class NixlSettings:
     ``host``/``port``: where this engine's side channel listens (port 0: any).
     ``advertise_host``: the host put in transfer params (default ``host``).
     ``revalidate_s``: a peer session idle longer than this is re-checked (cheap
-    conditional handshake) before its next use, so a restarted peer is noticed
-    before a READ is posted to it.
+    conditional handshake, in the background) when next used, so a restarted
+    peer is noticed and re-handshaken even when no transfer to it fails.
     """
 
     mode: TransferMode = TransferMode.PULL
@@ -36,7 +36,7 @@ class NixlSettings:
     port: int = 0
     advertise_host: str | None = None
     early_grace_s: float = 10.0
-    revalidate_s: float = 1.0
+    revalidate_s: float = 5.0
     idle_progress_ms: float = 5.0
 
     @property

@@ -455,8 +455,8 @@ class NixlWorker(WorkerConnector):
                 current.validated_at = now
 
     def _session_ready(self, key: SessionKey) -> PeerSession | None:
-        if key in self._revalidating:
-            return None
+        # A revalidation runs in the background and never delays a post: a READ to a
+        # restarted peer fails fast (disconnect) and only that request fails.
         return self._sessions.get(key)
 
     def _post(self, recv: RecvTransfer, session: PeerSession, now: float) -> None:
@@ -542,7 +542,7 @@ class NixlWorker(WorkerConnector):
                 session = self._session_ready(key)
                 if session is not None:
                     self._post(recv, session, now)
-                elif key not in self._connecting and key not in self._revalidating:
+                elif key not in self._connecting:
                     self._ensure_session(recv.params, now)
             if recv.state is RecvState.TRANSFERRING:
                 states = [self.transport.poll(x) for x in recv.transfers
@@ -634,7 +634,7 @@ class NixlWorker(WorkerConnector):
             key = self._session_key(release.params)
             session = self._session_ready(key)
             if session is None:
-                if key not in self._connecting and key not in self._revalidating:
+                if key not in self._connecting:
                     self._ensure_session(release.params, now)
                 keep.append(release)
                 continue

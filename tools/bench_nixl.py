@@ -1,0 +1,261 @@
+"""`kvbridge bench nixl`: raw NIXL vs the kvbridge connector end to end vs a torch copy.
+
+The same block pattern is moved three ways in one run:
+
+* **raw NIXL** -- the library called directly with one prepared READ of all
+  blocks, re-posted (:func:`kvbridge.backends.nixl_bench.run_nixl_raw_bench`,
+  which also times ``torch`` ``copy_`` of the same bytes in one process: the
+  memory-bandwidth limit, and the transport adapter alone);
+* **raw NIXL into the KV cache** -- the same raw READ, but into the consumer
+  engine's KV tensor (the connector's destination): on this machine a READ
+  into a long-lived engine tensor measures slower than into a fresh buffer, so
+  both raw figures are reported and both ratios;
+* **kvbridge** -- the ``nixl`` connector end to end: a producer engine process
+  holds the request's blocks (prefilled once, then prefix-cached, so every
+  iteration is a fresh held request), and a consumer engine in this process
+  loads them through the connector. One sample is a request's load on the
+  consumer rank, from the step that ordered it to the producer's ack: the
+  READ (indices into lists prepared at handshake time) plus the lease ack.
+
+A one-layer spec makes one block exactly ``block_bytes`` (one descriptor per
+block on both paths). The first iteration (handshake, first READ) is verified
+byte for byte against the content function and not timed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode
+from kvbridge.engine.content import VOCAB_SIZE
+from kvbridge.engine.core import Engine, EngineConfig
+from kvbridge.engine.harness import EngineProcess
+from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
+from kvbridge.layouts import KVCacheSpec, ParallelTopology, RegionLayout, RegionSpec
+
+DEFAULT_PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
+
+
+def bench_spec(block_bytes: int) -> KVCacheSpec:
+    """A one-layer fp16 K+V spec whose block is exactly ``block_bytes`` (HND)."""
+    head_dim = 128
+    per_token_head = 2 * head_dim * 2  # K and V, fp16
+    for block_size in (64, 32, 16, 8, 4, 2, 1):
+        heads, rest = divmod(block_bytes, per_token_head * block_size)
+        if rest == 0 and heads >= 1:
+            return KVCacheSpec(f"bench-{block_bytes}", (
+                RegionSpec("attn", RegionLayout.SPLIT, (0,), block_size=block_size,
+                           num_kv_heads=heads, head_dim=head_dim, dtype="float16"),))
+    raise ValueError(f"block_bytes {block_bytes} is not a multiple of {per_token_head} B")
+
+
+def _config(spec: KVCacheSpec, role: KVRole, num_blocks: int, tokens: int,
+            **extra: Any) -> EngineConfig:
+    return EngineConfig(spec=spec, topology=ParallelTopology(), num_blocks=num_blocks,
+                        max_num_batched_tokens=tokens + 64, max_num_seqs=4,
+                        connector=ConnectorConfig("nixl", role, extra={
+                            "mode": TransferMode.PULL.value, "transfer_timeout_s": 60.0,
+                            **extra}),
+                        remote_kv_timeout_s=120.0)
+
+
+def _prefill(producer: EngineProcess, spec: RequestSpec, timeout_s: float) -> RequestResult:
+    producer.submit([replace(spec, remote_decode=True, max_tokens=1)])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for result in producer.results():
+            if result.state is not RequestState.FINISHED_LENGTH or not result.transfer_params:
+                raise RuntimeError(f"producer prefill of {spec.request_id} failed: {result}")
+            return result
+        time.sleep(0.005)
+    raise TimeoutError(f"producer prefill of {spec.request_id} not done in {timeout_s} s")
+
+
+class _RawReader:
+    """The NIXL library called directly: one agent, the producer rank's metadata from the
+    handshake, one prepared READ of the held blocks into a local buffer."""
+
+    def __init__(self, address: str, total: int, into: Any = None) -> None:
+        import torch
+
+        from kvbridge.backends.nixl import load_nixl_api
+        from kvbridge.handshake import HandshakeClient
+
+        api = load_nixl_api()
+        self.meta = HandshakeClient(timeout_s=5).fetch(address).metadata.rank(0)
+        self.agent = api.nixl_agent(f"raw-bench-{time.monotonic_ns()}",
+                                    api.nixl_agent_config(enable_prog_thread=False,
+                                                          backends=["UCX"]))
+        # ``into``: read into that tensor (the consumer engine's KV cache) instead of a
+        # fresh buffer: the same destination memory the connector writes
+        self.buf = torch.zeros(total, dtype=torch.uint8) if into is None else into
+        self.reg = self.agent.register_memory(self.buf)
+        self.remote = self.agent.add_remote_agent(self.meta.agent_blob)
+        self.handle: Any = None
+        self.dlists: list[Any] = []
+
+    def prepare(self, block_ids: tuple[int, ...], block_bytes: int) -> None:
+        import numpy as np
+
+        from kvbridge.backends.nixl import block_descs
+
+        self.release()
+        memory = self.meta.layer_memory()[0]
+        remote = np.zeros((len(block_ids), 3), dtype=np.uint64)
+        remote[:, 0] = [memory.base_addr + b * memory.block_stride for b in block_ids]
+        remote[:, 1] = block_bytes
+        local = block_descs(self.buf.data_ptr(), block_bytes, len(block_ids))
+        ldl = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
+        rdl = self.agent.prep_xfer_dlist(self.remote, remote, "DRAM")
+        self.dlists = [ldl, rdl]
+        idx = np.arange(len(block_ids), dtype=np.int32)
+        self.handle = self.agent.make_prepped_xfer("READ", ldl, idx, rdl, idx)
+
+    def once(self, deadline_s: float = 60.0) -> None:
+        t_end = time.monotonic() + deadline_s
+        state = self.agent.transfer(self.handle)
+        while state == "PROC":
+            if time.monotonic() > t_end:
+                raise TimeoutError("raw NIXL READ past its deadline")
+            state = self.agent.check_xfer_state(self.handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ state {state}")
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.agent.release_xfer_handle(self.handle)
+            self.handle = None
+        for dl in self.dlists:
+            self.agent.release_dlist_handle(dl)
+        self.dlists = []
+
+    def close(self) -> None:
+        self.release()
+        self.agent.remove_remote_agent(self.remote)
+        self.agent.deregister_memory(self.reg)
+
+
+def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
+                  timeout_s: float = 300.0) -> dict[str, Any]:
+    """Interleaved raw NIXL / kvbridge connector / torch copy of the same held blocks."""
+    import torch
+
+    spec = bench_spec(block_bytes)
+    tokens = num_blocks * spec.regions[0].block_size
+    rng = random.Random(5)
+    prompt = tuple(rng.randrange(VOCAB_SIZE) for _ in range(tokens))
+    pool = num_blocks + 4
+    total = num_blocks * block_bytes
+    times: dict[str, list[float]] = {"raw": [], "raw_kv": [], "kvbridge": [], "copy": []}
+    verified = mismatched = 0
+    nbytes = descs = 0
+    raw_ok = True
+    src = torch.ones(total, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    producer = EngineProcess(_config(spec, KVRole.PRODUCER, pool, tokens), name="bench-producer",
+                             call_timeout_s=120)
+    consumer: Engine | None = None
+    raw: _RawReader | None = None
+    raw_kv: _RawReader | None = None
+    try:
+        cfg = replace(_config(spec, KVRole.CONSUMER, pool, tokens), enable_prefix_caching=False)
+        consumer = Engine(cfg)
+        worker = consumer.workers[0].connector
+        assert worker is not None and producer.endpoint is not None
+        address = f"{producer.endpoint[0]}:{producer.endpoint[1]}"
+        raw = _RawReader(address, total)
+        kv_tensor = consumer.workers[0].caches.layers[0]
+        raw_kv = _RawReader(address, total, into=kv_tensor)
+        for i in range(iters + 1):
+            rid = f"bench-{i}"
+            result = _prefill(producer, RequestSpec(rid, prompt, max_tokens=1), timeout_s)
+            assert result.transfer_params is not None
+            raw.prepare(result.transfer_params.block_ids[0], block_bytes)
+            raw_kv.prepare(result.transfer_params.block_ids[0], block_bytes)
+            if i == 1:  # verified once (the warm-up); not while timing
+                consumer.config = replace(consumer.config, verify_loads=False)
+
+            def load(rid: str = rid, result: RequestResult = result) -> RequestResult:
+                assert consumer is not None
+                consumer.add_request(RequestSpec(rid, prompt, max_tokens=1,
+                                                 transfer_params=result.transfer_params))
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"consumer load {rid} not done in {timeout_s} s")
+                    consumer.step()
+                    done = consumer.pop_results()
+                    if done:
+                        return done[0]
+
+            order = ["raw", "copy", "raw_kv", "kvbridge"]
+            k = i % 4
+            for way in order[k:] + order[:k]:
+                t0 = time.perf_counter()
+                if way == "raw":
+                    raw.once()
+                    elapsed = time.perf_counter() - t0
+                elif way == "raw_kv":
+                    raw_kv.once()  # same bytes into blocks 0..n-1 of the KV cache
+                    elapsed = time.perf_counter() - t0
+                elif way == "copy":
+                    dst.copy_(src)
+                    elapsed = time.perf_counter() - t0
+                else:
+                    final = load()
+                    if final.num_recomputed_tokens or \
+                            final.state is not RequestState.FINISHED_LENGTH:
+                        raise RuntimeError(f"connector load {rid} failed: {final}")
+                    record = worker.records()[-1]  # type: ignore[attr-defined]
+                    elapsed = record.duration_s
+                    nbytes, descs = record.nbytes, record.num_descs
+                    if i == 0:
+                        verified, mismatched = final.verified_bytes, final.mismatched_bytes
+                if i > 0:
+                    times[way].append(elapsed)
+            if i == 0:  # raw READ got the same bytes the connector verified
+                raw_ok = bool(torch.equal(raw.buf, _consumer_bytes(consumer, num_blocks,
+                                                                   block_bytes)))
+        totals = worker.totals()  # type: ignore[attr-defined]
+    finally:
+        if raw_kv is not None:
+            raw_kv.close()
+        if raw is not None:
+            raw.close()
+        if consumer is not None:
+            consumer.shutdown()
+        producer.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: total / v / 1e9 for k, v in med.items()}
+    return {"num_blocks": num_blocks, "block_bytes": block_bytes, "total_bytes": total,
+            "iters": iters,
+            "raw_nixl_gbps": round(gbps["raw"], 3),
+            "raw_nixl_into_kv_cache_gbps": round(gbps["raw_kv"], 3),
+            "kvbridge_gbps": round(gbps["kvbridge"], 3),
+            "torch_copy_gbps": round(gbps["copy"], 3),
+            "kvbridge_over_raw": round(gbps["kvbridge"] / gbps["raw"], 3),
+            "raw_over_memcpy": round(gbps["raw"] / gbps["copy"], 3),
+            "kvbridge_over_raw_same_destination": round(gbps["kvbridge"] / gbps["raw_kv"], 3),
+            "median_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+            "kvbridge_bytes": nbytes, "kvbridge_descriptors": descs,
+            "verified_bytes": verified, "mismatched_bytes": mismatched,
+            "raw_matches_connector": raw_ok,
+            "nixl_live_handles_after": totals.get("nixl_xfer_handles", -1)}
+
+
+def _consumer_bytes(consumer: Engine, num_blocks: int, block_bytes: int) -> Any:
+    """The first ``num_blocks`` blocks the consumer loaded, as bytes (blocks are allocated
+    in order on a fresh pool, so they are blocks 0..n-1)."""
+    tensor = consumer.workers[0].caches.layers[0]
+    return tensor.view(-1).view(dtype=__import__("torch").uint8)[: num_blocks * block_bytes]
+
+
+def run_nixl_bench(patterns: tuple[tuple[int, int], ...] = DEFAULT_PATTERNS, *,
+                   iters: int = 5, timeout_s: float = 300.0) -> dict[str, Any]:
+    """:func:`compare_bench` for each pattern (target: kvbridge_over_raw >= 0.9)."""
+    rows = [compare_bench(nb, bb, iters=iters, timeout_s=timeout_s) for nb, bb in patterns]
+    return {"op": "READ", "patterns": rows, "target_kvbridge_over_raw": 0.9}
