@@ -47,7 +47,7 @@ from kvbridge.connectors.api import (
     SchedulerStep,
     block_range,
 )
-from kvbridge.connectors.errors import ConfigError
+from kvbridge.connectors.errors import ConfigError, ContractError
 from kvbridge.connectors.offloading.parts import Part, PartTable, build_part_table, pool_fingerprint
 from kvbridge.connectors.offloading.settings import OffloadSettings
 from kvbridge.connectors.params import TransferParams
@@ -152,7 +152,7 @@ class OffloadingScheduler(SchedulerConnector):
         self._block_info: OrderedDict[tuple[int, BlockHash], _BlockInfo] = OrderedDict()
         self._info_limit = 4 * settings.cpu_blocks * max(1, len(self.table.parts)) + 4096
         # per tier name: (region, hash) -> parts present; announced once all are
-        self._tier_parts: dict[str, dict[tuple[int, BlockHash], int]] = {}
+        self._tier_parts: dict[str, dict[tuple[int, BlockHash], set[int]]] = {}
         self._lookups: dict[str, int] = {}
         self._copy_errors_seen: int | float = 0
         self._stats: dict[str, int] = {
@@ -237,6 +237,9 @@ class OffloadingScheduler(SchedulerConnector):
         rid = request.request_id
         counted = self._counted.pop(rid, {})
         start = request.num_computed_tokens
+        if num_external_tokens and not counted:
+            raise ContractError("num_external_tokens", f"request {rid}: {num_external_tokens} "
+                                "tokens to load without a final lookup in this step")
         items: list[CopyItem] = []
         for (r, pool), keys in counted.items():
             manager = self.managers[pool]
@@ -246,7 +249,11 @@ class OffloadingScheduler(SchedulerConnector):
             indices = block_range(t, start, start + num_external_tokens)
             have = set(keys)
             wanted = [p.key(request.block_hashes[r][i]) for i in indices for p in pool_parts]
-            load_keys = [k for k in wanted if k in have]
+            if not have.issuperset(wanted):
+                raise ContractError("num_external_tokens",
+                                    f"request {rid}: {num_external_tokens} tokens from token "
+                                    f"{start} include blocks the lookup did not report")
+            load_keys = wanted
             loading = set(load_keys)
             unused = [k for k in keys if k not in loading]
             if unused:
@@ -350,7 +357,9 @@ class OffloadingScheduler(SchedulerConnector):
 
     def _convert(self, event: OffloadEvent) -> list[KVEvent]:
         """Tier events are per part key; a block is announced on a tier once all its
-        parts are there, and withdrawn when the first of them leaves."""
+        parts are there, and withdrawn when the first of them leaves (or when a part
+        of a block this engine never saw stored leaves: e.g. a torn file of an earlier
+        run, which a router may still index). A part stored twice counts once."""
         present = self._tier_parts.setdefault(event.tier, {})
         out: list[KVEvent] = []
         for key in event.keys:
@@ -359,10 +368,12 @@ class OffloadingScheduler(SchedulerConnector):
                 continue
             r, block_hash = part.region_index, key[-32:]
             need = len(self.table.region_parts[r])
-            count = present.get((r, block_hash), 0)
+            parts = present.get((r, block_hash))
+            was_full = parts is not None and len(parts) == need
             if event.kind is EventKind.STORED:
-                present[(r, block_hash)] = count + 1
-                if count + 1 == need:
+                parts = present.setdefault((r, block_hash), set())
+                parts.add(part.index)
+                if len(parts) == need and not was_full:
                     info = self._block_info.get((r, block_hash))
                     out.append(BlockStored(
                         block_hashes=(block_hash,),
@@ -371,11 +382,11 @@ class OffloadingScheduler(SchedulerConnector):
                         block_size=self.ctx.block_tokens(r), medium=event.medium,
                         group_idx=r, locality=event.locality))
             else:
-                if count <= 1:
-                    present.pop((r, block_hash), None)
-                else:
-                    present[(r, block_hash)] = count - 1
-                if count == need:
+                if parts is not None:
+                    parts.discard(part.index)
+                    if not parts:
+                        del present[(r, block_hash)]
+                if was_full or parts is None:
                     out.append(BlockRemoved(block_hashes=(block_hash,), medium=event.medium,
                                             group_idx=r, locality=event.locality))
         return out

@@ -131,6 +131,9 @@ def test_failed_fs_loads_recompute_once_and_never_loop(tmp_path: Path, kind: str
         _computed_once(second, results)
         log = list(scheduler.failed_load_log)
         assert second.stats()["mismatched_bytes"] == 0
+        second.step()  # publish the last tier events
+        withdrawn = [e for e in second.events
+                     if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
     assert stats["promotions_failed"] > 0 and stats["hits_fs"] == 0
     assert sum(r.num_external_tokens for r in results) == 0  # nothing came through
     # each failed block was recomputed, by each request that waited for it, once
@@ -141,7 +144,10 @@ def test_failed_fs_loads_recompute_once_and_never_loop(tmp_path: Path, kind: str
     assert steps < MAX_STEPS
     if kind == "short_read":
         assert stats["fs_files_deleted"] > 0  # provably torn: deleted
+        # a router that indexed the earlier run's events learns the block is gone
+        assert len(withdrawn) == stats["fs_files_deleted"]
     else:
+        assert not withdrawn
         assert _block_files(tmp_path) == files_before  # transient: every file kept
 
 
