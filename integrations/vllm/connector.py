@@ -110,6 +110,11 @@ FALLBACK_PATHS = {
 }
 
 
+#: kvbridge connectors whose two halves must live in one process (the offloading
+#: connector's worker finds the scheduler's CPU tier through a process-local registry).
+SAME_PROCESS_CONNECTORS = frozenset({"offloading"})
+
+
 # --------------------------------------------------------------------------- messages
 
 
@@ -394,6 +399,13 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
                                      "missing: name the kvbridge connector to run (e.g. 'nixl')")
         self._desc = EngineDescription.from_vllm(vllm_config, kv_cache_config, str(name))
         resolved = _resolve(self._desc.config)
+        backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+        if resolved.plugin.name in SAME_PROCESS_CONNECTORS and backend != "uni":
+            raise AdapterConfigError(
+                "distributed_executor_backend",
+                f"kvbridge connector {resolved.plugin.name!r} shares its CPU tier between the "
+                f"scheduler and the worker in one process; run vLLM with "
+                f"--distributed-executor-backend uni (got {backend!r})")
         spec = self._desc.adapter.spec
         num_blocks = tuple(self._desc.num_blocks for _ in spec.regions)
         self._scheduler: SchedulerConnector | None = None

@@ -7,9 +7,9 @@ load fail, vLLM recomputes (``kv_load_failure_policy: recompute``) and the
 output is right again. vLLM's own offloading connector refuses the CPU
 platform; kvbridge's connectors run on it.
 
-Parametrized over the store connectors present: ``shared_storage`` (the
-reference connector, one file per block) always; kvbridge's ``offloading``
-connector when it is registered.
+Parametrized over ``shared_storage`` (the reference connector, one file per
+block) and ``offloading`` (kvbridge's tiered store: a small CPU tier in front
+of an fs tier; fillers evict a prompt from CPU so it comes back through fs).
 """
 
 from __future__ import annotations
@@ -29,22 +29,41 @@ EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 PROMPT_LENGTHS = (100, 150)  # 3 and 4 full blocks of 32, plus a partial block
 
 
-@pytest.fixture(scope="module")
-def store_engine(tiny_model: Path, server_logs: Path,
+#: connector -> (extra config given the store directory, block file suffix)
+STORES = {
+    "shared_storage": (lambda root: {"path": str(root)}, ".kv"),
+    # A CPU tier of 4 blocks per pool in front of an fs tier: fillers evict a
+    # prompt's blocks from CPU, so loading it back goes through the fs tier.
+    "offloading": (lambda root: {"cpu_blocks": 4, "fs_dir": str(root),
+                                 "fs_o_direct": False}, ".kvb"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(STORES))
+def store_engine(request: pytest.FixtureRequest, tiny_model: Path, server_logs: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
-    root = tmp_path_factory.mktemp("kv-store")
+    name = request.param
+    root = tmp_path_factory.mktemp(f"kv-store-{name}")
+    extra_of, suffix = STORES[name]
     config = {"kv_connector": "KVBridgeConnector", "kv_role": "kv_both",
               "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"kvbridge_connector": "shared_storage",
-                                            "path": str(root)}}
-    with h.server_group(server_logs / "store") as group:
-        (server,) = group.start(h.ServerSpec("store", str(tiny_model), h.free_port(), core=1,
-                                             kv_transfer_config=config), timeout_s=400)
-        yield {"server": server, "root": root}
+              "kv_connector_extra_config": {"kvbridge_connector": name, **extra_of(root)}}
+    with h.server_group(server_logs / f"store-{name}") as group:
+        (server,) = group.start(h.ServerSpec(f"store-{name}", str(tiny_model), h.free_port(),
+                                             core=1, kv_transfer_config=config), timeout_s=400)
+        yield {"server": server, "root": root, "suffix": suffix, "name": name}
 
 
-def _block_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.kv") if p.is_file())
+def _evict_from_cpu(server: h.VllmServer, name: str, seed: int) -> None:
+    """Offloading: push earlier blocks out of the 4-block CPU tier (LRU) with fillers."""
+    if name != "offloading":
+        return
+    for i in range(3):
+        server.complete(h.make_prompts(1, 130, seed=seed + i)[0], 1)
+
+
+def _block_files(root: Path, suffix: str) -> list[Path]:
+    return sorted(p for p in root.rglob(f"*{suffix}") if p.is_file())
 
 
 def _rewrite(files: list[Path], how: str) -> None:
@@ -58,11 +77,9 @@ def _rewrite(files: list[Path], how: str) -> None:
 
 
 def test_store_reset_load_back_same_output_corrupt_changes_it(store_engine) -> None:
-    server, root = store_engine["server"], store_engine["root"]
+    server, root, name = store_engine["server"], store_engine["root"], store_engine["name"]
     prompts = [h.make_prompts(1, n, seed=900 + n)[0] for n in PROMPT_LENGTHS]
     first = [server.complete(p, MAX_TOKENS).token_ids for p in prompts]
-    files = _block_files(root)
-    assert files, "nothing was stored"
 
     server.reset_prefix_cache()
     before = server.metrics()
@@ -72,6 +89,9 @@ def test_store_reset_load_back_same_output_corrupt_changes_it(store_engine) -> N
     loaded = after.get(EXTERNAL, 0) - before.get(EXTERNAL, 0)
     assert loaded == sum((n // 32) * 32 for n in PROMPT_LENGTHS)
 
+    _evict_from_cpu(server, name, seed=5000)
+    files = _block_files(root, store_engine["suffix"])
+    assert files, "nothing reached the store directory"
     _rewrite(files, "corrupt")
     server.reset_prefix_cache()
     corrupted = [server.complete(p, MAX_TOKENS).token_ids for p in prompts]
@@ -79,11 +99,11 @@ def test_store_reset_load_back_same_output_corrupt_changes_it(store_engine) -> N
 
 
 def test_failed_load_is_recomputed_by_vllm(store_engine) -> None:
-    server, root = store_engine["server"], store_engine["root"]
+    server, root, name = store_engine["server"], store_engine["root"], store_engine["name"]
     prompt = h.make_prompts(1, 130, seed=31337)[0]
     want = server.complete(prompt, MAX_TOKENS).token_ids
-    new_files = [p for p in _block_files(root)]
-    _rewrite(new_files, "truncate")
+    _evict_from_cpu(server, name, seed=6000)
+    _rewrite(_block_files(root, store_engine["suffix"]), "truncate")
     server.reset_prefix_cache()
     got = server.complete(prompt, MAX_TOKENS).token_ids
     assert got == want
