@@ -559,10 +559,15 @@ class NixlWorker(WorkerConnector):
                     continue
                 if all(s is XferState.DONE for s in states):
                     recv.transfers_done()
+            before = recv.state
             state = recv.poll(now)
             if state is RecvState.FAILED:
                 refused = recv.error is not None and recv.error.startswith("producer rank")
                 self._fail(recv, recv.error or "failed", now, tell_producer=not refused)
+                if not refused and before in (RecvState.TRANSFERRING, RecvState.WAITING):
+                    # the peer stopped answering: drop it, re-handshake on next use
+                    self._drop_session(self._session_key(recv.params), now,
+                                       reason=f"request {recv.request_id} timed out")
             elif state is RecvState.DONE:
                 self._complete(recv)
 
