@@ -143,16 +143,18 @@ class Engine:
                  keep_events: bool | None = None) -> None:
         """``event_sink`` (e.g. a ``kvbridge.events.KVEventPublisher``) gets each step's
         KV events as one batch; without one they accumulate in ``self.events``
-        (``keep_events`` decides; default: when no sink is given).
+        (``keep_events`` decides; default: when neither a sink nor ``events`` is given).
 
         ``events``: the engine binds its own publisher there (closed by
         :meth:`shutdown`) and turns ``enable_kv_cache_events`` on; so does an
         engine built without either inside
         :func:`kvbridge.engine.kv_events.publish_engine_events` (at the next
-        engine's endpoints).
+        engine's endpoints; such an engine still keeps its events, for the
+        summary of the command that built it).
         """
         #: events also go to ``self.events``
-        self.keep_events = event_sink is None if keep_events is None else keep_events
+        self.keep_events = (event_sink is None and events is None if keep_events is None
+                            else keep_events)
         publishing = active_publishing() if event_sink is None and events is None else None
         if publishing is not None:
             events = publishing.assign()
@@ -171,7 +173,8 @@ class Engine:
                 self.publisher.close(timeout_s=0)
             raise
         if publishing is not None and self.publisher is not None:
-            publishing.record(self.role.value if self.role else "engine", self.engine_id,
+            publishing.record(self.role.value.removeprefix("kv_") if self.role else "engine",
+                              self.engine_id,
                               self.publisher.endpoint, self.publisher.replay_endpoint)
 
     def _start(self, config: EngineConfig, event_sink: EventSink | None) -> None:

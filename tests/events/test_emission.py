@@ -133,15 +133,15 @@ def test_block_pool_events_reach_a_live_subscriber() -> None:
         hashes = hash_blocks(spec_.prompt, 16)
         for i, h in enumerate(hashes):
             by_hash[h] = (hashes[i - 1] if i else None, spec_.prompt[i * 16:(i + 1) * 16])
-    announced = set()
+    announced: set[Any] = set()
     for event in index.stored:
         assert event.medium == "GPU" and event.locality == "LOCAL" and event.group_idx == 0
         assert event.block_size == 16 and len(event.token_ids) == 16 * len(event.block_hashes)
-        for i, h in enumerate(event.block_hashes):
-            announced.add(h)
-            parent = event.parent_block_hash if i == 0 else event.block_hashes[i - 1]
-            if h in by_hash:
-                assert (parent, tuple(event.token_ids[i * 16:(i + 1) * 16])) == by_hash[h]
+        for i, block_hash in enumerate(event.block_hashes):
+            announced.add(block_hash)
+            parent: Any = event.parent_block_hash if i == 0 else event.block_hashes[i - 1]
+            if block_hash in by_hash:
+                assert (parent, tuple(event.token_ids[i * 16:(i + 1) * 16])) == by_hash[block_hash]
     assert set(by_hash) <= announced  # every full prompt block was announced
     assert cached_after_first <= announced
     removed = {h for _, batch in batches for e in batch if isinstance(e, BlockRemoved)

@@ -20,6 +20,7 @@ from kvbridge.engine.kv_events import (
 from kvbridge.events import (
     AllBlocksCleared,
     BlockStored,
+    KVEvent,
     KVEventPublisher,
     KVEventSubscriber,
     ReceivedBatch,
@@ -131,7 +132,7 @@ def test_engine_process_publishes_block_pool_events() -> None:
                 done += proc.results()
                 time.sleep(0.02)
             assert proc.reset_prefix_cache() == 4
-            events = []
+            events: list[KVEvent] = []
             for item in sub.items(idle_timeout_s=10.0):
                 assert isinstance(item, ReceivedBatch), item
                 events += item.batch.events

@@ -1,0 +1,165 @@
+"""`kvbridge serve` and `kvbridge demo` with --events-endpoint publish their engines' events.
+
+Real processes (bounded, killed on failure), real NIXL engines, a real
+subscriber on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvbridge.engine import make_requests
+from kvbridge.events import BlockStored, KVEvent, KVEventSubscriber, ReceivedBatch, SubscriberConfig
+from kvbridge.layouts import hash_blocks
+from tests.conftest import free_port, require
+
+CLI = [sys.executable, "-m", "kvbridge.tools.cli"]
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def _ready_line(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"exited with {proc.returncode} before ready")
+            if selector.select(timeout=0.5):
+                line = proc.stdout.readline()
+                if line.startswith("{"):
+                    data: dict[str, Any] = json.loads(line)
+                    return data
+        raise AssertionError(f"no ready line within {timeout_s} s")
+    finally:
+        selector.close()
+
+
+def _gpu_stored(events: list[KVEvent]) -> list[Any]:
+    return [h for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
+            for h in e.block_hashes]
+
+
+def _distinct_ports(count: int) -> list[int]:
+    """``count`` free ports with port + 1 free too (each engine adds its index)."""
+    ports: list[int] = []
+    for _ in range(200):
+        port = free_port()
+        if port < 65535 and all(abs(port - p) > 1 for p in ports):
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise AssertionError("no free ports")
+
+
+def test_serve_publishes_its_engine_events(tmp_path: Path) -> None:
+    require("nixl_cu12", "NIXL (nixl-cu12)")
+    side, control, events_port, replay_port = _distinct_ports(4)
+    endpoint, replay = f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--role", "producer", "--port", str(side), "--control-port",
+             str(control), "--num-blocks", "32", "--events-endpoint", endpoint,
+             "--events-replay-endpoint", replay, "--json"],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    context = zmq.Context()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.setsockopt(zmq.SNDTIMEO, 30_000)
+
+    def call(op: str, **fields: Any) -> dict[str, Any]:
+        sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
+        reply: dict[str, Any] = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["ok"], reply
+        return reply
+
+    requests = make_requests(2, prompt_tokens=40, max_tokens=1, seed=11)
+    try:
+        ready = _ready_line(proc, 120)
+        assert ready["control"].endswith(f":{control}")
+        with KVEventSubscriber(SubscriberConfig(endpoint, replay, start_seq=0)) as sub:
+            sock.connect(f"tcp://127.0.0.1:{control}")
+            call("submit", requests=[r.to_dict() for r in requests])
+            done: list[Any] = []
+            deadline = time.monotonic() + 60
+            while len(done) < len(requests):
+                assert time.monotonic() < deadline, "requests did not finish"
+                done += call("results")["results"]
+                time.sleep(0.05)
+            events: list[KVEvent] = []
+            expected = sorted(h for r in requests for h in hash_blocks(r.prompt, 16))
+            for item in sub.items(idle_timeout_s=10.0):
+                assert isinstance(item, ReceivedBatch), item
+                events += item.batch.events
+                if sorted(_gpu_stored(events)) == expected:
+                    break
+        assert sorted(_gpu_stored(events)) == expected
+        call("shutdown")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        sock.close(linger=0)
+        context.term()
+        _stop(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert "KV events of producer" in (tmp_path / "stderr").read_text()
+
+
+def test_demo_publishes_both_engines_events(tmp_path: Path) -> None:
+    require("nixl_cu12", "NIXL (nixl-cu12)")
+    events_port, replay_port = _distinct_ports(2)
+    subs = [KVEventSubscriber(SubscriberConfig(f"tcp://127.0.0.1:{events_port + i}",
+                                               f"tcp://127.0.0.1:{replay_port + i}"))
+            for i in range(2)]  # producer, consumer: connected before the engines bind
+    received: list[list[KVEvent]] = [[], []]
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    try:
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            proc = subprocess.Popen(
+                [*CLI, "demo", "--requests", "1", "--prompt-tokens", "40", "--num-blocks", "32",
+                 "--events-endpoint", f"tcp://127.0.0.1:{events_port}",
+                 "--events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}", "--json"],
+                stdout=out, stderr=err)
+        try:
+            deadline = time.monotonic() + 240
+            drain_until: float | None = None
+            while drain_until is None or time.monotonic() < drain_until:
+                assert time.monotonic() < deadline, "demo did not finish in time"
+                if drain_until is None and proc.poll() is not None:
+                    drain_until = time.monotonic() + 1.0
+                for index, sub in enumerate(subs):
+                    item = sub.get(0.05)
+                    if isinstance(item, ReceivedBatch):
+                        received[index] += item.batch.events
+        finally:
+            _stop(proc)
+    finally:
+        for sub in subs:
+            sub.close()
+    stderr = err_path.read_text()
+    assert proc.returncode == 0, stderr[-2000:]
+    summary = json.loads(out_path.read_text())
+    assert summary["failed_requests"] == 0 and summary["mismatched_bytes"] == 0
+    assert "KV events of producer" in stderr and "KV events of consumer" in stderr
+    producer, consumer = (_gpu_stored(events) for events in received)
+    assert producer and consumer  # each engine's own stream carries its block pool
