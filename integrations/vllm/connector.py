@@ -110,8 +110,8 @@ FALLBACK_PATHS = {
 }
 
 
-#: kvbridge connectors whose two halves must live in one process (the offloading
-#: connector's worker finds the scheduler's CPU tier through a process-local registry).
+#: kvbridge connectors whose two halves share memory: one process, unless the
+#: offloading connector's CPU slots are file-backed (``shm_dir``).
 SAME_PROCESS_CONNECTORS = frozenset({"offloading"})
 
 
@@ -400,12 +400,14 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
         self._desc = EngineDescription.from_vllm(vllm_config, kv_cache_config, str(name))
         resolved = _resolve(self._desc.config)
         backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
-        if resolved.plugin.name in SAME_PROCESS_CONNECTORS and backend != "uni":
+        if (resolved.plugin.name in SAME_PROCESS_CONNECTORS and backend != "uni"
+                and getattr(resolved.extra, "shm_dir", None) is None):
             raise AdapterConfigError(
                 "distributed_executor_backend",
                 f"kvbridge connector {resolved.plugin.name!r} shares its CPU tier between the "
-                f"scheduler and the worker in one process; run vLLM with "
-                f"--distributed-executor-backend uni (got {backend!r})")
+                f"scheduler and the worker; with vLLM's worker in another process "
+                f"({backend!r} executor) set kv_connector_extra_config.shm_dir (e.g. "
+                f"'/dev/shm'), or run with --distributed-executor-backend uni")
         spec = self._desc.adapter.spec
         num_blocks = tuple(self._desc.num_blocks for _ in spec.regions)
         self._scheduler: SchedulerConnector | None = None
