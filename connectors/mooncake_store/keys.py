@@ -62,8 +62,16 @@ class RegionLookup:
         return [p + h for h in (b.hex() for b in block_hashes) for p in prefixes]
 
 
-def region_lookups(spec: KVCacheSpec, topology: ParallelTopology) -> tuple[RegionLookup, ...]:
-    """One :class:`RegionLookup` per region of ``spec`` on an engine of ``topology``'s sizes."""
+def region_lookups(spec: KVCacheSpec, topology: ParallelTopology, *,
+                   every_layer: bool = True) -> tuple[RegionLookup, ...]:
+    """One :class:`RegionLookup` per region of ``spec`` on an engine of ``topology``'s sizes.
+
+    ``every_layer`` False checks only the last layer of each namespace (one key
+    per namespace and block instead of one per layer: for deep models a lookup
+    of every layer costs ``layers`` times more keys). Every namespace is still
+    checked; a block whose other layers are gone then fails at load time and is
+    recomputed (a load error, never wrong bytes).
+    """
     sizes = topology.sizes()
     namespaces = lookup_namespaces(spec, sizes)
     out = []
@@ -73,8 +81,9 @@ def region_lookups(spec: KVCacheSpec, topology: ParallelTopology) -> tuple[Regio
             if ns.region != region.name:
                 continue
             stage = spec.stage_layers(ns.pp_size, ns.pp_rank)
+            layers = [layer for layer in sorted(region.layer_ids) if layer in stage]
             prefixes.extend(layer_key_prefix(ns, layer)
-                            for layer in sorted(region.layer_ids) if layer in stage)
+                            for layer in (layers if every_layer else layers[-1:]))
         if not prefixes:
             raise AssertionError(f"region {region.name!r} has no namespace to look up")
         out.append(RegionLookup(index, region.name, region.tokens_per_key(sizes.dcp_size),

@@ -94,7 +94,11 @@ class MooncakeStoreScheduler(SchedulerConnector):
         super().__init__(ctx)
         settings: MooncakeStoreSettings = ctx.extra
         self.settings = settings
-        self.regions = region_lookups(ctx.spec, ctx.topology)
+        self.regions = region_lookups(ctx.spec, ctx.topology,
+                                      every_layer=settings.lookup_every_layer)
+        # removal deletes every layer's key, whatever a lookup checks
+        self._all_keys = (self.regions if settings.lookup_every_layer
+                          else region_lookups(ctx.spec, ctx.topology))
         self.tokens_per_key = tuple(r.tokens_per_key for r in self.regions)
         self._lookups = LookupThread(settings, pool_key(settings, ctx.engine_id),
                                      name=f"kvb-mooncake-lookup-{ctx.engine_id[:8]}")
@@ -271,7 +275,7 @@ class MooncakeStoreScheduler(SchedulerConnector):
         keys: list[str] = []
         spans: list[tuple[int, BlockHash, int, int]] = []
         for region_index, hashes in blocks.items():
-            region = self.regions[region_index]
+            region = self._all_keys[region_index]
             for block_hash in hashes:
                 block_keys = region.keys([block_hash])
                 spans.append((region_index, block_hash, len(keys), len(keys) + len(block_keys)))

@@ -12,6 +12,8 @@ Keys (all optional except the two addresses)::
     load_async            loads run on a worker thread across steps (default true)
     lookup                this engine looks blocks up and loads them (default true;
                           producers too: prefix reuse across instances)
+    lookup_every_layer    a lookup checks every layer's key (default true); false checks
+                          one key (the last layer) per namespace and block, for deep models
     client_scope          "process" (default): halves in one process share one client per
                           store; "engine": one client per engine (cross-instance tests)
     scheduler_segment_size bytes the scheduler half's own client lends when it cannot
@@ -53,6 +55,7 @@ class MooncakeStoreSettings:
     lookup_timeout_s: float = 6.0
     load_async: bool = True
     lookup: bool = True
+    lookup_every_layer: bool = True
     client_scope: ClientScope = ClientScope.PROCESS
     scheduler_segment_size: int = 0
     reconnect_interval_s: float = 1.0
@@ -78,7 +81,7 @@ class MooncakeStoreSettings:
 
 _INT = ("global_segment_size", "local_buffer_size", "scheduler_segment_size")
 _FLOAT = ("op_timeout_s", "lookup_timeout_s", "reconnect_interval_s", "abandon_grace_s")
-_BOOL = ("load_async", "lookup")
+_BOOL = ("load_async", "lookup", "lookup_every_layer")
 _STR = ("master_address", "metadata_server", "protocol", "device_name", "client_scope")
 _SPEC = (*_STR, *_INT, *_FLOAT, *_BOOL)
 

@@ -86,3 +86,12 @@ def test_settings_name_the_bad_key() -> None:
         with pytest.raises(ConfigError) as info:
             parse_settings(bad)
         assert field in info.value.field
+
+
+def test_last_layer_lookup_checks_one_key_per_namespace() -> None:
+    spec = load_spec("tiny-hybrid")
+    attn, state = region_lookups(spec, ParallelTopology(tp_size=2, pp_size=2),
+                                 every_layer=False)
+    # attn: 2 TP namespaces x 2 stages, one layer each; state (replicated): 1 x 2 stages
+    assert [p.rstrip(":").rsplit(":", 1)[1] for p in attn.prefixes] == ["L0", "L0", "L2", "L2"]
+    assert [p.rstrip(":").rsplit(":", 1)[1] for p in state.prefixes] == ["L1", "L3"]

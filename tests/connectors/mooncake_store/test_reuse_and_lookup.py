@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvbridge.backends.mooncake import MooncakeStoreClient
@@ -119,3 +120,35 @@ def test_stored_and_removed_events(held_store: tuple[dict[str, Any],
     finally:
         eng.shutdown()
     assert eng.stats()["worker_stats"]["put_failures"] == 0  # type: ignore[index]
+
+
+def test_partial_block_behind_a_last_layer_lookup_is_a_load_error(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """``lookup_every_layer: false`` checks one key per namespace: a block missing another
+    layer passes the lookup, fails at load time, and is recomputed (never wrong bytes)."""
+    extra, client = held_store
+    spec = load_spec("tiny-gqa")
+    topology = ParallelTopology()
+    (req,) = make_requests(1, prompt_tokens=3 * 16 + 3, max_tokens=1, seed=29, prefix="part")
+    hashes = hash_blocks(req.prompt, 16)
+    eng = engine("tiny-gqa", topology, KVRole.BOTH, {**extra, "lookup_every_layer": False})
+    try:
+        eng.add_request(req)
+        eng.run_until_done(timeout_s=60)
+        ns = namespace_for(spec, "attn", topology)
+        (gone,) = client.remove([store_key(ns, 0, hashes[1])], force=True)
+        assert gone.ok
+        eng.reset_prefix_cache()
+        again = replace(req, request_id="part-again")
+        eng.add_request(again)
+        (result,) = eng.run_until_done(timeout_s=60)
+        stats = eng.stats()
+    finally:
+        eng.shutdown()
+    assert not check_outputs([result], [again])
+    assert result.num_external_tokens == 16      # block 0 loaded and verified
+    assert result.num_recomputed_tokens == 2 * 16  # blocks 1 and 2 recomputed
+    assert result.mismatched_bytes == 0 and result.verified_bytes > 0
+    assert stats["failed_loads"] == 1
+    worker = stats["worker_stats"]
+    assert isinstance(worker, dict) and worker["load_not_found"] == 1
