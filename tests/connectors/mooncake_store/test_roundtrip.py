@@ -17,7 +17,8 @@ import pytest
 from kvbridge.connectors import ConnectorConfig, KVRole
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.workload import check_outputs, make_requests
-from kvbridge.layouts import ParallelTopology, load_spec
+from kvbridge.events import BlockStored
+from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec
 
 TOPOLOGIES = {"tp2": ParallelTopology(tp_size=2),
               "tp2dcp2": ParallelTopology(tp_size=2, dcp_size=2),
@@ -51,6 +52,15 @@ def test_store_then_load_verified(model: str, topology: str, load_async: bool,
             engine.add_request(spec)
         first = engine.run_until_done(timeout_s=60)
         assert not check_outputs(first, requests)
+        # one BlockStored per distinct block, once every rank (writers or not, every
+        # pipeline stage) stored its part
+        spec = load_spec(model)
+        expected = {(r, h) for r, region in enumerate(spec.regions) for s in requests
+                    for h in hash_blocks(s.prompt,
+                                         region.tokens_per_key(TOPOLOGIES[topology].dcp_size))}
+        stored = [(e.group_idx, e.block_hashes[0]) for e in engine.events
+                  if isinstance(e, BlockStored)]
+        assert len(stored) == len(set(stored)) and set(stored) == expected
         engine.reset_prefix_cache()
         again = [replace(s, request_id=s.request_id + "-again") for s in requests]
         for spec in again:
