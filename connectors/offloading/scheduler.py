@@ -30,6 +30,7 @@ namespace + chained block hash.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -81,6 +82,8 @@ class OffloadMetadata(ConnectorMetadata):
     pools_token: str
     loads: Mapping[str, tuple[CopyItem, ...]] = field(default_factory=dict)
     stores: tuple[CopyItem, ...] = ()
+    #: per pool ``(path, num_slots, slot bytes)`` when the slots are file-backed
+    shared_pools: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -95,9 +98,12 @@ def _manager_request_id(request_id: str, region_index: int) -> str:
     return f"{request_id}\x00{region_index}"
 
 
-def build_managers(spec: KVCacheSpec, table: PartTable,
-                   settings: OffloadSettings) -> tuple[list[OffloadManager], Any]:
-    """One manager per pool (CPU tier + secondaries); returns ``(managers, obj client)``."""
+def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSettings,
+                   shm_paths: tuple[str, ...] = ()) -> tuple[list[OffloadManager], Any]:
+    """One manager per pool (CPU tier + secondaries); returns ``(managers, obj client)``.
+
+    ``shm_paths``: per pool, the file backing its CPU slots (empty: anonymous memory).
+    """
     client = None
     managers: list[OffloadManager] = []
     try:
@@ -119,8 +125,9 @@ def build_managers(spec: KVCacheSpec, table: PartTable,
             if client is not None:
                 from kvbridge.offload.obj import ObjTier
                 secondaries.append(ObjTier(client, nbytes, fingerprint))
-            managers.append(OffloadManager(CpuTier(settings.cpu_blocks, nbytes, settings.policy),
-                                           secondaries))
+            shm_path = shm_paths[len(managers)] if shm_paths else None
+            managers.append(OffloadManager(CpuTier(settings.cpu_blocks, nbytes, settings.policy,
+                                                   shm_path=shm_path), secondaries))
     except BaseException:
         for manager in managers:
             manager.shutdown()
@@ -138,8 +145,15 @@ class OffloadingScheduler(SchedulerConnector):
         settings: OffloadSettings = ctx.extra
         self.settings = settings
         self.table = build_part_table(ctx.spec, ctx.topology)
-        self.managers, self._client = build_managers(ctx.spec, self.table, settings)
         self.token = uuid.uuid4().hex
+        shm_paths: tuple[str, ...] = ()
+        if settings.shm_dir is not None:
+            shm_paths = tuple(os.path.join(settings.shm_dir, f"kvbridge-offload-{self.token}-{i}")
+                              for i in range(len(self.table.pool_bytes)))
+        self.managers, self._client = build_managers(ctx.spec, self.table, settings, shm_paths)
+        #: what a worker in another process maps: per pool (path, num_slots, slot bytes)
+        self.shared_pools = tuple((path, settings.cpu_blocks, nbytes) for path, nbytes
+                                  in zip(shm_paths, self.table.pool_bytes, strict=False))
         with _POOLS_LOCK:
             _POOLS[self.token] = tuple(m.primary for m in self.managers)
         self._by_prefix = {p.prefix: p for p in self.table.parts}
@@ -303,7 +317,7 @@ class OffloadingScheduler(SchedulerConnector):
                     self._stats["store_parts"] += len(spec.keys)
         for manager in self.managers:
             manager.step()
-        meta = OffloadMetadata(self.token, self._loads, tuple(stores))
+        meta = OffloadMetadata(self.token, self._loads, tuple(stores), self.shared_pools)
         self._step_loaded_blocks = {rid: {(r, b) for _, r, b, _, _ in items}
                                     for rid, items in self._loads.items()}
         self._loads = {}

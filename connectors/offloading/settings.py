@@ -9,6 +9,9 @@ Keys:
 * ``fs_faults`` (none): fault injection around the real fs I/O, e.g.
   ``{"rate": 0.05, "kinds": ["eio", "eloop", "short_read"], "seed": 1}``
   (``kvbridge.offload.faults.FaultPlan``; for tests and the demo).
+* ``shm_dir`` (none): back the CPU slots by files in this directory (e.g.
+  ``/dev/shm``) so worker halves in other processes can map them; without it
+  the workers must run in the scheduler's process.
 * ``obj`` (none): a Mooncake client config (``kvbridge.backends.mooncake.
   MooncakeConfig`` fields, e.g. ``{"master_address": "127.0.0.1:50051",
   "metadata_server": "http://127.0.0.1:8080/metadata"}``) for the ``obj``
@@ -25,7 +28,7 @@ from kvbridge.connectors.errors import ConfigError
 from kvbridge.offload.faults import FaultKind, FaultPlan
 
 _PREFIX = "kv_connector_extra_config"
-KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_faults", "obj")
+KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_faults", "obj", "shm_dir")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class OffloadSettings:
     fs_o_direct: bool = True
     fs_faults: FaultPlan | None = None
     obj: Mapping[str, Any] | None = field(default=None)
+    shm_dir: str | None = None
 
 
 def _faults(value: object) -> FaultPlan:
@@ -97,4 +101,7 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
             raise ConfigError(f"{_PREFIX}.obj", "expected a Mooncake client config object "
                                                 "(master_address, metadata_server, ...)")
         obj = dict(obj)
-    return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj)
+    shm_dir = extra.get("shm_dir")
+    if shm_dir is not None and (not isinstance(shm_dir, str) or not shm_dir):
+        raise ConfigError(f"{_PREFIX}.shm_dir", f"expected a directory path, got {shm_dir!r}")
+    return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj, shm_dir)

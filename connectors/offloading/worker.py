@@ -8,8 +8,9 @@ is computed); both finish inside the step, so the scheduler completes them in
 ``update_connector_output`` of the same step.
 
 The slot memory is the scheduler's CPU tier, found through a process-local
-registry by the token in the metadata (the worker runs in the scheduler's
-process). A load that cannot copy (no slot memory, an injected copy fault)
+registry by the token in the metadata when the worker runs in the scheduler's
+process; otherwise (setting ``shm_dir``) the worker maps the tier's backing
+files named in the metadata (``SlotMemory.attach``). A load that cannot copy (no slot memory, an injected copy fault)
 reports its blocks in ``get_block_ids_with_load_errors``; the engine then
 recomputes from the first bad token.
 """
@@ -25,6 +26,7 @@ from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, Worker
 from kvbridge.connectors.errors import ContractError
 from kvbridge.connectors.offloading.parts import build_part_table
 from kvbridge.connectors.offloading.scheduler import CopyItem, OffloadMetadata, pools_of
+from kvbridge.offload.cpu import SlotMemory
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class OffloadingWorker(WorkerConnector):
         self.write_parts = {part.index: r for r, (part, writer) in parts.items() if writer}
         self.caches: KVCaches | None = None
         self._slots: dict[str, list[torch.Tensor]] = {}
+        self._memories: list[SlotMemory] = []
         self._invalid: set[BlockRef] = set()
         self._fail_loads = 0
         self._fail_step = False
@@ -65,16 +68,29 @@ class OffloadingWorker(WorkerConnector):
         with self._lock:
             self._fail_step = True
 
-    def _pool_tensors(self, token: str) -> list[torch.Tensor]:
+    def _pool_tensors(self, meta: OffloadMetadata) -> list[torch.Tensor]:
+        token = meta.pools_token
         tensors = self._slots.get(token)
         if tensors is None:
             tiers = pools_of(token)
-            if tiers is None:
-                raise ContractError("pools_token", "no CPU tier registered under this token "
-                                    "(the scheduler half must run in this process)")
-            tensors = [tier.as_tensor() for tier in tiers]  # type: ignore[misc]
+            if tiers is not None:  # the scheduler half is in this process
+                tensors = [tier.as_tensor() for tier in tiers]  # type: ignore[misc]
+            elif meta.shared_pools:  # map the scheduler's file-backed slots
+                self._close_memories()
+                self._memories = [SlotMemory.attach(path, num_slots, nbytes)
+                                  for path, num_slots, nbytes in meta.shared_pools]
+                tensors = [m.as_tensor() for m in self._memories]  # type: ignore[misc]
+            else:
+                raise ContractError("pools_token", "no CPU tier of this engine in this process "
+                                    "and no shm_dir: run the worker in the scheduler's process "
+                                    "or set shm_dir")
             self._slots = {token: tensors}
         return tensors
+
+    def _close_memories(self) -> None:
+        for memory in self._memories:
+            memory.close()
+        self._memories = []
 
     def _block_bytes(self, region: int, block_id: int) -> list[torch.Tensor]:
         assert self.caches is not None
@@ -105,7 +121,7 @@ class OffloadingWorker(WorkerConnector):
         if not meta.loads:
             return
         try:
-            pools = self._pool_tensors(meta.pools_token)
+            pools = self._pool_tensors(meta)
         except ContractError as exc:
             logger.error("offloading worker %s: %s", self.ctx.worker_index, exc)
             for items in meta.loads.values():
@@ -143,7 +159,7 @@ class OffloadingWorker(WorkerConnector):
         if not meta.stores:
             return
         try:
-            pools = self._pool_tensors(meta.pools_token)
+            pools = self._pool_tensors(meta)
         except ContractError as exc:
             logger.error("offloading worker %s: %s", self.ctx.worker_index, exc)
             self._stats["store_copy_errors"] += 1
@@ -172,5 +188,6 @@ class OffloadingWorker(WorkerConnector):
         return dict(self._stats)
 
     def shutdown(self) -> None:
-        self._slots = {}
+        self._slots = {}  # drop the tensors first: they export the mappings
+        self._close_memories()
         self.caches = None

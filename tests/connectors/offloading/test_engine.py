@@ -12,6 +12,7 @@ import pytest
 
 from kvbridge.connectors import ConnectorConfig, KVRole
 from kvbridge.connectors.offloading import OffloadingScheduler, build_part_table, pool_fingerprint
+from kvbridge.connectors.offloading.scheduler import _POOLS, _POOLS_LOCK
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import EngineRequest, RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
@@ -213,3 +214,22 @@ def test_obj_tier_serves_a_restarted_engine(tmp_path: Path, mooncake_master: Any
         assert second.stats()["mismatched_bytes"] == 0
     assert stats["hits_obj"] == 12
     assert sum(r.num_external_tokens for r in results) == 3 * 63
+
+
+def test_worker_maps_file_backed_slots_when_the_scheduler_is_elsewhere(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    specs = make_requests(3, prompt_tokens=64, max_tokens=2, seed=7)
+    with _engine(None, shm_dir=str(shm)) as engine:
+        scheduler = _scheduler(engine)
+        # as if the workers ran in another process: no in-process registry entry
+        with _POOLS_LOCK:
+            del _POOLS[scheduler.token]
+        assert [p.name for p in shm.iterdir()] == [f"kvbridge-offload-{scheduler.token}-0"]
+        _run(engine, specs)
+        engine.reset_prefix_cache()
+        results, _ = _run(engine, _again(specs, "again"))
+        assert engine.stats()["mismatched_bytes"] == 0
+        assert engine.stats()["worker_stats"]["load_copies"] == 12
+    assert sum(r.num_external_tokens for r in results) == 3 * 63
+    assert not list(shm.iterdir())  # the scheduler removed its backing file

@@ -73,6 +73,7 @@ def test_replicated_heads_share_a_part_and_only_the_writer_stores() -> None:
     ({"fs_dir": "/x", "fs_faults": {"rate": 2}}, "fs_faults.rate"),
     ({"fs_dir": "/x", "fs_faults": {"kinds": ["nope"]}}, "fs_faults.kinds"),
     ({"obj": "localhost"}, "obj"),
+    ({"shm_dir": 3}, "shm_dir"),
     ({"bogus": 1}, "bogus"),
 ])
 def test_settings_errors_name_the_key(extra: dict[str, object], field: str) -> None:
