@@ -83,7 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         add = getattr(module, "add_arguments", None)
         if add is not None:
             add(parser)
-    parser.set_defaults(func=run)
+    from kvbridge.tools.events_flags import add_events_arguments, with_engine_events
+
+    add_events_arguments(parser)  # --events-endpoint / --events-replay-endpoint
+    parser.set_defaults(func=with_engine_events(run))
 
 
 def _progress(line: str) -> None:

@@ -58,7 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine-id", default=None)
     parser.add_argument("--kv-config", metavar="JSON", help="extra connector settings")
     parser.add_argument("--json", action="store_true", help="print the ready line as JSON")
-    parser.set_defaults(func=run)
+    from kvbridge.tools.events_flags import add_events_arguments, with_engine_events
+
+    add_events_arguments(parser)  # --events-endpoint / --events-replay-endpoint
+    parser.set_defaults(func=with_engine_events(run))
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
