@@ -145,6 +145,7 @@ def _bench_pattern(extra: dict[str, Any], num_blocks: int, block_bytes: int,
     times: dict[str, dict[str, list[float]]] = {s: {"put": [], "get": []}
                                                 for s in ("raw", "connector")}
     failures = {"raw": 0, "connector": 0}
+    mismatched = 0
     event = BlockStored(block_hashes=(b"",), parent_block_hash=None, token_ids=(),
                         block_size=_BLOCK_TOKENS, medium=Medium.STORAGE.value,
                         locality=Locality.REMOTE.value, group_idx=0)
@@ -189,9 +190,11 @@ def _bench_pattern(extra: dict[str, Any], num_blocks: int, block_bytes: int,
             for name in order:
                 dst.zero_()
                 put_s, get_s, ok, keys = sides[name]()
-                verified = ok and bool(torch.equal(src.view(torch.int16), dst.view(torch.int16)))
+                src_bytes, dst_bytes = src.view(torch.uint8), dst.view(torch.uint8)
+                verified = ok and bool(torch.equal(src_bytes, dst_bytes))
                 if not verified:
                     failures[name] += 1
+                    mismatched += int((src_bytes != dst_bytes).sum())
                     logger.warning("bench %s round %d failed (ok=%s)", name, round_index, ok)
                 client.remove(keys, force=True)
                 if round_index > 0:
@@ -221,6 +224,7 @@ def _bench_pattern(extra: dict[str, Any], num_blocks: int, block_bytes: int,
                   "get_best": min(times["raw"]["get"]) / min(times["connector"]["get"])},
         "memcpy_gbps": _gbps(total, statistics.median(memcpy_s)),
         "failed_rounds": failures,
+        "mismatched_bytes": mismatched,
         "verified": not failures["raw"] and not failures["connector"],
     }
 
