@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
-from kvbridge.connectors.offloading import OffloadingScheduler
+from kvbridge.connectors.offloading import OffloadingScheduler, build_part_table
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
@@ -79,7 +79,12 @@ def run_offload_workload(*, model: str = "tiny-gqa",
     with contextlib.ExitStack() as stack:
         directory = offload_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="kvbridge-offload-demo-"))
-        extra: dict[str, Any] = {"cpu_blocks": cpu_blocks, "policy": policy,
+        # a block has one part per namespace: size the CPU tier in blocks, not parts
+        table = build_part_table(spec, topology)
+        parts_per_block = max(len(table.pool_region_parts(pool, r))
+                              for pool in range(len(table.pool_bytes))
+                              for r in range(len(spec.regions)))
+        extra: dict[str, Any] = {"cpu_blocks": cpu_blocks * parts_per_block, "policy": policy,
                                  "fs_dir": directory, "fs_o_direct": o_direct}
         if fault_rate > 0:
             extra["fs_faults"] = {"rate": fault_rate, "kinds": list(fault_kinds), "seed": seed}
@@ -207,7 +212,8 @@ def format_details(summary: dict[str, Any]) -> str:
     return "\n".join([
         f"  rounds          {summary['rounds']} (CPU tier {summary['cpu_blocks']} blocks, "
         f"{summary['cpu_evictions']} evictions)",
-        f"  hits by tier    {hits} (blocks loaded; fs hits were promoted into CPU first)",
+        f"  hits by tier    {hits} (block parts loaded, one per key namespace; fs hits "
+        f"were promoted into CPU first)",
         f"  failed loads    {summary['failed_loads']} (injected: {faults or 'none'}); "
         f"recomputed blocks {summary['recomputed_blocks']}",
         f"  KV events       {events or 'none'}",
