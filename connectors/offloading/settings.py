@@ -7,8 +7,9 @@ Keys:
 * ``fs_dir`` (none): directory of the ``fs`` secondary tier; none = no fs tier.
 * ``fs_o_direct`` (true): use O_DIRECT where the store directory allows it.
 * ``fs_faults`` (none): fault injection around the real fs I/O, e.g.
-  ``{"rate": 0.05, "kinds": ["eio", "eloop", "short_read"], "seed": 1}``
-  (``kvbridge.offload.faults.FaultPlan``; for tests and the demo).
+  ``{"rate": 0.05, "kinds": ["eio", "eloop", "short_read"], "seed": 1}``, and/or
+  ``"per_key": {"<key hex>": "eio"}`` (a fault on every open of that block's
+  file) (``kvbridge.offload.faults.FaultPlan``; for tests and the demo).
 * ``shm_dir`` (none): back the CPU slots by files in this directory (e.g.
   ``/dev/shm``) so worker halves in other processes can map them; without it
   the workers must run in the scheduler's process.
@@ -46,10 +47,21 @@ def _faults(value: object) -> FaultPlan:
     name = f"{_PREFIX}.fs_faults"
     if not isinstance(value, Mapping):
         raise ConfigError(name, f"expected an object with rate/kinds/seed, got {value!r}")
-    unknown = sorted(set(value) - {"rate", "kinds", "seed", "slow_s"})
+    unknown = sorted(set(value) - {"rate", "kinds", "seed", "slow_s", "per_key"})
     if unknown:
         raise ConfigError(f"{name}.{unknown[0]}", "unknown setting; expected rate, kinds, "
-                                                  "seed or slow_s")
+                                                  "seed, slow_s or per_key")
+    per_key: dict[bytes, FaultKind] = {}
+    raw_per_key = value.get("per_key", {})
+    if not isinstance(raw_per_key, Mapping):
+        raise ConfigError(f"{name}.per_key", "expected an object {key hex: fault kind}")
+    for key_hex, kind_name in raw_per_key.items():
+        try:
+            per_key[bytes.fromhex(key_hex)] = FaultKind(kind_name)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}.per_key", f"expected key hex -> one of "
+                                                 f"{[k.value for k in FaultKind]}, got "
+                                                 f"{key_hex!r}: {kind_name!r}") from None
     rate = value.get("rate", 0.0)
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
         raise ConfigError(f"{name}.rate", f"expected a probability in [0, 1], got {rate!r}")
@@ -69,7 +81,8 @@ def _faults(value: object) -> FaultPlan:
     slow_s = value.get("slow_s", 0.005)
     if isinstance(slow_s, bool) or not isinstance(slow_s, int | float) or slow_s < 0:
         raise ConfigError(f"{name}.slow_s", f"expected seconds >= 0, got {slow_s!r}")
-    return FaultPlan(rate=float(rate), kinds=tuple(kinds), seed=seed, slow_s=float(slow_s))
+    return FaultPlan(per_key=per_key, rate=float(rate), kinds=tuple(kinds), seed=seed,
+                     slow_s=float(slow_s))
 
 
 def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:

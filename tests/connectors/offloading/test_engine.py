@@ -233,3 +233,28 @@ def test_worker_maps_file_backed_slots_when_the_scheduler_is_elsewhere(tmp_path:
         assert engine.stats()["worker_stats"]["load_copies"] == 12
     assert sum(r.num_external_tokens for r in results) == 3 * 63
     assert not list(shm.iterdir())  # the scheduler removed its backing file
+
+
+def test_a_batch_failing_part_way_keeps_the_blocks_loaded_before(tmp_path: Path) -> None:
+    spec = load_spec("tiny-gqa")
+    specs = make_requests(1, prompt_tokens=80, max_tokens=2, seed=8)  # 5 full blocks
+    with _engine(tmp_path) as first:
+        _run(first, specs)
+    request = EngineRequest(specs[0], 1)
+    request.update_hashes(spec, 1)
+    part = build_part_table(spec, ParallelTopology()).parts[0]
+    bad = part.key(request.hashes[0][2])
+    faults = {"per_key": {bad.hex(): "eio"}}
+    with _engine(tmp_path, fs_faults=faults) as second:
+        scheduler = _scheduler(second)
+        scheduler.failed_load_log = []
+        results, _ = _run(second, _again(specs, "again"))
+        stats = scheduler.get_stats()
+        _computed_once(second, results)
+        assert second.stats()["mismatched_bytes"] == 0
+        log = list(scheduler.failed_load_log)
+    # one promotion batch of 5 blocks failed at block 2: blocks 0 and 1 are kept and
+    # loaded, block 2 (and everything after it, a prefix cannot skip) is recomputed
+    assert stats["promotions_ok"] == 2 and stats["promotions_failed"] == 3
+    assert results[0].num_external_tokens == 2 * 16
+    assert log[0][2] == 2 and log[0][3] == 2 * 16

@@ -72,6 +72,8 @@ def test_replicated_heads_share_a_part_and_only_the_writer_stores() -> None:
     ({"fs_faults": {"rate": 0.1}}, "fs_faults"),
     ({"fs_dir": "/x", "fs_faults": {"rate": 2}}, "fs_faults.rate"),
     ({"fs_dir": "/x", "fs_faults": {"kinds": ["nope"]}}, "fs_faults.kinds"),
+    ({"fs_dir": "/x", "fs_faults": {"per_key": {"zz": "eio"}}}, "fs_faults.per_key"),
+    ({"fs_dir": "/x", "fs_faults": {"per_key": {"00": "boom"}}}, "fs_faults.per_key"),
     ({"obj": "localhost"}, "obj"),
     ({"shm_dir": 3}, "shm_dir"),
     ({"bogus": 1}, "bogus"),
