@@ -95,3 +95,21 @@ def test_last_layer_lookup_checks_one_key_per_namespace() -> None:
     # attn: 2 TP namespaces x 2 stages, one layer each; state (replicated): 1 x 2 stages
     assert [p.rstrip(":").rsplit(":", 1)[1] for p in attn.prefixes] == ["L0", "L0", "L2", "L2"]
     assert [p.rstrip(":").rsplit(":", 1)[1] for p in state.prefixes] == ["L1", "L3"]
+
+
+def test_gather_addresses_blocks_and_refuses_out_of_range_ids() -> None:
+    from kvbridge.connectors.mooncake_store.metadata import LoadBlock
+    from kvbridge.connectors.mooncake_store.worker import LayerSlot, RegionPlan, gather
+
+    plans = (RegionPlan(0, 8, True, (LayerSlot(0, "a:L0:", 1000, 64, 64),
+                                     LayerSlot(1, "a:L1:", 9000, 64, 64))),
+             RegionPlan(1, 8, False, (LayerSlot(2, "b:L2:", 5000, 32, 32),)),
+             RegionPlan(2, 8, True, ()))  # no layer of region 2 on this rank
+    blocks = [LoadBlock(0, 3, H), LoadBlock(1, 2, H), LoadBlock(0, 8, H), LoadBlock(2, 1, H)]
+    batch, out_of_range = gather(plans, blocks, writers_only=False)
+    assert out_of_range == {2}  # block id 8 of an 8-block region is never addressed
+    assert batch.keys == ["a:L0:" + H.hex(), "a:L1:" + H.hex(), "b:L2:" + H.hex()]
+    assert batch.ptrs == [1000 + 3 * 64, 9000 + 3 * 64, 5000 + 2 * 32]
+    assert batch.sizes == [64, 64, 32] and batch.owners == [0, 0, 1]
+    writes, _ = gather(plans, blocks, writers_only=True)
+    assert writes.owners == [0, 0]  # region 1 has another writer
