@@ -1,0 +1,87 @@
+"""`kvbridge demo`, `kvbridge serve` and `kvbridge bench nixl` as an operator runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge.tools.cmd_bench import parse_pattern
+from kvbridge.tools.cmd_demo import demo_modules
+from tests.conftest import free_port, require
+
+KVBRIDGE = [sys.executable, "-m", "kvbridge.tools.cli"]
+
+
+@pytest.fixture(autouse=True)
+def _nixl() -> None:
+    require("nixl_cu12", "NIXL (nixl-cu12)")
+
+
+def _run(args: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVBRIDGE, *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_demo_json_summary_and_progress_line() -> None:
+    proc = _run(["demo", "--requests", "4", "--producer", "tp=2", "--consumer", "tp=1",
+                 "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    for key in ("requests", "failed_requests", "verified_bytes", "mismatched_bytes",
+                "throughput_gbps", "latency_ms", "blocks", "bytes"):
+        assert key in summary, key
+    assert summary["requests"] == 4 and summary["failed_requests"] == 0
+    assert summary["mismatched_bytes"] == 0 and summary["verified_bytes"] > 0
+    assert summary["bytes"] > 0 and summary["latency_ms"]["p50"] is not None
+    assert summary["idle_problems"] == {"producer": [], "consumer": []}
+    assert "[demo]" in proc.stderr and "requests done" in proc.stderr
+
+
+def test_demo_against_a_served_producer_push() -> None:
+    port = free_port()
+    serve = subprocess.Popen([*KVBRIDGE, "serve", "--role", "producer", "--mode", "push",
+                              "--port", str(port), "--control-port", str(free_port()),
+                              "--json"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout is not None
+        ready = json.loads(serve.stdout.readline())
+        assert ready["side_channel"] == f"127.0.0.1:{port}" and ready["mode"] == "push"
+        control = int(ready["control"].rsplit(":", 1)[1])
+        proc = _run(["demo", "--mode", "push", "--producer-addr", f"127.0.0.1:{port}",
+                     "--producer-control-port", str(control), "--requests", "3", "--json"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summary = json.loads(proc.stdout)
+        assert summary["failed_requests"] == 0 and summary["mismatched_bytes"] == 0
+        assert summary["producer"].startswith("remote")
+        probe = _run(["probe", f"127.0.0.1:{port}", "--json"], timeout_s=30)
+        assert probe.returncode == 0 and json.loads(probe.stdout)
+    finally:
+        serve.terminate()
+        assert serve.wait(timeout=30) == 0
+
+
+def test_demo_usage_errors_exit_2() -> None:
+    assert _run(["demo", "--producer", "tp=three"], timeout_s=60).returncode == 2
+    assert _run(["demo", "--model", "no-such-model"], timeout_s=60).returncode == 2
+
+
+def test_bench_nixl_small_pattern() -> None:
+    proc = _run(["bench", "nixl", "--pattern", "8x64KiB", "--iters", "1", "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout)["patterns"][0]
+    assert row["num_blocks"] == 8 and row["block_bytes"] == 65536
+    for key in ("raw_nixl_gbps", "kvbridge_gbps", "torch_copy_gbps", "kvbridge_over_raw",
+                "raw_over_memcpy"):
+        assert row[key] > 0, key
+    assert row["verified_bytes"] == 8 * 65536 and row["mismatched_bytes"] == 0
+    assert row["raw_matches_connector"] and row["nixl_live_handles_after"] == 0
+
+
+def test_dispatch_tables() -> None:
+    assert "nixl" in demo_modules()
+    assert parse_pattern("64x2MiB") == (64, 2 << 20)
+    assert parse_pattern("4096x16KiB") == (4096, 16 << 10)
+    with pytest.raises(ValueError):
+        parse_pattern("64")
