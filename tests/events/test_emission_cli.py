@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import pytest
 import zmq
 
 from kvbridge.engine import make_requests
@@ -125,6 +126,7 @@ def test_serve_publishes_its_engine_events(tmp_path: Path) -> None:
     assert "KV events of producer" in (tmp_path / "stderr").read_text()
 
 
+@pytest.mark.slow  # two engine processes with NIXL: 20-40 s here; serve covers the flags
 def test_demo_publishes_both_engines_events(tmp_path: Path) -> None:
     require("nixl_cu12", "NIXL (nixl-cu12)")
     events_port, replay_port = _distinct_ports(2)
