@@ -258,3 +258,34 @@ def test_a_batch_failing_part_way_keeps_the_blocks_loaded_before(tmp_path: Path)
     assert stats["promotions_ok"] == 2 and stats["promotions_failed"] == 3
     assert results[0].num_external_tokens == 2 * 16
     assert log[0][2] == 2 and log[0][3] == 2 * 16
+
+
+def test_requests_arriving_after_a_failed_load_do_not_retry_it(tmp_path: Path) -> None:
+    """The seed report's livelock: the stale 'in fs' verdict must not be served again.
+
+    A long request waits on a promotion that fails (EIO, the file stays); while it
+    still references the lookup entry, later requests with the same prefix arrive.
+    They must see a miss at once (``mark_miss``), not start the doomed load again.
+    """
+    shared = make_requests(1, prompt_tokens=64, max_tokens=2, seed=9)[0]
+    with _engine(tmp_path) as first:
+        _run(first, [shared])
+    faults = {"rate": 1.0, "kinds": ["eio"], "seed": 1}
+    with _engine(tmp_path, fs_faults=faults) as second:
+        scheduler = _scheduler(second)
+        long = RequestSpec("long", shared.prompt, max_tokens=40)
+        second.add_request(long)
+        steps = 0
+        while not scheduler.get_stats()["promotions_failed"]:
+            assert steps < MAX_STEPS
+            if second.step().num_scheduled == 0:
+                time.sleep(0.001)
+            steps += 1
+        started = scheduler.get_stats()["promotions_started"]
+        late = [RequestSpec(f"late-{i}", shared.prompt, max_tokens=2) for i in range(4)]
+        results, _ = _run(second, late)
+        stats = scheduler.get_stats()
+    assert "long" in {r.request_id for r in results}  # it finished too
+    assert stats["promotions_started"] == started  # nobody tried the failed blocks again
+    late_results = [r for r in results if r.request_id.startswith("late-")]
+    assert all(r.num_external_tokens == 0 for r in late_results)
