@@ -173,9 +173,10 @@ class Engine:
                 self.publisher.close(timeout_s=0)
             raise
         if publishing is not None and self.publisher is not None:
-            publishing.record(self.role.value.removeprefix("kv_") if self.role else "engine",
-                              self.engine_id,
-                              self.publisher.endpoint, self.publisher.replay_endpoint)
+            name = {KVRole.PRODUCER: "producer", KVRole.CONSUMER: "consumer"}.get(
+                self.role, "engine") if self.role is not None else "engine"
+            publishing.record(name, self.engine_id, self.publisher.endpoint,
+                              self.publisher.replay_endpoint)
 
     def _start(self, config: EngineConfig, event_sink: EventSink | None) -> None:
         self.config = config
