@@ -10,8 +10,9 @@ contiguous slice, so each store object (one layer of one block, see
   tensor directly. Only the designated writer of a de-duplicated namespace
   puts (``write_targets``); the others have nothing to write. A failed put is
   counted (``put_failures``) and dropped; its block is simply not in the
-  store. A put that timed out may still be reading the tensor, so its keys
-  are removed once the client is idle again (they could hold later bytes).
+  store. A put that timed out may still be reading the tensor: the step waits
+  at most ``abandon_grace_s`` for it; if it is still running then, its keys are
+  removed once the client is idle again (they could hold later bytes).
 * **Loads** run on this rank's load thread (``load_async``, the default) or
   inside ``start_load_kv``. Every key a block needs must arrive in full, or
   the block is reported in ``get_block_ids_with_load_errors`` (and the
@@ -327,6 +328,10 @@ class MooncakeStoreWorker(WorkerConnector):
                     if result.code == McStatus.TIMEOUT:
                         orphans.append(keys[index])
             nbytes = sum(r.nbytes for r in results)
+            if orphans and client.wait_idle(self.settings.abandon_grace_s):
+                # the abandoned put ended before the engine could reuse its blocks:
+                # whatever it stored was read from unchanged memory
+                orphans = []
             if failed:
                 first_error = next(r for r in results if not r.ok)
                 logger.warning("mooncake store rank %s: %d of %d block puts failed (first: %s); "
