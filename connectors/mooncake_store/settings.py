@@ -19,9 +19,10 @@ Keys (all optional except the two addresses)::
     scheduler_segment_size bytes the scheduler half's own client lends when it cannot
                           share a worker's (default 0: it only checks existence)
     reconnect_interval_s  how often a half without a client retries setup (default 1.0)
-    abandon_grace_s       after a get timed out, wait this long (bounded) for the
-                          abandoned call before reporting the blocks failed, so a late
-                          write cannot land in a block the engine reuses (default 5.0)
+    abandon_grace_s       after a get or put timed out, wait this long (bounded) for the
+                          abandoned call before reporting its blocks failed / ending the
+                          step, so a late transfer cannot touch a block the engine
+                          reuses (default 5.0)
 """
 
 from __future__ import annotations
