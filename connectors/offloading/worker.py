@@ -113,6 +113,38 @@ class OffloadingWorker(WorkerConnector):
                                         f"{offset} bytes (region {region})")
         return offset
 
+    def _copy_batch(self, items: list[CopyItem], pools: list[torch.Tensor], load: bool) -> int:
+        """All ``items`` at once: per (region, pool), one gather + one scatter per layer
+        (instead of one small copy per block and layer). Raises on any problem; the
+        caller then copies item by item to isolate it."""
+        assert self.caches is not None
+        groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for _, region, block_id, pool, slot in items:
+            blocks, slots = groups.setdefault((region, pool), ([], []))
+            blocks.append(block_id)
+            slots.append(slot)
+        total = 0
+        for (region, pool), (blocks, slots) in groups.items():
+            layers = [tensor.view(tensor.shape[0], -1).view(torch.uint8)
+                      for _, tensor in self.caches.region_layers(region)]
+            slot_bytes = pools[pool].shape[1]
+            if sum(layer.shape[1] for layer in layers) != slot_bytes:
+                raise ContractError("slot", f"slot of {slot_bytes} bytes for a part of "
+                                            f"{sum(x.shape[1] for x in layers)} bytes")
+            block_index = torch.tensor(blocks, dtype=torch.int64)
+            slot_index = torch.tensor(slots, dtype=torch.int64)
+            offset = 0
+            for layer in layers:
+                size = layer.shape[1]
+                window = pools[pool].narrow(1, offset, size)
+                if load:
+                    layer.index_copy_(0, block_index, window.index_select(0, slot_index))
+                else:
+                    window.index_copy_(0, slot_index, layer.index_select(0, block_index))
+                offset += size
+            total += slot_bytes * len(blocks)
+        return total
+
     def start_load_kv(self) -> None:
         meta = self.connector_metadata
         assert isinstance(meta, OffloadMetadata)
@@ -127,25 +159,42 @@ class OffloadingWorker(WorkerConnector):
             for items in meta.loads.values():
                 self._invalid |= {(r, b) for p, r, b, _, _ in items if p in self.read_parts}
             return
+        mine: list[tuple[str, CopyItem]] = []
         for request_id, items in meta.loads.items():
             for item in items:
                 if item[0] not in self.read_parts:
                     continue
-                try:
-                    with self._lock:
-                        if fail_all or self._fail_loads > 0:
-                            self._fail_loads = max(0, self._fail_loads - 1)
-                            raise CopyFault(f"injected copy fault (block {item[2]})")
-                    nbytes = self._copy(item, pools, load=True)
-                except (OSError, RuntimeError, ContractError) as exc:
-                    logger.warning("offloading worker %s: load of block %d (region %d) for %s "
-                                   "failed: %s", self.ctx.worker_index, item[2], item[1],
-                                   request_id, exc)
-                    self._invalid.add((item[1], item[2]))
-                    self._stats["load_copy_errors"] += 1
-                    continue
-                self._stats["load_copies"] += 1
-                self._stats["load_bytes"] += nbytes
+                with self._lock:
+                    injected = fail_all or self._fail_loads > 0
+                    if injected:
+                        self._fail_loads = max(0, self._fail_loads - 1)
+                if injected:
+                    self._load_failed(request_id, item, CopyFault("injected copy fault"))
+                else:
+                    mine.append((request_id, item))
+        if not mine:
+            return
+        try:
+            self._stats["load_bytes"] += self._copy_batch([i for _, i in mine], pools, True)
+            self._stats["load_copies"] += len(mine)
+            return
+        except (RuntimeError, ContractError) as exc:
+            logger.debug("offloading worker %s: batched load failed (%s); copying block by "
+                         "block", self.ctx.worker_index, exc)
+        for request_id, item in mine:
+            try:
+                nbytes = self._copy(item, pools, load=True)
+            except (OSError, RuntimeError, ContractError) as exc:
+                self._load_failed(request_id, item, exc)
+                continue
+            self._stats["load_copies"] += 1
+            self._stats["load_bytes"] += nbytes
+
+    def _load_failed(self, request_id: str, item: CopyItem, exc: BaseException) -> None:
+        logger.warning("offloading worker %s: load of block %d (region %d) for %s failed: %s",
+                       self.ctx.worker_index, item[2], item[1], request_id, exc)
+        self._invalid.add((item[1], item[2]))
+        self._stats["load_copy_errors"] += 1
 
     def wait_for_layer_load(self, layer_id: int) -> None:
         return None  # every load of the step finished in start_load_kv
@@ -164,9 +213,17 @@ class OffloadingWorker(WorkerConnector):
             logger.error("offloading worker %s: %s", self.ctx.worker_index, exc)
             self._stats["store_copy_errors"] += 1
             return
-        for item in meta.stores:
-            if item[0] not in self.write_parts:
-                continue
+        mine = [item for item in meta.stores if item[0] in self.write_parts]
+        if not mine:
+            return
+        try:
+            self._stats["store_bytes"] += self._copy_batch(mine, pools, False)
+            self._stats["store_copies"] += len(mine)
+            return
+        except (RuntimeError, ContractError) as exc:
+            logger.debug("offloading worker %s: batched store failed (%s); copying block by "
+                         "block", self.ctx.worker_index, exc)
+        for item in mine:
             try:
                 nbytes = self._copy(item, pools, load=False)
             except (RuntimeError, ContractError) as exc:
