@@ -62,3 +62,19 @@ def test_push_pd_matches_colocated(push_pair) -> None:
         assert got.token_ids == want.token_ids, f"prompt of {len(prompt)} tokens diverged"
     assert after.get(LOCAL, 0) - before.get(LOCAL, 0) == 0
     assert after.get(EXTERNAL, 0) - before.get(EXTERNAL, 0) == sum(len(p) for p in prompts)
+
+
+def test_push_negative_control_other_prompts_kv_changes_output(push_pair) -> None:
+    """The consumer decodes prompt A while the producer pushes prompt B's KV under the
+    same router id: the consumer's output changes, so the pushed bytes are what it uses."""
+    producer, consumer = push_pair["producer"], push_pair["consumer"]
+    prompt_a, prompt_b = h.make_prompts(2, 96, seed=8888)
+    params = _params(push_pair, prompt_a)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        decode = pool.submit(consumer.complete, prompt_a, MAX_TOKENS, {"kvbridge": params}, 120)
+        producer.complete(prompt_b, 1, {"do_remote_decode": True, "kvbridge": params}, 120)
+        wrong = decode.result(timeout=120)
+    right = producer.complete(prompt_a, MAX_TOKENS)
+    assert wrong.token_ids != right.token_ids
