@@ -112,11 +112,25 @@ class _Connecting:
 
 
 @dataclass
+class _PushLists:
+    """Prepared lists to WRITE one consumer rank's part of this producer rank's KV.
+
+    Built once per consumer rank (at its ``hello``), reused by every request."""
+
+    local: DescTable
+    remote: DescTable
+    local_list: DescList
+    remote_list: DescList
+    layers_needed: frozenset[int]
+
+
+@dataclass
 class _ConsumerPeer:
     """A consumer rank known to this producer rank (from its ``hello``)."""
 
     peer: PeerHandle
     meta: AgentMetadata
+    push: _PushLists | None = None
 
 
 @dataclass
@@ -754,10 +768,38 @@ class NixlWorker(WorkerConnector):
         meta = decode_agent(msg.agent)
         if meta.agent_name != sender:
             raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")
+        known = self._consumers.get(sender)
         peer = self.transport.add_peer(sender, meta.agent_blob)
-        self._consumers[sender] = _ConsumerPeer(peer, meta)
+        if known is not None and known.peer == peer:
+            return  # a repeated hello (the consumer re-handshook): everything is in place
+        if known is not None and known.push is not None:
+            self.transport.release_dlist(known.push.local_list)
+        consumer = _ConsumerPeer(peer, meta)
+        self._consumers[sender] = consumer
+        if self.settings.mode is TransferMode.PUSH and self.ctx.role.is_producer:
+            consumer.push = self._prepare_push(consumer)
         for pending in self._pending_acks.pop(sender, []):
             self._send_to(sender, pending)
+
+    def _prepare_push(self, consumer: _ConsumerPeer) -> _PushLists | None:
+        """Lists for writing to ``consumer``'s rank, prepared right after its hello."""
+        assert self.transport is not None
+        plan = plan_transfer(self.ctx.spec, self.sizes, consumer.meta.topology.sizes())
+        sub = plan.for_consumer(consumer.meta.rank_index).for_producer(self.rank_index)
+        if not sub.num_descriptors:
+            return None
+        local = build_table(sub.regions, sub.layers, sub.producer_offsets, sub.lengths,
+                            self.memory, "producer")
+        remote = build_table(sub.regions, sub.layers, sub.consumer_offsets, sub.lengths,
+                             consumer.meta.layer_memory(), "consumer")
+        local_list = self.transport.prepare_local_descs(local.rows)
+        try:
+            remote_list = self.transport.prepare_remote(consumer.peer, remote.rows)
+        except BaseException:
+            self.transport.release_dlist(local_list)
+            raise
+        return _PushLists(local, remote, local_list, remote_list,
+                          frozenset(int(x) for x in sub.layers.tolist()))
 
     def _answer(self, verdict: Verdict) -> None:
         if verdict.ok:
@@ -787,7 +829,9 @@ class NixlWorker(WorkerConnector):
     def _forget_consumer(self, agent: str) -> None:
         consumer = self._consumers.pop(agent, None)
         if consumer is not None and self.transport is not None:
-            self.transport.remove_peer(consumer.peer)
+            if consumer.push is not None:
+                self.transport.release_dlist(consumer.push.local_list)
+            self.transport.remove_peer(consumer.peer)  # releases its remote lists
 
     def _on_answer(self, sender: str, msg: messages.Ack | messages.Pushed, now: float) -> None:
         for key, session in self._sessions.items():
@@ -830,18 +874,16 @@ class NixlWorker(WorkerConnector):
         consumer = self._consumers.get(sender)
         if consumer is None:
             raise NixlTransportError(f"register from {sender} before its hello")
-        plan = plan_transfer(self.ctx.spec, self.sizes, consumer.meta.topology.sizes())
-        sub = plan.for_consumer(reg.consumer_rank).for_producer(self.rank_index)
+        if reg.consumer_rank != consumer.meta.rank_index:
+            raise NixlTransportError(f"register from {sender} names consumer rank "
+                                     f"{reg.consumer_rank}, its hello said "
+                                     f"{consumer.meta.rank_index}")
         target = _PushTarget(reg.consumer_rank, consumer.peer, reg)
-        if sub.num_descriptors:
-            assert self.transport is not None
-            target.local = build_table(sub.regions, sub.layers, sub.producer_offsets,
-                                       sub.lengths, self.memory, "producer")
-            target.remote = build_table(sub.regions, sub.layers, sub.consumer_offsets,
-                                        sub.lengths, consumer.meta.layer_memory(), "consumer")
-            target.local_list = self.transport.prepare_local_descs(target.local.rows)
-            target.remote_list = self.transport.prepare_remote(consumer.peer, target.remote.rows)
-            target.layers_needed = frozenset(int(x) for x in sub.layers.tolist())
+        lists = consumer.push
+        if lists is not None:
+            target.local, target.remote = lists.local, lists.remote
+            target.local_list, target.remote_list = lists.local_list, lists.remote_list
+            target.layers_needed = lists.layers_needed
         job.targets[reg.consumer_rank] = target
         if not target.layers_needed:
             target.finished = True
@@ -939,13 +981,8 @@ class NixlWorker(WorkerConnector):
                             now)
 
     def _drop_push_job(self, rid: str) -> None:
-        job = self._push_jobs.pop(rid, None)
-        if job is None or self.transport is None:
-            return
-        for target in job.targets.values():
-            for dlist in (target.local_list, target.remote_list):
-                if dlist is not None:
-                    self.transport.release_dlist(dlist)
+        """Forget a push request (its lists belong to the consumer peer and stay)."""
+        self._push_jobs.pop(rid, None)
 
     # ------------------------------------------------------------------ the loop
 
