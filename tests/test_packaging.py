@@ -9,8 +9,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_package_folder_is_listed_in_pyproject() -> None:
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-                 ["packages"])
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]
+    listed = set(packages)
+    assert len(listed) == len(packages), "a package is listed twice"
     found = {"kvbridge"}
     for init in ROOT.rglob("__init__.py"):
         relative = init.parent.relative_to(ROOT)
