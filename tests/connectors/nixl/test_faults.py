@@ -279,3 +279,42 @@ def test_abort_before_scheduling_and_full_prefix_hit_free_at_once(no_thread_leak
     finally:
         producer.close()
         _shutdown_clean(consumer)
+
+
+def test_heartbeats_renew_the_lease_of_a_queued_request(no_thread_leak: None) -> None:
+    """A consumer request that waits for free blocks longer than the lease keeps the
+    producer's blocks alive by heartbeats, and then loads them (no expiry, no late read)."""
+    lease_s = 0.4
+    producer = _producer(lease_s=lease_s)
+    # a local "hog" takes 47 of 48 blocks at once (its whole prompt in one step) and keeps
+    # them for 15 decode steps: the remote request (3 blocks) is matched but cannot be
+    # allocated until the hog finishes, so only heartbeats keep the producer's lease
+    consumer = Engine(nixl_config(MODEL, KVRole.CONSUMER, ParallelTopology(), PULL,
+                                  num_blocks=48, heartbeat_s=0.05))
+    stepper = Stepper(consumer)
+    try:
+        prompt = make_requests(1, prompt_tokens=46 * 16 + 1, seed=15)[0].prompt
+        consumer.add_request(RequestSpec("hog", prompt, max_tokens=15))
+        stepper.step()
+        spec = make_requests(1, prompt_tokens=48, max_tokens=2, seed=16, prefix="hb")[0]
+        result = _prefill(producer, spec)
+        start = time.monotonic()
+        consumer.add_request(replace(spec, transfer_params=result.transfer_params))
+        deadline = start + 60
+        while spec.request_id not in stepper.results:
+            assert time.monotonic() < deadline
+            stepper.step()
+            time.sleep(0.05)  # slow decode: the hog outlives the lease
+        waited = time.monotonic() - start
+        final = stepper.results[spec.request_id]
+        _check_output(final, spec)
+        assert final.num_external_tokens > 0 and final.num_recomputed_tokens == 0
+        assert waited > 1.5 * lease_s, f"waited only {waited:.2f} s: lease not exercised"
+        _wait_producer(producer, "finished_sending", 2, 10)
+        stats = _producer_worker_stats(producer)
+        assert stats.get("lease_expiries", 0) == 0 and stats.get("late_notifs", 0) == 0
+        assert sum(t["heartbeats_sent"] for t in _worker_totals(consumer)) > 0
+        assert "hog" in stepper.results
+    finally:
+        producer.close()
+        _shutdown_clean(consumer)
