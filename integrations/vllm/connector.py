@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbridge.connectors import (
     ConnectorConfig,
@@ -766,6 +767,7 @@ class KVBridgeNixlConnector(KVBridgeConnectorBase):
     """kvbridge's NIXL prefill/decode connector (``mode`` pull or push in the extra config)."""
 
     KVBRIDGE_CONNECTOR = "nixl"
+    _cache_hit_source = CacheHitSource.P2P
 
 
 class KVBridgeMooncakeStoreConnector(KVBridgeConnectorBase):
@@ -778,3 +780,4 @@ class KVBridgeOffloadingConnector(KVBridgeConnectorBase):
     """kvbridge's tiered offloading connector (runs on vLLM's CPU platform too)."""
 
     KVBRIDGE_CONNECTOR = "offloading"
+    _cache_hit_source = CacheHitSource.HOST
