@@ -19,11 +19,13 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kvbridge.connectors import ConfigError
-from kvbridge.engine.kv_events import EngineEventsConfig, PublishedEngine, publish_engine_events
-from kvbridge.events import EventSink
 from kvbridge.tools.cli import EXIT_USAGE
+
+if TYPE_CHECKING:  # the engine imports torch: only when a command runs (cheap --help)
+    from kvbridge.engine.kv_events import EngineEventsConfig, PublishedEngine
+    from kvbridge.events import EventSink
 
 HELP_ENDPOINT = ("publish the engines' KV events (vLLM wire format) on a ZMQ PUB socket bound "
                  "here, e.g. tcp://127.0.0.1:5557; the i-th engine binds port+i; port * binds "
@@ -42,6 +44,9 @@ def add_events_arguments(parser: argparse.ArgumentParser) -> None:
 
 def events_config(args: argparse.Namespace) -> EngineEventsConfig | None:
     """The flags as a config (None without ``--events-endpoint``); ConfigError when invalid."""
+    from kvbridge.connectors import ConfigError
+    from kvbridge.engine.kv_events import EngineEventsConfig
+
     endpoint = getattr(args, "events_endpoint", None)
     replay = getattr(args, "events_replay_endpoint", None)
     if endpoint is None:
@@ -74,6 +79,9 @@ def with_engine_events(run: Callable[[argparse.Namespace], int],
 
     @functools.wraps(run)
     def wrapped(args: argparse.Namespace) -> int:
+        from kvbridge.connectors import ConfigError
+        from kvbridge.engine.kv_events import publish_engine_events
+
         command = getattr(args, "command", None) or "kvbridge"
         try:
             config = events_config(args)
