@@ -30,6 +30,10 @@ examples:
   kvbridge diff decode.kvmeta 10.0.0.7:5600 --json
   kvbridge diff prefill.kvmeta decode.kvmeta --role producer
 
+--json prints {"local_engine", "remote_engine", "local_role", "compatible",
+"mismatches": [{"field", "local",
+"remote", "severity", "why"}], "plan_exists", "plan_reason", "plan_field", ...}.
+
 exit codes: 0 compatible, 1 they cannot exchange KV (or a peer is unreachable), 2 usage error
 """
 

@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK
+from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.progress import Progress
 
 EPILOG = """\
 examples:
@@ -31,7 +32,11 @@ examples:
   kvbridge doctor --json
   kvbridge doctor --timeout 60
 
-exit codes: 0 every required check passed, 1 a required check failed
+--json prints {"ok", "checks": [{"name", "ok", "required", "detail", "fix",
+"seconds"}], "connectors": [{"name", "origin", "loaded", "roles", "backends",
+"usable", ...}], "environment": {...}, "python"}.
+
+exit codes: 0 every required check passed, 1 a required check failed, 2 usage error
 """
 
 CORE_BACKENDS = ("torch", "zmq", "msgpack", "nixl")
@@ -238,13 +243,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
                         help="seconds allowed for each child-process probe (default 60)")
+    parser.add_argument("--progress", action="store_true",
+                        help="progress on stderr even when it is not a terminal")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import kvbridge.backends  # noqa: F401  (env defaults, as every kvbridge process has them)
 
-    report = run_checks(args.timeout)
+    if not args.timeout > 0:
+        print(f"kvbridge doctor: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
+        return EXIT_USAGE
+    with Progress("doctor", force=args.progress).ticking("checking backends"):
+        report = run_checks(args.timeout)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -22,8 +22,8 @@ from kvbridge.events import (
     StreamItem,
     SubscriberConfig,
 )
-from kvbridge.events.bench import run_events_bench
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.progress import Progress
 
 _TAIL_EPILOG = """\
 examples:
@@ -35,6 +35,9 @@ that could not be replayed, publisher restarts and malformed frames. With
 --json every line is one JSON object with a "kind" field
 (batch, gap, lost, restart, malformed). Exit 1 when --count batches did not
 arrive before --timeout.
+
+exit codes: 0 ok (or stopped by --timeout without --count), 1 --count batches did
+not arrive in time, 2 usage error
 """
 
 _BENCH_EPILOG = """\
@@ -44,6 +47,19 @@ example:
 Publishes engine-like batches through KVEventPublisher to a KVEventSubscriber in
 another process, and the same encoded frames through raw pyzmq PUB/SUB, on
 loopback in the same run; reports events/s of both and their ratio.
+
+--json prints {"num_events", "batch_sizes", "results": {"16": {"encode_events_per_s",
+"decode_events_per_s", "raw": {"events_per_s", ...}, "kvbridge": {"events_per_s",
+"lost_batches", ...}, "ratio"}}, "machine"}. `kvbridge bench events` runs the
+same measurement as part of the suite.
+
+exit codes: 0 ok, 2 usage error
+"""
+
+_EPILOG = """\
+examples:
+  kvbridge events tail tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558
+  kvbridge events bench --json
 """
 
 
@@ -52,6 +68,8 @@ def register(subparsers: Any) -> None:
         "events",
         help="tail or benchmark a KV event stream (vLLM-compatible)",
         description="KV cache events: tail a publisher, benchmark the pipeline.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="events_command", metavar="SUBCOMMAND")
     parser.set_defaults(func=lambda args: _usage(parser))
@@ -93,6 +111,8 @@ def register(subparsers: Any) -> None:
         "--batch-sizes", default="16,64", help="comma-separated events per batch (default 16,64)"
     )
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.add_argument("--progress", action="store_true",
+                       help="progress on stderr even when it is not a terminal")
     bench.set_defaults(func=_bench)
 
 
@@ -217,6 +237,10 @@ def _tail(args: argparse.Namespace) -> int:
     if args.count is not None and args.count <= 0:
         print("kvbridge events tail: --count must be positive", file=sys.stderr)
         return EXIT_USAGE
+    if (args.timeout is not None and not args.timeout > 0) or not args.replay_timeout > 0:
+        print("kvbridge events tail: --timeout and --replay-timeout must be > 0",
+              file=sys.stderr)
+        return EXIT_USAGE
     config = SubscriberConfig(
         endpoint=args.endpoint,
         replay_endpoint=args.replay,
@@ -261,7 +285,10 @@ def _bench(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) <= 0 or args.events <= 0:
         print("kvbridge events bench: sizes and --events must be positive", file=sys.stderr)
         return EXIT_USAGE
-    result = run_events_bench(args.events, sizes)
+    from kvbridge.events.bench import run_events_bench
+
+    with Progress("events bench", force=args.progress).ticking("publishing"):
+        result = run_events_bench(args.events, sizes)
     if args.json:
         print(json.dumps(result, indent=2))
         return EXIT_OK

@@ -22,6 +22,12 @@ to try `kvbridge probe` and `kvbridge diff` without a serving engine.
 examples:
   kvbridge handshake serve-example --model tiny-gqa --tp 2 --port 5600
   kvbridge handshake serve-example --model tiny-gqa --tp 4 --port 0 --json  # prints the port
+  kvbridge handshake serve-example --topology tp=4,dcp=2 --duration 60
+
+--json prints one line {"address", "port", "engine_id", "incarnation",
+"fingerprint", "fake": true} once the server listens.
+
+exit codes: 0 stopped (signal or --duration), 1 cannot listen, 2 usage error
 """
 
 
@@ -38,10 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "interrupted (or --duration).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--model", default="tiny-gqa", help="preset name or spec JSON file")
-    serve.add_argument("--tp", type=int, default=1)
-    serve.add_argument("--pp", type=int, default=1)
-    serve.add_argument("--dcp", type=int, default=1)
-    serve.add_argument("--pcp", type=int, default=1)
+    serve.add_argument("--topology", default=None, metavar="TOPOLOGY",
+                       help="all sizes at once, e.g. tp=4,dcp=2 (instead of --tp/--pp/...)")
+    for dim in ("tp", "pp", "dcp", "pcp"):
+        serve.add_argument(f"--{dim}", type=int, default=None, metavar="N",
+                           help=f"{dim} size (default 1)")
     serve.add_argument("--block-size", type=int, default=None,
                        help="override every region's block size (tokens)")
     serve.add_argument("--mode", choices=[m.value for m in TransferMode],
@@ -63,14 +70,24 @@ def _missing(parser: argparse.ArgumentParser) -> int:
     return EXIT_USAGE
 
 
+def _topology(args: argparse.Namespace) -> ParallelTopology:
+    dims = {d: getattr(args, d) for d in ("tp", "pp", "dcp", "pcp")}
+    if args.topology is not None:
+        given = [f"--{d}" for d, v in dims.items() if v is not None]
+        if given:
+            raise LayoutError("topology", f"give --topology or {', '.join(given)}, not both")
+        return ParallelTopology.parse(args.topology, "topology")
+    return ParallelTopology(tp_size=dims["tp"] or 1, pp_size=dims["pp"] or 1,
+                            dcp_size=dims["dcp"] or 1, pcp_size=dims["pcp"] or 1)
+
+
 def run_serve_example(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.model)
         if args.block_size is not None:
             spec = KVCacheSpec(spec.model, tuple(replace(r, block_size=args.block_size)
                                                  for r in spec.regions))
-        topology = ParallelTopology(tp_size=args.tp, pp_size=args.pp, dcp_size=args.dcp,
-                                    pcp_size=args.pcp)
+        topology = _topology(args)
         spec.validate_topology(topology)
         store = example_store(spec, topology, args.engine_id, TransferMode(args.mode),
                               num_blocks=args.num_blocks)

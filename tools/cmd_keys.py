@@ -28,6 +28,10 @@ namespace; its writer is the rank named by the namespace's tp rank.
 examples:
   kvbridge keys --model tiny-gqa --tp 4
   kvbridge keys --model tiny-hybrid --tp 4 --dcp 2 --pp 2 --json
+  kvbridge keys --model tiny-hybrid --topology tp=4,dcp=2,pp=2   # same, as `serve` takes it
+
+--json prints {{"model", "fingerprint", "topology", "count", "namespaces":
+[{{"namespace", ..., "writer_tp_rank", "held_by_tp_ranks", "tokens_per_key"}}]}}.
 
 exit codes: 0 ok, 1 the model cannot run on this topology (reason on stderr), 2 usage error
 """
@@ -41,18 +45,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="PRESET|FILE",
                         help="model preset name or spec JSON file")
+    parser.add_argument("--topology", default=None, metavar="TOPOLOGY",
+                        help="all sizes at once, e.g. tp=4,dcp=2 (instead of --tp/--dcp/...)")
     for dim in ("tp", "dcp", "pp", "pcp"):
-        parser.add_argument(f"--{dim}", type=int, default=1, metavar="N",
+        parser.add_argument(f"--{dim}", type=int, default=None, metavar="N",
                             help=f"{dim} size (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(func=run)
 
 
+def _topology(args: argparse.Namespace) -> ParallelTopology:
+    dims = {d: getattr(args, d) for d in ("tp", "dcp", "pp", "pcp")}
+    if args.topology is not None:
+        given = [f"--{d}" for d, v in dims.items() if v is not None]
+        if given:
+            raise LayoutError("topology", f"give --topology or {', '.join(given)}, not both")
+        return ParallelTopology.parse(args.topology, "topology")
+    return ParallelTopology(tp_size=dims["tp"] or 1, dcp_size=dims["dcp"] or 1,
+                            pp_size=dims["pp"] or 1, pcp_size=dims["pcp"] or 1)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.model)
-        sizes = ParallelTopology(tp_size=args.tp, dcp_size=args.dcp, pp_size=args.pp,
-                                 pcp_size=args.pcp)
+        sizes = _topology(args)
     except LayoutError as exc:
         print(f"kvbridge keys: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -6,11 +6,8 @@ import argparse
 import json
 import sys
 
-from kvbridge.offload.bench import run_offload_bench
-from kvbridge.offload.fs import FINGERPRINT_RE
-from kvbridge.offload.fsck import fsck
-from kvbridge.offload.types import OffloadError
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.progress import Progress
 
 EPILOG = """\
 examples:
@@ -23,6 +20,11 @@ examples:
 fsck repairs only what is provably broken: block files whose size differs
 from their layout header's block_bytes, and temp files older than
 --min-temp-age seconds. Everything else is reported and left alone.
+
+--json: fsck prints {"root", "layouts", "blocks_ok", "ok", "findings": [{"kind",
+"path", "detail", "broken", "repaired"}], ...}; bench prints {"bytes",
+"num_blocks", "block_bytes", "io_mode", "store": {"tier_gbps", "plain_gbps",
+"ratio"}, "load": {...}, "lookup": {...}, "verified", "failed_jobs", ...}.
 
 exit codes: 0 ok, 1 problems found (fsck) or failed jobs / mismatched bytes (bench), 2 usage error
 """
@@ -64,17 +66,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--block-kib", type=int, default=1024,
                        help="block size in KiB (default 1024)")
     bench.add_argument("--batch", type=int, default=8, help="blocks per tier job (default 8)")
-    bench.add_argument("--rounds", type=int, default=3,
+    bench.add_argument("--rounds", "--iters", dest="rounds", type=int, default=3,
                        help="alternating plain/tier rounds; medians are reported (default 3)")
     bench.add_argument("--lookups", type=int, default=400,
                        help="lookups timed per phase (idle, busy) (default 400)")
     bench.add_argument("--buffered", action="store_true", help="do not use O_DIRECT")
     bench.add_argument("--json", action="store_true", help="print JSON")
+    bench.add_argument("--progress", action="store_true",
+                       help="progress on stderr even when it is not a terminal")
     bench.set_defaults(func=run_bench)
     parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), EXIT_USAGE)[1])
 
 
 def run_fsck(args: argparse.Namespace) -> int:
+    from kvbridge.offload.fs import FINGERPRINT_RE
+    from kvbridge.offload.fsck import fsck
+
     if args.fingerprint is not None and not FINGERPRINT_RE.match(args.fingerprint):
         print(f"kvbridge offload fsck: --fingerprint: expected 8-64 lowercase hex digits, "
               f"got {args.fingerprint!r}", file=sys.stderr)
@@ -103,11 +110,16 @@ def run_fsck(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from kvbridge.offload.bench import run_offload_bench
+    from kvbridge.offload.types import OffloadError
+
     try:
-        result = run_offload_bench(args.dir, num_blocks=args.blocks,
-                                   block_bytes=args.block_kib * 1024, batch_blocks=args.batch,
-                                   rounds=args.rounds, lookup_iterations=args.lookups,
-                                   use_o_direct=not args.buffered)
+        with Progress("offload bench", force=args.progress).ticking("fs tier vs plain I/O"):
+            result = run_offload_bench(args.dir, num_blocks=args.blocks,
+                                       block_bytes=args.block_kib * 1024,
+                                       batch_blocks=args.batch, rounds=args.rounds,
+                                       lookup_iterations=args.lookups,
+                                       use_o_direct=not args.buffered)
     except OffloadError as exc:
         print(f"kvbridge offload bench: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -28,6 +28,10 @@ examples:
   kvbridge plan --model tiny-hybrid --producer tp=8,pp=2 --consumer tp=2 --json
   kvbridge plan --model my-model.json --producer tp=4,dcp=2 --consumer tp=2,dcp=2
 
+--json prints {{"model", "fingerprint", "producer", "consumer", "ranks": [{{"consumer",
+"sources", "bytes_per_block", "descriptors_before_coalescing", "descriptors", ...}}],
+"total_bytes_per_block", "descriptors_before_coalescing", "descriptors", "note"?}}.
+
 exit codes: 0 a plan exists, 1 the pair is refused (reason on stderr), 2 usage error
 """
 

@@ -24,6 +24,10 @@ examples:
   kvbridge probe 127.0.0.1:5600 --json
   kvbridge probe 127.0.0.1:5600 --save a.kvmeta # for `kvbridge diff a.kvmeta HOST:PORT`
 
+--json prints {"address", "rtt_s", "clock_offset_s", "clock_uncertainty_s",
+"attempts", "engine": {engine_id, incarnation, generation, spec, topology,
+ranks: [...], ...}}.
+
 exit codes: 0 fetched, 1 unreachable / refused / malformed reply, 2 usage error
 """
 
