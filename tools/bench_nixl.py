@@ -6,10 +6,12 @@ The same block pattern is moved three ways in one run:
   blocks, re-posted (:func:`kvbridge.backends.nixl_bench.run_nixl_raw_bench`,
   which also times ``torch`` ``copy_`` of the same bytes in one process: the
   memory-bandwidth limit, and the transport adapter alone);
-* **raw NIXL into the KV cache** -- the same raw READ, but into the consumer
-  engine's KV tensor (the connector's destination): on this machine a READ
-  into a long-lived engine tensor measures slower than into a fresh buffer, so
-  both raw figures are reported and both ratios;
+* **raw NIXL into the KV cache** -- the same raw READ, but into the very
+  blocks of the consumer engine's KV tensor that the connector's load gets
+  (the engine hands out a finished request's blocks in reverse order, so
+  consecutive blocks are rarely adjacent on both sides, which costs NIXL/UCX
+  much more with many small blocks than with a few large ones); both raw
+  figures and both ratios are reported;
 * **kvbridge** -- the ``nixl`` connector end to end: a producer engine process
   holds the request's blocks (prefilled once, then prefix-cached, so every
   iteration is a fresh held request), and a consumer engine in this process
@@ -98,7 +100,10 @@ class _RawReader:
         self.handle: Any = None
         self.dlists: list[Any] = []
 
-    def prepare(self, block_ids: tuple[int, ...], block_bytes: int) -> None:
+    def prepare(self, block_ids: tuple[int, ...], block_bytes: int,
+                local_ids: list[int] | None = None) -> None:
+        """Prepare the READ of producer ``block_ids`` into local blocks ``local_ids``
+        (default: the first ``len(block_ids)`` blocks of the buffer, in order)."""
         import numpy as np
 
         from kvbridge.backends.nixl import block_descs
@@ -108,7 +113,12 @@ class _RawReader:
         remote = np.zeros((len(block_ids), 3), dtype=np.uint64)
         remote[:, 0] = [memory.base_addr + b * memory.block_stride for b in block_ids]
         remote[:, 1] = block_bytes
-        local = block_descs(self.buf.data_ptr(), block_bytes, len(block_ids))
+        if local_ids is None:
+            local = block_descs(self.buf.data_ptr(), block_bytes, len(block_ids))
+        else:
+            local = np.zeros((len(local_ids), 3), dtype=np.uint64)
+            local[:, 0] = [self.buf.data_ptr() + b * block_bytes for b in local_ids]
+            local[:, 1] = block_bytes
         ldl = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
         rdl = self.agent.prep_xfer_dlist(self.remote, remote, "DRAM")
         self.dlists = [ldl, rdl]
@@ -175,7 +185,10 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             result = _prefill(producer, RequestSpec(rid, prompt, max_tokens=1), timeout_s)
             assert result.transfer_params is not None
             raw.prepare(result.transfer_params.block_ids[0], block_bytes)
-            raw_kv.prepare(result.transfer_params.block_ids[0], block_bytes)
+            # the very blocks the engine will give the connector's load (its free queue):
+            # the same destination pattern (a freed request's blocks come back reversed)
+            next_ids = list(consumer.pools[0]._free)[:num_blocks]
+            raw_kv.prepare(result.transfer_params.block_ids[0], block_bytes, next_ids)
             if i == 1:  # verified once (the warm-up); not while timing
                 consumer.config = replace(consumer.config, verify_loads=False)
 
