@@ -20,8 +20,12 @@ examples:
 
 --json prints {"request_id", "ok", "summary": {...}, "events": [{"t_ms", "side",
 "rank", "kind", "request_id", "detail"}, ...]}; kinds: plan, route, handshake,
-transfer, transfer_done, notif_sent, notif_received, lease, freed, loaded,
-failure, log, result (fields of each: kvbridge/tools/trace.py).
+scheduler, transfer, transfer_done, notif_sent, notif_received, lease, freed,
+loaded, failure, log, result (fields of each: kvbridge/tools/trace.py).
+
+In-process both engines share this thread: a transfer's time includes waiting
+for the passive producer to progress (its step or idle pump, 5 ms). Use
+--producer-addr against `kvbridge serve` to time a real link.
 
 exit codes: 0 the request's KV arrived and verified, 1 it failed (cause in the
 trace), 2 usage error

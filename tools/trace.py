@@ -17,7 +17,8 @@ Event kinds (``TraceEvent.kind``) and their ``detail`` fields:
 
 =================  ==============================================================
 ``plan``           consumer_rank, sources, bytes_per_block, descriptors
-``prefill``        tokens, blocks (per region), transfer params summary
+``route``          what the router sent where (transfer params summary)
+``scheduler``      hook (lookup, allocated, request_finished) and its answer
 ``handshake``      address, rtt_ms, metadata_bytes, ranks, attempts, cached
 ``transfer``       op, peer, bytes, descriptors (posted)
 ``transfer_done``  op, bytes, descriptors, ms, state, error
@@ -128,7 +129,9 @@ def _rid(fields: dict[str, Any]) -> str | None:
 
 
 def instrument_engine(engine: Any, side: str, recorder: TraceRecorder) -> None:
-    """Attach ``recorder`` to every NIXL worker of an in-process ``engine``."""
+    """Attach ``recorder`` to the scheduler half and every NIXL worker of ``engine``."""
+    if engine.scheduler_connector is not None:
+        _instrument_scheduler(engine.scheduler_connector, side, recorder)
     for worker_holder in engine.workers:
         worker = worker_holder.connector
         missing = [a for a in _WORKER_ATTRS if not hasattr(worker, a)]
@@ -141,6 +144,46 @@ def instrument_engine(engine: Any, side: str, recorder: TraceRecorder) -> None:
 def _wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     original = getattr(obj, name)
     setattr(obj, name, functools.wraps(original)(make(original)))
+
+
+def _blocks(block_ids: Any) -> list[int]:
+    return [len(g) for g in block_ids]
+
+
+def _instrument_scheduler(sched: Any, side: str, rec: TraceRecorder) -> None:
+    """The scheduler half's public hooks: lookup answer, allocation, finish (delay_free)."""
+
+    def matched(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(request: Any, num_computed_tokens: int) -> Any:
+            tokens, load_async = original(request, num_computed_tokens)
+            if tokens or request.transfer_params is not None:
+                rec.add(side, None, "scheduler", request.request_id, hook="lookup",
+                        local_tokens=num_computed_tokens, external_tokens=tokens,
+                        load_async=load_async)
+            return tokens, load_async
+        return call
+
+    def allocated(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(request: Any, block_ids: Any, num_external_tokens: int) -> Any:
+            if num_external_tokens or request.transfer_params is not None:
+                rec.add(side, None, "scheduler", request.request_id, hook="allocated",
+                        blocks_per_region=_blocks(block_ids),
+                        external_tokens=num_external_tokens)
+            return original(request, block_ids, num_external_tokens)
+        return call
+
+    def finished(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(request: Any, block_ids: Any) -> Any:
+            delay_free, params = original(request, block_ids)
+            rec.add(side, None, "scheduler", request.request_id, hook="request_finished",
+                    blocks_per_region=_blocks(block_ids), delay_free=delay_free,
+                    transfer_params=params is not None)
+            return delay_free, params
+        return call
+
+    _wrap(sched, "get_num_new_matched_tokens", matched)
+    _wrap(sched, "update_state_after_alloc", allocated)
+    _wrap(sched, "request_finished", finished)
 
 
 def _instrument_worker(worker: Any, side: str, rank: int, rec: TraceRecorder) -> None:
