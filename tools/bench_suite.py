@@ -21,7 +21,9 @@ and the plot treat them alike::
      "kvbridge", "raw", "raw_name", "ratio", "limit", "limit_name", "verified"}
 
 ``ratio`` is kvbridge / raw for throughputs (higher is better, 1.0 = as fast as
-the library) and raw / kvbridge for latencies (so it reads the same way). A path
+the library) and raw / kvbridge for latencies (so it reads the same way); nixl
+and mooncake report their own interleaved/paired-per-round ratio, which is more
+robust on a busy machine than the ratio of the two medians. A path
 whose backend is not installed is reported as skipped with the reason; a path
 that raised is reported as failed (exit code 1).
 """
@@ -82,8 +84,13 @@ def parse_pattern(text: str) -> tuple[int, int]:
 def row(path: str, case: str, op: str, unit: str, kvbridge: float, raw: float, raw_name: str,
         *, num_blocks: int | None = None, block_bytes: int | None = None,
         limit: float | None = None, limit_name: str | None = None,
-        verified: bool = True, lower_is_better: bool = False) -> dict[str, Any]:
-    if lower_is_better:
+        verified: bool = True, lower_is_better: bool = False,
+        ratio: float | None = None) -> dict[str, Any]:
+    """One result row. ``ratio`` overrides kvbridge/raw of the two figures when the path
+    measures better itself (e.g. the median of per-round paired ratios)."""
+    if ratio is not None:
+        pass
+    elif lower_is_better:
         ratio = raw / kvbridge if kvbridge > 0 else 0.0
     else:
         ratio = kvbridge / raw if raw > 0 else 0.0
@@ -139,6 +146,7 @@ def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool) -> 
                 p["kvbridge_gbps"], p["raw_nixl_gbps"], "raw NIXL READ",
                 num_blocks=p["num_blocks"], block_bytes=p["block_bytes"],
                 limit=memcpy_gbps(p["num_blocks"] * p["block_bytes"]), limit_name="torch copy",
+                ratio=p.get("kvbridge_over_raw"),
                 verified=not p.get("mismatched_bytes") and bool(p.get("verified_bytes", 1))
                 and p.get("raw_matches_connector", True) is not False)
             for p in raw["patterns"]]
@@ -171,7 +179,7 @@ def bench_mooncake(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
                             f"raw batch_{op}_{'from' if op == 'put' else 'into'}",
                             num_blocks=p["num_blocks"], block_bytes=p["block_bytes"],
                             limit=memcpy_gbps(p["num_blocks"] * p["block_bytes"]),
-                            limit_name="torch copy",
+                            limit_name="torch copy", ratio=p["ratio"][op],
                             verified=bool(p["verified"]) and not p.get("mismatched_bytes")))
     return {"rows": rows, "detail": raw}
 
@@ -400,6 +408,38 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_nixl_detail(detail: dict[str, Any]) -> str:
+    """The nixl path's own columns (raw READ into a fresh buffer and into the KV cache)."""
+    head = (f"{'pattern':>16} {'raw NIXL':>9} {'raw->KV':>9} {'kvbridge':>9} {'torch cp':>9} "
+            f"{'kvb/raw':>8} {'kvb/rawKV':>9} {'raw/mcpy':>9}  (GB/s, READ)")
+    lines = [head]
+    for p in detail["patterns"]:
+        label = f"{p['num_blocks']}x{size_label(p['block_bytes'])}"
+        lines.append(f"{label:>16} {p['raw_nixl_gbps']:9.3f} "
+                     f"{p['raw_nixl_into_kv_cache_gbps']:9.3f} {p['kvbridge_gbps']:9.3f} "
+                     f"{p['torch_copy_gbps']:9.3f} {p['kvbridge_over_raw']:8.3f} "
+                     f"{p['kvbridge_over_raw_same_destination']:9.3f} "
+                     f"{p['raw_over_memcpy']:9.3f}")
+    return "\n".join(lines)
+
+
+def format_details(report: dict[str, Any]) -> str | None:
+    """A path's own table after the suite's, when exactly one path ran (or None)."""
+    if len(report["paths"]) != 1:
+        return None
+    name, entry = next(iter(report["paths"].items()))
+    detail = entry.get("detail")
+    if entry["status"] != "ok" or not isinstance(detail, dict):
+        return None
+    if name == "nixl":
+        return format_nixl_detail(detail)
+    if name == "mooncake":
+        from kvbridge.connectors.mooncake_store.bench import format_report
+
+        return str(format_report(detail))
+    return None
+
+
 def plot(report: dict[str, Any], path: str) -> None:
     """Throughput (GB/s) against block size, one line per path and op; raw dashed."""
     try:
@@ -432,6 +472,9 @@ def plot(report: dict[str, Any], path: str) -> None:
         ax.plot(xs, [limit_points[x] for x in xs], linestyle=":", color="black",
                 label="memcpy (same bytes)")
     ax.set_xscale("log", base=2)
+    sizes = sorted({x["block_bytes"] for rows in series.values() for x in rows})
+    if sizes:
+        ax.set_xticks(sizes, [size_label(n) for n in sizes])
     ax.set_xlabel("block size (bytes)")
     ax.set_ylabel("GB/s")
     ax.set_title("kvbridge vs raw library, same bytes, same run")
@@ -527,6 +570,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_table(report))
+        details = format_details(report)
+        if details:
+            print()
+            print(details)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(report, handle, indent=2)
