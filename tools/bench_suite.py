@@ -88,11 +88,9 @@ def row(path: str, case: str, op: str, unit: str, kvbridge: float, raw: float, r
         ratio: float | None = None) -> dict[str, Any]:
     """One result row. ``ratio`` overrides kvbridge/raw of the two figures when the path
     measures better itself (e.g. the median of per-round paired ratios)."""
-    if ratio is not None:
-        pass
-    elif lower_is_better:
+    if ratio is None and lower_is_better:
         ratio = raw / kvbridge if kvbridge > 0 else 0.0
-    else:
+    elif ratio is None:
         ratio = kvbridge / raw if raw > 0 else 0.0
     return {"path": path, "case": case, "op": op, "unit": unit,
             "num_blocks": num_blocks, "block_bytes": block_bytes,
