@@ -172,6 +172,10 @@ def format_trace(report: dict[str, Any]) -> str:
                  f"{s['handshakes']} handshakes, {s['notifications']} notifications, "
                  f"{s['lease_events']} lease events, {s['frees']} frees; verified "
                  f"{s['verified_bytes']:,} B, mismatched {s['mismatched_bytes']:,} B")
+    deltas = s.get("producer_counter_deltas")
+    if deltas:
+        lines.append("live producer counters: " + ", ".join(
+            f"{k} {v:+g}" for k, v in sorted(deltas.items())))
     if s["failures"]:
         lines.append("failures: " + "; ".join(str(f) for f in s["failures"]))
     lines.append(f"result: {s['state']} -> " + ("OK" if report["ok"] else "FAILED"))

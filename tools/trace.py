@@ -464,7 +464,7 @@ def run_trace(opts: TraceOptions, recorder: TraceRecorder | None = None,
             producer_stats = None
             if remote is not None:
                 try:
-                    producer_stats = remote.stats()
+                    producer_stats = _settled_stats(remote)
                 except Exception as exc:
                     rec.add("producer", None, "log", None, level="WARNING",
                             message=f"cannot read the producer's counters: {exc}")
@@ -493,6 +493,8 @@ def run_trace(opts: TraceOptions, recorder: TraceRecorder | None = None,
     if producer_stats_before is not None:
         summary["producer_stats_before"] = producer_stats_before
         summary["producer_stats_after"] = producer_stats
+        summary["producer_counter_deltas"] = counter_deltas(producer_stats_before,
+                                                            producer_stats)
     return {"request_id": request.request_id, "ok": ok, "summary": summary, "events": events}
 
 
@@ -575,6 +577,37 @@ def _drive(rec: TraceRecorder, request: Any, mode: Any, engines: list[Any], remo
         else:
             time.sleep(0.001)
     return final
+
+
+def _settled_stats(remote: Any, timeout_s: float = 2.0) -> dict[str, Any]:
+    """The live producer's stats once it has freed what it held (or after ``timeout_s``):
+    its last ack can reach us before its next step reports the free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats: dict[str, Any] = remote.stats()
+        if not stats.get("stats", {}).get("delayed_frees_pending") \
+                or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def counter_deltas(before: dict[str, Any] | None, after: dict[str, Any] | None,
+                   ) -> dict[str, float]:
+    """Numeric engine and worker counters of a live producer that changed, after - before."""
+    if not before or not after:
+        return {}
+    out: dict[str, float] = {}
+    for scope in ("stats", "worker_stats"):
+        b = before.get("stats", {}) if scope == "stats" else \
+            before.get("stats", {}).get("worker_stats", {})
+        a = after.get("stats", {}) if scope == "stats" else \
+            after.get("stats", {}).get("worker_stats", {})
+        for key, value in a.items():
+            old = b.get(key, 0)
+            if isinstance(value, int | float) and not isinstance(value, bool) \
+                    and isinstance(old, int | float) and value != old:
+                out[key] = round(value - old, 6)
+    return out
 
 
 class _EndpointOf:
