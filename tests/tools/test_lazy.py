@@ -29,7 +29,7 @@ def test_resolve_and_errors() -> None:
     assert isinstance(name, LazyName) and "not loaded" in repr(name)
     import collections
 
-    assert name.resolve() is collections.OrderedDict and "loaded" in repr(name)
+    assert name.resolve() is collections.OrderedDict and "(loaded)" in repr(name)
     assert issubclass(collections.OrderedDict, name)
     missing = lazy("collections", "NoSuchThing")
     try:
