@@ -10,7 +10,10 @@ namespace and returning an exit code). Modules are discovered here, so adding
 a subcommand never edits this file.
 
 Exit codes: 0 ok, 1 a failure was found (refused plan, mismatched bytes,
-incompatible peers, ...), 2 usage error.
+incompatible peers, ...), 2 usage error. A kvbridge error that a command does
+not handle itself is printed as one line and mapped by
+:func:`library_error_code` (bad input 2, failure 1); anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -58,6 +61,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvbridge: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        code = library_error_code(exc)
+        if code is None:
+            raise  # not a kvbridge error: a bug, keep its traceback
+        command = " ".join(filter(None, (args.command,
+                                         *(getattr(args, f"{args.command}_command", None),))))
+        print(f"kvbridge {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return code
+
+
+def library_error_code(exc: BaseException) -> int | None:
+    """The exit code for a kvbridge error a command did not handle itself.
+
+    Errors about what the user gave (a malformed topology, config, transfer
+    params, role) are usage errors (2); errors found while doing the work (an
+    unreachable or incompatible peer, a failed transfer, a store that refused)
+    are failures (1). None: not one of kvbridge's errors (let it propagate).
+    Imports happen here, after the fact, so start-up stays cheap.
+    """
+    from kvbridge.connectors.errors import (
+        ConfigError,
+        KVBridgeError,
+        RoleError,
+        TransferParamsError,
+    )
+    from kvbridge.events.errors import EventsError
+    from kvbridge.handshake.errors import HandshakeError
+    from kvbridge.layouts import LayoutError
+    from kvbridge.offload.types import OffloadError
+
+    if isinstance(exc, LayoutError | ConfigError | TransferParamsError | RoleError):
+        return EXIT_USAGE
+    if isinstance(exc, KVBridgeError | HandshakeError | EventsError | OffloadError):
+        return EXIT_FAILURE
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    # backends and the engine harness: checked by name, so that a failed command
+    # does not import NIXL or Mooncake just to classify its error
+    if names & {"NixlTransportError", "MooncakeError", "MooncakeMasterError",
+                "EngineProcessError"}:
+        return EXIT_USAGE if "MooncakeConfigError" in names else EXIT_FAILURE
+    return None
 
 
 if __name__ == "__main__":

@@ -150,3 +150,45 @@ def test_progress_only_on_a_terminal_or_when_forced() -> None:
     with Progress("bench", stream=tty).ticking("working", interval_s=0.01):
         pass
     assert "[bench] working" in tty.getvalue()
+
+
+def test_unhandled_library_errors_map_to_exit_codes() -> None:
+    from kvbridge.backends.nixl import NixlTransportError
+    from kvbridge.connectors import ConfigError, TransferParamsError
+    from kvbridge.handshake import HandshakeError
+    from kvbridge.layouts import LayoutError
+    from kvbridge.tools.cli import EXIT_FAILURE, library_error_code
+
+    assert library_error_code(LayoutError("tp_size", "expected >= 1")) == EXIT_USAGE
+    assert library_error_code(ConfigError("kv_role", "unknown")) == EXIT_USAGE
+    assert library_error_code(TransferParamsError("transfer_params", "v9")) == EXIT_USAGE
+    assert library_error_code(HandshakeError("timeout", "no answer")) == EXIT_FAILURE
+    assert library_error_code(NixlTransportError("peer gone")) == EXIT_FAILURE
+    assert library_error_code(KeyError("a bug")) is None  # bugs keep their traceback
+
+
+def test_an_unhandled_kvbridge_error_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge.connectors import ConfigError
+    from kvbridge.handshake import HandshakeError
+    from kvbridge.tools import cmd_events, cmd_plan
+
+    def bad_input(args: object) -> int:
+        raise ConfigError("kv_config", "expected a JSON object")
+
+    def peer_gone(args: object) -> int:
+        raise HandshakeError("peer", "went away")
+
+    def bug(args: object) -> int:
+        raise LookupError("a bug")
+
+    monkeypatch.setattr(cmd_plan, "run", bad_input)  # register() reads it per build_parser
+    assert main(["plan", "--model", "m", "--producer", "tp=1", "--consumer", "tp=1"]) == 2
+    assert capsys.readouterr().err == ("kvbridge plan: ConfigError: kv_config: expected a "
+                                       "JSON object\n")
+    monkeypatch.setattr(cmd_events, "_bench", peer_gone)
+    assert main(["events", "bench"]) == 1
+    assert "kvbridge events bench: HandshakeError: peer: went away" in capsys.readouterr().err
+    monkeypatch.setattr(cmd_plan, "run", bug)
+    with pytest.raises(LookupError):
+        main(["plan", "--model", "m", "--producer", "tp=1", "--consumer", "tp=1"])
