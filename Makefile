@@ -25,12 +25,12 @@ typecheck: $(STAMP)
 	MYPYPATH=.typecheck $(VENV)/bin/mypy --config-file pyproject.toml -p kvbridge
 
 pytest: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and not vllm" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
