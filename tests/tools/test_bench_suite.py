@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.backends.mooncake_master import MooncakeMaster
 from kvbridge.tools import bench_suite
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
 from tests.conftest import require
@@ -16,23 +17,20 @@ ROW_KEYS = {"path", "case", "op", "unit", "num_blocks", "block_bytes", "total_by
             "kvbridge", "raw", "raw_name", "ratio", "limit", "limit_name", "verified"}
 
 
-def test_all_paths_write_one_json_file(tmp_path: Path,
+def test_all_paths_write_one_json_file(tmp_path: Path, mooncake_master: MooncakeMaster,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     rc = main(["bench", "all", "--quick", "--iters", "1", "--events", "320",
-               "--batch-sizes", "16", "--dir", str(tmp_path), "--json", str(out)])
+               "--batch-sizes", "16", "--dir", str(tmp_path), "--json", str(out),
+               "--master", mooncake_master.rpc_address,
+               "--metadata", mooncake_master.metadata_url])
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert rc == EXIT_OK, report["paths"]
     assert set(report["paths"]) == set(bench_suite.PATHS)
     assert "machine" in report and report["quick"] is True
     for name, entry in report["paths"].items():
-        assert entry["status"] in ("ok", "skipped"), (name, entry.get("reason"))
-        if entry["status"] == "ok":
-            assert entry["rows"], name
-    # nixl, offload, events and lookup need nothing beyond kvbridge's own dependencies
-    for name in ("nixl", "offload", "events", "lookup"):
-        assert report["paths"][name]["status"] == "ok", report["paths"][name]
+        assert entry["status"] == "ok" and entry["rows"], (name, entry.get("reason"))
     for row in report["rows"]:
         assert set(row) == ROW_KEYS
         assert row["verified"] and row["kvbridge"] > 0 and row["raw"] > 0 and row["ratio"] > 0
@@ -40,6 +38,8 @@ def test_all_paths_write_one_json_file(tmp_path: Path,
             assert row["limit"] > 0 and row["block_bytes"] > 0  # memcpy of the same bytes
     assert {r["op"] for r in report["rows"] if r["path"] == "offload"} == {"store", "load"}
     assert any(r["unit"] == "us/lookup" for r in report["rows"])
+    assert {r["op"] for r in report["rows"] if r["path"] == "mooncake"} == {"put", "get"}
+    assert any(r["op"] == "exists" for r in report["rows"])  # mooncake lookup, same master
     assert "ratio" in text and "nixl" in text and f"wrote {out}" in text
 
 
