@@ -39,6 +39,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -422,8 +423,9 @@ def run_trace(opts: TraceOptions, recorder: TraceRecorder | None = None,
                             connector=ConnectorConfig("nixl", role, extra=dict(settings)),
                             remote_kv_timeout_s=opts.timeout_s)
 
+    # a fresh id each run: a long-running `kvbridge serve` must never see one twice
     request = make_requests(1, prompt_tokens=opts.prompt_tokens, max_tokens=2,
-                            prefix="trace")[0]
+                            prefix=f"trace-{uuid.uuid4().hex[:8]}")[0]
     deadline = time.monotonic() + opts.timeout_s
     engines: list[Any] = []
     remote: Any = None
