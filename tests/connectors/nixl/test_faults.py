@@ -284,13 +284,13 @@ def test_abort_before_scheduling_and_full_prefix_hit_free_at_once(no_thread_leak
 def test_heartbeats_renew_the_lease_of_a_queued_request(no_thread_leak: None) -> None:
     """A consumer request that waits for free blocks longer than the lease keeps the
     producer's blocks alive by heartbeats, and then loads them (no expiry, no late read)."""
-    lease_s = 0.4
+    lease_s = 1.5  # long enough that a loaded box still gets the first heartbeat in
     producer = _producer(lease_s=lease_s)
     # a local "hog" takes 47 of 48 blocks at once (its whole prompt in one step) and keeps
     # them for 15 decode steps: the remote request (3 blocks) is matched but cannot be
     # allocated until the hog finishes, so only heartbeats keep the producer's lease
     consumer = Engine(nixl_config(MODEL, KVRole.CONSUMER, ParallelTopology(), PULL,
-                                  num_blocks=48, heartbeat_s=0.05))
+                                  num_blocks=48, heartbeat_s=0.1))
     stepper = Stepper(consumer)
     try:
         prompt = make_requests(1, prompt_tokens=46 * 16 + 1, seed=15)[0].prompt
@@ -304,7 +304,7 @@ def test_heartbeats_renew_the_lease_of_a_queued_request(no_thread_leak: None) ->
         while spec.request_id not in stepper.results:
             assert time.monotonic() < deadline
             stepper.step()
-            time.sleep(0.05)  # slow decode: the hog outlives the lease
+            time.sleep(0.25)  # slow decode: the hog outlives the lease
         waited = time.monotonic() - start
         final = stepper.results[spec.request_id]
         _check_output(final, spec)
