@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +27,11 @@ from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole, TransferMo
 from kvbridge.connectors.mooncake_store.worker import latency_percentile
 from kvbridge.engine.core import EngineConfig
 from kvbridge.engine.harness import EngineProcess
-from kvbridge.engine.request import RequestResult, RequestState
+from kvbridge.engine.request import RequestResult
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.tools.demo_nixl import Router
+from kvbridge.tools.pd_report import idle_problems, request_fields, route_all
 
 CONNECTOR = "mooncake"
 PLUGIN = "mooncake_store"
@@ -117,23 +117,7 @@ def run_store_demo(opts: StoreDemoOptions, progress: Callable[[str], None] | Non
             engines.append(consumer)
             router = Router(producer, consumer, TransferMode.PULL, opts.producer,
                             spec.fingerprint())
-            start = time.monotonic()
-            deadline = start + opts.timeout_s
-            router.submit(requests)
-            last_line = 0.0
-            while not router.done:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"demo: {len(router.results)}/{len(requests)} requests "
-                                       f"done after {opts.timeout_s} s")
-                if router.poll() == 0:
-                    time.sleep(0.005)
-                now = time.monotonic()
-                if progress is not None and now - last_line > 0.5:
-                    last_line = now
-                    progress(f"{len(router.results)}/{len(requests)} requests done, "
-                             f"{sum(r.verified_bytes for r in router.results.values()) / 1e6:.1f}"
-                             f" MB verified, {now - start:.1f} s")
-            elapsed = time.monotonic() - start
+            elapsed = route_all(router, requests, opts.timeout_s, progress)
             producer_stats = producer.stats()
             consumer_stats = consumer.stats()
         finally:
@@ -154,8 +138,6 @@ def summarize(opts: StoreDemoOptions, master: str, results: list[RequestResult],
     pw = prod.get("worker_stats", {})
     nbytes = int(cw.get("get_bytes", 0))
     busy_s = float(cw.get("get_time_s", 0.0))
-    failed = [r for r in results if r.state is not RequestState.FINISHED_LENGTH
-              or r.request_id in wrong or r.num_recomputed_tokens > 0]
     return {
         "connector": CONNECTOR,
         "mode": "store",
@@ -163,9 +145,7 @@ def summarize(opts: StoreDemoOptions, master: str, results: list[RequestResult],
         "master": master if opts.master else f"local {master}",
         "producer": opts.producer.describe(),
         "consumer": opts.consumer.describe(),
-        "requests": len(results),
-        "failed_requests": len(failed),
-        "wrong_outputs": len(wrong),
+        **request_fields(results, wrong, elapsed, nbytes, busy_s),
         "blocks": int(cons.get("connector_stats", {}).get("load_blocks", 0)),
         "transfers": int(cw.get("get_calls", 0)),
         "bytes": nbytes,
@@ -173,17 +153,9 @@ def summarize(opts: StoreDemoOptions, master: str, results: list[RequestResult],
         "put_bytes": int(pw.get("put_bytes", 0)),
         "put_failures": int(pw.get("put_failures", 0)),
         "load_errors": int(cw.get("load_errors", 0)),
-        "verified_bytes": sum(r.verified_bytes for r in results),
-        "mismatched_bytes": sum(r.mismatched_bytes for r in results),
-        "external_tokens": sum(r.num_external_tokens for r in results),
-        "recomputed_tokens": sum(r.num_recomputed_tokens for r in results),
-        "elapsed_s": round(elapsed, 3),
-        "throughput_gbps": round(nbytes / max(elapsed, 1e-9) / 1e9, 4),
-        "transfer_gbps": round(nbytes / busy_s / 1e9, 4) if busy_s else None,
         "latency_ms": {f"p{int(q * 100)}": latency_percentile(cw, q) for q in (0.5, 0.9, 0.99)},
         "notes": ([] if opts.producer.sizes() == opts.consumer.sizes() else
                   ["producer and consumer parallel sizes differ: store keys name them, so "
                    "no block can hit (every consumer request is computed)"]),
-        "idle_problems": {"producer": producer_stats.get("idle_problems", []),
-                          "consumer": consumer_stats.get("idle_problems", [])},
+        "idle_problems": idle_problems(producer_stats, consumer_stats),
     }

@@ -32,6 +32,7 @@ from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.handshake import parse_address
 from kvbridge.layouts import ParallelTopology, load_spec
+from kvbridge.tools.pd_report import idle_problems, request_fields, route_all
 
 CONNECTOR = "nixl"
 
@@ -230,25 +231,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
                                  name="consumer")
         engines.append(consumer)
         router = Router(producer, consumer, opts.mode, producer_topology, spec.fingerprint())
-        start = time.monotonic()
-        deadline = start + opts.timeout_s
-        router.submit(requests)
-        last_line = 0.0
-        while not router.done:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"demo: {len(router.results)}/{len(requests)} requests done "
-                                   f"after {opts.timeout_s} s")
-            if router.poll() == 0:
-                time.sleep(0.005)
-            now = time.monotonic()
-            if progress is not None and now - last_line > 0.5:
-                last_line = now
-                failed = sum(1 for r in router.results.values()
-                             if r.state is not RequestState.FINISHED_LENGTH)
-                progress(f"{len(router.results)}/{len(requests)} requests done, {failed} failed, "
-                         f"{sum(r.verified_bytes for r in router.results.values()) / 1e6:.1f} MB "
-                         f"verified, {now - start:.1f} s")
-        elapsed = time.monotonic() - start
+        elapsed = route_all(router, requests, opts.timeout_s, progress)
         producer_stats, consumer_stats = _drain([producer, consumer], time.monotonic() + 30)
     finally:
         for engine in reversed(engines):
@@ -270,8 +253,6 @@ def summarize(opts: DemoOptions, results: list[RequestResult], wrong: list[str],
     nbytes = int(moving.get("transfer_bytes", 0))
     transfers = int(moving.get("transfers", 0))
     busy_s = float(moving.get("transfer_time_s", 0.0))
-    failed = [r for r in results if r.state is not RequestState.FINISHED_LENGTH
-              or r.request_id in wrong or r.num_recomputed_tokens > 0]
     latency = {f"p{int(q * 100)}": histogram_percentile(moving, q) for q in (0.5, 0.9, 0.99)}
     counters = ("handshakes", "handshake_failures", "transfer_failures", "loads_failed",
                 "pushes_failed", "lease_expiries", "late_notifs", "unknown_notifs",
@@ -283,23 +264,13 @@ def summarize(opts: DemoOptions, results: list[RequestResult], wrong: list[str],
         "producer": (opts.producer.describe() if not opts.producer_addr
                      else f"remote {opts.producer_addr}"),
         "consumer": opts.consumer.describe(),
-        "requests": len(results),
-        "failed_requests": len(failed),
-        "wrong_outputs": len(wrong),
+        **request_fields(results, wrong, elapsed, nbytes, busy_s),
         "blocks": int(cons.get("connector_stats", {}).get("blocks_ordered", 0)),
         "transfers": transfers,
         "bytes": nbytes,
         "descriptors": int(moving.get("transfer_descs", 0)),
-        "verified_bytes": sum(r.verified_bytes for r in results),
-        "mismatched_bytes": sum(r.mismatched_bytes for r in results),
-        "external_tokens": sum(r.num_external_tokens for r in results),
-        "recomputed_tokens": sum(r.num_recomputed_tokens for r in results),
-        "elapsed_s": round(elapsed, 3),
-        "throughput_gbps": round(nbytes / max(elapsed, 1e-9) / 1e9, 4),
-        "transfer_gbps": round(nbytes / busy_s / 1e9, 4) if busy_s else None,
         "latency_ms": latency,
         "consumer_counters": {k: cw.get(k, 0) for k in counters},
         "producer_counters": {k: pw.get(k, 0) for k in counters},
-        "idle_problems": {"producer": producer_stats.get("idle_problems", []),
-                          "consumer": consumer_stats.get("idle_problems", [])},
+        "idle_problems": idle_problems(producer_stats, consumer_stats),
     }
