@@ -32,6 +32,7 @@ from kvbridge.events.wire import (
     parse_replay_reply,
     parse_replay_request,
 )
+from tests.conftest import missing_backend
 
 U64_MAX = (1 << 64) - 1
 
@@ -231,14 +232,16 @@ if msgspec is not None:
 
 def _vllm_structs() -> dict[str, Any]:
     if msgspec is None:
-        pytest.skip("msgspec not installed (pip install msgspec, test extra)")
+        missing_backend("msgspec (the vLLM wire oracle) not installed: pip install msgspec "
+                        "(test extra)")
     return {"msgspec": msgspec, "Batch": VKVEventBatch, "Stored": VBlockStored,
             "Removed": VBlockRemoved, "Cleared": VAllBlocksCleared}
 
 
 def _legacy_vllm_structs() -> dict[str, Any]:
     if msgspec is None:
-        pytest.skip("msgspec not installed (pip install msgspec, test extra)")
+        missing_backend("msgspec (the vLLM wire oracle) not installed: pip install msgspec "
+                        "(test extra)")
     return {"msgspec": msgspec, "Batch": LKVEventBatch, "Stored": LBlockStored,
             "Removed": LBlockRemoved, "Cleared": LAllBlocksCleared}
 
