@@ -11,8 +11,9 @@ from dataclasses import replace
 
 from kvbridge.handshake import HandshakeError, HandshakeServer, TransferMode
 from kvbridge.handshake.example import example_store
-from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology, load_spec
+from kvbridge.layouts import KVCacheSpec, LayoutError, load_spec
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import add_topology_arguments, topology_from_args
 
 EPILOG = """\
 The metadata is FAKE: well-formed and self-consistent, but its addresses
@@ -44,11 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "interrupted (or --duration).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--model", default="tiny-gqa", help="preset name or spec JSON file")
-    serve.add_argument("--topology", default=None, metavar="TOPOLOGY",
-                       help="all sizes at once, e.g. tp=4,dcp=2 (instead of --tp/--pp/...)")
-    for dim in ("tp", "pp", "dcp", "pcp"):
-        serve.add_argument(f"--{dim}", type=int, default=None, metavar="N",
-                           help=f"{dim} size (default 1)")
+    add_topology_arguments(serve)
     serve.add_argument("--block-size", type=int, default=None,
                        help="override every region's block size (tokens)")
     serve.add_argument("--mode", choices=[m.value for m in TransferMode],
@@ -70,24 +67,13 @@ def _missing(parser: argparse.ArgumentParser) -> int:
     return EXIT_USAGE
 
 
-def _topology(args: argparse.Namespace) -> ParallelTopology:
-    dims = {d: getattr(args, d) for d in ("tp", "pp", "dcp", "pcp")}
-    if args.topology is not None:
-        given = [f"--{d}" for d, v in dims.items() if v is not None]
-        if given:
-            raise LayoutError("topology", f"give --topology or {', '.join(given)}, not both")
-        return ParallelTopology.parse(args.topology, "topology")
-    return ParallelTopology(tp_size=dims["tp"] or 1, pp_size=dims["pp"] or 1,
-                            dcp_size=dims["dcp"] or 1, pcp_size=dims["pcp"] or 1)
-
-
 def run_serve_example(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.model)
         if args.block_size is not None:
             spec = KVCacheSpec(spec.model, tuple(replace(r, block_size=args.block_size)
                                                  for r in spec.regions))
-        topology = _topology(args)
+        topology = topology_from_args(args)
         spec.validate_topology(topology)
         store = example_store(spec, topology, args.engine_id, TransferMode(args.mode),
                               num_blocks=args.num_blocks)

@@ -11,13 +11,15 @@ from typing import Any
 from kvbridge.layouts import (
     KeyNamespace,
     LayoutError,
-    ParallelTopology,
     load_spec,
     lookup_namespaces,
     preset_names,
     write_targets,
 )
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import add_topology_arguments, topology_from_args
+
+KEYS_DIMS = ("tp", "dcp", "pp", "pcp")  # the order of its per-size flags in --help and errors
 
 EPILOG = f"""\
 MODEL is a preset ({", ".join(preset_names())}) or a spec JSON file.
@@ -45,30 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="PRESET|FILE",
                         help="model preset name or spec JSON file")
-    parser.add_argument("--topology", default=None, metavar="TOPOLOGY",
-                        help="all sizes at once, e.g. tp=4,dcp=2 (instead of --tp/--dcp/...)")
-    for dim in ("tp", "dcp", "pp", "pcp"):
-        parser.add_argument(f"--{dim}", type=int, default=None, metavar="N",
-                            help=f"{dim} size (default 1)")
+    add_topology_arguments(parser, KEYS_DIMS)
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(func=run)
-
-
-def _topology(args: argparse.Namespace) -> ParallelTopology:
-    dims = {d: getattr(args, d) for d in ("tp", "dcp", "pp", "pcp")}
-    if args.topology is not None:
-        given = [f"--{d}" for d, v in dims.items() if v is not None]
-        if given:
-            raise LayoutError("topology", f"give --topology or {', '.join(given)}, not both")
-        return ParallelTopology.parse(args.topology, "topology")
-    return ParallelTopology(tp_size=dims["tp"] or 1, dcp_size=dims["dcp"] or 1,
-                            pp_size=dims["pp"] or 1, pcp_size=dims["pcp"] or 1)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.model)
-        sizes = _topology(args)
+        sizes = topology_from_args(args, KEYS_DIMS)
     except LayoutError as exc:
         print(f"kvbridge keys: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,0 +1,42 @@
+"""Argument helpers shared by several ``kvbridge`` subcommands.
+
+One engine topology is given either all at once (``--topology tp=4,dcp=2``,
+as ``kvbridge serve`` and ``kvbridge demo`` take it) or one size per flag
+(``--tp 4 --dcp 2``); giving both is a usage error that names the flags, so
+a command never silently prefers one over the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from kvbridge.layouts import LayoutError, ParallelTopology
+
+TOPOLOGY_DIMS = ("tp", "pp", "dcp", "pcp")
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                           dims: Sequence[str] = TOPOLOGY_DIMS) -> None:
+    """``--topology`` and one ``--<dim>`` per size; ``dims`` orders the flags in ``--help``."""
+    parser.add_argument("--topology", default=None, metavar="TOPOLOGY",
+                        help=f"all sizes at once, e.g. tp=4,dcp=2 (instead of "
+                             f"{'/'.join(f'--{d}' for d in dims[:2])}/...)")
+    for dim in dims:
+        parser.add_argument(f"--{dim}", type=int, default=None, metavar="N",
+                            help=f"{dim} size (default 1)")
+
+
+def topology_from_args(args: argparse.Namespace,
+                       dims: Sequence[str] = TOPOLOGY_DIMS) -> ParallelTopology:
+    """The topology of :func:`add_topology_arguments`' flags (sizes not given are 1).
+
+    Raises :class:`LayoutError` (field ``topology``) when both forms are given.
+    """
+    sizes = {d: getattr(args, d) for d in dims}
+    if args.topology is not None:
+        given = [f"--{d}" for d, v in sizes.items() if v is not None]
+        if given:
+            raise LayoutError("topology", f"give --topology or {', '.join(given)}, not both")
+        return ParallelTopology.parse(args.topology, "topology")
+    return ParallelTopology(**{f"{d}_size": v or 1 for d, v in sizes.items()})
