@@ -53,6 +53,7 @@ from kvbridge.connectors.api import (
 )
 from kvbridge.connectors.config import KVRole
 from kvbridge.connectors.errors import ConfigError
+from kvbridge.connectors.load_outcomes import LoadOutcomes
 from kvbridge.connectors.params import TransferParams
 from kvbridge.events import BlockStored, Medium
 from kvbridge.layouts import BlockHash, ParallelTopology
@@ -213,12 +214,7 @@ class SharedStorageWorker(WorkerConnector):
         self.caches: KVCaches | None = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._recv_done: set[str] = set()
-        self._recv_failed: set[str] = set()
-        self._invalid: set[BlockRef] = set()
-        # snapshot taken by get_finished so the three reports of a step agree
-        self._report_failed: set[str] = set()
-        self._report_invalid: set[BlockRef] = set()
+        self._outcomes = LoadOutcomes()  # get_finished's snapshot: a step's reports agree
         self._saves_in_flight: dict[str, list[Future[None]]] = {}
         self._waiting_delayed: set[str] = set()
         self._stats = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0,
@@ -275,11 +271,8 @@ class SharedStorageWorker(WorkerConnector):
             logger.exception("shared_storage: load for %s crashed", request_id)
             failed = {(region, block_id) for region, block_id, _ in jobs}
         with self._lock:
-            self._invalid |= failed
             self._stats["load_errors"] += len(failed)
-            self._recv_done.add(request_id)
-            if failed:
-                self._recv_failed.add(request_id)
+        self._outcomes.finish(request_id, failed)
 
     def start_load_kv(self) -> None:
         meta = self.connector_metadata
@@ -291,8 +284,8 @@ class SharedStorageWorker(WorkerConnector):
             else:
                 failed = self._load_blocks(request_id, jobs)
                 with self._lock:
-                    self._invalid |= failed
                     self._stats["load_errors"] += len(failed)
+                self._outcomes.add_invalid(failed)
 
     def wait_for_layer_load(self, layer_id: int) -> None:
         return None  # synchronous loads completed in start_load_kv
@@ -349,19 +342,13 @@ class SharedStorageWorker(WorkerConnector):
             if request_id not in self._waiting_delayed and \
                     all(f.done() for f in self._saves_in_flight[request_id]):
                 del self._saves_in_flight[request_id]
-        with self._lock:  # one snapshot: a load thread may finish while we report
-            done_recving, self._recv_done = self._recv_done, set()
-            self._report_failed, self._recv_failed = self._recv_failed, set()
-            self._report_invalid, self._invalid = self._invalid, set()
-        return done_sending, done_recving
+        return done_sending, self._outcomes.snapshot()  # a load thread may finish meanwhile
 
     def get_failed_recving(self) -> set[str]:
-        failed, self._report_failed = self._report_failed, set()
-        return failed
+        return self._outcomes.take_failed_recving()
 
     def get_block_ids_with_load_errors(self) -> set[BlockRef]:
-        invalid, self._report_invalid = self._report_invalid, set()
-        return invalid
+        return self._outcomes.take_invalid_blocks()
 
     def get_stats(self) -> dict[str, int | float]:
         with self._lock:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
+from kvbridge.connectors.load_outcomes import LoadOutcomes
 from kvbridge.connectors.mooncake_store import clients
 from kvbridge.connectors.mooncake_store.keys import layer_key_prefix
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
@@ -159,11 +160,7 @@ class MooncakeStoreWorker(WorkerConnector):
         self._jobs: queue.SimpleQueue[tuple[str, tuple[LoadBlock, ...]] | None] = (
             queue.SimpleQueue())
         self._thread: threading.Thread | None = None
-        self._recv_done: set[str] = set()
-        self._recv_failed: set[str] = set()
-        self._invalid: set[BlockRef] = set()
-        self._report_failed: set[str] = set()
-        self._report_invalid: set[BlockRef] = set()
+        self._outcomes = LoadOutcomes()
         self._orphans: list[str] = []  # keys of timed-out puts, removed once idle
         self._stats: dict[str, int | float] = {
             "put_calls": 0, "put_keys": 0, "put_bytes": 0, "put_time_s": 0.0,
@@ -217,9 +214,7 @@ class MooncakeStoreWorker(WorkerConnector):
             if self._thread is not None:
                 self._jobs.put((request_id, blocks))
                 continue
-            failed = self._load(request_id, blocks)
-            with self._lock:
-                self._invalid |= failed
+            self._outcomes.add_invalid(self._load(request_id, blocks))
 
     def wait_for_layer_load(self, layer_id: int) -> None:
         return None  # synchronous loads completed in start_load_kv; async ones across steps
@@ -235,11 +230,7 @@ class MooncakeStoreWorker(WorkerConnector):
             except Exception:  # never leave a request waiting: fail all of its blocks
                 logger.exception("mooncake store: load for %s crashed", request_id)
                 failed = {(b.region_index, b.block_id) for b in blocks}
-            with self._lock:
-                self._invalid |= failed
-                self._recv_done.add(request_id)
-                if failed:
-                    self._recv_failed.add(request_id)
+            self._outcomes.finish(request_id, failed)
 
     def _load(self, request_id: str, blocks: Sequence[LoadBlock]) -> set[BlockRef]:
         """Get every key of ``blocks`` into its tensor slot; the blocks that failed."""
@@ -363,19 +354,13 @@ class MooncakeStoreWorker(WorkerConnector):
 
     def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
         self._remove_orphans()
-        with self._lock:  # one snapshot: the load thread may finish while we report
-            done_recving, self._recv_done = self._recv_done, set()
-            self._report_failed, self._recv_failed = self._recv_failed, set()
-            self._report_invalid, self._invalid = self._invalid, set()
-        return set(), done_recving
+        return set(), self._outcomes.snapshot()  # the load thread may finish meanwhile
 
     def get_failed_recving(self) -> set[str]:
-        failed, self._report_failed = self._report_failed, set()
-        return failed
+        return self._outcomes.take_failed_recving()
 
     def get_block_ids_with_load_errors(self) -> set[BlockRef]:
-        invalid, self._report_invalid = self._report_invalid, set()
-        return invalid
+        return self._outcomes.take_invalid_blocks()
 
     def get_stats(self) -> dict[str, int | float]:
         with self._lock:
