@@ -241,6 +241,7 @@ def test_blocks_stored_by_another_process_are_read_over_tcp(
     mooncake_master: MooncakeMaster, client: MooncakeStoreClient
 ) -> None:
     import os
+    import select
     import subprocess
     import sys
 
@@ -254,6 +255,8 @@ def test_blocks_stored_by_another_process_are_read_over_tcp(
     )
     try:
         assert writer.stdout is not None and writer.stdin is not None
+        readable, _, _ = select.select([writer.stdout], [], [], 120)  # bounded: setup + put
+        assert readable, f"writer printed nothing within 120 s (exit code {writer.poll()})"
         assert writer.stdout.readline().strip() == "stored"
         dst = torch.zeros((n, size), dtype=torch.uint8)
         keys = [f"{prefix}/{i}" for i in range(n)]
