@@ -8,6 +8,7 @@ import pytest
 
 from kvbridge.tools import cmd_doctor
 from kvbridge.tools.cli import main
+from tests.conftest import missing_backend
 
 
 def test_doctor_json_reports_backends_and_connectors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -21,6 +22,9 @@ def test_doctor_json_reports_backends_and_connectors(capsys: pytest.CaptureFixtu
     connectors = {c["name"]: c for c in report["connectors"]}
     assert connectors["shared_storage"]["loaded"] and connectors["shared_storage"]["usable"]
     assert report["environment"]["UCX_MODULES"]  # kvbridge's default applies
+    for backend in ("nixl", "mooncake"):  # exercised for real: a broken one must not pass
+        if not names[backend]["ok"]:
+            missing_backend(f"doctor's {backend} check failed: {names[backend]}")
 
 
 def test_failed_probe_names_the_cause() -> None:
