@@ -23,6 +23,7 @@ from kvbridge.events import (
     SubscriberConfig,
 )
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import require_subcommand
 from kvbridge.tools.progress import Progress
 
 _TAIL_EPILOG = """\
@@ -72,7 +73,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="events_command", metavar="SUBCOMMAND")
-    parser.set_defaults(func=lambda args: _usage(parser))
+    require_subcommand(parser)
 
     tail = sub.add_parser(
         "tail",
@@ -114,11 +115,6 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--progress", action="store_true",
                        help="progress on stderr even when it is not a terminal")
     bench.set_defaults(func=_bench)
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
 
 
 # ---------------------------------------------------------------- rendering

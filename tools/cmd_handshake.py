@@ -13,7 +13,7 @@ from kvbridge.handshake import HandshakeError, HandshakeServer, TransferMode
 from kvbridge.handshake.example import example_store
 from kvbridge.layouts import KVCacheSpec, LayoutError, load_spec
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from kvbridge.tools.flags import add_topology_arguments, topology_from_args
+from kvbridge.tools.flags import add_topology_arguments, require_subcommand, topology_from_args
 
 EPILOG = """\
 The metadata is FAKE: well-formed and self-consistent, but its addresses
@@ -59,12 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--json", action="store_true",
                        help="print the bound address as one JSON line")
     serve.set_defaults(func=run_serve_example)
-    parser.set_defaults(func=lambda args: _missing(parser))
-
-
-def _missing(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
+    require_subcommand(parser)
 
 
 def run_serve_example(args: argparse.Namespace) -> int:

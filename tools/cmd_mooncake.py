@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import require_subcommand
 from kvbridge.tools.progress import Progress
 
 EPILOG = """\
@@ -116,12 +117,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="progress on stderr even when it is not a terminal")
     bench.set_defaults(func=run_bench)
 
-    parser.set_defaults(func=lambda args: _missing(parser))
-
-
-def _missing(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
+    require_subcommand(parser)
 
 
 def run_master(args: argparse.Namespace) -> int:

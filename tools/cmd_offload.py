@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import require_subcommand
 from kvbridge.tools.progress import Progress
 
 EPILOG = """\
@@ -75,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--progress", action="store_true",
                        help="progress on stderr even when it is not a terminal")
     bench.set_defaults(func=run_bench)
-    parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), EXIT_USAGE)[1])
+    require_subcommand(parser)
 
 
 def run_fsck(args: argparse.Namespace) -> int:

@@ -1,5 +1,9 @@
 """Argument helpers shared by several ``kvbridge`` subcommands.
 
+A command group (``kvbridge events``, ``kvbridge offload``, ...) run without
+its subcommand prints its help to stderr and exits with the usage-error code
+(:func:`require_subcommand`).
+
 One engine topology is given either all at once (``--topology tp=4,dcp=2``,
 as ``kvbridge serve`` and ``kvbridge demo`` take it) or one size per flag
 (``--tp 4 --dcp 2``); giving both is a usage error that names the flags, so
@@ -9,9 +13,11 @@ a command never silently prefers one over the other.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from kvbridge.layouts import LayoutError, ParallelTopology
+from kvbridge.tools.cli import EXIT_USAGE
 
 TOPOLOGY_DIMS = ("tp", "pp", "dcp", "pcp")
 
@@ -40,3 +46,13 @@ def topology_from_args(args: argparse.Namespace,
             raise LayoutError("topology", f"give --topology or {', '.join(given)}, not both")
         return ParallelTopology.parse(args.topology, "topology")
     return ParallelTopology(**{f"{d}_size": v or 1 for d, v in sizes.items()})
+
+
+def require_subcommand(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` (a command group) print its help and return EXIT_USAGE when run bare."""
+
+    def usage(args: argparse.Namespace) -> int:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+
+    parser.set_defaults(func=usage)
