@@ -10,16 +10,15 @@ limit (memcpy). Each round's get is verified byte for byte outside the timing.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient
-from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.backends.mooncake_master import master_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +33,6 @@ def _gbps(nbytes: int, seconds: float) -> float:
 def _paired_ratio(raw_s: list[float], client_s: list[float]) -> float:
     """Median over rounds of client throughput / raw throughput (= raw time / client time)."""
     return statistics.median(r / c for r, c in zip(raw_s, client_s, strict=True))
-
-
-@contextlib.contextmanager
-def _store_endpoint(
-    master_address: str | None, metadata_server: str | None
-) -> Iterator[tuple[str, str, bool]]:
-    if master_address is not None:
-        if metadata_server is None:
-            raise ValueError("metadata_server is required when master_address is given")
-        yield master_address, metadata_server, False
-        return
-    with MooncakeMaster() as master:
-        yield master.rpc_address, master.metadata_url, True
 
 
 def run_mooncake_bench(
@@ -77,7 +63,7 @@ def run_mooncake_bench(
     max_bytes = max(n * b for n, b in patterns)
     segment_bytes = max(32 * MiB, 3 * max_bytes)
     report: dict[str, Any] = {"rounds": rounds, "segment_bytes": segment_bytes, "patterns": []}
-    with _store_endpoint(master_address, metadata_server) as (rpc, meta, local_master):
+    with master_endpoint(master_address, metadata_server) as (rpc, meta, local_master):
         report["master"] = rpc
         report["local_master"] = local_master
         config = MooncakeConfig(

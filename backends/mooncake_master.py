@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -460,3 +460,21 @@ class MooncakeMaster:
                     proc.kill()
                 proc.wait(timeout=5.0)
         return proc.returncode
+
+
+@contextlib.contextmanager
+def master_endpoint(master_address: str | None, metadata_server: str | None,
+                    ) -> Iterator[tuple[str, str, bool]]:
+    """``(rpc address, metadata URL, started here)`` of a store to use for a run.
+
+    A given ``master_address`` is used as it is (then ``metadata_server`` is
+    required: a remote master's metadata URL cannot be guessed); without one a
+    local :class:`MooncakeMaster` is started and stopped when the block exits.
+    """
+    if master_address is not None:
+        if metadata_server is None:
+            raise ValueError("metadata_server is required when master_address is given")
+        yield master_address, metadata_server, False
+        return
+    with MooncakeMaster() as master:
+        yield master.rpc_address, master.metadata_url, True

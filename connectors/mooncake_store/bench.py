@@ -23,14 +23,14 @@ The scheduler half's bookkeeping (building the metadata) is not timed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from kvbridge.backends.mooncake_master import master_endpoint  # also applies env defaults
 from kvbridge.connectors.api import ConnectorContext, KVCaches
 from kvbridge.connectors.config import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
@@ -59,21 +59,6 @@ def bench_spec(block_bytes: int) -> KVCacheSpec:
     return KVCacheSpec(model=f"kvbridge-bench-{block_bytes}", regions=(region,))
 
 
-@contextlib.contextmanager
-def _endpoint(master_address: str | None, metadata_server: str | None,
-              ) -> Iterator[tuple[str, str, bool]]:
-    if master_address is not None:
-        if metadata_server is None:
-            raise ValueError("metadata_server is required when master_address is given")
-        yield master_address, metadata_server, False
-        return
-    import kvbridge.backends  # noqa: F401  (Mooncake env defaults)
-    from kvbridge.backends.mooncake_master import MooncakeMaster
-
-    with MooncakeMaster() as master:
-        yield master.rpc_address, master.metadata_url, True
-
-
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -97,7 +82,7 @@ def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds:
     segment = max(64 * MiB, 3 * max_bytes)
     report: dict[str, Any] = {"rounds": rounds, "segment_bytes": segment, "target_ratio": 0.9,
                               "patterns": []}
-    with _endpoint(master_address, metadata_server) as (rpc, metadata, local):
+    with master_endpoint(master_address, metadata_server) as (rpc, metadata, local):
         report["master"] = rpc
         report["local_master"] = local
         extra = {"master_address": rpc, "metadata_server": metadata,
