@@ -31,7 +31,8 @@ examples:
   kvbridge demo --producer tp=2,pp=2 --consumer tp=4 --requests 64 --json
   kvbridge demo --producer-addr 10.0.0.5:5600     # consumer only, against `kvbridge serve`
 
-exit codes: 0 every request verified, 1 a failed request or a mismatched byte, 2 usage error
+exit codes: 0 every request verified, 1 a failed request, a mismatched byte or no byte
+verified (nothing moved), 2 usage error
 """
 
 
@@ -129,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
         print(format_summary(summary))
-    ok = summary["failed_requests"] == 0 and summary["mismatched_bytes"] == 0
+    # a run that moved nothing verified nothing (every load failed and was recomputed)
+    ok = summary["failed_requests"] == 0 and summary["mismatched_bytes"] == 0 \
+        and summary["verified_bytes"] > 0
     return EXIT_OK if ok else EXIT_FAILURE
 
 

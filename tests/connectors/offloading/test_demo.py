@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
+from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 
 def test_demo_json_reports_fs_hits_and_verified_bytes(tmp_path: Path,
@@ -39,3 +39,12 @@ def test_demo_with_injected_faults_recomputes_and_verifies(
 def test_demo_rejects_a_bad_rate(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--connector", "offload", "--inject-faults", "1.5"]) == EXIT_USAGE
     assert "inject_faults" in capsys.readouterr().err
+
+
+def test_demo_that_verified_nothing_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    """Prompts shorter than a block: nothing is stored or loaded, so nothing is verified."""
+    code = main(["demo", "--connector", "offload", "--prompt-tokens", "4", "--requests", "2",
+                 "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["failed_requests"] == 0 and out["verified_bytes"] == 0
+    assert code == EXIT_FAILURE
