@@ -42,6 +42,23 @@ from kvbridge.engine.server import config_to_dict
 from kvbridge.engine.workload import WorkloadResult, check_outputs
 
 
+def connect_control(context: zmq.Context[Any], host: str, port: int,
+                    timeout_s: float) -> zmq.Socket[bytes]:
+    """A REQ socket to an engine control socket at ``host:port``.
+
+    Every send and receive on it gives up after ``timeout_s`` (``zmq.Again``),
+    and closing it drops what is queued (no linger). A REQ socket that timed out
+    is stuck mid-exchange: the caller closes it and connects a fresh one.
+    """
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    timeout_ms = int(timeout_s * 1000)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    sock.connect(f"tcp://{host}:{port}")
+    return sock
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed to start, died, or answered with an error."""
 
@@ -122,13 +139,7 @@ class EngineProcess:
     def _connect(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
-        sock = self._context.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        timeout_ms = int(self.call_timeout_s * 1000)
-        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-        sock.connect(f"tcp://127.0.0.1:{self.port}")
-        self._sock = sock
+        self._sock = connect_control(self._context, "127.0.0.1", self.port, self.call_timeout_s)
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """One request/reply; raises :class:`EngineProcessError` on error or timeout."""

@@ -27,7 +27,7 @@ import zmq
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode, TransferParams
 from kvbridge.connectors.nixl.worker import histogram_percentile
 from kvbridge.engine.core import EngineConfig
-from kvbridge.engine.harness import EngineProcess, EngineProcessError
+from kvbridge.engine.harness import EngineProcess, EngineProcessError, connect_control
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.handshake import parse_address
@@ -83,12 +83,7 @@ class RemoteEngine:
     def _connect(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
-        sock = self._context.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, int(self.call_timeout_s * 1000))
-        sock.setsockopt(zmq.SNDTIMEO, int(self.call_timeout_s * 1000))
-        sock.connect(f"tcp://{self.host}:{self.port}")
-        self._sock = sock
+        self._sock = connect_control(self._context, self.host, self.port, self.call_timeout_s)
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         assert self._sock is not None

@@ -16,6 +16,7 @@ import zmq
 
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode
 from kvbridge.engine.core import EngineConfig
+from kvbridge.engine.harness import connect_control
 from kvbridge.engine.request import RequestResult, RequestSpec
 from kvbridge.engine.server import config_to_dict
 from kvbridge.layouts import ParallelTopology, load_spec
@@ -77,12 +78,7 @@ class EngineHost:
     def _connect(self) -> None:
         if self.sock is not None:
             self.sock.close(linger=0)
-        sock = self.context.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, int(self.call_timeout_s * 1000))
-        sock.setsockopt(zmq.SNDTIMEO, int(self.call_timeout_s * 1000))
-        sock.connect(f"tcp://127.0.0.1:{self.port}")
-        self.sock = sock
+        self.sock = connect_control(self.context, "127.0.0.1", self.port, self.call_timeout_s)
 
     def call(self, engine: str, op: str, **fields: Any) -> dict[str, Any]:
         assert self.sock is not None
