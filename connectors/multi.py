@@ -27,9 +27,9 @@ Rules (as vLLM's MultiConnector):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -85,20 +85,31 @@ def _child_context(ctx: ConnectorContext, index: int, child: ChildSpec) -> Conne
     return replace(ctx, config=config, extra=child.parsed, events=EventBuffer())
 
 
+_Half = TypeVar("_Half", SchedulerConnector, WorkerConnector)
+
+
+def _create_children(ctx: ConnectorContext,
+                     create: Callable[[ChildSpec, ConnectorContext], _Half]) -> list[_Half]:
+    """Every child's half, in order; when one cannot be made, those made are shut down."""
+    settings: MultiSettings = ctx.extra
+    made: list[_Half] = []
+    try:
+        for index, child in enumerate(settings.children):
+            made.append(create(child, _child_context(ctx, index, child)))
+    except BaseException:
+        for half in made:
+            half.shutdown()
+        raise
+    return made
+
+
 class MultiScheduler(SchedulerConnector):
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
         settings: MultiSettings = ctx.extra
         self.names = [c.connector for c in settings.children]
-        self.children: list[SchedulerConnector] = []
-        try:
-            for index, child in enumerate(settings.children):
-                self.children.append(child.plugin.create_scheduler(
-                    _child_context(ctx, index, child)))
-        except BaseException:
-            for made in self.children:
-                made.shutdown()
-            raise
+        self.children: list[SchedulerConnector] = _create_children(
+            ctx, lambda child, child_ctx: child.plugin.create_scheduler(child_ctx))
         self._owner: dict[str, int] = {}
         self._delayed: dict[str, int] = {}
 
@@ -185,15 +196,8 @@ class MultiWorker(WorkerConnector):
         super().__init__(ctx)
         settings: MultiSettings = ctx.extra
         self.names = [c.connector for c in settings.children]
-        self.children: list[WorkerConnector] = []
-        try:
-            for index, child in enumerate(settings.children):
-                self.children.append(child.plugin.create_worker(
-                    _child_context(ctx, index, child)))
-        except BaseException:
-            for made in self.children:
-                made.shutdown()
-            raise
+        self.children: list[WorkerConnector] = _create_children(
+            ctx, lambda child, child_ctx: child.plugin.create_worker(child_ctx))
         self._expected: dict[str, int] = {}   # delayed request -> children that delay it
         self._sent: dict[str, int] = {}       # delayed request -> children that reported it
         self._closed = False
