@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -120,7 +121,9 @@ def test_event_buffer_hands_out_every_event_once() -> None:
     threads = [threading.Thread(target=producer, args=(k * 10_000,)) for k in range(4)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 30
     while not done.is_set():
+        assert time.monotonic() < deadline, "producer threads still appending after 30 s"
         taken.extend(buffer.take())
         if not any(t.is_alive() for t in threads):
             done.set()
