@@ -59,6 +59,42 @@ def connect_control(context: zmq.Context[Any], host: str, port: int,
     return sock
 
 
+def read_ready_line(proc: subprocess.Popen[str], timeout_s: float, name: str) -> dict[str, Any]:
+    """The first JSON object with ``"ready"`` that ``proc`` prints on stdout (bounded wait).
+
+    Other lines (a library's stray print) are skipped. Raises
+    :class:`EngineProcessError` naming ``name`` when the process exits first or
+    ``timeout_s`` passes.
+    """
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineProcessError(f"{name}: no ready line within {timeout_s} s")
+            if not selector.select(timeout=min(left, 0.5)):
+                if proc.poll() is not None:
+                    raise EngineProcessError(f"{name}: exited with code "
+                                             f"{proc.returncode} before ready")
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait(timeout=5)
+                raise EngineProcessError(f"{name}: exited with code "
+                                         f"{proc.returncode} before ready")
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a stray print from a library
+            if isinstance(data, dict) and data.get("ready"):
+                return data
+    finally:
+        selector.close()
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed to start, died, or answered with an error."""
 
@@ -88,7 +124,7 @@ class EngineProcess:
         self._context = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         try:
-            ready = self._read_ready(start_timeout_s)
+            ready = read_ready_line(self._proc, start_timeout_s, self.name)
             self.port = int(ready["port"])
             self.engine_id = str(ready["engine_id"])
             self.endpoint: tuple[str, int] | None = (
@@ -106,35 +142,6 @@ class EngineProcess:
         except BaseException:
             self.close()
             raise
-
-    def _read_ready(self, timeout_s: float) -> dict[str, Any]:
-        assert self._proc.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(self._proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise EngineProcessError(f"{self.name}: no ready line within {timeout_s} s")
-                if not selector.select(timeout=min(left, 0.5)):
-                    if self._proc.poll() is not None:
-                        raise EngineProcessError(f"{self.name}: exited with code "
-                                                 f"{self._proc.returncode} before ready")
-                    continue
-                line = self._proc.stdout.readline()
-                if not line:
-                    self._proc.wait(timeout=5)
-                    raise EngineProcessError(f"{self.name}: exited with code "
-                                             f"{self._proc.returncode} before ready")
-                try:
-                    data = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a stray print from a library
-                if isinstance(data, dict) and data.get("ready"):
-                    return data
-        finally:
-            selector.close()
 
     def _connect(self) -> None:
         if self._sock is not None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import selectors
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ import zmq
 
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode
 from kvbridge.engine.core import EngineConfig
-from kvbridge.engine.harness import connect_control
+from kvbridge.engine.harness import connect_control, read_ready_line
 from kvbridge.engine.request import RequestResult, RequestSpec
 from kvbridge.engine.server import config_to_dict
 from kvbridge.layouts import ParallelTopology, load_spec
@@ -45,35 +43,13 @@ class EngineHost:
         self.call_timeout_s = call_timeout_s
         self.sock: zmq.Socket[bytes] | None = None
         try:
-            ready = self._ready(start_timeout_s)
+            ready = read_ready_line(self.proc, start_timeout_s, "engine host")
             self.port = int(ready["port"])
             self.engines: dict[str, dict[str, Any]] = ready["engines"]
             self._connect()
         except BaseException:
             self.close()
             raise
-
-    def _ready(self, timeout_s: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=0.5):
-                    if self.proc.poll() is not None:
-                        raise RuntimeError(f"engine host exited with {self.proc.returncode}")
-                    continue
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError("engine host closed stdout before ready")
-                with contextlib.suppress(json.JSONDecodeError):
-                    data = json.loads(line)
-                    if isinstance(data, dict) and data.get("ready"):
-                        return data
-            raise RuntimeError(f"engine host not ready within {timeout_s} s")
-        finally:
-            sel.close()
 
     def _connect(self) -> None:
         if self.sock is not None:
