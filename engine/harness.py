@@ -99,7 +99,28 @@ class EngineProcessError(RuntimeError):
     """The engine process failed to start, died, or answered with an error."""
 
 
-class EngineProcess:
+class ControlCalls:
+    """The engine control operations (``kvbridge.engine.server``) over a subclass's ``call``.
+
+    Shared by the local :class:`EngineProcess` and the demo's client of a remote
+    ``kvbridge serve``, so the op names and reply fields are written once.
+    """
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One request/reply with the engine's control socket."""
+        raise NotImplementedError
+
+    def submit(self, specs: list[RequestSpec]) -> None:
+        self.call("submit", requests=[s.to_dict() for s in specs])
+
+    def results(self) -> list[RequestResult]:
+        return [RequestResult.from_dict(r) for r in self.call("results")["results"]]
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")
+
+
+class EngineProcess(ControlCalls):
     """A reference engine in a child process. Use as a context manager."""
 
     def __init__(self, config: EngineConfig, *, start_timeout_s: float = 60.0,
@@ -166,15 +187,6 @@ class EngineProcess:
             kind = reply.get("type") if isinstance(reply, dict) else "?"
             raise EngineProcessError(f"{self.name}: {op} failed: {kind}: {detail}")
         return reply
-
-    def submit(self, specs: list[RequestSpec]) -> None:
-        self.call("submit", requests=[s.to_dict() for s in specs])
-
-    def results(self) -> list[RequestResult]:
-        return [RequestResult.from_dict(r) for r in self.call("results")["results"]]
-
-    def stats(self) -> dict[str, Any]:
-        return self.call("stats")
 
     def reset_prefix_cache(self) -> int:
         return int(self.call("reset_prefix_cache")["blocks"])

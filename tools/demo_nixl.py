@@ -27,7 +27,12 @@ import zmq
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode, TransferParams
 from kvbridge.connectors.nixl.worker import histogram_percentile
 from kvbridge.engine.core import EngineConfig
-from kvbridge.engine.harness import EngineProcess, EngineProcessError, connect_control
+from kvbridge.engine.harness import (
+    ControlCalls,
+    EngineProcess,
+    EngineProcessError,
+    connect_control,
+)
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.handshake import parse_address
@@ -65,7 +70,7 @@ class _Engine(Protocol):
     def close(self, timeout_s: float = 15.0) -> int | None: ...
 
 
-class RemoteEngine:
+class RemoteEngine(ControlCalls):
     """Client of an engine control socket (``kvbridge.engine.server``) on another host."""
 
     def __init__(self, host: str, port: int, *, call_timeout_s: float = 30.0) -> None:
@@ -97,15 +102,6 @@ class RemoteEngine:
         if not isinstance(reply, dict) or not reply.get("ok"):
             raise EngineProcessError(f"producer: {op} failed: {reply!r:.300}")
         return reply
-
-    def submit(self, specs: list[RequestSpec]) -> None:
-        self.call("submit", requests=[s.to_dict() for s in specs])
-
-    def results(self) -> list[RequestResult]:
-        return [RequestResult.from_dict(r) for r in self.call("results")["results"]]
-
-    def stats(self) -> dict[str, Any]:
-        return self.call("stats")
 
     def close(self, timeout_s: float = 15.0) -> int | None:
         if self._sock is not None:
