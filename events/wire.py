@@ -238,17 +238,31 @@ def _check_hash(value: object, where: str, name: str) -> int | bytes:
     )
 
 
-def _hashes(value: object, where: str, name: str) -> tuple[int | bytes, ...]:
+def _typed_array(value: object, where: str, name: str, what: str,
+                 item_types: frozenset[type], item: str) -> tuple[Any, ...]:
+    """``value`` as a tuple when it is an array of exactly ``item_types``.
+
+    The error names the array (``expected array of <what>``) or its first bad
+    element (``<name>[i]: expected <item>``). msgpack cannot carry ints beyond
+    64 bits, so the type check is the whole check.
+    """
     if type(value) is not tuple and type(value) is not list:
         raise EventDecodeError(
-            _path(where, name), f"expected array of block hashes, got {type(value).__name__}"
+            _path(where, name), f"expected array of {what}, got {type(value).__name__}"
         )
-    # msgpack cannot carry ints beyond 64 bits, so the type check is the whole check.
-    if _HASH_TYPES.issuperset(map(type, value)):
+    if item_types.issuperset(map(type, value)):
         return tuple(value)
-    for i, item in enumerate(value):
-        _check_hash(item, where, f"{name}[{i}]")
+    for i, element in enumerate(value):
+        if type(element) not in item_types:
+            raise EventDecodeError(
+                _path(where, f"{name}[{i}]"), f"expected {item}, got {type(element).__name__}"
+            )
     raise AssertionError("unreachable")
+
+
+def _hashes(value: object, where: str, name: str) -> tuple[int | bytes, ...]:
+    return _typed_array(value, where, name, "block hashes", _HASH_TYPES,
+                        "int or bytes block hash")
 
 
 def _int(value: object, where: str, name: str, optional: bool = False) -> int | None:
@@ -265,18 +279,7 @@ def _str(value: object, where: str, name: str) -> str | None:
 
 
 def _token_ids(value: object, where: str, name: str) -> tuple[int, ...]:
-    if type(value) is not tuple and type(value) is not list:
-        raise EventDecodeError(
-            _path(where, name), f"expected array of token ids, got {type(value).__name__}"
-        )
-    if _INT_TYPE.issuperset(map(type, value)):
-        return tuple(value)
-    for i, token in enumerate(value):
-        if type(token) is not int:
-            raise EventDecodeError(
-                _path(where, f"{name}[{i}]"), f"expected int, got {type(token).__name__}"
-            )
-    raise AssertionError("unreachable")
+    return _typed_array(value, where, name, "token ids", _INT_TYPE, "int")
 
 
 def _extra_keys(value: object, where: str, name: str) -> tuple[object, ...] | None:
