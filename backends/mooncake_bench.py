@@ -26,13 +26,27 @@ DEFAULT_PATTERNS: tuple[tuple[int, int], ...] = ((64, 2 << 20), (4096, 16 << 10)
 MiB = 1 << 20
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
+def gbps(nbytes: int, seconds: float) -> float:
+    """GB/s (10^9 bytes); infinite for a zero time (a timer too coarse for the size)."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def _paired_ratio(raw_s: list[float], client_s: list[float]) -> float:
-    """Median over rounds of client throughput / raw throughput (= raw time / client time)."""
-    return statistics.median(r / c for r, c in zip(raw_s, client_s, strict=True))
+def paired_ratio(raw_s: Sequence[float], ours_s: Sequence[float]) -> float:
+    """Median over rounds of our throughput / raw throughput (= raw time / our time).
+
+    Both sides run back to back in a round, so slow drifts of machine load cancel.
+    """
+    return statistics.median(r / o for r, o in zip(raw_s, ours_s, strict=True) if o > 0)
+
+
+def memcpy_seconds(src: Any, dst: Any, rounds: int) -> list[float]:
+    """Times of ``dst.copy_(src)`` (at least 3): the local limit a bench reports beside it."""
+    times = []
+    for _ in range(max(3, rounds)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def run_mooncake_bench(
@@ -133,11 +147,7 @@ def _bench_pattern(
                 if round_index > 0:
                     times[side]["put"].append(t1 - t0)
                     times[side]["get"].append(t2 - t1)
-        memcpy_s = []
-        for _ in range(max(3, rounds)):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            memcpy_s.append(time.perf_counter() - t0)
+        memcpy_s = memcpy_seconds(src, dst, rounds)
     finally:
         client.unregister_buffer(src.data_ptr())
         client.unregister_buffer(dst.data_ptr())
@@ -145,10 +155,10 @@ def _bench_pattern(
     def side_report(side: str) -> dict[str, float]:
         put_s, get_s = times[side]["put"], times[side]["get"]
         return {
-            "put_gbps": _gbps(total, statistics.median(put_s)),
-            "get_gbps": _gbps(total, statistics.median(get_s)),
-            "put_gbps_best": _gbps(total, min(put_s)),
-            "get_gbps_best": _gbps(total, min(get_s)),
+            "put_gbps": gbps(total, statistics.median(put_s)),
+            "get_gbps": gbps(total, statistics.median(get_s)),
+            "put_gbps_best": gbps(total, min(put_s)),
+            "get_gbps_best": gbps(total, min(get_s)),
         }
 
     raw_r, client_r = side_report("raw"), side_report("client")
@@ -162,14 +172,14 @@ def _bench_pattern(
         # client run back to back in a round, so slow drifts of machine load
         # cancel). Also the ratio of medians and of best rounds, for comparison.
         "ratio": {
-            "put": _paired_ratio(times["raw"]["put"], times["client"]["put"]),
-            "get": _paired_ratio(times["raw"]["get"], times["client"]["get"]),
+            "put": paired_ratio(times["raw"]["put"], times["client"]["put"]),
+            "get": paired_ratio(times["raw"]["get"], times["client"]["get"]),
             "put_of_medians": client_r["put_gbps"] / raw_r["put_gbps"],
             "get_of_medians": client_r["get_gbps"] / raw_r["get_gbps"],
             "put_best": client_r["put_gbps_best"] / raw_r["put_gbps_best"],
             "get_best": client_r["get_gbps_best"] / raw_r["get_gbps_best"],
         },
-        "memcpy_gbps": _gbps(total, statistics.median(memcpy_s)),
+        "memcpy_gbps": gbps(total, statistics.median(memcpy_s)),
         "failed_rounds": failures,
         "verified": failures["raw"] == 0 and failures["client"] == 0,
     }

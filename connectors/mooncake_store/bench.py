@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvbridge.backends.mooncake_bench import gbps, memcpy_seconds, paired_ratio
 from kvbridge.backends.mooncake_master import master_endpoint  # also applies env defaults
 from kvbridge.connectors.api import ConnectorContext, KVCaches
 from kvbridge.connectors.config import ConnectorConfig, KVRole
@@ -57,15 +58,6 @@ def bench_spec(block_bytes: int) -> KVCacheSpec:
                         block_size=_BLOCK_TOKENS, num_kv_heads=block_bytes // unit,
                         head_dim=_HEAD_DIM, dtype="float16")
     return KVCacheSpec(model=f"kvbridge-bench-{block_bytes}", regions=(region,))
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def _paired_ratio(raw_s: Sequence[float], ours_s: Sequence[float]) -> float:
-    """Median over rounds of (raw time / connector time) = connector throughput / raw."""
-    return statistics.median(r / o for r, o in zip(raw_s, ours_s, strict=True) if o > 0)
 
 
 def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds: int = 7,
@@ -185,29 +177,25 @@ def _bench_pattern(extra: dict[str, Any], num_blocks: int, block_bytes: int,
                 if round_index > 0:
                     times[name]["put"].append(put_s)
                     times[name]["get"].append(get_s)
-        memcpy_s = []
-        for _ in range(max(3, rounds)):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            memcpy_s.append(time.perf_counter() - t0)
+        memcpy_s = memcpy_seconds(src, dst, rounds)
     finally:
         consumer.shutdown()
         producer.shutdown()
 
     def side(name: str) -> dict[str, float]:
-        return {"put_gbps": _gbps(total, statistics.median(times[name]["put"])),
-                "get_gbps": _gbps(total, statistics.median(times[name]["get"]))}
+        return {"put_gbps": gbps(total, statistics.median(times[name]["put"])),
+                "get_gbps": gbps(total, statistics.median(times[name]["get"]))}
 
     return {
         "num_blocks": num_blocks, "block_bytes": block_bytes, "total_bytes": total,
         "raw": side("raw"), "connector": side("connector"),
-        "ratio": {"put": _paired_ratio(times["raw"]["put"], times["connector"]["put"]),
-                  "get": _paired_ratio(times["raw"]["get"], times["connector"]["get"]),
+        "ratio": {"put": paired_ratio(times["raw"]["put"], times["connector"]["put"]),
+                  "get": paired_ratio(times["raw"]["get"], times["connector"]["get"]),
                   # best connector round over best raw round: what the code can do when
                   # the machine's other load does not interfere
                   "put_best": min(times["raw"]["put"]) / min(times["connector"]["put"]),
                   "get_best": min(times["raw"]["get"]) / min(times["connector"]["get"])},
-        "memcpy_gbps": _gbps(total, statistics.median(memcpy_s)),
+        "memcpy_gbps": gbps(total, statistics.median(memcpy_s)),
         "failed_rounds": failures,
         "mismatched_bytes": mismatched,
         "verified": not failures["raw"] and not failures["connector"],
