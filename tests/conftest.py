@@ -89,3 +89,11 @@ def mooncake_master_fresh(tmp_path: Path) -> Iterator[MooncakeMaster]:
     master = _start_mooncake_master(tmp_path)
     yield master
     master.stop()
+
+
+# ---- Loopback only (review) ------------------------------------------------------------
+# UCX's TCP transport listens on every interface unless told otherwise, so each NIXL
+# agent a test creates would accept connections on the machine's LAN address. Tests keep
+# it on loopback (inherited by every engine/CLI subprocess); the netns test, whose
+# processes talk over veth interfaces, overrides it for its own subprocesses.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -34,6 +34,10 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
+#: UCX may use the veth interfaces (tests/conftest.py keeps other tests on loopback).
+VETH_ENV = {**os.environ, "UCX_NET_DEVICES": "all"}
+
+
 @pytest.fixture
 def veth_pair() -> Iterator[dict[str, str]]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -101,7 +105,7 @@ def test_link_down_mid_transfer_then_back(veth_pair: dict[str, str]) -> None:
         ["ip", "netns", "exec", net["ns_p"], *kvbridge, "serve", "--role", "producer",
          "--host", net["ip_p"], "--port", str(port), "--json",
          "--kv-config", json.dumps({"lease_s": 60, "transfer_timeout_s": 3})],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True, env=VETH_ENV)
     consumer: subprocess.Popen[str] | None = None
     try:
         ready = _Lines(producer).next(120)
@@ -109,7 +113,7 @@ def test_link_down_mid_transfer_then_back(veth_pair: dict[str, str]) -> None:
         consumer = subprocess.Popen(
             ["ip", "netns", "exec", net["ns_c"], sys.executable, str(DRIVER),
              "--producer", f"{net['ip_p']}:{port}", "--host", net["ip_c"], "--deadline", "3"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=VETH_ENV)
         lines = _Lines(consumer)
         assert consumer.stdin is not None
         warm = lines.next(120)
