@@ -168,7 +168,7 @@ def test_peer_killed_mid_transfer_then_restarted(no_thread_leak: None) -> None:
             os.kill(producer._proc.pid, signal.SIGKILL)
             producer._proc.wait(timeout=10)
             waited = stepper.until(lambda: rid in stepper.failed, 10, "failure reported")
-            assert waited < 3.0 + 5.0  # its own deadline, plus step slack on a loaded box
+            assert waited < 3.0 + 9.0  # its own deadline, plus step slack on a loaded box
             assert expected_blocks <= stepper.invalid
             assert stepper.invalid <= expected_blocks, "only the failed request's blocks"
             stepper.until(lambda: rid in stepper.results, 30, "recompute")
