@@ -4,9 +4,11 @@ The peer (:func:`peer_main`, driven through :class:`PeerProcess`) is a second
 process holding one :class:`~kvbridge.backends.nixl.NixlTransport` with one
 registered buffer filled with a known pattern. It keeps progressing its
 worker (NIXL runs without a progress thread, so the passive side of a READ
-must poll) and answers small msgpack commands over a ``multiprocessing`` pipe
-(``send_bytes``/``recv_bytes``: no pickle on the wire). It lives here, not in
-the tests, because ``spawn`` children must import their target by module name.
+must poll) and answers small msgpack commands over a socketpair (length-framed
+by ``multiprocessing.connection.Connection.send_bytes``/``recv_bytes``; only
+bytes cross, no pickle on the wire). It is started with ``subprocess`` as
+``python -m kvbridge.backends.nixl_bench peer FD NAME NBYTES SEED``: its
+arguments are plain strings and the socket end is inherited with ``pass_fds``.
 
 :func:`run_nixl_raw_bench` moves the same blocks three ways: the NIXL library
 called directly with one prepared transfer of all blocks, this package's
@@ -17,11 +19,14 @@ copy of the same bytes in one process (the memory-bandwidth limit).
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -111,16 +116,27 @@ def peer_main(conn: Any, name: str, nbytes: int, seed: int) -> None:
 
 
 class PeerProcess:
-    """Parent-side handle of a spawned peer. Every call is bounded by ``timeout_s``."""
+    """Parent-side handle of a peer subprocess. Every call is bounded by ``timeout_s``."""
 
     def __init__(self, name: str, nbytes: int, seed: int = 1, timeout_s: float = 30.0) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
+        mine, theirs = socket.socketpair()
         self.timeout_s = timeout_s
-        self.proc = ctx.Process(target=peer_main, args=(child, name, nbytes, seed), daemon=True)
-        self.proc.start()
-        child.close()
-        hello = self._recv()
+        try:
+            fd = theirs.fileno()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvbridge.backends.nixl_bench", "peer", str(fd), name,
+                 str(nbytes), str(seed)], pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._conn = Connection(mine.detach())
+        try:
+            hello = self._recv()
+        except BaseException:
+            self.kill()
+            raise
         self.name: str = hello["name"]
         self.metadata: bytes = hello["md"]
         self.addr: int = hello["addr"]
@@ -148,7 +164,7 @@ class PeerProcess:
     def close(self) -> dict[str, int] | None:
         """Ask the peer to close (returns its final counters), then reap the process."""
         result = None
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             try:
                 result = self.call("close")
             except (OSError, EOFError, TimeoutError, NixlTransportError):
@@ -157,10 +173,12 @@ class PeerProcess:
         return result
 
     def kill(self) -> None:
-        self.proc.join(timeout=5)
-        if self.proc.is_alive():
+        """Reap the peer: a grace period to exit, then SIGKILL (bounded waits)."""
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.join(timeout=5)
+            self.proc.wait(timeout=5)
         self._conn.close()
 
     def __enter__(self) -> PeerProcess:
@@ -338,3 +356,18 @@ def _verify(op: str, peer: PeerProcess, local: torch.Tensor, total: int, seed: i
         if peer.read(off, chunk) != local[off : off + chunk].numpy().tobytes():
             return False
     return True
+
+
+def _peer_entry(argv: Sequence[str]) -> int:
+    """``peer FD NAME NBYTES SEED``: run :func:`peer_main` on the inherited socket ``FD``."""
+    if len(argv) != 5 or argv[0] != "peer":
+        sys.stderr.write("usage: python -m kvbridge.backends.nixl_bench peer FD NAME NBYTES SEED\n")
+        return 2
+    fd, name, nbytes, seed = int(argv[1]), argv[2], int(argv[3]), int(argv[4])
+    with Connection(fd) as conn:
+        peer_main(conn, name, nbytes, seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_peer_entry(sys.argv[1:]))

@@ -206,7 +206,7 @@ def fault_side(monkeypatch):
     try:
         yield p, t, local, ldl, ph, rdl
     finally:
-        if p.proc.is_alive():
+        if p.proc.poll() is None:
             os.kill(p.proc.pid, signal.SIGCONT)
         p.close()
         final = t.close(strict=False)
@@ -220,7 +220,7 @@ def test_peer_killed_mid_transfer_fails_within_deadline(fault_side) -> None:
     x = t.post("READ", ldl, idx, rdl, idx, notif=b"doomed", deadline_s=5.0)
     assert t.poll(x) is XferState.PENDING
     p.proc.kill()  # ... then kill the peer under it
-    p.proc.join(5)
+    p.proc.wait(5)
     assert t.wait(x, 0.001) is XferState.FAILED
     assert x.duration_s is not None and x.duration_s < 5.0
     assert "Disconnect" in (x.error or ""), x.error
@@ -349,7 +349,7 @@ def test_killed_peer_on_default_transports_fails_fast() -> None:
         x = t.post("READ", ldl, [0, 1], rdl, [2, 3], deadline_s=WAIT_S)
         assert t.wait(x) is XferState.DONE, x.error
         p.proc.kill()
-        p.proc.join(5)
+        p.proc.wait(5)
         x = t.post("READ", ldl, [0, 1, 2, 3], rdl, [0, 1, 2, 3], deadline_s=5.0)
         assert t.wait(x, 0.001) is XferState.FAILED, x.error
         assert x.duration_s is not None and x.duration_s < 5.0 and x.quiesced
