@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgpack
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -77,6 +78,7 @@ from kvbridge.connectors import (
     WorkerConnector,
 )
 from kvbridge.connectors import registry as kvb_registry
+from kvbridge.connectors.metadata_wire import MetadataWireError, decode_metadata, encode_metadata
 from kvbridge.integrations.vllm.layout import (
     AdapterConfigError,
     AdapterSpec,
@@ -123,14 +125,33 @@ SAME_PROCESS_CONNECTORS = frozenset({"offloading"})
 class KVBridgeVllmMetadata(KVConnectorMetadata):
     """The kvbridge connector's per-step metadata, carried through vLLM to the workers.
 
+    vLLM moves this object between its processes with pickle, so it holds only
+    ``wire``: msgpack bytes of ``[kvbridge metadata (connectors.metadata_wire), new_ids]``.
     ``new_ids``: kvbridge request id -> vLLM request id, for requests first seen
     this step whose kvbridge id differs (push-mode producers use the router's
     ``producer_request_id``, which the consumer names in its registration;
     vLLM's own ids carry a random suffix no router can know).
     """
 
-    inner: ConnectorMetadata
-    new_ids: dict[str, str] = field(default_factory=dict)
+    wire: bytes
+
+    @classmethod
+    def pack(cls, inner: ConnectorMetadata, new_ids: Mapping[str, str]) -> KVBridgeVllmMetadata:
+        return cls(msgpack.packb([encode_metadata(inner), dict(new_ids)], use_bin_type=True))
+
+    def unpack(self) -> tuple[ConnectorMetadata, dict[str, str]]:
+        """The kvbridge metadata and ``new_ids``; raises :class:`MetadataWireError` when bad."""
+        try:
+            raw = msgpack.unpackb(self.wire, raw=False)
+        except (msgpack.UnpackException, ValueError) as exc:
+            raise MetadataWireError("connector_metadata", f"not valid msgpack: {exc}") from None
+        if not isinstance(raw, list) or len(raw) != 2 or not isinstance(raw[0], bytes):
+            raise MetadataWireError("connector_metadata", "expected [metadata bytes, new_ids]")
+        new_ids = raw[1]
+        if not isinstance(new_ids, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in new_ids.items()):
+            raise MetadataWireError("connector_metadata.new_ids", "expected a map of str to str")
+        return decode_metadata(raw[0]), new_ids
 
 
 @dataclass
@@ -140,6 +161,9 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     blob: bytes
 
 
+_STAT_LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors")
+
+
 @dataclass
 class KVBridgeStats(KVConnectorStats):
     """Per-transfer samples and cumulative counters, worker -> vLLM's stats logger.
@@ -147,33 +171,70 @@ class KVBridgeStats(KVConnectorStats):
     ``data``: ``transfer_duration`` (s), ``bytes_transferred``,
     ``num_descriptors`` (lists, one entry per finished transfer since the
     last report) and ``failed`` (count of failed transfers in those).
+
+    A worker's report crosses vLLM's (pickling) channel as ``wire`` only: msgpack
+    bytes of ``data``, with ``data`` empty (:meth:`packed`). Every method opens
+    ``wire`` into ``data`` first, validating it.
     """
 
     data: dict[str, Any] = field(default_factory=lambda: {
         "transfer_duration": [], "bytes_transferred": [], "num_descriptors": [], "failed": 0})
+    wire: bytes = b""
+
+    @classmethod
+    def packed(cls, data: Mapping[str, Any]) -> KVBridgeStats:
+        return cls(data={}, wire=msgpack.packb(dict(data), use_bin_type=True))
+
+    def _open(self) -> dict[str, Any]:
+        if self.wire:
+            wire, self.wire = self.wire, b""
+            try:
+                raw = msgpack.unpackb(wire, raw=False)
+            except (msgpack.UnpackException, ValueError) as exc:
+                raise MetadataWireError("kv_connector_stats", f"not valid msgpack: {exc}") from None
+            if not isinstance(raw, dict):
+                raise MetadataWireError("kv_connector_stats", "expected a map")
+            for key in _STAT_LISTS:
+                values = raw.get(key, [])
+                if not isinstance(values, list) or not all(
+                        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                    raise MetadataWireError(f"kv_connector_stats.{key}", "expected a number list")
+            failed = raw.get("failed", 0)
+            if not isinstance(failed, int) or isinstance(failed, bool):
+                raise MetadataWireError("kv_connector_stats.failed", "expected an int")
+            self.data = raw
+        return self.data
+
+    def to_dict(self) -> dict[str, Any]:
+        return self._open()
 
     def reset(self) -> None:
         self.data = KVBridgeStats().data
+        self.wire = b""
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in ("transfer_duration", "bytes_transferred", "num_descriptors"):
-            self.data.setdefault(key, []).extend(other.data.get(key, []))
-        self.data["failed"] = self.data.get("failed", 0) + other.data.get("failed", 0)
+        data = self._open()
+        theirs = other._open() if isinstance(other, KVBridgeStats) else other.data
+        for key in _STAT_LISTS:
+            data.setdefault(key, []).extend(theirs.get(key, []))
+        data["failed"] = data.get("failed", 0) + theirs.get("failed", 0)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        durations = sorted(self.data.get("transfer_duration", []))
-        nbytes = self.data.get("bytes_transferred", [])
+        data = self._open()
+        durations = sorted(data.get("transfer_duration", []))
+        nbytes = data.get("bytes_transferred", [])
         count = len(durations)
         return {
             "num_transfers": count,
-            "num_failed": self.data.get("failed", 0),
+            "num_failed": data.get("failed", 0),
             "median_xfer_time_ms": round(1e3 * durations[count // 2], 3) if count else 0.0,
             "total_mb": round(sum(nbytes) / 2**20, 3),
         }
 
     def is_empty(self) -> bool:
-        return not self.data.get("transfer_duration") and not self.data.get("failed")
+        data = self._open()
+        return not data.get("transfer_duration") and not data.get("failed")
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
@@ -560,7 +621,8 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
             finished_request_ids=self._kvb_ids(scheduler_output.finished_req_ids),
             preempted_request_ids=self._kvb_ids(scheduler_output.preempted_req_ids))
         new_ids, self._new_ids = self._new_ids, {}
-        return KVBridgeVllmMetadata(self.kvbridge_scheduler.build_connector_meta(step), new_ids)
+        return KVBridgeVllmMetadata.pack(self.kvbridge_scheduler.build_connector_meta(step),
+                                         new_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         sent = self._kvb_ids(connector_output.finished_sending)
@@ -656,11 +718,12 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KVBridgeVllmMetadata)
-        for kvb_id, vllm_id in connector_metadata.new_ids.items():
+        inner, new_ids = connector_metadata.unpack()
+        for kvb_id, vllm_id in new_ids.items():
             self._to_vllm[kvb_id] = vllm_id
             self._to_kvb[vllm_id] = kvb_id
         worker = self.kvbridge_worker
-        worker.bind_connector_metadata(connector_metadata.inner)
+        worker.bind_connector_metadata(inner)
         # vLLM 0.32 calls start_load_kv *after* the forward unless the step has
         # synchronous loads; kvbridge's contract calls it before any layer is
         # computed (a push producer learns the step's writes there, before
@@ -730,15 +793,15 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
         if not new:
             return None
         self._records_seen = new[-1]
-        stats = KVBridgeStats()
+        data = KVBridgeStats().data
         for record in new:
             if not record.ok:
-                stats.data["failed"] += 1
+                data["failed"] += 1
                 continue
-            stats.data["transfer_duration"].append(float(record.duration_s))
-            stats.data["bytes_transferred"].append(int(record.nbytes))
-            stats.data["num_descriptors"].append(int(record.num_descs))
-        return stats
+            data["transfer_duration"].append(float(record.duration_s))
+            data["bytes_transferred"].append(int(record.nbytes))
+            data["num_descriptors"].append(int(record.num_descs))
+        return KVBridgeStats.packed(data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,

@@ -1,0 +1,51 @@
+"""What the adapter hands to vLLM's (pickling) channels carries only msgpack bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import pytest
+
+from kvbridge.connectors.metadata_wire import MetadataWireError
+from kvbridge.connectors.offloading.scheduler import OffloadMetadata
+from tests.conftest import require
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def connector() -> Any:
+    return require("kvbridge.integrations.vllm.connector")
+
+
+def _field_types(obj: object) -> dict[str, type]:
+    return {f.name: type(getattr(obj, f.name)) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+
+
+def test_step_metadata_is_bytes_and_round_trips(connector: Any) -> None:
+    inner = OffloadMetadata(pools_token="t", stores=((0, 1, 2, 0, 5),))
+    meta = connector.KVBridgeVllmMetadata.pack(inner, {"kvb-1": "vllm-1-abc"})
+    assert _field_types(meta) == {"wire": bytes}
+    assert meta.unpack() == (inner, {"kvb-1": "vllm-1-abc"})
+    bad = connector.KVBridgeVllmMetadata(msgpack.packb([b"\x93", {"a": 1}]))
+    with pytest.raises(MetadataWireError) as info:
+        bad.unpack()
+    assert info.value.field == "connector_metadata.new_ids"
+
+
+def test_worker_stats_travel_as_bytes_and_aggregate(connector: Any) -> None:
+    one = connector.KVBridgeStats.packed({"transfer_duration": [0.5], "bytes_transferred": [2**20],
+                                          "num_descriptors": [4], "failed": 0})
+    two = connector.KVBridgeStats.packed({"transfer_duration": [0.25], "bytes_transferred": [2**20],
+                                          "num_descriptors": [2], "failed": 1})
+    assert one.data == {} and isinstance(one.wire, bytes) and one.wire
+    total = one.aggregate(two)
+    assert total.reduce() == {"num_transfers": 2, "num_failed": 1,
+                              "median_xfer_time_ms": 500.0, "total_mb": 2.0}
+    assert total.to_dict()["num_descriptors"] == [4, 2]
+    bad = connector.KVBridgeStats.packed({"transfer_duration": ["slow"]})
+    with pytest.raises(MetadataWireError) as info:
+        bad.is_empty()
+    assert info.value.field == "kv_connector_stats.transfer_duration"
