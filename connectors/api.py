@@ -186,10 +186,11 @@ class SchedulerStep:
 class ConnectorMetadata:
     """Base of the per-step message from a scheduler connector to its workers.
 
-    Connectors subclass it (a dataclass is fine). The engine passes the *same*
-    object to every rank of the step; workers must treat it as read-only. The
+    Connectors subclass it as a dataclass. The engine passes the *same* object
+    to every rank of the step; workers must treat it as read-only. The
     in-process reference engine never serializes it; adapters that cross
-    processes use the connector's own encoding.
+    processes send :func:`kvbridge.connectors.metadata_wire.encode_metadata`'s
+    msgpack bytes, so its fields must be of the types that codec names.
     """
 
 
