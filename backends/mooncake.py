@@ -50,6 +50,7 @@ import contextlib
 import enum
 import ipaddress
 import logging
+import operator
 import os
 import queue
 import socket
@@ -248,17 +249,28 @@ def interpret_remove(code: int) -> KeyResult:
     return _EXISTS if code == 0 else _error(code)
 
 
+def _ok_batch(sizes: list[int]) -> list[KeyResult]:
+    """``[_ok(n) for n in sizes]`` without a Python-level loop per key (hot: 4096-key batches)."""
+    if not sizes:
+        return []
+    first = sizes[0]
+    if sizes.count(first) == len(sizes):  # the usual batch: every block the same size
+        return [_ok(first)] * len(sizes)
+    by_size = {n: _ok(n) for n in set(sizes)}
+    return list(map(by_size.__getitem__, sizes))
+
+
 def interpret_put_batch(codes: list[int], sizes: list[int]) -> list[KeyResult]:
     """:func:`interpret_put` over a batch (fast path when every key succeeded)."""
     if not any(codes):
-        return [_ok(n) for n in sizes]
+        return _ok_batch(sizes)
     return [interpret_put(c, n) for c, n in zip(codes, sizes, strict=True)]
 
 
 def interpret_get_batch(codes: list[int], sizes: list[int], exact_size: bool = True) -> list[KeyResult]:
     """:func:`interpret_get` over a batch (fast path when every key read its full size)."""
     if codes == sizes:
-        return [_ok(n) for n in sizes]
+        return _ok_batch(sizes)
     return [interpret_get(c, n, exact_size) for c, n in zip(codes, sizes, strict=True)]
 
 
@@ -871,7 +883,7 @@ class MooncakeStoreClient:
 
     def _count(self, results: list[KeyResult]) -> list[KeyResult]:
         error = KeyStatus.ERROR
-        errors = sum(r.status is error for r in results)
+        errors = list(map(_STATUS, results)).count(error)  # C-level pass: hot on big batches
         if errors:
             with self._counters.lock:
                 self._counters.key_errors += errors
@@ -882,6 +894,9 @@ class MooncakeStoreClient:
     def __repr__(self) -> str:
         state = "open" if self.is_open else ("closed" if self._closed else "new")
         return f"MooncakeStoreClient(master={self.config.master_address}, {state})"
+
+
+_STATUS = operator.attrgetter("status")
 
 
 @dataclass(frozen=True)
@@ -904,10 +919,15 @@ def _check_ptr(ptr: object, field_name: str) -> None:
         raise MooncakeConfigError(f"{field_name} must be a non-null address (int), got {ptr!r}")
 
 
+_STR_ONLY = frozenset((str,))
+_INT_ONLY = frozenset((int,))
+
+
 def _check_keys(keys: Sequence[str]) -> list[str]:
     keys_l = keys if type(keys) is list else list(keys)
-    # Fast whole-batch test first (4096 keys: ~0.1 ms); find the culprit only on failure.
-    if all(type(k) is str and k for k in keys_l):
+    # Fast whole-batch test first, without a Python-level loop per key (4096 keys:
+    # ~0.2 ms); find the culprit only on failure.
+    if set(map(type, keys_l)) <= _STR_ONLY and all(keys_l):
         return keys_l
     for i, key in enumerate(keys_l):
         if not isinstance(key, str) or not key:
@@ -917,7 +937,7 @@ def _check_keys(keys: Sequence[str]) -> list[str]:
 
 def _as_int_list(values: Sequence[int], field_name: str) -> list[int]:
     values_l = values if type(values) is list else list(values)
-    if not all(type(v) is int for v in values_l):
+    if not set(map(type, values_l)) <= _INT_ONLY:  # exact ints (no bool), no per-item loop
         try:
             values_l = [int(v) for v in values_l]  # numpy integers, etc.
         except (TypeError, ValueError):

@@ -28,6 +28,7 @@ contiguous slice, so each store object (one layer of one block, see
 from __future__ import annotations
 
 import logging
+import operator
 import queue
 import threading
 import time
@@ -46,6 +47,9 @@ from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
 from kvbridge.layouts import ParallelTopology, namespace_for, write_targets
 
 logger = logging.getLogger(__name__)
+
+_STATUS = operator.attrgetter("status")
+_NBYTES = operator.attrgetter("nbytes")
 
 #: Upper bounds (ms) of the load-latency histogram in the worker stats (``load_ms_le_<b>``).
 LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
@@ -115,27 +119,37 @@ def gather(plans: Sequence[RegionPlan], blocks: Sequence[LoadBlock | SaveBlock],
     blocks whose id lies outside their region (never addressed).
 
     Blocks of regions this rank holds no layer of (or, with ``writers_only``, does
-    not write) contribute no key. Built with comprehensions: 4096 blocks cost ~1 ms.
+    not write) contribute no key. Built with comprehensions, no per-block Python
+    loop beyond them: 4096 blocks of one layer cost ~1 ms.
     """
     by_region: dict[int, list[int]] = {}
-    for index, block in enumerate(blocks):
-        by_region.setdefault(block.region_index, []).append(index)
+    if len({block.region_index for block in blocks}) == 1:  # the usual step: one region
+        by_region[blocks[0].region_index] = list(range(len(blocks)))
+    else:
+        for index, block in enumerate(blocks):
+            by_region.setdefault(block.region_index, []).append(index)
     batch = Batch([], [], [], [])
     out_of_range: set[int] = set()
     for region_index, indices in by_region.items():
         plan = plans[region_index]
         if not plan.layers or (writers_only and not plan.is_writer):
             continue
-        ids = [blocks[i].block_id for i in indices]
+        chosen = blocks if len(indices) == len(blocks) else [blocks[i] for i in indices]
+        ids = [block.block_id for block in chosen]
         if min(ids) < 0 or max(ids) >= plan.num_blocks:
             bad = {i for i, b in zip(indices, ids, strict=True) if not 0 <= b < plan.num_blocks}
             out_of_range |= bad
             indices = [i for i in indices if i not in bad]
-            ids = [blocks[i].block_id for i in indices]
-        digests = [blocks[i].block_hash.hex() for i in indices]
+            chosen = [blocks[i] for i in indices]
+            ids = [block.block_id for block in chosen]
+        if len(plan.layers) == 1:  # one pass: no intermediate list of digests
+            prefix = plan.layers[0].prefix
+            batch.keys.extend([prefix + block.block_hash.hex() for block in chosen])
+        else:
+            digests = [block.block_hash.hex() for block in chosen]
+            batch.keys.extend([slot.prefix + d for slot in plan.layers for d in digests])
         for slot in plan.layers:
-            prefix, base, stride = slot.prefix, slot.base_ptr, slot.block_stride
-            batch.keys.extend([prefix + d for d in digests])
+            base, stride = slot.base_ptr, slot.block_stride
             batch.ptrs.extend([base + b * stride for b in ids])
             batch.sizes.extend([slot.block_nbytes] * len(ids))
             batch.owners.extend(indices)
@@ -252,14 +266,15 @@ class MooncakeStoreWorker(WorkerConnector):
         not_found = 0
         timed_out = False
         ok_status = KeyStatus.OK
-        for index, result in enumerate(results):
-            if result.status is ok_status:
-                continue
-            block = blocks[owners[index]]
-            failed.add((block.region_index, block.block_id))
-            not_found += result.not_found
-            timed_out = timed_out or result.code == McStatus.TIMEOUT
-        nbytes = sum(r.nbytes for r in results)
+        if list(map(_STATUS, results)).count(ok_status) != len(results):  # else: all ok
+            for index, result in enumerate(results):
+                if result.status is ok_status:
+                    continue
+                block = blocks[owners[index]]
+                failed.add((block.region_index, block.block_id))
+                not_found += result.not_found
+                timed_out = timed_out or result.code == McStatus.TIMEOUT
+        nbytes = sum(map(_NBYTES, results))
         abandoned = False
         if timed_out and not client.wait_idle(self.settings.abandon_grace_s):
             abandoned = True
@@ -313,12 +328,13 @@ class MooncakeStoreWorker(WorkerConnector):
             elapsed = time.perf_counter() - started
             orphans: list[str] = []
             ok_status = KeyStatus.OK
-            for index, result in enumerate(results):
-                if result.status is not ok_status:
-                    failed.add(owners[index])
-                    if result.code == McStatus.TIMEOUT:
-                        orphans.append(keys[index])
-            nbytes = sum(r.nbytes for r in results)
+            if list(map(_STATUS, results)).count(ok_status) != len(results):  # else: all ok
+                for index, result in enumerate(results):
+                    if result.status is not ok_status:
+                        failed.add(owners[index])
+                        if result.code == McStatus.TIMEOUT:
+                            orphans.append(keys[index])
+            nbytes = sum(map(_NBYTES, results))
             if orphans and client.wait_idle(self.settings.abandon_grace_s):
                 # the abandoned put ended before the engine could reuse its blocks:
                 # whatever it stored was read from unchanged memory
@@ -339,7 +355,11 @@ class MooncakeStoreWorker(WorkerConnector):
                 s["put_timeouts"] += int(bool(orphans))
                 self._orphans.extend(orphans)
         # this rank's part of each other block is in the store (or it has none to write)
-        self.ctx.events.extend([save.event for i, save in enumerate(saves) if i not in failed])
+        if failed:
+            self.ctx.events.extend([save.event for i, save in enumerate(saves)
+                                    if i not in failed])
+        else:
+            self.ctx.events.extend([save.event for save in saves])
 
     def _remove_orphans(self) -> None:
         client = self.client

@@ -89,3 +89,35 @@ def test_client_construction_does_no_io_and_refuses_use_before_setup() -> None:
         client.batch_exists(["k"])
     client.close()
     client.close()  # idempotent, even without setup
+
+
+def test_batch_interpretation_fast_paths_match_per_key_results() -> None:
+    from kvbridge.backends.mooncake import interpret_get_batch, interpret_put_batch
+
+    sizes = [64, 64, 128, 64]
+    assert interpret_put_batch([0, 0, 0, 0], sizes) == [interpret_put(0, n) for n in sizes]
+    assert interpret_put_batch([0] * 3, [32] * 3) == [KeyResult(KeyStatus.OK, 0, 32)] * 3
+    mixed = interpret_put_batch([0, -200, 0, 0], sizes)
+    assert [r.ok for r in mixed] == [True, False, True, True]
+    assert mixed[1].code == McStatus.NO_AVAILABLE_HANDLE and mixed[2].nbytes == 128
+    assert interpret_get_batch(list(sizes), sizes) == [interpret_get(n, n) for n in sizes]
+    short = interpret_get_batch([64, 64, 100, -704], sizes)
+    assert [r.code for r in short] == [0, 0, McStatus.SIZE_MISMATCH, McStatus.OBJECT_NOT_FOUND]
+    assert interpret_put_batch([], []) == [] and interpret_get_batch([], []) == []
+
+
+def test_batch_validation_names_the_bad_field() -> None:
+    from kvbridge.backends.mooncake import _check_batch
+
+    assert _check_batch(("k1", "k2"), (1, 2), (3, 4)) == (["k1", "k2"], [1, 2], [3, 4])
+    with pytest.raises(MooncakeConfigError, match=r"keys\[1\]"):
+        _check_batch(["k1", ""], [1, 2], [3, 4])
+    with pytest.raises(MooncakeConfigError, match=r"keys\[0\]"):
+        _check_batch([b"k1"], [1], [3])  # type: ignore[list-item]
+    # an exact-int check: bool is refused as an address by the non-null test after int()
+    with pytest.raises(MooncakeConfigError, match=r"ptrs\[0\]"):
+        _check_batch(["k1"], [False], [3])
+    with pytest.raises(MooncakeConfigError, match="ptrs must be ints"):
+        _check_batch(["k1"], ["0x10"], [3])  # type: ignore[list-item]
+    with pytest.raises(MooncakeConfigError, match=r"sizes\[1\]"):
+        _check_batch(["k1", "k2"], [1, 2], [3, 0])

@@ -113,3 +113,24 @@ def test_gather_addresses_blocks_and_refuses_out_of_range_ids() -> None:
     assert batch.sizes == [64, 64, 32] and batch.owners == [0, 0, 1]
     writes, _ = gather(plans, blocks, writers_only=True)
     assert writes.owners == [0, 0]  # region 1 has another writer
+
+
+def test_gather_of_one_region_matches_per_block_addresses() -> None:
+    from kvbridge.connectors.mooncake_store.metadata import SaveBlock
+    from kvbridge.connectors.mooncake_store.worker import LayerSlot, RegionPlan, gather
+    from kvbridge.events import BlockStored
+
+    event = BlockStored(block_hashes=(H,), parent_block_hash=None, token_ids=(), block_size=16)
+    plans = (RegionPlan(0, 4, True, (LayerSlot(0, "a:L0:", 1000, 64, 64),
+                                     LayerSlot(1, "a:L1:", 9000, 64, 64))),)
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    blocks = [SaveBlock(0, b, h, event) for b, h in zip((2, 0, 4, 3, -1), hashes, strict=True)]
+    batch, out_of_range = gather(plans, blocks, writers_only=True)
+    assert out_of_range == {2, 4}  # ids 4 and -1 of a 4-block region
+    kept = [(2, hashes[0]), (0, hashes[1]), (3, hashes[3])]
+    assert batch.keys == ([f"a:L0:{h.hex()}" for _, h in kept]
+                          + [f"a:L1:{h.hex()}" for _, h in kept])
+    assert batch.ptrs == [1000 + b * 64 for b, _ in kept] + [9000 + b * 64 for b, _ in kept]
+    assert batch.sizes == [64] * 6 and batch.owners == [0, 1, 3] * 2
+    empty, none = gather(plans, [], writers_only=False)
+    assert empty.keys == [] and none == set()
