@@ -119,6 +119,11 @@ class ControlCalls:
     def stats(self) -> dict[str, Any]:
         return self.call("stats")
 
+    def transfer_records(self) -> list[dict[str, Any]]:
+        """Finished transfers of every rank (``request_id``, ``ok``, ``nbytes``,
+        ``duration_s``, ``started_at`` on the engine's monotonic clock)."""
+        return list(self.call("transfer_records")["records"])
+
 
 class EngineProcess(ControlCalls):
     """A reference engine in a child process. Use as a context manager."""

@@ -89,6 +89,28 @@ def config_from_dict(data: dict[str, Any]) -> EngineConfig:
     )
 
 
+#: How long the control loop waits between steps that made no progress (see ``serve``).
+IDLE_STEP_WAIT_MS = 1
+
+
+def _transfer_records(engine: Engine) -> list[dict[str, Any]]:
+    """Every rank's finished transfers, for connectors that keep them (``records()``).
+
+    Start times are this process's ``time.monotonic()``, shared by all its ranks,
+    so a client can merge the intervals into the time anything was in flight."""
+    out: list[dict[str, Any]] = []
+    for worker in engine.workers:
+        records = getattr(worker.connector, "records", None)
+        if not callable(records):
+            continue
+        for r in records():
+            out.append({"worker": worker.worker_index, "request_id": str(r.request_id),
+                        "ok": bool(r.ok), "nbytes": int(r.nbytes),
+                        "duration_s": float(r.duration_s),
+                        "started_at": float(getattr(r, "started_at", 0.0))})
+    return out
+
+
 def _handle(engine: Engine, message: Any) -> tuple[dict[str, Any], bool]:
     """One control message -> (reply, stop)."""
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
@@ -120,6 +142,8 @@ def _handle(engine: Engine, message: Any) -> tuple[dict[str, Any], bool]:
         if op == "stats":
             return {"ok": True, "stats": engine.stats(),
                     "idle_problems": engine.idle_problems()}, False
+        if op == "transfer_records":
+            return {"ok": True, "records": _transfer_records(engine)}, False
         if op == "reset_prefix_cache":
             return {"ok": True, "blocks": engine.reset_prefix_cache()}, False
         if op == "shutdown":
@@ -168,8 +192,16 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         last_parent_check = time.monotonic()
+        stalled = False  # the last step scheduled nothing and finished nothing
         while True:
-            timeout_ms = 0 if engine.has_work() else 20
+            # A busy engine whose requests all wait (for remote KV, a handshake, a
+            # peer's ack) must not spin: a 0 ms poll loop holds the GIL, so the
+            # connector's handshake and pump threads only get it at the interpreter's
+            # switch interval (5 ms per hand-off), and it takes a core from the
+            # peer engine. Waiting up to IDLE_STEP_WAIT_MS on the control socket
+            # releases both and still wakes at once on a control message.
+            busy_wait_ms = IDLE_STEP_WAIT_MS if stalled else 0
+            timeout_ms = busy_wait_ms if engine.has_work() else 20
             if poller.poll(timeout_ms):
                 raw = sock.recv()
                 try:
@@ -183,7 +215,9 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
                 if stop:
                     break
             if engine.has_work():
-                engine.step()
+                report = engine.step()
+                stalled = (report.num_scheduled == 0 and not report.finished
+                           and (report.output is None or report.output.is_empty))
             now = time.monotonic()
             if now - last_parent_check > 0.5:
                 last_parent_check = now

@@ -16,6 +16,7 @@ engine against the content function.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -67,6 +68,7 @@ class _Engine(Protocol):
     def submit(self, specs: list[RequestSpec]) -> None: ...
     def results(self) -> list[RequestResult]: ...
     def stats(self) -> dict[str, Any]: ...
+    def transfer_records(self) -> list[dict[str, Any]]: ...
     def close(self, timeout_s: float = 15.0) -> int | None: ...
 
 
@@ -224,18 +226,62 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
         router = Router(producer, consumer, opts.mode, producer_topology, spec.fingerprint())
         elapsed = route_all(router, requests, opts.timeout_s, progress)
         producer_stats, consumer_stats = _drain([producer, consumer], time.monotonic() + 30)
+        records = _records(producer if opts.mode is TransferMode.PUSH else consumer)
     finally:
         for engine in reversed(engines):
             with contextlib.suppress(Exception):
                 engine.close()
     results = [router.results[s.request_id] for s in requests]
     wrong = check_outputs(results, requests)
-    return summarize(opts, results, wrong, elapsed, producer_stats, consumer_stats)
+    return summarize(opts, results, wrong, elapsed, producer_stats, consumer_stats, records)
+
+
+def _records(engine: _Engine) -> list[dict[str, Any]] | None:
+    """The moving side's per-transfer records; None from a server without the op."""
+    try:
+        return engine.transfer_records()
+    except EngineProcessError:
+        return None
+
+
+def exact_percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank ``q``-quantile (0..1): the smallest sample with at least a
+    ``q`` fraction of samples at or below it (always an observed value); None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end]`` intervals: the wall time during
+    which at least one transfer was in flight (overlaps counted once)."""
+    total = 0.0
+    cur_start = cur_end = None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None and cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None and cur_start is not None:
+        total += cur_end - cur_start
+    return total
 
 
 def summarize(opts: DemoOptions, results: list[RequestResult], wrong: list[str],
               elapsed: float, producer_stats: dict[str, Any],
-              consumer_stats: dict[str, Any]) -> dict[str, Any]:
+              consumer_stats: dict[str, Any],
+              records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The demo summary. With the moving side's ``records`` (one per finished
+    transfer), ``latency_ms`` holds exact nearest-rank percentiles of the
+    successful transfers' durations (load start -- handshake wait included -- to
+    completion) and ``transfer_gbps`` is bytes over the union of their intervals
+    (wall time with at least one transfer in flight); without records, the
+    percentiles are histogram bucket upper bounds and the busy time the sum of
+    durations (``latency_exact`` says which)."""
     cons = consumer_stats["stats"]
     prod = producer_stats["stats"]
     cw = cons.get("worker_stats", {})
@@ -243,8 +289,17 @@ def summarize(opts: DemoOptions, results: list[RequestResult], wrong: list[str],
     moving = pw if opts.mode is TransferMode.PUSH else cw  # the side that posts transfers
     nbytes = int(moving.get("transfer_bytes", 0))
     transfers = int(moving.get("transfers", 0))
-    busy_s = float(moving.get("transfer_time_s", 0.0))
-    latency = {f"p{int(q * 100)}": histogram_percentile(moving, q) for q in (0.5, 0.9, 0.99)}
+    quantiles = (0.5, 0.9, 0.99)
+    ok = [r for r in records or [] if r.get("ok")]
+    if records is not None:
+        durations_ms = [float(r["duration_s"]) * 1000.0 for r in ok]
+        latency = {f"p{int(q * 100)}": _round_ms(exact_percentile(durations_ms, q))
+                   for q in quantiles}
+        busy_s = busy_seconds([(float(r["started_at"]),
+                                float(r["started_at"]) + float(r["duration_s"])) for r in ok])
+    else:
+        latency = {f"p{int(q * 100)}": histogram_percentile(moving, q) for q in quantiles}
+        busy_s = float(moving.get("transfer_time_s", 0.0))
     counters = ("handshakes", "handshake_failures", "transfer_failures", "loads_failed",
                 "pushes_failed", "lease_expiries", "late_notifs", "unknown_notifs",
                 "sessions_dropped", "heartbeats_sent", "releases_sent")
@@ -261,7 +316,13 @@ def summarize(opts: DemoOptions, results: list[RequestResult], wrong: list[str],
         "bytes": nbytes,
         "descriptors": int(moving.get("transfer_descs", 0)),
         "latency_ms": latency,
+        "latency_exact": records is not None,
+        "busy_s": round(busy_s, 4),
         "consumer_counters": {k: cw.get(k, 0) for k in counters},
         "producer_counters": {k: pw.get(k, 0) for k in counters},
         "idle_problems": idle_problems(producer_stats, consumer_stats),
     }
+
+
+def _round_ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

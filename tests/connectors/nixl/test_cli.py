@@ -57,6 +57,12 @@ def test_demo_json_summary_and_progress_line() -> None:
     assert summary["requests"] == 4 and summary["failed_requests"] == 0
     assert summary["mismatched_bytes"] == 0 and summary["verified_bytes"] > 0
     assert summary["bytes"] > 0 and summary["latency_ms"]["p50"] is not None
+    # exact percentiles from the consumer's per-transfer records; busy time is the
+    # union of the transfers' intervals, so it fits inside the routed run
+    lat = summary["latency_ms"]
+    assert summary["latency_exact"] is True
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+    assert 0 < summary["busy_s"] <= summary["elapsed_s"] + 0.01
     assert summary["idle_problems"] == {"producer": [], "consumer": []}
     assert "[demo]" in proc.stderr and "requests done" in proc.stderr
 
