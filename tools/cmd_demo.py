@@ -46,8 +46,23 @@ def demo_modules() -> dict[str, ModuleType]:
     return out
 
 
+def demo_names() -> list[str]:
+    """Connector names of the demo runners, from their file names (``demo_<name>.py``,
+    whose ``CONNECTOR`` is ``<name>``) without importing them: they import the engine."""
+    return sorted(info.name[5:] for info in pkgutil.iter_modules(_tools_pkg.__path__)
+                  if info.name.startswith("demo_"))
+
+
+def _add_connector_arguments(parser: argparse.ArgumentParser) -> None:
+    for module in demo_modules().values():
+        add = getattr(module, "add_arguments", None)
+        if add is not None:
+            add(parser)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    modules = demo_modules()
+    from kvbridge.tools.deferred import defer_arguments
+
     parser = subparsers.add_parser(
         "demo", help="run a producer and a consumer engine and verify every moved byte",
         description="Start a producer (prefill) engine and a consumer (decode) engine as "
@@ -57,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "mismatched bytes, throughput, per-transfer latency percentiles). A "
                     "progress line goes to stderr while it runs.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--connector", default="nixl", choices=sorted(modules) or ["nixl"],
+    parser.add_argument("--connector", default="nixl", choices=demo_names() or ["nixl"],
                         help="which connector moves the KV (default: nixl)")
     parser.add_argument("--mode", default="pull", choices=["pull", "push"],
                         help="pull: consumer reads; push: producer writes (default pull)")
@@ -80,10 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-config", metavar="JSON",
                         help="extra connector settings, e.g. '{\"lease_s\": 10}'")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    for module in modules.values():
-        add = getattr(module, "add_arguments", None)
-        if add is not None:
-            add(parser)
+    # connector flags: added when `demo` itself is parsed or its help printed, so that
+    # `kvbridge --help` does not import the demo runners (they import torch)
+    defer_arguments(parser, _add_connector_arguments)
     from kvbridge.tools.events_flags import add_events_arguments, with_engine_events
 
     add_events_arguments(parser)  # --events-endpoint / --events-replay-endpoint

@@ -14,12 +14,14 @@ import argparse
 import json
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
-from kvbridge.engine.core import EngineConfig
 from kvbridge.layouts import LayoutError, ParallelTopology, load_spec, preset_names
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE
+
+if TYPE_CHECKING:
+    from kvbridge.engine.core import EngineConfig
 
 EPILOG = """\
 examples:
@@ -65,6 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
+    from kvbridge.engine.core import EngineConfig  # imports torch: only when serving
+
     if args.topology is not None:
         topology = ParallelTopology.parse(args.topology)
     else:
