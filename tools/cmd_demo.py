@@ -31,6 +31,10 @@ examples:
   kvbridge demo --producer tp=2,pp=2 --consumer tp=4 --requests 64 --json
   kvbridge demo --producer-addr 10.0.0.5:5600     # consumer only, against `kvbridge serve`
 
+--json prints the summary: {"connector", "mode", "model", "producer", "consumer",
+"requests", "failed_requests", "blocks", "bytes", "verified_bytes",
+"mismatched_bytes", "throughput_gbps", "transfer_gbps", "latency_ms", ...}.
+
 exit codes: 0 every request verified, 1 a failed request, a mismatched byte or no byte
 verified (nothing moved), 2 usage error
 """

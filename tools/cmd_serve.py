@@ -31,6 +31,9 @@ examples:
   kvbridge demo --producer-addr 10.0.0.5:5600 --consumer tp=1
   kvbridge probe 10.0.0.5:5600
 
+--json prints one ready line {"role", "mode", "model", "engine_id", "side_channel",
+"control"} once the engine listens.
+
 exit codes: 0 stopped by a signal or a shutdown request, 2 usage error
 """
 
