@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
 
 def format_summary(summary: dict[str, Any]) -> str:
     lat = summary.get("latency_ms") or {}
+    # exact percentiles of recorded transfers, or histogram bucket bounds (older engines)
+    relation = "" if summary.get("latency_exact") else "<= "
     lines = [
         f"kvbridge demo: {summary.get('connector')} {summary.get('mode')}, model "
         f"{summary.get('model')}, producer {summary.get('producer')} -> consumer "
@@ -170,7 +172,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  throughput      {summary['throughput_gbps']:.4f} GB/s end to end"
         + (f", {summary['transfer_gbps']:.3f} GB/s while transferring"
            if summary.get("transfer_gbps") else ""),
-        "  latency (ms)    " + ", ".join(f"{k} <= {v:g}" if v is not None else f"{k} -"
+        "  latency (ms)    " + ", ".join(f"{k} {relation}{v:g}" if v is not None else f"{k} -"
                                           for k, v in lat.items()),
     ]
     return "\n".join(lines)
