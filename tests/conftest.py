@@ -8,9 +8,13 @@ missing install can never hide behind a skip.
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import select
 import socket
+import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -42,6 +46,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def ready_line(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
+    """A served process's JSON ready line on stdout, waited for at most ``timeout_s``."""
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert readable, f"no ready line within {timeout_s} s (exit code {proc.poll()})"
+    ready: dict[str, Any] = json.loads(proc.stdout.readline())
+    return ready
+
+
+def stop_process(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM, bounded; killed if it does not exit (never left running)."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+        raise
 
 
 @pytest.fixture

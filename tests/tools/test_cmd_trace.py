@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import select
 import subprocess
 import sys
 from typing import Any
@@ -14,27 +13,7 @@ import pytest
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 from kvbridge.tools.cmd_trace import format_trace
 from kvbridge.tools.trace import TraceRecorder, capture_connector_logs
-from tests.conftest import free_port, require
-
-
-def _ready_line(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
-    """The served producer's JSON ready line, waited for at most ``timeout_s``."""
-    assert proc.stdout is not None
-    readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    assert readable, f"no ready line within {timeout_s} s (exit code {proc.poll()})"
-    ready: dict[str, Any] = json.loads(proc.stdout.readline())
-    return ready
-
-
-def _stop(proc: subprocess.Popen[str]) -> int:
-    """SIGTERM, bounded; killed if it does not exit (never left running)."""
-    proc.terminate()
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-        raise
+from tests.conftest import free_port, ready_line, require, stop_process
 
 
 @pytest.fixture
@@ -110,7 +89,7 @@ def test_live_producer(nixl: None, capsys: pytest.CaptureFixture[str]) -> None:
                               str(free_port()), "--json"],
                              stdout=subprocess.PIPE, text=True)
     try:
-        ready = _ready_line(serve)
+        ready = ready_line(serve)
         rc, report = _trace(capsys, "--producer-addr", ready["side_channel"],
                             "--producer-control-port", ready["control"].rsplit(":", 1)[1])
         assert rc == EXIT_OK and report["ok"]
@@ -119,7 +98,7 @@ def test_live_producer(nixl: None, capsys: pytest.CaptureFixture[str]) -> None:
         deltas = report["summary"]["producer_counter_deltas"]  # the remote side's counters
         assert deltas["finished_sending"] == 1 and deltas["finished"] == 1
     finally:
-        _stop(serve)
+        stop_process(serve)
 
 
 def test_recorder_and_log_capture_are_bounded_and_ordered() -> None:

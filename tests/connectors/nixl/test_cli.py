@@ -3,38 +3,16 @@
 from __future__ import annotations
 
 import json
-import select
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 
 from kvbridge.tools.cmd_bench import parse_pattern
 from kvbridge.tools.cmd_demo import demo_modules
-from tests.conftest import free_port, require
+from tests.conftest import free_port, ready_line, require, stop_process
 
 KVBRIDGE = [sys.executable, "-m", "kvbridge.tools.cli"]
-
-
-def _ready_line(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
-    """The served producer's JSON ready line, waited for at most ``timeout_s``."""
-    assert proc.stdout is not None
-    readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    assert readable, f"no ready line within {timeout_s} s (exit code {proc.poll()})"
-    ready: dict[str, Any] = json.loads(proc.stdout.readline())
-    return ready
-
-
-def _stop(proc: subprocess.Popen[str]) -> int:
-    """SIGTERM, bounded; killed if it does not exit (never left running)."""
-    proc.terminate()
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-        raise
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +51,7 @@ def test_demo_against_a_served_producer_push() -> None:
                               "--port", str(port), "--control-port", str(free_port()),
                               "--json"], stdout=subprocess.PIPE, text=True)
     try:
-        ready = _ready_line(serve)
+        ready = ready_line(serve)
         assert ready["side_channel"] == f"127.0.0.1:{port}" and ready["mode"] == "push"
         control = int(ready["control"].rsplit(":", 1)[1])
         proc = _run(["demo", "--mode", "push", "--producer-addr", f"127.0.0.1:{port}",
@@ -85,7 +63,7 @@ def test_demo_against_a_served_producer_push() -> None:
         probe = _run(["probe", f"127.0.0.1:{port}", "--json"], timeout_s=30)
         assert probe.returncode == 0 and json.loads(probe.stdout)
     finally:
-        assert _stop(serve) == 0
+        assert stop_process(serve) == 0
 
 
 def test_demo_usage_errors_exit_2() -> None:
