@@ -6,7 +6,9 @@ Invariants (asserted where breaking them would corrupt KV):
 * A cached block (one with a hash) that becomes free keeps its hash and stays
   findable until it is reallocated; reallocation evicts the hash first.
 * The free queue is least-recently-freed first, so the oldest cached prefix is
-  reused first (vLLM's order).
+  reused first (vLLM's order). Which blocks an allocation takes follows that
+  queue; the order they are handed out in is ascending by default (contiguous
+  runs for transfers), queue order with ``sorted_allocation=False``.
 * Only blocks whose tokens are all computed get a hash (``cache_block``): a
   block being loaded or written by a connector is never findable.
 
@@ -20,6 +22,7 @@ announced stored again, so a subscriber's index equals ``cached_hashes()``.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -35,7 +38,7 @@ class BlockPool:
     """Blocks of one region (KV-cache group ``group_idx``), ``block_size`` tokens each."""
 
     def __init__(self, num_blocks: int, *, block_size: int = 1, group_idx: int | None = None,
-                 emit_events: bool = False) -> None:
+                 emit_events: bool = False, sorted_allocation: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
         if block_size < 1:
@@ -44,6 +47,7 @@ class BlockPool:
         self.block_size = block_size
         self.group_idx = group_idx
         self.emit_events = emit_events
+        self.sorted_allocation = sorted_allocation
         self._ref = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_of: dict[int, BlockHash] = {}
@@ -63,7 +67,12 @@ class BlockPool:
         return self._ref[block_id]
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` fresh blocks with reference count 1 (evicting their old hashes)."""
+        """``count`` fresh blocks with reference count 1 (evicting their old hashes).
+
+        The blocks are the ``count`` least recently freed; with ``sorted_allocation``
+        they are returned in ascending id order (contiguous runs where the free
+        queue holds neighbours), else in queue order (vLLM's).
+        """
         if count > len(self._free):
             raise NoFreeBlocks(f"need {count} blocks, {len(self._free)} free")
         blocks = []
@@ -79,7 +88,14 @@ class BlockPool:
             blocks.append(block_id)
         self.num_evicted += len(evicted)
         self._removed(evicted)
+        if self.sorted_allocation:
+            blocks.sort()
         return blocks
+
+    def next_allocation(self, count: int) -> list[int]:
+        """The block ids :meth:`allocate` would return for ``count`` now (nothing taken)."""
+        blocks = list(itertools.islice(self._free, count))
+        return sorted(blocks) if self.sorted_allocation else blocks
 
     def find_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Cached blocks of the longest prefix of ``hashes`` (no references taken)."""

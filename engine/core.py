@@ -105,6 +105,13 @@ class EngineConfig:
     #: emit the block pools' KV events (medium GPU), as vLLM's ``enable_kv_cache_events``;
     #: connector events are always collected
     enable_kv_cache_events: bool = False
+    #: hand each allocation's blocks out in ascending id order (True), or in the free
+    #: queue's order as vLLM does (False). The blocks chosen are the same either way
+    #: (least recently freed first); only their order in the request differs. Sorted,
+    #: a request's blocks form contiguous runs, so a NIXL transfer merges them
+    #: (measured 4096 x 16 KiB: ~2x the bandwidth); vLLM's order, after a request
+    #: freed its blocks tail first, runs downwards and nothing merges.
+    sorted_allocation: bool = True
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -191,7 +198,8 @@ class Engine:
                           else config.engine_id or uuid.uuid4().hex[:16])
         self.role: KVRole | None = config.connector.role if config.connector else None
         self.pools = [BlockPool(n, block_size=t, group_idx=r,
-                                emit_events=config.enable_kv_cache_events)
+                                emit_events=config.enable_kv_cache_events,
+                                sorted_allocation=config.sorted_allocation)
                       for r, (n, t) in enumerate(zip(num_blocks, self.tokens_per_block,
                                                      strict=True))]
         self.hook_log: list[HookCall] = []
@@ -621,6 +629,8 @@ class Engine:
                 self.running.remove(req)
                 req.error = f"load of tokens [{first}, {end}) failed"
                 self._finish(req, RequestState.FINISHED_ERROR)
+        if not refs:
+            return invalidated
         waiting_blocks = {(r, b) for req in self.requests.values()
                           if req.state is RequestState.WAITING_FOR_REMOTE_KVS
                           for r, ids in enumerate(req.block_ids) for b in ids}

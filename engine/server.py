@@ -67,6 +67,7 @@ def config_to_dict(config: EngineConfig) -> dict[str, Any]:
         "remote_kv_timeout_s": config.remote_kv_timeout_s,
         "engine_id": config.engine_id,
         "enable_kv_cache_events": config.enable_kv_cache_events,
+        "sorted_allocation": config.sorted_allocation,
     }
 
 
@@ -86,6 +87,7 @@ def config_from_dict(data: dict[str, Any]) -> EngineConfig:
         remote_kv_timeout_s=float(data.get("remote_kv_timeout_s", 60.0)),
         engine_id=data.get("engine_id"),
         enable_kv_cache_events=bool(data.get("enable_kv_cache_events", False)),
+        sorted_allocation=bool(data.get("sorted_allocation", True)),
     )
 
 

@@ -46,3 +46,21 @@ def test_uncached_block_is_not_found() -> None:
     assert pool.find_prefix([b"x"]) == []
     pool.free([block])
     pool.check()
+
+
+@pytest.mark.parametrize("sorted_allocation", [True, False])
+def test_allocation_takes_least_recently_freed_blocks_sorted_or_in_queue_order(
+        sorted_allocation: bool) -> None:
+    """A request frees its blocks tail first, so the free queue runs downwards; the
+    next allocation takes the same least recently freed blocks either way, handed out
+    ascending (contiguous runs for transfers) or in queue order (vLLM's)."""
+    pool = BlockPool(10, sorted_allocation=sorted_allocation)
+    first = pool.allocate(8)
+    assert first == list(range(8))
+    pool.free(first)  # free queue: 8, 9, 7, 6, 5, 4, 3, 2, 1, 0
+    queue_order = [8, 9, 7, 6, 5, 4]
+    want = sorted(queue_order) if sorted_allocation else queue_order
+    assert pool.next_allocation(6) == want
+    assert pool.allocate(6) == want
+    assert pool.num_free == 4
+    pool.check()
