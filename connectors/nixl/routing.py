@@ -16,6 +16,7 @@ rank ``producer_rank % consumer_world``, which sends it a no-read release.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,7 +49,10 @@ class DescTable:
     """Rows of one prepared list: ``rows[base_row[j] + b]`` is descriptor ``j`` of block ``b``.
 
     ``regions[j]`` is the spec region of descriptor ``j`` (whose block ids index it),
-    ``num_blocks[j]`` bounds its block ids.
+    ``num_blocks[j]`` bounds its block ids, ``strides[j]`` is the distance in bytes
+    between its rows of consecutive blocks and ``lengths[j]`` its length: a
+    descriptor as long as its stride covers whole blocks, so its rows of blocks
+    ``b`` and ``b + 1`` are contiguous in memory.
     """
 
     rows: npt.NDArray[np.uint64]  # (N, 2) addr, len
@@ -56,33 +60,24 @@ class DescTable:
     num_blocks: IntArray
     regions: IntArray
     layers: IntArray
+    strides: IntArray
+    lengths: IntArray
 
     @property
     def num_descs(self) -> int:
         return int(self.base_row.shape[0])
 
-    def indices(self, which: IntArray, block_ids: Sequence[Sequence[int]] | Sequence[IntArray],
-                side: str) -> npt.NDArray[np.int32]:
-        """Row indices of descriptors ``which`` for every block of the request.
-
-        ``block_ids[r]`` are the request's block ids of region ``r``; they are
-        bounds-checked against the registered block count (a bad id from a peer
-        is refused here, before anything is posted).
-        """
-        parts = []
-        for j in which.tolist():
-            ids = np.asarray(block_ids[int(self.regions[j])], dtype=np.int64)
-            if ids.size == 0:
-                continue
-            bound = int(self.num_blocks[j])
-            if ids.min() < 0 or ids.max() >= bound:
-                raise LayoutError(f"{side}_block_ids",
-                                  f"block id out of range [0, {bound}): min {int(ids.min())}, "
-                                  f"max {int(ids.max())} (region {int(self.regions[j])})")
-            parts.append(self.base_row[j] + ids)
-        if not parts:
-            return np.zeros(0, dtype=np.int32)
-        return np.concatenate(parts).astype(np.int32)
+    def check_ids(self, which: IntArray, ids: IntArray, region: int, side: str) -> None:
+        """Refuse block ids outside ``[0, num_blocks)`` of descriptors ``which`` (a bad
+        id from a peer is refused here, before anything is posted)."""
+        if ids.size == 0 or which.size == 0:
+            return
+        bound = int(self.num_blocks[which].min())
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= bound:
+            raise LayoutError(f"{side}_block_ids",
+                              f"block id out of range [0, {bound}): min {low}, max {high} "
+                              f"(region {region})")
 
 
 def build_table(regions: IntArray, layers: IntArray, offsets: IntArray, lengths: IntArray,
@@ -93,6 +88,7 @@ def build_table(regions: IntArray, layers: IntArray, offsets: IntArray, lengths:
     past the block stride) or its layer has no memory.
     """
     nb = np.empty(layers.shape[0], dtype=np.int64)
+    strides = np.empty(layers.shape[0], dtype=np.int64)
     parts = []
     for j, (layer, offset, length) in enumerate(zip(layers.tolist(), offsets.tolist(),
                                                     lengths.tolist(), strict=True)):
@@ -104,6 +100,7 @@ def build_table(regions: IntArray, layers: IntArray, offsets: IntArray, lengths:
                               f"descriptor [{offset}, {offset + length}) of layer {layer} "
                               f"leaves its block of {mem.block_stride} bytes")
         nb[j] = mem.num_blocks
+        strides[j] = mem.block_stride
         rows = np.empty((mem.num_blocks, 2), dtype=np.uint64)
         rows[:, 0] = (np.uint64(mem.base_addr + offset)
                       + np.arange(mem.num_blocks, dtype=np.uint64) * np.uint64(mem.block_stride))
@@ -113,7 +110,8 @@ def build_table(regions: IntArray, layers: IntArray, offsets: IntArray, lengths:
     if layers.shape[0] > 1:
         base[1:] = np.cumsum(nb)[:-1]
     rows_all = (np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.uint64))
-    return DescTable(rows_all, base, nb, regions.astype(np.int64), layers.astype(np.int64))
+    return DescTable(rows_all, base, nb, regions.astype(np.int64), layers.astype(np.int64),
+                     strides, lengths.astype(np.int64))
 
 
 def consumer_table(rank_plan: RankPlan, memory: Mapping[int, LayerMemory]) -> DescTable:
@@ -128,20 +126,96 @@ def producer_table(rank_plan: RankPlan, memory: Mapping[int, LayerMemory]) -> De
                        rank_plan.lengths, memory, "producer")
 
 
+def block_id_array(ids: Sequence[int] | IntArray) -> IntArray:
+    """Block ids as int64 (a request's ids arrive as Python ints; packing them with
+    ``struct`` is ~2.5x faster than ``np.asarray`` on a tuple of 4096)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False)
+    try:
+        return np.frombuffer(struct.pack(f"{len(ids)}q", *ids), dtype=np.int64)
+    except struct.error as exc:  # not integers, or out of int64 range
+        raise LayoutError("block_ids", f"expected integer block ids: {exc}") from None
+
+
 def pull_indices(rank_plan: RankPlan, local: DescTable, remote: DescTable, producer_rank: int,
                  consumer_block_ids: Sequence[Sequence[int]],
                  producer_block_ids: Sequence[Sequence[int]],
-                 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-    """(local rows, remote rows) of one consumer rank's READ from ``producer_rank``.
+                 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], int]:
+    """(local rows, remote rows, runs) of one consumer rank's READ from ``producer_rank``.
 
     ``local`` is :func:`consumer_table` of the whole rank plan; ``remote`` is
     :func:`producer_table` of ``rank_plan.for_producer(producer_rank)`` on that
-    producer's memory (its descriptors in the same order).
+    producer's memory (its descriptors in the same order). See :func:`pair_indices`.
     """
     which = np.flatnonzero(rank_plan.producer_ranks == producer_rank)
-    lidx = local.indices(which, consumer_block_ids, "consumer")
-    ridx = remote.indices(np.arange(which.shape[0]), producer_block_ids, "producer")
-    return lidx, ridx
+    return pair_indices(local, which, consumer_block_ids, "consumer",
+                        remote, np.arange(which.shape[0]), producer_block_ids, "producer")
+
+
+def pair_indices(local: DescTable, local_which: IntArray,
+                 local_ids: Sequence[Sequence[int]], local_side: str,
+                 remote: DescTable, remote_which: IntArray,
+                 remote_ids: Sequence[Sequence[int]], remote_side: str,
+                 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], int]:
+    """Paired rows of descriptors ``local_which[k]`` / ``remote_which[k]`` for every block.
+
+    ``local_ids[r]`` and ``remote_ids[r]`` are the request's block ids of region
+    ``r`` on each side (block ``i`` of one side pairs with block ``i`` of the
+    other); every id is bounds-checked before anything is built.
+
+    The pairs are put in an order NIXL can merge. NIXL merges consecutive
+    descriptors of a transfer into one when they are contiguous on *both*
+    sides; with whole-block descriptors that is block ``(a, b)`` followed by
+    ``(a + 1, b + 1)``. A request's blocks rarely ascend on both sides (vLLM
+    frees a request's blocks tail first, so reused blocks run downwards), and
+    unmerged small descriptors are slow: measured with 4096 x 16 KiB over UCX on
+    one host, ~2.5 GB/s unmerged against ~5.2 GB/s merged. Sorting each region's
+    block pairs by ``(a - b, a)`` puts every mergeable chain in ascending order
+    and side by side, whatever order the request had them in (descending on both
+    sides, interleaved); pairs that cannot merge (one side ascending while the
+    other descends) lose nothing. The sort is per region, on block ids, so it
+    costs the same however many layers and descriptors a block has.
+
+    Returns ``(local rows, remote rows, runs)``; ``runs`` counts the contiguous
+    runs of whole-block descriptors plus every other descriptor: the number of
+    descriptors NIXL actually moves (at most; neighbouring descriptors of one
+    block are already coalesced by the planner).
+    """
+    lparts: list[IntArray] = []
+    rparts: list[IntArray] = []
+    runs = 0
+    lregions = local.regions[local_which]
+    regions = set(lregions.tolist())
+    for region in sorted(regions):
+        if len(regions) == 1:
+            lw, rw = local_which, remote_which
+        else:
+            mask = lregions == region
+            lw, rw = local_which[mask], remote_which[mask]
+        a = block_id_array(local_ids[region])
+        b = block_id_array(remote_ids[region])
+        if a.shape != b.shape:
+            raise LayoutError(f"block_ids[{region}]", f"{a.size} {local_side} blocks but "
+                                                      f"{b.size} {remote_side} blocks")
+        if a.size == 0:
+            continue
+        local.check_ids(lw, a, region, local_side)
+        remote.check_ids(rw, b, region, remote_side)
+        joins = 0
+        if a.size > 1:
+            order = np.lexsort((a, a - b))
+            a, b = a[order], b[order]
+            joins = int(np.count_nonzero((a[1:] == a[:-1] + 1) & (b[1:] == b[:-1] + 1)))
+        lparts.append((local.base_row[lw][:, None] + a[None, :]).ravel())
+        rparts.append((remote.base_row[rw][:, None] + b[None, :]).ravel())
+        whole = ((local.lengths[lw] == local.strides[lw])
+                 & (remote.lengths[rw] == remote.strides[rw]))
+        runs += lw.size * a.size - int(np.count_nonzero(whole)) * joins
+    if not lparts:
+        empty = np.zeros(0, dtype=np.int32)
+        return empty, empty, 0
+    return (np.concatenate(lparts).astype(np.int32), np.concatenate(rparts).astype(np.int32),
+            runs)
 
 
 def check_block_lists(consumer_block_ids: Sequence[Sequence[int]],

@@ -57,9 +57,12 @@ class RecvTransfer:
     expected_from: frozenset[int] = frozenset()
     answered: set[int] = field(default_factory=set)
     transfers: list[object] = field(default_factory=list)  # backend Transfer objects
+    #: pull: transfer id -> (peer, encoded ReadDone) still to send once that READ is DONE
+    read_notifs: dict[int, tuple[object, bytes]] = field(default_factory=dict)
     finished_at: float | None = None
     nbytes: int = 0
     num_descs: int = 0
+    num_runs: int = 0  # contiguous runs NIXL posts after merging (<= num_descs)
 
     @property
     def local_blocks(self) -> frozenset[tuple[int, int]]:

@@ -55,7 +55,7 @@ from kvbridge.backends.nixl import (
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind
-from kvbridge.connectors.nixl.routing import DescTable, build_table, pull_indices
+from kvbridge.connectors.nixl.routing import DescTable, build_table, pair_indices, pull_indices
 from kvbridge.connectors.nixl.scheduler import LoadOrder, NixlMetadata, PushOrder, ReleaseOrder
 from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey, open_session
 from kvbridge.connectors.nixl.settings import NixlSettings
@@ -73,9 +73,6 @@ from kvbridge.layouts import LayerMemory, ParallelTopology, plan_transfer
 from kvbridge.layouts.plan import rank_index
 
 logger = logging.getLogger(__name__)
-
-#: The idle pump's interval (ms, capped by ``idle_progress_ms``) while a peer may be waiting.
-BUSY_PROGRESS_MS = 1.0
 
 #: Transfer latency samples kept per rank (for percentiles in the demo and bench).
 MAX_SAMPLES = 100_000
@@ -150,6 +147,7 @@ class _PushTarget:
     transfers: list[Transfer] = field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
+    runs: int = 0  # contiguous runs posted (what NIXL moves after merging)
 
 
 @dataclass
@@ -171,6 +169,9 @@ class TransferRecord:
     this process (so records of ranks in one engine process share a clock and
     their busy intervals ``[started_at, started_at + duration_s]`` can be merged);
     ``duration_s`` runs from that start (handshake wait included) to completion.
+    ``num_descs`` counts prepared descriptors (one per block and layer slice),
+    ``num_runs`` the contiguous runs they merged into (:func:`pair_indices`):
+    far fewer runs than descriptors means the blocks were laid out contiguously.
     """
 
     request_id: str
@@ -179,6 +180,7 @@ class TransferRecord:
     num_descs: int
     duration_s: float
     started_at: float = 0.0
+    num_runs: int = 0  # contiguous runs NIXL posted after merging descriptors
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -232,7 +234,8 @@ class NixlWorker(WorkerConnector):
         self._last_heartbeat = time.monotonic()
         self._records: list[TransferRecord] = []
         self._counters: dict[str, int | float] = {
-            "transfers": 0, "transfer_bytes": 0, "transfer_descs": 0, "transfer_time_s": 0.0,
+            "transfers": 0, "transfer_bytes": 0, "transfer_descs": 0, "transfer_runs": 0,
+            "transfer_time_s": 0.0,
             "loads_done": 0, "loads_failed": 0, "handshakes": 0, "handshake_failures": 0,
             "transfer_failures": 0, "lease_expiries": 0, "late_notifs": 0,
             "unknown_notifs": 0, "bad_notifs": 0, "heartbeats_sent": 0, "releases_sent": 0,
@@ -502,20 +505,27 @@ class NixlWorker(WorkerConnector):
                             rid, self.rank_index, session.expected[p], read=False)))
                         continue
                     assert local is not None
-                    lidx, ridx = pull_indices(session.rank_plan, local.table,
-                                              session.remote_tables[p], p,
-                                              recv.consumer_block_ids, recv.producer_block_ids)
+                    lidx, ridx, runs = pull_indices(session.rank_plan, local.table,
+                                                    session.remote_tables[p], p,
+                                                    recv.consumer_block_ids,
+                                                    recv.producer_block_ids)
                     notif = messages.encode(messages.ReadDone(rid, self.rank_index,
                                                               session.expected[p]))
                     if lidx.size == 0:
                         self.transport.send_notif(peer, notif)
                         continue
+                    # The ReadDone goes as a standalone notification once the READ is
+                    # DONE here (its bytes are then in our memory), not attached to the
+                    # READ: NIXL delivers an attached one only after a flush that waits
+                    # on the peer's progress (measured +0.3-0.5 ms per READ on one host).
                     xfer = self.transport.post(XferOp.READ, local.dlist, lidx,
-                                               session.remote_lists[p], ridx, notif,
+                                               session.remote_lists[p], ridx, b"",
                                                deadline_s=max(0.001, recv.deadline - now))
                     transfers.append(xfer)
+                    recv.read_notifs[xfer.transfer_id] = (peer, notif)
                     recv.nbytes += xfer.nbytes
                     recv.num_descs += xfer.num_descs
+                    recv.num_runs += runs
             else:
                 for p in session.targets:
                     reg = messages.Register(rid, self.rank_index, session.expected[p],
@@ -528,6 +538,8 @@ class NixlWorker(WorkerConnector):
         session.active += 1
         expected = frozenset(session.rank_plan.sources)
         recv.posted(expected, transfers, params.mode is TransferMode.PULL)
+        if recv.read_notifs:
+            self._poll_reads(recv, now)  # a READ over shared memory is often DONE at once
 
     @_locked
     def inject_fault_next_loads(self) -> None:
@@ -569,20 +581,7 @@ class NixlWorker(WorkerConnector):
                 elif key not in self._connecting:
                     self._ensure_session(recv.params, now)
             if recv.state is RecvState.TRANSFERRING:
-                states = [self.transport.poll(x) for x in recv.transfers
-                          if isinstance(x, Transfer)]
-                bad = [x for x in recv.transfers if isinstance(x, Transfer)
-                       and x.state in (XferState.FAILED, XferState.TIMED_OUT)]
-                if bad:
-                    first = bad[0]
-                    assert isinstance(first, Transfer)
-                    self._counters["transfer_failures"] += 1
-                    self._fail(recv, f"READ {first.state.value}: {first.error}", now)
-                    self._drop_session(self._session_key(recv.params), now,
-                                       reason=f"transfer {first.state.value}")
-                    continue
-                if all(s is XferState.DONE for s in states):
-                    recv.transfers_done()
+                self._poll_reads(recv, now)
             before = recv.state
             state = recv.poll(now)
             if state is RecvState.FAILED:
@@ -595,14 +594,44 @@ class NixlWorker(WorkerConnector):
             elif state is RecvState.DONE:
                 self._complete(recv)
 
+    def _poll_reads(self, recv: RecvTransfer, now: float) -> None:
+        """Advance a pull load's READs: tell each producer rank its READ is done (the
+        ReadDone it acks) as soon as it is; fail the load on a failed or late READ."""
+        assert self.transport is not None
+        states = [self.transport.poll(x) for x in recv.transfers if isinstance(x, Transfer)]
+        bad = [x for x in recv.transfers if isinstance(x, Transfer)
+               and x.state in (XferState.FAILED, XferState.TIMED_OUT)]
+        if bad:
+            first = bad[0]
+            self._counters["transfer_failures"] += 1
+            self._fail(recv, f"READ {first.state.value}: {first.error}", now)
+            self._drop_session(self._session_key(recv.params), now,
+                               reason=f"transfer {first.state.value}")
+            return
+        for x in recv.transfers:
+            if isinstance(x, Transfer) and x.state is XferState.DONE:
+                pending = recv.read_notifs.pop(x.transfer_id, None)
+                if pending is None:
+                    continue
+                peer, notif = pending
+                assert isinstance(peer, PeerHandle)
+                try:
+                    self.transport.send_notif(peer, notif)
+                except NixlTransportError as exc:
+                    self._fail(recv, f"read-done notification: {exc}", now)
+                    self._drop_session(self._session_key(recv.params), now, reason=str(exc))
+                    return
+        if all(s is XferState.DONE for s in states):
+            recv.transfers_done()
+
     def _complete(self, recv: RecvTransfer) -> None:
         self._recv.pop(recv.request_id, None)
         self._unindex(recv)
         self._done_recving.add(recv.request_id)
         self._counters["loads_done"] += 1
-        self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0)
+        self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0, recv.num_runs)
         self._record(TransferRecord(recv.request_id, True, recv.nbytes, recv.num_descs,
-                                    recv.duration_s or 0.0, recv.started_at))
+                                    recv.duration_s or 0.0, recv.started_at, recv.num_runs))
         session = self._sessions.get(self._session_key(recv.params))
         if session is not None and session.active > 0:
             session.active -= 1
@@ -626,7 +655,7 @@ class NixlWorker(WorkerConnector):
         self._load_errors |= recv.local_blocks
         self._counters["loads_failed"] += 1
         self._record(TransferRecord(recv.request_id, False, recv.nbytes, recv.num_descs,
-                                    now - recv.started_at, recv.started_at))
+                                    now - recv.started_at, recv.started_at, recv.num_runs))
         params = recv.params
         logger.warning(
             "nixl load failed: engine=%s rank=%d request=%s producer_engine=%s "
@@ -728,10 +757,11 @@ class NixlWorker(WorkerConnector):
 
         While a peer may be waiting on this rank (blocks held under a lease, loads,
         pushes, releases or handshakes in flight) it polls every
-        :data:`BUSY_PROGRESS_MS` at most: a consumer's READ-done notification is
-        then acked within about a millisecond instead of a full idle interval."""
+        ``busy_progress_ms`` (0.2 ms) at most: a consumer's READ-done notification
+        is then acked within a fraction of a millisecond instead of a full idle
+        interval (the ack is on every pull load's critical path)."""
         idle = self.settings.idle_progress_ms / 1000.0
-        busy = min(idle, BUSY_PROGRESS_MS / 1000.0)
+        busy = min(idle, self.settings.busy_progress_ms / 1000.0)
         interval = idle
         while not self._pump_stop.wait(interval):
             interval = busy if self._peer_may_wait() else idle
@@ -942,8 +972,10 @@ class NixlWorker(WorkerConnector):
                                                         strict=True)):
                     raise NixlTransportError(f"consumer registered {[len(c) for c in reg.block_ids]}"
                                              f" blocks; producer holds {[len(p) for p in producer_ids]}")
-                lidx = target.local.indices(which, producer_ids, "producer")
-                ridx = target.remote.indices(which, reg.block_ids, "consumer")
+                lidx, ridx, runs = pair_indices(target.local, which, producer_ids, "producer",
+                                                target.remote, which, reg.block_ids,
+                                                "consumer")
+                target.runs += runs
                 target.layers_written |= layers
                 if lidx.size:
                     target.transfers.append(self.transport.post(
@@ -991,14 +1023,14 @@ class NixlWorker(WorkerConnector):
         ndescs = sum(x.num_descs for x in target.transfers)
         self._counters["pushes_done" if ok else "pushes_failed"] += 1
         if ok:
-            self._count_transfer(nbytes, ndescs, now - job.started_at)
+            self._count_transfer(nbytes, ndescs, now - job.started_at, target.runs)
         else:
             logger.warning("nixl push failed: engine=%s rank=%d request=%s consumer_rank=%d "
                            "blocks=%d reason=%s", self.ctx.engine_id, self.rank_index,
                            job.request_id, target.consumer_rank,
                            sum(len(g) for g in target.register.block_ids), reason)
         self._record(TransferRecord(job.request_id, ok, nbytes, ndescs, now - job.started_at,
-                                    job.started_at))
+                                    job.started_at, target.runs))
         self._send_to(target.peer.name, messages.Pushed(job.request_id, self.rank_index, ok,
                                                         reason))
         reg = target.register
@@ -1028,10 +1060,11 @@ class NixlWorker(WorkerConnector):
                 del self._cancelled[rid]
         self._heartbeats(now)
 
-    def _count_transfer(self, nbytes: int, ndescs: int, duration_s: float) -> None:
+    def _count_transfer(self, nbytes: int, ndescs: int, duration_s: float, runs: int) -> None:
         self._counters["transfers"] += 1
         self._counters["transfer_bytes"] += nbytes
         self._counters["transfer_descs"] += ndescs
+        self._counters["transfer_runs"] += runs
         self._counters["transfer_time_s"] += duration_s
 
     def _record(self, record: TransferRecord) -> None:

@@ -158,7 +158,7 @@ def test_pull_indices_match_absolute_descriptors() -> None:
     p_ids = ((20, 4, 9), (11, 12, 13))
     for p in rank_plan.sources:
         remote = producer_table(rank_plan.for_producer(p), p_mems[p])
-        lidx, ridx = pull_indices(rank_plan, local, remote, p, c_ids, p_ids)
+        lidx, ridx, _runs = pull_indices(rank_plan, local, remote, p, c_ids, p_ids)
         got = sorted(zip(map(tuple, local.rows[lidx].tolist()),
                          map(tuple, remote.rows[ridx].tolist()), strict=True))
         # the oracle: the planner's own absolute descriptors, region by region
@@ -188,7 +188,7 @@ def test_remote_block_ids_are_bounds_checked_before_posting() -> None:
     assert info.value.field == "producer_block_ids"
     with pytest.raises(LayoutError):
         pull_indices(rank_plan, local, remote, 0, ((8,),), ((0,),))
-    lidx, ridx = pull_indices(rank_plan, local, remote, 0, ((7,),), ((3,),))
+    lidx, ridx, runs = pull_indices(rank_plan, local, remote, 0, ((7,),), ((3,),))
     assert lidx.dtype == np.int32 and (local.rows[lidx, 1] == remote.rows[ridx, 1]).all()
 
 
@@ -241,8 +241,12 @@ def test_recv_transfer_fails_on_refusal_and_deadline() -> None:
 def test_settings_parse_and_refuse() -> None:
     s = NixlSettings.parse({"mode": "push", "lease_s": 5, "port": 7000})
     assert s.mode is TransferMode.PUSH and s.lease_s == 5.0 and s.heartbeat_interval_s == 5 / 3
+    assert NixlSettings.parse({"idle_progress_ms": 0, "busy_progress_ms": 0.5}) \
+        == NixlSettings(idle_progress_ms=0.0, busy_progress_ms=0.5)
     for bad, field in [({"mode": "both"}, "mode"), ({"lease_s": 0}, "lease_s"),
-                       ({"port": 70000}, "port"), ({"nope": 1}, "nope")]:
+                       ({"port": 70000}, "port"), ({"nope": 1}, "nope"),
+                       ({"busy_progress_ms": 0}, "busy_progress_ms"),
+                       ({"idle_progress_ms": -1}, "idle_progress_ms")]:
         with pytest.raises(ConfigError) as info:
             NixlSettings.parse(bad)
         assert info.value.field == f"kv_connector_extra_config.{field}"
@@ -255,3 +259,84 @@ def test_histogram_percentiles() -> None:
     assert histogram_percentile(stats, 0.99) == 1000
     assert histogram_percentile({}, 0.5) is None
     assert len(set(LATENCY_BUCKETS_MS)) == len(LATENCY_BUCKETS_MS)
+
+
+def _runs_in_rows(local_rows: np.ndarray, remote_rows: np.ndarray) -> int:
+    """Oracle: contiguous runs of consecutive (local, remote) rows, from the addresses."""
+    la, ll = local_rows[:, 0].astype(np.int64), local_rows[:, 1].astype(np.int64)
+    ra = remote_rows[:, 0].astype(np.int64)
+    joins = (la[:-1] + ll[:-1] == la[1:]) & (ra[:-1] + ll[:-1] == ra[1:])
+    return int(len(la) - np.count_nonzero(joins))
+
+
+def _one_layer_tables(num_blocks: int) -> tuple[object, object, object]:
+    from kvbridge.tools.bench_nixl import bench_spec
+
+    spec = bench_spec(16 << 10)  # one layer, one whole-block descriptor per block
+    topo = ParallelTopology()
+    rank_plan = plan_transfer(spec, topo, topo).for_consumer(0)
+    local = consumer_table(rank_plan, rank_memory(spec, topo, {0: 1 << 32}, num_blocks))
+    remote = producer_table(rank_plan.for_producer(0),
+                            rank_memory(spec, topo, {0: 1 << 36}, num_blocks))
+    return rank_plan, local, remote
+
+
+@pytest.mark.parametrize("consumer_ids, producer_ids, want_runs", [
+    (tuple(range(63, -1, -1)), tuple(range(63, -1, -1)), 1),  # both descending: one run
+    (tuple(range(64)), tuple(range(10, 74)), 1),
+    (tuple(range(63, -1, -1)), tuple(range(64)), 64),  # opposite directions: nothing merges
+    ((5, 6, 7, 0, 1, 2), (50, 51, 52, 20, 21, 22), 2),  # two runs, interleaved order
+])
+def test_pairs_are_ordered_so_nixl_merges_them(consumer_ids: tuple[int, ...],
+                                               producer_ids: tuple[int, ...],
+                                               want_runs: int) -> None:
+    rank_plan, local, remote = _one_layer_tables(128)
+    lidx, ridx, runs = pull_indices(rank_plan, local, remote, 0, (consumer_ids,),
+                                    (producer_ids,))
+    assert runs == want_runs == _runs_in_rows(local.rows[lidx], remote.rows[ridx])
+    # the same pairs as the request's block order, only reordered
+    got = sorted(zip(lidx.tolist(), ridx.tolist(), strict=True))
+    want = sorted(zip(consumer_ids, producer_ids, strict=True))  # base rows are 0 here
+    assert got == want
+
+
+@pytest.mark.parametrize("model", ["tiny-gqa", "tiny-mla", "tiny-hybrid"])
+def test_runs_count_matches_the_addresses_for_random_block_orders(model: str) -> None:
+    """Random block orders (with runs in both directions) on multi-layer presets: the
+    pairs are the request's pairs, and ``runs`` is what the addresses say."""
+    rng = np.random.default_rng(7)
+    spec = load_spec(model)
+    topo = ParallelTopology()
+    rank_plan = plan_transfer(spec, topo, topo).for_consumer(0)
+    c_mem = _memory(model, topo, 1 << 32, 96)
+    p_mem = _memory(model, topo, 1 << 36, 96)
+    local = consumer_table(rank_plan, c_mem)
+    remote = producer_table(rank_plan.for_producer(0), p_mem)
+    nregions = len(spec.regions)
+    merged = 0
+    for _ in range(25):
+        n = int(rng.integers(1, 40))
+        c_ids, p_ids = [], []
+        for _r in range(nregions):
+            c = rng.permutation(96)[:n]
+            p = rng.permutation(96)[:n]
+            if rng.random() < 0.5:  # contiguous runs, maybe descending on both sides
+                start_c, start_p = int(rng.integers(0, 96 - n)), int(rng.integers(0, 96 - n))
+                c, p = np.arange(start_c, start_c + n), np.arange(start_p, start_p + n)
+                if rng.random() < 0.5:
+                    c, p = c[::-1], p[::-1]
+            c_ids.append(tuple(int(x) for x in c))
+            p_ids.append(tuple(int(x) for x in p))
+        lidx, ridx, runs = pull_indices(rank_plan, local, remote, 0, c_ids, p_ids)
+        assert runs == _runs_in_rows(local.rows[lidx], remote.rows[ridx]) <= lidx.size
+        merged += lidx.size - runs
+        got = sorted(zip(map(tuple, local.rows[lidx].tolist()),
+                         map(tuple, remote.rows[ridx].tolist()), strict=True))
+        want = []
+        for j in range(rank_plan.num_descriptors):
+            region = int(local.regions[j])
+            for a, b in zip(c_ids[region], p_ids[region], strict=True):
+                want.append((tuple(local.rows[local.base_row[j] + a].tolist()),
+                             tuple(remote.rows[remote.base_row[j] + b].tolist())))
+        assert got == sorted(want)
+    assert merged > 0  # the presets' descriptors do merge across blocks
