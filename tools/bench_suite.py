@@ -132,7 +132,8 @@ def size_label(nbytes: int) -> str:
 # ---------------------------------------------------------------- paths
 
 
-def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool) -> dict[str, Any]:
+def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
+               block_order: str = "sorted") -> dict[str, Any]:
     try:
         from kvbridge.backends.nixl import load_nixl_api
 
@@ -141,7 +142,7 @@ def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool) -> 
         raise Skipped(f"NIXL cannot load: {exc}") from None
     from kvbridge.tools.bench_nixl import run_nixl_bench
 
-    raw = run_nixl_bench(tuple(patterns), iters=iters)
+    raw = run_nixl_bench(tuple(patterns), iters=iters, block_order=block_order)
     rows = [row("nixl", f"{p['num_blocks']}x{size_label(p['block_bytes'])}", "READ", "GB/s",
                 p["kvbridge_gbps"], p["raw_nixl_gbps"], "raw NIXL READ",
                 num_blocks=p["num_blocks"], block_bytes=p["block_bytes"],
@@ -378,6 +379,7 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
               iters: int = 5, quick: bool = False, events: int | None = None,
               batch_sizes: Sequence[int] = (16, 64), master: str | None = None,
               metadata: str | None = None, directory: str | None = None,
+              block_order: str = "sorted",
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the named paths; returns ``{"machine", "paths": {name: {...}}, "rows": [...]}``.
 
@@ -396,7 +398,7 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
         started = time.monotonic()
         try:
             if name == "nixl":
-                result = bench_nixl(chosen, iters, quick)
+                result = bench_nixl(chosen, iters, quick, block_order)
             elif name == "mooncake":
                 result = bench_mooncake(chosen, iters, quick, master, metadata)
             elif name == "offload":
@@ -469,7 +471,8 @@ def format_table(report: dict[str, Any]) -> str:
 def format_nixl_detail(detail: dict[str, Any]) -> str:
     """The nixl path's own columns (raw READ into a fresh buffer and into the KV cache)."""
     head = (f"{'pattern':>16} {'raw NIXL':>9} {'raw->KV':>9} {'kvbridge':>9} {'torch cp':>9} "
-            f"{'kvb/raw':>8} {'kvb/rawKV':>9} {'raw/mcpy':>9}  (GB/s, READ)")
+            f"{'kvb/raw':>8} {'kvb/rawKV':>9} {'raw/mcpy':>9} {'descs':>6} {'runs':>5}"
+            f"  (GB/s, READ)")
     lines = [head]
     for p in detail["patterns"]:
         label = f"{p['num_blocks']}x{size_label(p['block_bytes'])}"
@@ -477,7 +480,10 @@ def format_nixl_detail(detail: dict[str, Any]) -> str:
                      f"{p['raw_nixl_into_kv_cache_gbps']:9.3f} {p['kvbridge_gbps']:9.3f} "
                      f"{p['torch_copy_gbps']:9.3f} {p['kvbridge_over_raw']:8.3f} "
                      f"{p['kvbridge_over_raw_same_destination']:9.3f} "
-                     f"{p['raw_over_memcpy']:9.3f}")
+                     f"{p['raw_over_memcpy']:9.3f} {p.get('kvbridge_descriptors', 0):6d} "
+                     f"{p.get('kvbridge_descriptor_runs', 0):5d}")
+    lines.append(f"block order: {detail.get('block_order', 'sorted')} (runs: the descriptors "
+                 f"NIXL merged the connector's into)")
     return "\n".join(lines)
 
 
@@ -551,6 +557,7 @@ EPILOG = """\
 examples:
   kvbridge bench all --json results.json --plot results.png   # every path, one file
   kvbridge bench nixl                    # NIXL connector vs raw NIXL READ vs torch copy
+  kvbridge bench nixl --block-order vllm # the same with vLLM's block order
   kvbridge bench mooncake --pattern 64x2MiB --iters 9 --json
   kvbridge bench offload --dir /mnt/nvme # fs tier vs plain file I/O
   kvbridge bench events                  # KV events/s vs raw pyzmq
@@ -592,6 +599,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print JSON (or write it to FILE)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw GB/s against block size for each path (needs matplotlib)")
+    parser.add_argument("--block-order", choices=("sorted", "vllm"), default="sorted",
+                        help="nixl: how both engines hand out blocks: sorted (ascending per "
+                             "request, the reference engine's default) or vllm (free-queue "
+                             "order, which runs downwards after frees)")
     parser.add_argument("--progress", action="store_true",
                         help="progress on stderr even when it is not a terminal")
 
@@ -622,7 +633,8 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress("bench", force=args.progress)
     report = run_suite(names, patterns=patterns, iters=args.iters, quick=args.quick,
                        events=args.events, batch_sizes=sizes, master=args.master,
-                       metadata=args.metadata, directory=args.dir, progress=progress.update)
+                       metadata=args.metadata, directory=args.dir,
+                       block_order=args.block_order, progress=progress.update)
     progress.done()
     if args.json == "-":
         print(json.dumps(report, indent=2))

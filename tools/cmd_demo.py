@@ -165,7 +165,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  requests        {summary['requests']} ({summary['failed_requests']} failed)",
         f"  blocks          {summary.get('blocks', '-')}",
         f"  bytes moved     {summary.get('bytes', 0):,} in {summary.get('transfers', 0)} "
-        f"transfers ({summary.get('descriptors', 0):,} descriptors)",
+        f"transfers ({summary.get('descriptors', 0):,} descriptors"
+        + (f", merged into {summary['descriptor_runs']:,} runs"
+           if summary.get("descriptor_runs") else "") + ")",
         f"  verified bytes  {summary['verified_bytes']:,}",
         f"  mismatched      {summary['mismatched_bytes']:,}",
         f"  elapsed         {summary.get('elapsed_s', 0):.2f} s",
