@@ -43,6 +43,7 @@ tp_rank``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -132,9 +133,10 @@ class RankPlan:
     def bytes_per_block(self) -> int:
         return int(self.lengths.sum())
 
-    @property
+    @functools.cached_property
     def sources(self) -> tuple[int, ...]:
-        """Producer rank indices this consumer rank reads from, ascending."""
+        """Producer rank indices this consumer rank reads from, ascending (computed once:
+        the connector asks on every transfer)."""
         return tuple(int(r) for r in np.unique(self.producer_ranks))
 
     @property
