@@ -32,7 +32,8 @@ examples:
   kvbridge demo --producer-addr 10.0.0.5:5600     # consumer only, against `kvbridge serve`
 
 --json prints the summary: {"connector", "mode", "model", "producer", "consumer",
-"requests", "failed_requests", "blocks", "bytes", "verified_bytes",
+"requests", "failed_requests", "blocks", "bytes", "descriptors", "descriptor_runs"
+(nixl: after NIXL merged contiguous descriptors), "verified_bytes",
 "mismatched_bytes", "throughput_gbps", "transfer_gbps", "latency_ms", ...}.
 
 exit codes: 0 every request verified, 1 a failed request, a mismatched byte or no byte
