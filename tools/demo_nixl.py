@@ -302,7 +302,8 @@ def summarize(opts: DemoOptions, results: list[RequestResult], wrong: list[str],
         busy_s = float(moving.get("transfer_time_s", 0.0))
     counters = ("handshakes", "handshake_failures", "transfer_failures", "loads_failed",
                 "pushes_failed", "lease_expiries", "late_notifs", "unknown_notifs",
-                "sessions_dropped", "heartbeats_sent", "releases_sent")
+                "sessions_dropped", "heartbeats_sent", "releases_sent", "loads_done_on_promise",
+                "promises_contradicted", "holds_promised")
     return {
         "connector": CONNECTOR,
         "mode": opts.mode.value,

@@ -15,6 +15,14 @@ or notification. Three ways out, each observable:
   consumer can be faster than the producer's next step) and is kept for
   ``early_grace_s``; if no hold comes in that time it is **unknown**.
 
+A consumer about to read asks for a **guarantee** (``guarantee``): if the
+request is held, the lease is pushed back to at least ``now + lease_s`` and
+that promise is returned. A hold ends only by completion (every expected
+consumer rank notified, each after its own read) or expiry (its deadline,
+never before a promise given), so the promise holds; ``guaranteed_until`` is
+the latest promise given, which a shutting-down worker must honour (keep the
+memory alive) too.
+
 Invariants: a request id is reported completed or expired at most once; a
 notification is counted toward completion only while the lease is live; every
 notification gets exactly one :class:`Verdict` (now, or when its early wait
@@ -75,6 +83,8 @@ class LeaseStats:
     unknown_notifs: int = 0
     duplicate_notifs: int = 0
     early_notifs: int = 0
+    guarantees: int = 0
+    guarantees_refused: int = 0
 
 
 class LeaseTable:
@@ -91,6 +101,8 @@ class LeaseTable:
         self._done: list[str] = []
         self._expired: list[str] = []
         self.stats = LeaseStats()
+        #: the latest time (this table's clock) until which a hold was promised
+        self.guaranteed_until = float("-inf")
 
     # ------------------------------------------------------------------ holds
 
@@ -147,13 +159,29 @@ class LeaseTable:
             self.stats.completed += 1
         return Verdict(request_id, consumer_rank, peer, VerdictKind.OK)
 
-    def release(self, request_id: str) -> bool:
-        """Drop a hold without a verdict (the engine finished it some other way)."""
-        hold = self._holds.pop(request_id, None)
-        if hold is not None:
-            self._remember(request_id, "completed")
-            self._done.append(request_id)
-        return hold is not None
+    def guarantee(self, request_id: str, now: float) -> tuple[float | None, str]:
+        """A consumer rank is about to read ``request_id``: promise the hold.
+
+        Returns ``(lease_s, "")`` when held: the deadline is now at least
+        ``now + lease_s`` and the blocks stay held until then unless every
+        expected consumer rank notified (each one after its read). Otherwise
+        ``(None, reason)``: expired, completed, or not held (yet) -- no promise;
+        the consumer then relies on the verdict of its read notification.
+        """
+        hold = self._holds.get(request_id)
+        if hold is None:
+            self.stats.guarantees_refused += 1
+            ended = self._ended.get(request_id)
+            if ended == "expired":
+                return None, "lease expired"
+            if ended == "completed":
+                return None, "already completed"
+            return None, "not held (yet)"
+        until = now + self.lease_s
+        hold.deadline = max(hold.deadline, until)
+        self.guaranteed_until = max(self.guaranteed_until, until)
+        self.stats.guarantees += 1
+        return self.lease_s, ""
 
     def expire(self, now: float) -> list[Verdict]:
         """End every lease past its deadline; returns UNKNOWN verdicts of early waits that ran out."""

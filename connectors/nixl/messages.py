@@ -13,6 +13,17 @@ Kinds (``C`` = consumer rank, ``P`` = producer rank):
 * ``read`` C->P (pull): the notification of a READ (or a standalone "I will not
   read" with ``read=False``: full prefix hit, abort). ``expected`` is how many
   consumer ranks will notify this producer rank for the request.
+* ``begin`` C->P (pull): sent just before a READ is posted: "confirm the
+  hold and keep it ``lease_s`` more". The answer lets the consumer finish the
+  request as soon as the READ is done, without waiting for the ``ack`` of its
+  ``read`` (see ``held``).
+* ``held`` P->C (pull): the answer to ``begin``. ``ok=True`` promises that the
+  blocks stay held (not freed, not reused) for at least ``lease_s`` seconds
+  after the producer got the ``begin``, whatever else happens short of the
+  producer process dying; so a READ the consumer saw complete within
+  ``lease_s`` of *sending* the ``begin`` read good bytes. ``ok=False`` (lease
+  expired, not held yet, unknown) promises nothing: the consumer waits for the
+  ``ack`` of its ``read``, which decides.
 * ``ack`` P->C: the producer's verdict on one ``read`` or ``register``:
   ``ok=False`` means the lease had expired or the request is unknown, so the
   bytes read may be stale and the consumer must fail the request closed.
@@ -52,6 +63,8 @@ class NotifKind(str, enum.Enum):
     HEARTBEAT = "heartbeat"
     REGISTER = "register"
     PUSHED = "pushed"
+    BEGIN = "begin"
+    HELD = "held"
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,22 @@ class Pushed:
     reason: str = ""
 
 
-Notif = Hello | ReadDone | Ack | Heartbeat | Register | Pushed
+@dataclass(frozen=True)
+class Begin:
+    request_id: str  # the producer's request id
+    consumer_rank: int
+
+
+@dataclass(frozen=True)
+class Held:
+    request_id: str
+    producer_rank: int
+    ok: bool
+    lease_s: float  # ok: held at least this long after the producer got the ``begin``
+    reason: str = ""
+
+
+Notif = Hello | ReadDone | Ack | Heartbeat | Register | Pushed | Begin | Held
 
 
 def encode(msg: Notif) -> bytes:
@@ -120,6 +148,11 @@ def encode(msg: Notif) -> bytes:
     elif isinstance(msg, Pushed):
         body = {"t": NotifKind.PUSHED.value, "rid": msg.request_id, "pr": msg.producer_rank,
                 "ok": msg.ok, "why": msg.reason}
+    elif isinstance(msg, Begin):
+        body = {"t": NotifKind.BEGIN.value, "rid": msg.request_id, "cr": msg.consumer_rank}
+    elif isinstance(msg, Held):
+        body = {"t": NotifKind.HELD.value, "rid": msg.request_id, "pr": msg.producer_rank,
+                "ok": msg.ok, "for": float(msg.lease_s), "why": msg.reason}
     else:  # pragma: no cover - the union is closed
         raise TypeError(f"not a notification: {msg!r}")
     body["v"] = NOTIF_VERSION
@@ -133,6 +166,8 @@ _KEYS = {
     NotifKind.HEARTBEAT: {"rids"},
     NotifKind.REGISTER: {"rid", "cr", "n", "start", "ids", "cancel"},
     NotifKind.PUSHED: {"rid", "pr", "ok", "why"},
+    NotifKind.BEGIN: {"rid", "cr"},
+    NotifKind.HELD: {"rid", "pr", "ok", "for", "why"},
 }
 
 
@@ -155,6 +190,14 @@ def _bool(obj: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise NotifError(key, f"expected a boolean, got {value!r}")
     return value
+
+
+def _seconds(obj: dict[str, Any], key: str) -> float:
+    value = obj[key]
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or not 0.0 <= value <= 1e6):
+        raise NotifError(key, f"expected seconds in [0, 1e6], got {value!r}")
+    return float(value)
 
 
 def _int_list(value: object, field: str) -> tuple[int, ...]:
@@ -201,6 +244,14 @@ def decode(data: bytes) -> Notif:
     if kind is NotifKind.PUSHED:
         return Pushed(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"),
                       _str(obj, "why", allow_empty=True))
+    if kind is NotifKind.BEGIN:
+        return Begin(_str(obj, "rid"), _int(obj, "cr"))
+    if kind is NotifKind.HELD:
+        held = Held(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"), _seconds(obj, "for"),
+                    _str(obj, "why", allow_empty=True))
+        if held.ok and held.lease_s <= 0:
+            raise NotifError("for", "an ok answer must promise a positive time")
+        return held
     if kind is NotifKind.HEARTBEAT:
         rids = obj["rids"]
         if not isinstance(rids, list) or len(rids) > MAX_IDS:

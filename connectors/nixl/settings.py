@@ -27,8 +27,9 @@ class NixlSettings:
     ``idle_progress_ms``: a rank whose engine made no hook call for this long is
     progressed by the worker's pump thread (0: no pump). ``busy_progress_ms``:
     the pump's interval while a peer may be waiting on this rank (blocks held
-    under a lease, loads, pushes); a producer acks a consumer's read within
-    about this much (one idle progress costs ~7 us, so 0.2 ms is ~4% of a core).
+    under a lease, loads, pushes); a producer answers a consumer's ``begin`` and
+    acks its read within about this much (one idle progress costs ~7 us, so
+    0.2 ms is ~4% of a core).
     """
 
     mode: TransferMode = TransferMode.PULL

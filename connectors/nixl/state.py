@@ -8,6 +8,8 @@ states", and a test can drive the machine without NIXL::
     BOOTSTRAPPING --(push: block ids registered)-------------> WAITING
     TRANSFERRING  --(every READ done)------------------------> WAITING
     WAITING       --(every expected ack / "pushed" is ok)----> DONE
+    WAITING       --(pull: each READ without an ack yet ended
+                     within its producer's ``held`` promise)--> DONE
     any non-terminal --(error, ack not ok, deadline)---------> FAILED
 
 Invariants: DONE and FAILED are terminal and reached once; a FAILED request
@@ -57,8 +59,16 @@ class RecvTransfer:
     expected_from: frozenset[int] = frozenset()
     answered: set[int] = field(default_factory=set)
     transfers: list[object] = field(default_factory=list)  # backend Transfer objects
-    #: pull: transfer id -> (peer, encoded ReadDone) still to send once that READ is DONE
-    read_notifs: dict[int, tuple[object, bytes]] = field(default_factory=dict)
+    #: pull: transfer id -> (producer rank, peer, encoded ReadDone) still to send once
+    #: that READ is DONE
+    read_notifs: dict[int, tuple[int, object, bytes]] = field(default_factory=dict)
+    #: pull: producer rank -> local time the ``begin`` was sent (before sending)
+    begun_at: dict[int, float] = field(default_factory=dict)
+    #: producer rank -> local time until which its ``held`` answer promised the blocks
+    promised_until: dict[int, float] = field(default_factory=dict)
+    #: producer rank -> local time its READ was seen done
+    read_done_at: dict[int, float] = field(default_factory=dict)
+    done_on_promise: bool = False  # DONE before every ack came, on promises
     finished_at: float | None = None
     nbytes: int = 0
     num_descs: int = 0
@@ -97,6 +107,22 @@ class RecvTransfer:
         if self.state is RecvState.TRANSFERRING:
             self.state = RecvState.WAITING
 
+    def read_done(self, producer_rank: int, seen_at: float) -> None:
+        """The READ from ``producer_rank`` was seen DONE at ``seen_at`` (local clock)."""
+        self.read_done_at.setdefault(producer_rank, seen_at)
+
+    def promised(self, producer_rank: int, hold_s: float) -> None:
+        """``producer_rank`` promised to hold the blocks for ``hold_s`` after our ``begin``."""
+        begun = self.begun_at.get(producer_rank)
+        if begun is not None and hold_s > 0:
+            self.promised_until[producer_rank] = begun + hold_s
+
+    def _covered(self, producer_rank: int) -> bool:
+        """Its READ ended while the producer's promise held (so the bytes are good)."""
+        until = self.promised_until.get(producer_rank)
+        done = self.read_done_at.get(producer_rank)
+        return until is not None and done is not None and done <= until
+
     def answer(self, producer_rank: int, ok: bool, reason: str, now: float) -> None:
         """An ack (pull) or a "pushed" (push) from ``producer_rank``."""
         if self.state.terminal:
@@ -110,10 +136,13 @@ class RecvTransfer:
         """Advance on time alone: complete when every answer is in, fail past the deadline."""
         if self.state.terminal:
             return self.state
-        if self.state is RecvState.WAITING and self.expected_from <= self.answered:
-            self.state = RecvState.DONE
-            self.finished_at = now
-            return self.state
+        if self.state is RecvState.WAITING:
+            missing = self.expected_from - self.answered
+            if not missing or all(self._covered(p) for p in missing):
+                self.state = RecvState.DONE
+                self.finished_at = now
+                self.done_on_promise = bool(missing)
+                return self.state
         if now >= self.deadline:
             self.fail(f"deadline passed in state {self.state.value} "
                       f"({now - self.started_at:.3f} s after start)", now)

@@ -11,14 +11,21 @@ handshakes run on its one background thread, posts what became postable,
 polls transfers, enforces deadlines and leases, and sends heartbeats. A rank
 never blocks on the network inside a hook.
 
-Consumer rank, pull: READ from each source producer rank with a ``read``
-notification; the producer answers each with an ``ack`` (``ok=False`` when its
-lease had expired: the bytes may be stale), and the request is DONE when every
-source acked ok. Consumer rank, push: ``register`` its block ids with every
-producer rank it notifies, DONE when every source sent ``pushed``.
+Consumer rank, pull: for each source producer rank, send ``begin`` (the
+producer answers ``held``: a promise to keep the blocks ``lease_s`` longer, or
+no promise), READ (block pairs ordered so NIXL merges contiguous runs), then
+send a ``read`` notification once the READ is done here; the producer answers
+each ``read`` with an ``ack`` (``ok=False`` when its lease had expired: the
+bytes may be stale). The request is DONE when, for every source, the ack came
+ok or the READ ended inside that source's promise (measured from sending the
+``begin``: no clock is shared). Consumer rank, push: ``register`` its block
+ids with every producer rank it notifies, DONE when every source sent
+``pushed``.
 
 Producer rank: holds finished requests under a :class:`LeaseTable`; pull
-completes when every expected consumer rank notified; push writes a layer's
+completes when every expected consumer rank notified (promises given to
+``begin`` are kept: by the lease, and past :meth:`NixlWorker.shutdown` by
+keeping the KV memory alive until they end); push writes a layer's
 blocks to every registered consumer rank as the layer completes in the
 prompt's last step (or everything at once when the registration comes later),
 then sends ``pushed``.
@@ -73,6 +80,27 @@ from kvbridge.layouts import LayerMemory, ParallelTopology, plan_transfer
 from kvbridge.layouts.plan import rank_index
 
 logger = logging.getLogger(__name__)
+
+#: A consumer trusts a producer's ``held`` promise of ``lease_s`` only up to
+#: ``lease_s * (1 - GUARANTEE_RATE_MARGIN) - GUARANTEE_SLACK_S`` after sending its
+#: ``begin`` (clock rates of two hosts differ by far less than 0.1 %).
+GUARANTEE_RATE_MARGIN = 1e-3
+GUARANTEE_SLACK_S = 0.005
+
+#: KV memory of shut-down workers that promised a hold which has not run out yet:
+#: ``(until, tensors)``, dropped lazily once ``until`` passed (see ``NixlWorker.shutdown``).
+_KEPT_ALIVE: list[tuple[float, list[Any]]] = []
+_KEPT_LOCK = threading.Lock()
+
+
+def keep_alive(tensors: list[Any], until: float) -> None:
+    """Keep ``tensors`` referenced until ``time.monotonic() >= until`` (checked lazily)."""
+    now = time.monotonic()
+    with _KEPT_LOCK:
+        _KEPT_ALIVE[:] = [(u, t) for u, t in _KEPT_ALIVE if u > now]
+        if until > now and tensors:
+            _KEPT_ALIVE.append((until, tensors))
+
 
 #: Transfer latency samples kept per rank (for percentiles in the demo and bench).
 MAX_SAMPLES = 100_000
@@ -236,7 +264,8 @@ class NixlWorker(WorkerConnector):
         self._counters: dict[str, int | float] = {
             "transfers": 0, "transfer_bytes": 0, "transfer_descs": 0, "transfer_runs": 0,
             "transfer_time_s": 0.0,
-            "loads_done": 0, "loads_failed": 0, "handshakes": 0, "handshake_failures": 0,
+            "loads_done": 0, "loads_done_on_promise": 0, "promises_contradicted": 0,
+            "loads_failed": 0, "handshakes": 0, "handshake_failures": 0,
             "transfer_failures": 0, "lease_expiries": 0, "late_notifs": 0,
             "unknown_notifs": 0, "bad_notifs": 0, "heartbeats_sent": 0, "releases_sent": 0,
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
@@ -250,6 +279,11 @@ class NixlWorker(WorkerConnector):
         self._fault_next_loads = False
         self._faulty: set[str] = set()
         self._cancelled: dict[str, float] = {}  # producer: push rids cancelled before known
+        self._kv_tensors: list[Any] = []
+        self._reads_ended = False
+        #: consumer: loads finished on the producers' ``held`` promises before their acks
+        #: came, (producer engine id, producer request id) -> (request id, forget at)
+        self._done_on_promise: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ registration
 
@@ -270,6 +304,7 @@ class NixlWorker(WorkerConnector):
                                                  caches.num_blocks[index])
                 num_blocks.add(caches.num_blocks[index])
         transport.register_regions(tensors)
+        self._kv_tensors = tensors  # kept alive past shutdown while a hold is promised
         if self.settings.idle_progress_ms > 0:
             self._pump = threading.Thread(target=self._pump_loop, daemon=True,
                                           name=f"kvb-nixl-pump-r{self.rank_index}")
@@ -373,19 +408,20 @@ class NixlWorker(WorkerConnector):
     def get_stats(self) -> dict[str, int | float]:
         """This rank's cumulative counters (the engine keeps the latest snapshot)."""
         stats = dict(self._counters)
-        lease = self._leases.stats
-        stats["lease_expiries"] = lease.expiries
-        stats["late_notifs"] = lease.late_notifs
-        stats["unknown_notifs"] = lease.unknown_notifs
+        stats.update(self._lease_counters())
         return stats
+
+    def _lease_counters(self) -> dict[str, int]:
+        lease = self._leases.stats
+        return {"lease_expiries": lease.expiries, "late_notifs": lease.late_notifs,
+                "unknown_notifs": lease.unknown_notifs, "holds_promised": lease.guarantees,
+                "holds_promise_refused": lease.guarantees_refused}
 
     @_locked
     def totals(self) -> dict[str, int | float]:
         """Cumulative counters of this rank (not reset by :meth:`get_stats`)."""
         stats = dict(self._counters)
-        stats["lease_expiries"] = self._leases.stats.expiries
-        stats["late_notifs"] = self._leases.stats.late_notifs
-        stats["unknown_notifs"] = self._leases.stats.unknown_notifs
+        stats.update(self._lease_counters())
         stats["held"] = len(self._leases.held())
         stats["in_flight"] = len(self._recv)
         stats["sessions"] = len(self._sessions)
@@ -518,11 +554,17 @@ class NixlWorker(WorkerConnector):
                     # DONE here (its bytes are then in our memory), not attached to the
                     # READ: NIXL delivers an attached one only after a flush that waits
                     # on the peer's progress (measured +0.3-0.5 ms per READ on one host).
+                    # ``begin`` first: its ``held`` answer (while the READ runs) lets the
+                    # load finish when the READ is done, not one ack round trip later;
+                    # the time is taken before sending, so the promise is conservative
+                    recv.begun_at[p] = time.monotonic()
+                    self.transport.send_notif(peer, messages.encode(
+                        messages.Begin(rid, self.rank_index)))
                     xfer = self.transport.post(XferOp.READ, local.dlist, lidx,
                                                session.remote_lists[p], ridx, b"",
                                                deadline_s=max(0.001, recv.deadline - now))
                     transfers.append(xfer)
-                    recv.read_notifs[xfer.transfer_id] = (peer, notif)
+                    recv.read_notifs[xfer.transfer_id] = (p, peer, notif)
                     recv.nbytes += xfer.nbytes
                     recv.num_descs += xfer.num_descs
                     recv.num_runs += runs
@@ -613,8 +655,9 @@ class NixlWorker(WorkerConnector):
                 pending = recv.read_notifs.pop(x.transfer_id, None)
                 if pending is None:
                     continue
-                peer, notif = pending
+                source, peer, notif = pending
                 assert isinstance(peer, PeerHandle)
+                recv.read_done(source, time.monotonic())  # seen done: at or after the fact
                 try:
                     self.transport.send_notif(peer, notif)
                 except NixlTransportError as exc:
@@ -623,12 +666,19 @@ class NixlWorker(WorkerConnector):
                     return
         if all(s is XferState.DONE for s in states):
             recv.transfers_done()
+            self._reads_ended = True
 
     def _complete(self, recv: RecvTransfer) -> None:
         self._recv.pop(recv.request_id, None)
         self._unindex(recv)
         self._done_recving.add(recv.request_id)
         self._counters["loads_done"] += 1
+        if recv.done_on_promise:
+            # the acks still come; one saying "late" would contradict a promise
+            self._counters["loads_done_on_promise"] += 1
+            key = (recv.params.producer_engine_id, recv.params.producer_request_id)
+            self._done_on_promise[key] = (recv.request_id,
+                                          time.monotonic() + 2 * self.settings.lease_s)
         self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0, recv.num_runs)
         self._record(TransferRecord(recv.request_id, True, recv.nbytes, recv.num_descs,
                                     recv.duration_s or 0.0, recv.started_at, recv.num_runs))
@@ -816,6 +866,12 @@ class NixlWorker(WorkerConnector):
             self._on_register(sender, msg, now)
         elif isinstance(msg, messages.Ack | messages.Pushed):
             self._on_answer(sender, msg, now)
+        elif isinstance(msg, messages.Begin):
+            lease_s, reason = self._leases.guarantee(msg.request_id, now)
+            self._send_to(sender, messages.Held(msg.request_id, self.rank_index,
+                                                lease_s is not None, lease_s or 0.0, reason))
+        elif isinstance(msg, messages.Held):
+            self._on_held(sender, msg)
 
     def _on_hello(self, sender: str, msg: messages.Hello) -> None:
         assert self.transport is not None
@@ -887,16 +943,39 @@ class NixlWorker(WorkerConnector):
                 self.transport.release_dlist(consumer.push.local_list)
             self.transport.remove_peer(consumer.peer)  # releases its remote lists
 
-    def _on_answer(self, sender: str, msg: messages.Ack | messages.Pushed, now: float) -> None:
+    def _find_recv(self, sender: str, producer_rank: int, producer_rid: str
+                   ) -> tuple[str | None, RecvTransfer | None]:
+        """(producer engine id, the load) a producer rank's answer is about."""
         for key, session in self._sessions.items():
-            peer = session.peers.get(msg.producer_rank)
+            peer = session.peers.get(producer_rank)
             if peer is None or peer.name != sender:
                 continue
-            rid = self._by_producer_rid.get((key[0], msg.request_id))
-            recv = self._recv.get(rid) if rid is not None else None
-            if recv is not None:
-                recv.answer(msg.producer_rank, msg.ok, msg.reason, now)
+            rid = self._by_producer_rid.get((key[0], producer_rid))
+            return key[0], (self._recv.get(rid) if rid is not None else None)
+        return None, None
+
+    def _on_answer(self, sender: str, msg: messages.Ack | messages.Pushed, now: float) -> None:
+        engine_id, recv = self._find_recv(sender, msg.producer_rank, msg.request_id)
+        if recv is not None:
+            recv.answer(msg.producer_rank, msg.ok, msg.reason, now)
             return
+        promised = (self._done_on_promise.pop((engine_id, msg.request_id), None)
+                    if engine_id is not None else None)
+        if promised is not None and not msg.ok:
+            # cannot happen while the producer keeps its promises (and clocks run at
+            # about the same rate): say so loudly, the request already finished
+            self._counters["promises_contradicted"] += 1
+            logger.error("nixl: producer engine=%s rank=%d answered %r for request %s (%s), "
+                         "which finished on its promise to hold the blocks",
+                         engine_id, msg.producer_rank, msg.reason, promised[0],
+                         msg.request_id)
+
+    def _on_held(self, sender: str, msg: messages.Held) -> None:
+        _engine_id, recv = self._find_recv(sender, msg.producer_rank, msg.request_id)
+        if recv is None or not msg.ok:
+            return  # no promise: the ack of the read decides
+        recv.promised(msg.producer_rank,
+                      msg.lease_s * (1.0 - GUARANTEE_RATE_MARGIN) - GUARANTEE_SLACK_S)
 
     # ------------------------------------------------------------------ producer: push
 
@@ -1050,7 +1129,15 @@ class NixlWorker(WorkerConnector):
         self._last_progress = now
         self._drain_notifs(now)
         self._settle_sessions(now)
+        self._reads_ended = False
         self._progress_recv(now)
+        if self._reads_ended:
+            # a READ just ended (often inside the post: shared memory copies at once);
+            # the producers' ``held`` answers arrived meanwhile: take them now, not a
+            # step later, so the load completes in this very call
+            now = time.monotonic()
+            self._drain_notifs(now)
+            self._progress_recv(now)
         self._send_releases(now)
         self._progress_pushes(now)
         for verdict in self._leases.expire(now):
@@ -1058,6 +1145,10 @@ class NixlWorker(WorkerConnector):
         for rid, at in list(self._cancelled.items()):
             if now - at > self.settings.lease_s:
                 del self._cancelled[rid]
+        if self._done_on_promise:
+            for key, (_rid, forget_at) in list(self._done_on_promise.items()):
+                if now >= forget_at:
+                    del self._done_on_promise[key]
         self._heartbeats(now)
 
     def _count_transfer(self, nbytes: int, ndescs: int, duration_s: float, runs: int) -> None:
@@ -1116,6 +1207,10 @@ class NixlWorker(WorkerConnector):
         for agent in list(self._consumers):
             self._forget_consumer(agent)
         self._local_cache.clear()
+        # a consumer may be reading under our promise (``held``): the memory must stay
+        # as it is until the promise ran out, even though this worker is gone
+        keep_alive(self._kv_tensors, self._leases.guaranteed_until)
+        self._kv_tensors = []
         final = transport.close(strict=False)
         if final.live:
             logger.error("nixl worker %s rank %d leaked at shutdown: %s", self.ctx.engine_id,

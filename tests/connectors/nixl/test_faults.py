@@ -6,7 +6,9 @@ transport can be inspected. Covered: a producer killed mid-transfer (and
 restarted at the same address with a new incarnation), a lease that expires
 before the read (the late read is refused and the request fails closed), an
 abort before scheduling and a full prefix hit (both still free the producer's
-blocks at once), and no leaked registration, handle or thread at the end.
+blocks at once), loads finishing on the producer's promise to hold (and a
+shut-down producer keeping promised memory alive), and no leaked
+registration, handle or thread at the end.
 """
 
 from __future__ import annotations
@@ -318,3 +320,59 @@ def test_heartbeats_renew_the_lease_of_a_queued_request(no_thread_leak: None) ->
     finally:
         producer.close()
         _shutdown_clean(consumer)
+
+
+def test_load_finishes_on_the_producers_promise_without_waiting_for_its_ack(
+        no_thread_leak: None) -> None:
+    """Each consumer rank asks its producer ranks to promise the hold (``begin``) before
+    its READ; a READ that ends inside the promise completes the load at once, and the
+    acks that come later agree (none contradicts a promise)."""
+    producer = _producer(lease_s=60.0)
+    consumer = _consumer()
+    stepper = Stepper(consumer)
+    try:
+        specs = make_requests(3, prompt_tokens=48, max_tokens=2, seed=21, prefix="promise")
+        for spec in specs:
+            result = _prefill(producer, spec)
+            consumer.add_request(replace(spec, transfer_params=result.transfer_params))
+            stepper.until(lambda s=spec: s.request_id in stepper.results, 30, "load")
+            _check_output(stepper.results[spec.request_id], spec)
+            assert stepper.results[spec.request_id].num_external_tokens > 0
+        _wait_producer(producer, "finished_sending", 2 * len(specs), 20)  # acks came too
+        stats = _producer_worker_stats(producer)
+        assert stats["holds_promised"] == 2 * len(specs)  # each producer rank, each load
+        stepper.step()
+        totals = _worker_totals(consumer)
+        assert sum(t["loads_done"] for t in totals) == len(specs)
+        assert sum(t["loads_done_on_promise"] for t in totals) >= 1
+        assert sum(t["promises_contradicted"] for t in totals) == 0
+    finally:
+        producer.close()
+        _shutdown_clean(consumer)
+
+
+def test_a_shut_down_producer_keeps_promised_memory_until_the_promise_ends() -> None:
+    """A consumer may still be reading under a promise when the producer's engine shuts
+    down in a living process: the KV tensors stay allocated (and unchanged) until the
+    promise runs out, then they are let go."""
+    import gc
+    import weakref
+
+    from kvbridge.connectors.nixl import worker as nixl_worker
+
+    engine = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PULL,
+                                lease_s=0.3))
+    connector = engine.workers[0].connector
+    assert isinstance(connector, nixl_worker.NixlWorker)
+    refs = [weakref.ref(t) for t in engine.workers[0].caches.layers.values()]
+    now = time.monotonic()
+    connector._leases.hold("held-req", now)
+    assert connector._leases.guarantee("held-req", now) == (0.3, "")
+    engine.shutdown()
+    del engine, connector
+    gc.collect()
+    assert all(r() is not None for r in refs), "promised memory freed at shutdown"
+    time.sleep(0.35)
+    nixl_worker.keep_alive([], 0.0)  # any later call drops what ran out
+    gc.collect()
+    assert all(r() is None for r in refs), "memory kept after its promise ended"

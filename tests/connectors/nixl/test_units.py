@@ -40,6 +40,9 @@ SAMPLES = [
     messages.Register("r", 1, 2, (0, 3), ((1, 2), (9,))),
     messages.Register("r", 1, 2, (0,), ((),), cancel=True),
     messages.Pushed("r", 0, True),
+    messages.Begin("r", 2),
+    messages.Held("r", 1, True, 30.0),
+    messages.Held("r", 1, False, 0.0, "lease expired"),
 ]
 
 
@@ -62,6 +65,11 @@ def test_notif_round_trip(msg: messages.Notif) -> None:
     (msgpack.packb({"v": 1, "t": "register", "rid": "x", "cr": 0, "n": 1, "start": [0],
                     "ids": [[-4]], "cancel": False}), "ids[0][0]"),
     (msgpack.packb({"v": 1, "t": "hello", "agent": "text", "x": 1}), "x"),
+    (msgpack.packb({"v": 1, "t": "held", "rid": "x", "pr": 0, "ok": True, "for": 0.0,
+                    "why": ""}), "for"),  # an ok promise of nothing
+    (msgpack.packb({"v": 1, "t": "held", "rid": "x", "pr": 0, "ok": True,
+                    "for": float("nan"), "why": ""}), "for"),
+    (msgpack.packb({"v": 1, "t": "begin", "rid": "", "cr": 0}), "rid"),
 ])
 def test_notif_decode_names_the_field(raw: bytes, field: str) -> None:
     with pytest.raises(messages.NotifError) as info:
@@ -110,6 +118,24 @@ def test_early_notification_waits_for_the_hold_then_becomes_unknown() -> None:
     unknown = table.expire(now=5)
     assert [(v.request_id, v.kind) for v in unknown] == [("x", VerdictKind.UNKNOWN)]
     assert table.num_early() == 0 and table.stats.unknown_notifs == 1
+
+
+def test_guarantee_pushes_the_deadline_and_is_refused_without_a_live_hold() -> None:
+    table = LeaseTable(lease_s=10)
+    assert table.guarantee("r", now=0) == (None, "not held (yet)")
+    table.hold("r", now=0)  # deadline 10
+    assert table.guarantee("r", now=7) == (10, "")  # deadline 17, promised until 17
+    assert table.guaranteed_until == 17
+    table.expire(now=16.9)
+    assert table.is_held("r")  # a promise is never broken by expiry
+    table.expire(now=17)
+    assert table.guarantee("r", now=18) == (None, "lease expired")
+    table.hold("s", now=20)
+    table.guarantee("s", now=20)
+    table.notify("s", 0, 1, "c0", now=21)  # the reader's own notification ends it
+    assert table.guarantee("s", now=22) == (None, "already completed")
+    assert table.stats.guarantees == 2 and table.stats.guarantees_refused == 3
+    assert table.guaranteed_until == 30
 
 
 # ---------------------------------------------------------------- routing
@@ -233,6 +259,46 @@ def test_recv_transfer_fails_on_refusal_and_deadline() -> None:
     stuck = RecvTransfer("s", _params(), ((7,),), ((1,),), (0,), deadline=10, started_at=0)
     assert stuck.poll(9.99) is RecvState.BOOTSTRAPPING
     assert stuck.poll(10) is RecvState.FAILED and "bootstrapping" in (stuck.error or "")
+
+
+def test_recv_transfer_finishes_on_a_promise_only_if_the_read_ended_inside_it() -> None:
+    def posted() -> RecvTransfer:
+        recv = RecvTransfer("r", _params(), ((5, 6),), ((1, 2),), (0,), deadline=100,
+                            started_at=0)
+        recv.begun_at = {0: 1.0, 1: 1.0}
+        recv.posted(frozenset({0, 1}), [object(), object()], pull=True)
+        recv.transfers_done()
+        return recv
+
+    recv = posted()
+    recv.promised(0, 10.0)  # rank 0 holds until 11 (local), rank 1 says nothing yet
+    recv.read_done(0, 5.0)
+    recv.read_done(1, 5.0)
+    assert recv.poll(5) is RecvState.WAITING  # rank 1: neither promise nor ack
+    recv.answer(1, True, "", 6)
+    assert recv.poll(6) is RecvState.DONE and recv.done_on_promise
+
+    late = posted()
+    late.promised(0, 10.0)
+    late.promised(1, 10.0)
+    late.read_done(0, 5.0)
+    late.read_done(1, 11.5)  # seen done after the promise ran out: proves nothing
+    assert late.poll(12) is RecvState.WAITING
+    late.answer(1, False, "lease late", 13)  # the ack decides: fail closed
+    assert late.poll(13) is RecvState.FAILED
+
+    acked = posted()
+    acked.answer(0, True, "", 2)
+    acked.answer(1, True, "", 2)
+    assert acked.poll(2) is RecvState.DONE and not acked.done_on_promise
+
+    unasked = posted()
+    unasked.begun_at = {}
+    unasked.promised(0, 10.0)  # a promise for a begin never sent counts for nothing
+    unasked.promised(1, 10.0)
+    unasked.read_done(0, 2.0)
+    unasked.read_done(1, 2.0)
+    assert unasked.poll(3) is RecvState.WAITING
 
 
 # ---------------------------------------------------------------- settings and stats
