@@ -24,7 +24,7 @@ Event kinds (``TraceEvent.kind``) and their ``detail`` fields:
 ``transfer_done``  op, bytes, descriptors, ms, state, error
 ``notif_sent``     type, to, fields of the message
 ``notif_received`` type, from, fields of the message
-``lease``          action (hold, renew, notify, expire), verdicts
+``lease``          action (hold, renew, notify, expire, guarantee), verdicts, promise
 ``freed``          blocks released by the producer (done sending)
 ``loaded``         request finished loading on the consumer rank (done recving)
 ``failure``        reason (the connector's own words)
@@ -108,7 +108,7 @@ def _notif_fields(data: bytes) -> tuple[str, dict[str, Any]]:
 def _msg_fields(msg: Any) -> tuple[str, dict[str, Any]]:
     fields: dict[str, Any] = {}
     for name in ("request_id", "request_ids", "consumer_rank", "producer_rank", "expected",
-                 "read", "ok", "reason", "cancel", "block_ids"):
+                 "read", "ok", "reason", "cancel", "block_ids", "lease_s"):
         if hasattr(msg, name):
             value = getattr(msg, name)
             if name == "block_ids":
@@ -298,6 +298,8 @@ def _instrument_worker(worker: Any, side: str, rank: int, rec: TraceRecorder) ->
                 detail: dict[str, Any] = {"action": action}
                 if action == "renew":
                     detail["renewed"] = bool(result)
+                if action == "guarantee":
+                    detail["promised_s"], detail["refused"] = result
                 if action == "notify" and len(args) >= 2:
                     detail["consumer_rank"] = args[1]
                 if verdicts:
@@ -308,7 +310,7 @@ def _instrument_worker(worker: Any, side: str, rank: int, rec: TraceRecorder) ->
             return call
         return make
 
-    for action in ("hold", "renew", "notify", "expire"):
+    for action in ("hold", "renew", "notify", "expire", "guarantee"):
         _wrap(leases, action, lease(action))
 
 
