@@ -261,6 +261,10 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             consumer.shutdown()
         producer.close()
     med = {k: statistics.median(v) for k, v in times.items()}
+    # the four ways of one iteration run back to back: the median of per-iteration
+    # ratios is steadier than the ratio of medians on a noisy (shared, virtual) host
+    paired = statistics.median(r / k for r, k in zip(times["raw"], times["kvbridge"],
+                                                      strict=True))
     gbps = {k: total / v / 1e9 for k, v in med.items()}
     return {"num_blocks": num_blocks, "block_bytes": block_bytes, "total_bytes": total,
             "iters": iters, "block_order": block_order,
@@ -269,6 +273,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             "kvbridge_gbps": round(gbps["kvbridge"], 3),
             "torch_copy_gbps": round(gbps["copy"], 3),
             "kvbridge_over_raw": round(gbps["kvbridge"] / gbps["raw"], 3),
+            "kvbridge_over_raw_paired": round(paired, 3),
             "raw_over_memcpy": round(gbps["raw"] / gbps["copy"], 3),
             "kvbridge_over_raw_same_destination": round(gbps["kvbridge"] / gbps["raw_kv"], 3),
             "median_ms": {k: round(v * 1e3, 3) for k, v in med.items()},

@@ -471,7 +471,8 @@ def format_table(report: dict[str, Any]) -> str:
 def format_nixl_detail(detail: dict[str, Any]) -> str:
     """The nixl path's own columns (raw READ into a fresh buffer and into the KV cache)."""
     head = (f"{'pattern':>16} {'raw NIXL':>9} {'raw->KV':>9} {'kvbridge':>9} {'torch cp':>9} "
-            f"{'kvb/raw':>8} {'kvb/rawKV':>9} {'raw/mcpy':>9} {'descs':>6} {'runs':>5}"
+            f"{'kvb/raw':>8} {'paired':>6} {'kvb/rawKV':>9} {'raw/mcpy':>9} {'descs':>6} "
+            f"{'runs':>5}"
             f"  (GB/s, READ)")
     lines = [head]
     for p in detail["patterns"]:
@@ -479,11 +480,13 @@ def format_nixl_detail(detail: dict[str, Any]) -> str:
         lines.append(f"{label:>16} {p['raw_nixl_gbps']:9.3f} "
                      f"{p['raw_nixl_into_kv_cache_gbps']:9.3f} {p['kvbridge_gbps']:9.3f} "
                      f"{p['torch_copy_gbps']:9.3f} {p['kvbridge_over_raw']:8.3f} "
+                     f"{p.get('kvbridge_over_raw_paired', 0.0):6.3f} "
                      f"{p['kvbridge_over_raw_same_destination']:9.3f} "
                      f"{p['raw_over_memcpy']:9.3f} {p.get('kvbridge_descriptors', 0):6d} "
                      f"{p.get('kvbridge_descriptor_runs', 0):5d}")
-    lines.append(f"block order: {detail.get('block_order', 'sorted')} (runs: the descriptors "
-                 f"NIXL merged the connector's into)")
+    lines.append(f"block order: {detail.get('block_order', 'sorted')}; paired: median of the "
+                 f"per-iteration kvb/raw ratios; runs: the descriptors NIXL merged the "
+                 f"connector's into")
     return "\n".join(lines)
 
 
