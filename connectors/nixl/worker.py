@@ -252,6 +252,7 @@ class NixlWorker(WorkerConnector):
         self._releases: list[ReleaseOrder] = []
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._failed_reported: set[str] = set()
         self._load_errors: set[BlockRef] = set()
         self._leases = LeaseTable(self.settings.lease_s, self.settings.early_grace_s)
         self._consumers: dict[str, _ConsumerPeer] = {}
@@ -392,11 +393,17 @@ class NixlWorker(WorkerConnector):
             self._drop_push_job(rid)
         self._counters["finished_sending"] += len(done_sending)
         done_recving, self._done_recving = self._done_recving, set()
+        # failures reported with *these* finished ids only: the pump may fail more
+        # loads before get_failed_recving runs, and those belong to the next report
+        # (reporting them now would finish them twice)
+        self._failed_reported = self._failed_recving & done_recving
+        self._failed_recving -= self._failed_reported
         return done_sending, done_recving
 
     @_locked
     def get_failed_recving(self) -> set[str]:
-        failed, self._failed_recving = self._failed_recving, set()
+        """The failed ones among the loads the last :meth:`get_finished` reported."""
+        failed, self._failed_reported = self._failed_reported, set()
         return failed
 
     @_locked
@@ -550,10 +557,6 @@ class NixlWorker(WorkerConnector):
                     if lidx.size == 0:
                         self.transport.send_notif(peer, notif)
                         continue
-                    # The ReadDone goes as a standalone notification once the READ is
-                    # DONE here (its bytes are then in our memory), not attached to the
-                    # READ: NIXL delivers an attached one only after a flush that waits
-                    # on the peer's progress (measured +0.3-0.5 ms per READ on one host).
                     # ``begin`` first: its ``held`` answer (while the READ runs) lets the
                     # load finish when the READ is done, not one ack round trip later;
                     # the time is taken before sending, so the promise is conservative
@@ -564,6 +567,10 @@ class NixlWorker(WorkerConnector):
                                                session.remote_lists[p], ridx, b"",
                                                deadline_s=max(0.001, recv.deadline - now))
                     transfers.append(xfer)
+                    # The ReadDone goes as a standalone notification once the READ is
+                    # DONE here (its bytes are then in our memory), not attached to the
+                    # READ: NIXL delivers an attached one only after a flush that waits
+                    # on the peer's progress (measured +0.3-0.5 ms per READ on one host).
                     recv.read_notifs[xfer.transfer_id] = (p, peer, notif)
                     recv.nbytes += xfer.nbytes
                     recv.num_descs += xfer.num_descs
@@ -679,6 +686,8 @@ class NixlWorker(WorkerConnector):
             key = (recv.params.producer_engine_id, recv.params.producer_request_id)
             self._done_on_promise[key] = (recv.request_id,
                                           time.monotonic() + 2 * self.settings.lease_s)
+            while len(self._done_on_promise) > MAX_SAMPLES:  # oldest first
+                del self._done_on_promise[next(iter(self._done_on_promise))]
         self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0, recv.num_runs)
         self._record(TransferRecord(recv.request_id, True, recv.nbytes, recv.num_descs,
                                     recv.duration_s or 0.0, recv.started_at, recv.num_runs))
@@ -807,9 +816,10 @@ class NixlWorker(WorkerConnector):
 
         While a peer may be waiting on this rank (blocks held under a lease, loads,
         pushes, releases or handshakes in flight) it polls every
-        ``busy_progress_ms`` (0.2 ms) at most: a consumer's READ-done notification
-        is then acked within a fraction of a millisecond instead of a full idle
-        interval (the ack is on every pull load's critical path)."""
+        ``busy_progress_ms`` (0.2 ms) at most: a consumer's ``begin`` is then
+        answered (and its ``read`` acked) within a fraction of a millisecond
+        instead of a full idle interval: one of them is on every pull load's
+        critical path."""
         idle = self.settings.idle_progress_ms / 1000.0
         busy = min(idle, self.settings.busy_progress_ms / 1000.0)
         interval = idle
@@ -959,7 +969,7 @@ class NixlWorker(WorkerConnector):
         if recv is not None:
             recv.answer(msg.producer_rank, msg.ok, msg.reason, now)
             return
-        promised = (self._done_on_promise.pop((engine_id, msg.request_id), None)
+        promised = (self._done_on_promise.get((engine_id, msg.request_id))
                     if engine_id is not None else None)
         if promised is not None and not msg.ok:
             # cannot happen while the producer keeps its promises (and clocks run at

@@ -376,3 +376,24 @@ def test_a_shut_down_producer_keeps_promised_memory_until_the_promise_ends() -> 
     nixl_worker.keep_alive([], 0.0)  # any later call drops what ran out
     gc.collect()
     assert all(r() is None for r in refs), "memory kept after its promise ended"
+
+
+def test_a_load_failed_between_the_reporting_hooks_is_reported_once() -> None:
+    """The pump thread may fail a load between ``get_finished`` and ``get_failed_recving``
+    of one step: that load belongs to the next step's report, whole (reported now it
+    would reach the engine as finished twice)."""
+    consumer = _consumer()
+    try:
+        worker = consumer.workers[0].connector
+        assert worker is not None
+        assert worker.get_finished(frozenset()) == (set(), set())
+        with worker._state_lock:  # what _fail does on the pump thread
+            worker._done_recving.add("r")
+            worker._failed_recving.add("r")
+        assert worker.get_failed_recving() == set()
+        out = worker.collect_output(frozenset())
+        assert out.finished_recving == {"r"} and out.failed_recving == {"r"}
+        again = worker.collect_output(frozenset())
+        assert not again.finished_recving and not again.failed_recving
+    finally:
+        _shutdown_clean(consumer)
