@@ -98,7 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the served producer's control port (default PORT+1)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S")
     parser.add_argument("--kv-config", metavar="JSON",
-                        help="extra connector settings, e.g. '{\"lease_s\": 10}'")
+                        help="extra connector settings (nixl, mooncake), checked before "
+                             "anything starts, e.g. '{\"lease_s\": 10}'")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     # connector flags: added when `demo` itself is parsed or its help printed, so that
     # `kvbridge --help` does not import the demo runners (they import torch)

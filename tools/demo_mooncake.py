@@ -100,7 +100,17 @@ def _engine_config(opts: StoreDemoOptions, role: KVRole, topology: ParallelTopol
 
 def run_store_demo(opts: StoreDemoOptions, progress: Callable[[str], None] | None = None,
                    ) -> dict[str, Any]:
-    """Run the demo; returns the summary dict (the keys ``kvbridge demo`` prints)."""
+    """Run the demo; returns the summary dict (the keys ``kvbridge demo`` prints).
+
+    Raises ConfigError (a usage error) for a bad ``--kv-config`` setting before a
+    master or an engine process starts (placeholder addresses stand in for them)."""
+    from kvbridge.connectors import registry
+
+    for role in (KVRole.PRODUCER, KVRole.CONSUMER):
+        config = _engine_config(opts, role, ParallelTopology(), "127.0.0.1:1",
+                                "http://127.0.0.1:1/metadata").connector
+        assert config is not None
+        registry.resolve(config)
     spec = load_spec(opts.model)
     spec.validate_topology(opts.producer, "producer")
     spec.validate_topology(opts.consumer, "consumer")

@@ -203,7 +203,16 @@ def _drain(engines: list[_Engine], deadline: float) -> list[dict[str, Any]]:
 
 def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
              ) -> dict[str, Any]:
-    """Run the demo; returns the summary dict (see ``kvbridge demo --help``)."""
+    """Run the demo; returns the summary dict (see ``kvbridge demo --help``).
+
+    Raises ConfigError (a usage error) for a bad ``--kv-config`` setting before any
+    engine process starts."""
+    from kvbridge.connectors import registry
+
+    for role in (KVRole.PRODUCER, KVRole.CONSUMER):
+        config = engine_config(opts, role, ParallelTopology()).connector
+        assert config is not None
+        registry.resolve(config)
     spec = load_spec(opts.model)
     requests = make_requests(opts.requests, prompt_tokens=opts.prompt_tokens,
                              max_tokens=opts.max_tokens, seed=opts.seed, prefix="demo")

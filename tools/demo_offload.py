@@ -221,6 +221,9 @@ def format_details(summary: dict[str, Any]) -> str:
 
 
 def run_cli(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    if getattr(args, "kv_config", None):
+        raise ConfigError("kv_config", "the offload demo builds its own connector settings; "
+                                       "use --cpu-blocks, --offload-dir and --inject-faults")
     if not 0.0 <= args.inject_faults <= 1.0:
         raise ConfigError("inject_faults", f"expected a rate in [0, 1], got {args.inject_faults}")
     summary = run_offload_workload(

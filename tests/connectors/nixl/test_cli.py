@@ -74,6 +74,22 @@ def test_demo_usage_errors_exit_2() -> None:
     assert main(["demo", "--kv-config", "[1]"]) == 2
 
 
+def test_demo_refuses_a_bad_connector_setting_before_starting_anything(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused in this process, naming the setting (a started engine would have died
+    instead, and the demo would say "producer: exited ... before ready", exit 1)."""
+    from kvbridge.tools.cli import main
+
+    assert main(["demo", "--kv-config", '{"lease_s": -1}']) == 2
+    err = capsys.readouterr().err
+    assert "kv_connector_extra_config.lease_s" in err and "before ready" not in err
+    assert main(["demo", "--connector", "mooncake", "--kv-config", '{"nope": 1}']) == 2
+    err = capsys.readouterr().err
+    assert "kv_connector_extra_config.nope" in err and "before ready" not in err
+    assert main(["demo", "--connector", "offload", "--kv-config", '{"x": 1}']) == 2
+    assert "kv_config" in capsys.readouterr().err
+
+
 def test_bench_nixl_small_pattern() -> None:
     proc = _run(["bench", "nixl", "--pattern", "8x64KiB", "--iters", "1", "--json"])
     assert proc.returncode == 0, proc.stderr[-2000:]
