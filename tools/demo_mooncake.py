@@ -31,7 +31,12 @@ from kvbridge.engine.request import RequestResult
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.tools.demo_nixl import Router
-from kvbridge.tools.pd_report import idle_problems, request_fields, route_all
+from kvbridge.tools.pd_report import (
+    check_connector_settings,
+    idle_problems,
+    request_fields,
+    route_all,
+)
 
 CONNECTOR = "mooncake"
 PLUGIN = "mooncake_store"
@@ -104,13 +109,8 @@ def run_store_demo(opts: StoreDemoOptions, progress: Callable[[str], None] | Non
 
     Raises ConfigError (a usage error) for a bad ``--kv-config`` setting before a
     master or an engine process starts (placeholder addresses stand in for them)."""
-    from kvbridge.connectors import registry
-
-    for role in (KVRole.PRODUCER, KVRole.CONSUMER):
-        config = _engine_config(opts, role, ParallelTopology(), "127.0.0.1:1",
-                                "http://127.0.0.1:1/metadata").connector
-        assert config is not None
-        registry.resolve(config)
+    check_connector_settings(lambda role: _engine_config(
+        opts, role, ParallelTopology(), "127.0.0.1:1", "http://127.0.0.1:1/metadata"))
     spec = load_spec(opts.model)
     spec.validate_topology(opts.producer, "producer")
     spec.validate_topology(opts.consumer, "consumer")

@@ -38,7 +38,12 @@ from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.handshake import parse_address
 from kvbridge.layouts import ParallelTopology, load_spec
-from kvbridge.tools.pd_report import idle_problems, request_fields, route_all
+from kvbridge.tools.pd_report import (
+    check_connector_settings,
+    idle_problems,
+    request_fields,
+    route_all,
+)
 
 CONNECTOR = "nixl"
 
@@ -207,12 +212,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] | None = None,
 
     Raises ConfigError (a usage error) for a bad ``--kv-config`` setting before any
     engine process starts."""
-    from kvbridge.connectors import registry
-
-    for role in (KVRole.PRODUCER, KVRole.CONSUMER):
-        config = engine_config(opts, role, ParallelTopology()).connector
-        assert config is not None
-        registry.resolve(config)
+    check_connector_settings(lambda role: engine_config(opts, role, ParallelTopology()))
     spec = load_spec(opts.model)
     requests = make_requests(opts.requests, prompt_tokens=opts.prompt_tokens,
                              max_tokens=opts.max_tokens, seed=opts.seed, prefix="demo")

@@ -18,12 +18,26 @@ from typing import TYPE_CHECKING, Any
 from kvbridge.tools.lazy import lazy
 
 if TYPE_CHECKING:
+    from kvbridge.connectors import KVRole
+    from kvbridge.engine.core import EngineConfig
     from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
     from kvbridge.tools.demo_nixl import Router
 else:
     RequestState = lazy("kvbridge.engine.request", "RequestState")
 
 PROGRESS_EVERY_S = 0.5
+
+
+def check_connector_settings(make_config: Callable[[KVRole], EngineConfig]) -> None:
+    """Parse the producer's and the consumer's connector settings here, before any
+    process starts: a bad ``--kv-config`` is a usage error (ConfigError naming the
+    setting), not an engine process that dies before it is ready."""
+    from kvbridge.connectors import KVRole, registry
+
+    for role in (KVRole.PRODUCER, KVRole.CONSUMER):
+        config = make_config(role).connector
+        assert config is not None
+        registry.resolve(config)
 
 
 def route_all(router: Router, requests: list[RequestSpec], timeout_s: float,
