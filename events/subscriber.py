@@ -591,7 +591,6 @@ class KVEventSubscriber:
         asked_end = end
         if end is None or end - start > config.max_pending_batches:
             asked_end = start + config.max_pending_batches
-        truncated = use_ext and asked_end != end and asked_end > start
         if use_ext:
             request = ReplayRequest(
                 start_seq=start, end_seq=asked_end, incarnation=self.incarnation
@@ -652,12 +651,16 @@ class KVEventSubscriber:
                     if end is not None and end <= start:
                         return _ReplayResult(None, batches, complete=True)  # a probe only
                     use_ext = False
-                    truncated = False  # the plain protocol replays to the newest batch
                     sock.send_multipart((b"", encode_seq(start)))
                     continue
                 self._replay_failures = 0
-                if info is not None and asked_end is not None and info.next_seq <= asked_end:
-                    truncated = False  # the publisher holds nothing past what was asked
+                # A kvbridge publisher caps each reply (and so do we, by asking for
+                # at most max_pending_batches): more may follow when this reply
+                # stopped short of what was asked and of what the publisher holds.
+                truncated = False
+                if info is not None and batches:
+                    limit = info.next_seq if asked_end is None else min(asked_end, info.next_seq)
+                    truncated = batches[-1][0] + 1 < limit
                 return _ReplayResult(info, batches, complete=True, truncated=truncated)
             if reply.seq < start or (end is not None and reply.seq >= end):
                 continue  # not asked for (counted against the bound above)

@@ -26,8 +26,10 @@ from kvbridge.events import (
     EventBatch,
     GapDetected,
     GapLost,
+    KVEventPublisher,
     KVEventSubscriber,
     MalformedFrame,
+    PublisherConfig,
     ReceivedBatch,
     StreamItem,
     SubscriberConfig,
@@ -303,3 +305,90 @@ def test_silent_replay_endpoint_costs_one_timeout_not_one_per_gap(
     assert sub.stats.replay_timeouts == 1 and sub.stats.replay_requests == 1
     assert sub.stats.replays_skipped == len(seqs) - 2
 
+
+
+# ---------------------------------------------------------------- the publisher's ROUTER
+
+
+def _kilobyte_step(i: int) -> list[BlockStored]:
+    # ~1 KB payload: 300 token ids of 3 bytes each.
+    return [BlockStored(block_hashes=(i + 1,), parent_block_hash=None,
+                        token_ids=tuple(range(1000, 1300)), block_size=300)]
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_unread_replay_requests_do_not_queue_replies_without_bound() -> None:
+    """3,000 replay requests from a client that never reads its replies, against a
+    100-batch ring: with SNDHWM 0 the ROUTER queued every reply (~300 MB). Now the
+    client's queue is bounded, the surplus is refused, the stalled reply abandoned,
+    and an honest subscriber still gets its full replay."""
+    pub = KVEventPublisher(PublisherConfig(replay_stall_timeout_s=0.5))
+    greedy = zmq.Context.instance().socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.setsockopt(zmq.SNDTIMEO, 10_000)
+    try:
+        for i in range(100):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        assert pub.replay_endpoint is not None
+        greedy.connect(pub.replay_endpoint)
+        rss = PeakRss()
+        for _ in range(3000):
+            greedy.send_multipart((b"", encode_seq(0)))
+        _wait_for(lambda: pub.stats.replay_requests >= 3000, "the requests to be read")
+        # The last stalled reply (and the requests queued behind it) is abandoned.
+        _wait_for(lambda: pub.stats.replay_clients == 0, "the stalled reply to be abandoned")
+        growth = rss.stop()
+        stats = pub.stats
+        assert stats.refused_replay_requests > 0 and stats.abandoned_replays > 0
+        assert growth < 64 << 20, f"publisher process grew by {growth >> 20} MiB"
+        with KVEventSubscriber(SubscriberConfig(pub.endpoint, pub.replay_endpoint,
+                                                start_seq=0)) as honest:
+            got = [b for b in _collect(honest, 100) if isinstance(b, ReceivedBatch)]
+        assert [b.seq for b in got] == list(range(100)) and all(b.replayed for b in got)
+        assert [list(b.batch.events) for b in got] == [_kilobyte_step(i) for i in range(100)]
+    finally:
+        greedy.close(linger=0)
+        pub.close(timeout_s=1.0)
+
+
+def test_replies_are_capped_per_request_and_the_subscriber_asks_in_chunks(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """A reply carries at most max_replay_batches_per_request batches (a plain
+    vLLM-style request sees the cap, then the end marker); kvbridge's subscriber
+    asks again from where the reply stopped and loses nothing."""
+    pub = KVEventPublisher(PublisherConfig(max_replay_batches_per_request=7))
+    plain = zmq.Context.instance().socket(zmq.DEALER)
+    plain.setsockopt(zmq.LINGER, 0)
+    try:
+        for i in range(50):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        assert pub.replay_endpoint is not None
+        plain.connect(pub.replay_endpoint)
+        plain.send_multipart((b"", encode_seq(3)))
+        seqs = []
+        while True:
+            assert plain.poll(10_000), "no reply"
+            _, _topic, seq_frame, _payload = plain.recv_multipart()
+            seq = int.from_bytes(seq_frame, "big", signed=True)
+            if seq == -1:
+                break
+            seqs.append(seq)
+        assert seqs == list(range(3, 10))
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0)
+        got = [b for b in _collect(sub, 50) if isinstance(b, ReceivedBatch)]
+        assert [b.seq for b in got] == list(range(50))
+        assert sub.stats.lost_batches == 0
+        assert sub.stats.replay_requests >= 50 // 7
+    finally:
+        plain.close(linger=0)
+        pub.close(timeout_s=1.0)
