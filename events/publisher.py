@@ -4,6 +4,12 @@ One background thread owns both sockets: it encodes queued batches, sends them
 on the PUB socket, keeps the last ``replay_buffer_batches`` payloads in a ring,
 and answers replay requests on the ROUTER socket between sends.
 
+The PUB socket is an XPUB (the same wire for SUB peers, vLLM's included) so that
+the publisher sees each subscription arrive: ``wait_for_subscribers`` is the
+readiness handshake against ZeroMQ's slow joiner (a batch published before a
+SUB's subscription reached the publisher is not delivered to it live), in
+place of sleeping and hoping.
+
 Invariants:
 
 - Sequence numbers are assigned in ``publish`` under one lock, in call order,
@@ -137,6 +143,9 @@ class PublisherStats:
     abandoned_replays: int = 0
     #: Replies under way now.
     replay_clients: int = 0
+    #: Subscriptions received on the PUB socket since start (one per SUB and topic;
+    #: reconnects count again).
+    subscriptions: int = 0
 
 
 _SENTINEL: Any = object()
@@ -206,9 +215,14 @@ class KVEventPublisher:
         self._last_drop_log = -1.0e9
         self._last_refuse_log = -1.0e9
 
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._replay: zmq.Socket[Any] | None = None
+        self._subscriptions = 0
+        self._subscribed = threading.Condition()
         try:
+            # Every subscription message, also a second one for a known topic.
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscriptions are topic-sized
             self._pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
             _bind(self._pub, self.config.endpoint, self.config.bind_retry_s)
@@ -293,7 +307,24 @@ class KVEventPublisher:
             refused_replay_requests=self._refused_replay_requests,
             abandoned_replays=self._abandoned_replays,
             replay_clients=len(self._streams),
+            subscriptions=self._subscriptions,
         )
+
+    def wait_for_subscribers(self, count: int = 1, timeout_s: float = 10.0) -> bool:
+        """Wait until ``count`` subscriptions have reached the PUB socket (True) or
+        ``timeout_s`` passed (False). A batch published after this returns True is
+        delivered live to those subscribers (up to their high-water marks).
+
+        After a reconnect, libzmq re-sends a SUB's subscription only when the SUB's
+        owner next uses that socket: keep the subscriber polling meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        with self._subscribed:
+            while self._subscriptions < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._subscribed.wait(min(remaining, 0.05))
+            return True
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued batch has been sent (True) or the timeout passed."""
@@ -353,6 +384,7 @@ class KVEventPublisher:
         dp_rank = self.config.data_parallel_rank
         topic = self._topic
         while not self._abort.is_set():
+            self._read_subscriptions()
             self._serve_replays()
             try:
                 item = self._queue.get(timeout=0.002)
@@ -378,6 +410,18 @@ class KVEventPublisher:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
+
+    def _read_subscriptions(self) -> None:
+        """Count subscribe messages (byte 1, then the topic) from the XPUB socket."""
+        for _ in range(64):
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                with self._subscribed:
+                    self._subscriptions += 1
+                    self._subscribed.notify_all()
 
     def _serve_replays(self) -> None:
         replay = self._replay
