@@ -471,8 +471,8 @@ class KVEventSubscriber:
         assert expected is not None
         result = self._request_replay(expected, None)
         base = self.config.idle_resync_s or 1.0
-        if not result.complete:
-            # A silent or dead publisher: ask less and less often (up to 30 s).
+        if result.failure is not None:
+            # A silent or dead publisher (or backing off after one): ask less and less often (up to 30 s).
             self._resync_interval = min(30.0, 2 * (self._resync_interval or base))
             return
         self._resync_interval = self.config.idle_resync_s
