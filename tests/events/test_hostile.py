@@ -392,3 +392,22 @@ def test_replies_are_capped_per_request_and_the_subscriber_asks_in_chunks(
     finally:
         plain.close(linger=0)
         pub.close(timeout_s=1.0)
+
+
+@pytest.mark.parametrize(("config", "kwargs", "field"), [
+    (SubscriberConfig, {"max_pending_bytes": 0}, "max_pending_bytes"),
+    (SubscriberConfig, {"max_pending_batches": -1}, "max_pending_batches"),
+    (SubscriberConfig, {"replay_timeout_s": 0.0}, "replay_timeout_s"),
+    (SubscriberConfig, {"replay_backoff_s": 5.0, "replay_backoff_max_s": 1.0}, "replay_backoff_s"),
+    (SubscriberConfig, {"max_message_bytes": 0}, "max_message_bytes"),
+    (PublisherConfig, {"replay_sndhwm": 0}, "replay_sndhwm"),
+    (PublisherConfig, {"max_replay_batches_per_request": 0}, "max_replay_batches_per_request"),
+    (PublisherConfig, {"max_replay_clients": 0}, "max_replay_clients"),
+    (PublisherConfig, {"replay_stall_timeout_s": 0.0}, "replay_stall_timeout_s"),
+])
+def test_unbounded_settings_are_refused(config: Any, kwargs: dict[str, Any], field: str) -> None:
+    """0 means "unlimited" to ZeroMQ: the bounds refuse it instead of passing it on."""
+    if config is SubscriberConfig:
+        kwargs = {"endpoint": "tcp://127.0.0.1:1", **kwargs}
+    with pytest.raises(ValueError, match=field):
+        config(**kwargs)
