@@ -412,8 +412,11 @@ class KVEventPublisher:
                     break
 
     def _read_subscriptions(self) -> None:
-        """Count subscribe messages (byte 1, then the topic) from the XPUB socket."""
-        for _ in range(64):
+        """Count subscribe messages (byte 1, then the topic) from the XPUB socket.
+
+        Read generously each round: libzmq keeps unread XPUB subscription messages
+        in an unbounded list."""
+        for _ in range(1024):
             try:
                 message = self._pub.recv(zmq.NOBLOCK)
             except zmq.Again:
