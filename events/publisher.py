@@ -51,7 +51,6 @@ import zmq
 from .errors import EventDecodeError, PublisherClosedError
 from .schema import EventBatch, KVEvent
 from .wire import (
-    END_SEQ_BYTES,
     REPLAY_MAGIC,
     EventWireFormat,
     ReplayInfo,
@@ -60,6 +59,8 @@ from .wire import (
     encode_replay_info,
     encode_seq,
     parse_replay_request,
+    replay_batch_frames,
+    replay_end_frames,
 )
 
 logger = logging.getLogger(__name__)
@@ -560,13 +561,8 @@ class KVEventPublisher:
                 break
             ordinal = base + index + 1
             self._replayed_batches += 1
-            if with_topic:
-                yield (*head, self._topic, encode_seq(seq), payload)
-            else:
-                yield (*head, encode_seq(seq), payload)
+            yield (*head, *replay_batch_frames(self._topic if with_topic else None, seq, payload))
         yield self._end_message(identity, delim)
 
     def _end_message(self, identity: bytes, delim: tuple[bytes, ...]) -> _Message:
-        if self.config.replay_includes_topic:
-            return (identity, *delim, b"", END_SEQ_BYTES, b"")
-        return (identity, *delim, END_SEQ_BYTES, b"")
+        return (identity, *delim, *replay_end_frames(self.config.replay_includes_topic))

@@ -566,6 +566,20 @@ class ReplayReply:
     topic: bytes | None = None
 
 
+def replay_batch_frames(topic: bytes | None, seq: int, payload: bytes) -> tuple[bytes, ...]:
+    """One replayed batch as the publisher sends it (after the client's identity and
+    delimiter): ``[topic, seq, payload]``, or ``[seq, payload]`` when ``topic`` is
+    None (vLLM before PR #45177)."""
+    if topic is None:
+        return (encode_seq(seq), payload)
+    return (topic, encode_seq(seq), payload)
+
+
+def replay_end_frames(with_topic: bool = True) -> tuple[bytes, ...]:
+    """The end marker of a replay: ``[b"", END_SEQ, b""]`` (or ``[END_SEQ, b""]``)."""
+    return (b"", END_SEQ_BYTES, b"") if with_topic else (END_SEQ_BYTES, b"")
+
+
 def parse_replay_reply(frames: Sequence[bytes]) -> ReplayReply:
     """Any replay reply shape: ``[MAGIC, info]``, ``[topic, seq, payload]``,
     ``[seq, payload]`` (pre-#45177), or the end markers of both."""

@@ -62,16 +62,21 @@ from kvbridge.events import (
     encode_batch,
 )
 from kvbridge.events.wire import (
+    REPLAY_MAGIC,
     LiveFrame,
     ReplayInfo,
+    ReplayReply,
     ReplayRequest,
     decode_replay_info,
     encode_replay_info,
     encode_replay_request,
     encode_seq,
     parse_pub_frames,
+    parse_replay_reply,
     parse_replay_request,
     pub_frames,
+    replay_batch_frames,
+    replay_end_frames,
 )
 from kvbridge.handshake import (
     AgentMetadata,
@@ -308,6 +313,38 @@ def _frames_decode(data: bytes) -> LiveFrame:
     return parse_pub_frames(msgpack.unpackb(data, raw=True))
 
 
+def _replay_stream() -> list[ReplayReply]:
+    """What a kvbridge publisher answers to an extension request (current form)."""
+    info = ReplayInfo(incarnation=1_767_225_600_000_000_000, oldest_seq=2, next_seq=4,
+                      matched=True)
+    payload = encode_batch(EventBatch(1.0, (AllBlocksCleared(),), 0))
+    return [ReplayReply(info=info), ReplayReply(seq=2, payload=payload, topic=b"kv-events"),
+            ReplayReply(seq=3, payload=payload, topic=b"kv-events"), ReplayReply(end=True)]
+
+
+def _replay_stream_encode(replies: list[ReplayReply], with_topic: bool = True) -> bytes:
+    messages: list[list[bytes]] = []
+    for reply in replies:
+        if reply.info is not None:
+            messages.append([REPLAY_MAGIC, encode_replay_info(reply.info)])
+        elif reply.end:
+            messages.append(list(replay_end_frames(with_topic)))
+        else:
+            topic = reply.topic if with_topic else None
+            messages.append(list(replay_batch_frames(topic, reply.seq, reply.payload)))
+    return _pack(messages)
+
+
+def _replay_stream_decode(data: bytes) -> list[ReplayReply]:
+    return [parse_replay_reply(frames) for frames in msgpack.unpackb(data, raw=True)]
+
+
+def _legacy_replay_stream() -> list[ReplayReply]:
+    # Pre-#45177 replies carry no topic frame.
+    payload = encode_batch(EventBatch(1.0, (AllBlocksCleared(),), 0))
+    return [ReplayReply(seq=7, payload=payload), ReplayReply(end=True)]
+
+
 def _hash_chain_encode(value: dict[str, Any]) -> bytes:
     lines = [f"root {value['root'].hex()}"]
     lines += [f"block{i} {h.hex()}" for i, h in enumerate(value["blocks"])]
@@ -382,6 +419,11 @@ VECTORS = [
     Vector("events_replay_request_ext.hex",
            lambda: ReplayRequest(start_seq=5, end_seq=9, incarnation=1_767_225_600_000_000_000),
            encode_replay_request, parse_replay_request),
+    Vector("events_replay_reply_stream.hex", _replay_stream, _replay_stream_encode,
+           _replay_stream_decode),
+    Vector("events_replay_reply_legacy.hex", _legacy_replay_stream,
+           lambda replies: _replay_stream_encode(replies, with_topic=False),
+           _replay_stream_decode),
     Vector("events_replay_info.hex",
            lambda: ReplayInfo(incarnation=1_767_225_600_000_000_000, oldest_seq=2, next_seq=10,
                               matched=True),
