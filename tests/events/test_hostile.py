@@ -307,6 +307,36 @@ def test_silent_replay_endpoint_costs_one_timeout_not_one_per_gap(
 
 
 
+def test_tail_keeps_printing_live_batches_when_replay_is_silent(
+    xpub: zmq.Socket[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvbridge events tail --replay <silent>`: one replay times out, the other gaps
+    are reported lost at once (backing off) and every live batch is printed."""
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    seqs = list(range(0, 40, 2))
+    result: list[int] = []
+    tail = threading.Thread(target=lambda: result.append(main(
+        ["events", "tail", _endpoint(xpub), "--replay", _endpoint(silent), "--json",
+         "--count", str(len(seqs)), "--timeout", "120", "--replay-timeout", "0.5"])))
+    tail.start()
+    try:
+        _await_subscription(xpub)
+        for seq in seqs:
+            xpub.send_multipart((b"", encode_seq(seq), _good_payload(seq)))
+    finally:
+        tail.join(180)
+        silent.close(linger=0)
+    assert not tail.is_alive() and result == [EXIT_OK]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["seq"] for line in lines if line["kind"] == "batch"] == seqs
+    lost = [line for line in lines if line["kind"] == "lost"]
+    assert len(lost) == len(seqs) - 1
+    # The first replay (or the incarnation probe) timed out; the backoff covers the rest.
+    assert sum("backing off" in line["reason"] for line in lost) >= len(seqs) - 2
+
+
 # ---------------------------------------------------------------- the publisher's ROUTER
 
 
