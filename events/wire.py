@@ -33,7 +33,10 @@ Encoding (MAP, the default)::
 
 Keys appear in declaration order, so the bytes equal msgspec's encoding of
 vLLM's own structs (tests check this against msgspec when it is installed).
-Block hashes are ints (uint64) or bytes (msgpack bin).
+Block hashes are ints (uint64) or bytes (msgpack bin). ``extra_keys`` may nest
+arrays/maps at most ``MAX_EXTRA_KEYS_DEPTH`` (32) levels deep; deeper is a decode
+error naming the field (the whole batch is rejected). Reference bytes of every
+form live in ``tests/golden/vectors/events_*``.
 
 Replay (vLLM protocol): a client (REQ or DEALER) sends one frame, the 8-byte
 start sequence; the publisher's ROUTER answers ``[topic, seq, payload]`` for
