@@ -29,8 +29,8 @@ memory or stall the live stream):
   dropped but still count. Past the bound the reply is abandoned (its socket
   closed): what arrived in order is delivered, the rest of the gap is reported
   as ``GapLost`` (reason names the bound) and skipped. kvbridge publishers are
-  asked for ranges of at most ``max_pending_batches``, chunk after chunk, so an
-  honest large gap never hits the bound;
+  asked for ranges of at most ``max_pending_batches``, chunk after chunk (at most
+  ``max_replay_chunks`` per gap), so an honest large gap never hits the bound;
 - after a replay fails (timeout or overrun) no replay is tried for
   ``replay_backoff_s``, doubling per consecutive failure up to
   ``replay_backoff_max_s``; gaps in that window are reported lost at once and
@@ -93,12 +93,15 @@ class SubscriberConfig:
     max_pending_batches: int = 10_000
     #: Most payload bytes one replay reply may hand over before it is cut.
     max_pending_bytes: int = 64 << 20
+    #: Most replies (chunks) one gap or catch-up is repaired with; the rest is lost.
+    max_replay_chunks: int = 100
     #: No replay for this long after a failed one; doubles per consecutive failure.
     replay_backoff_s: float = 1.0
     replay_backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_pending_batches", "max_pending_bytes", "replay_rcvhwm"):
+        for name in ("max_pending_batches", "max_pending_bytes", "replay_rcvhwm",
+                     "max_replay_chunks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive number")
         if not self.replay_timeout_s > 0:
@@ -472,7 +475,8 @@ class KVEventSubscriber:
         result = self._request_replay(expected, None)
         base = self.config.idle_resync_s or 1.0
         if result.failure is not None:
-            # A silent or dead publisher (or backing off after one): ask less and less often (up to 30 s).
+            # A silent or dead publisher (or backing off after one): ask less and
+            # less often (up to 30 s).
             self._resync_interval = min(30.0, 2 * (self._resync_interval or base))
             return
         self._resync_interval = self.config.idle_resync_s
@@ -487,7 +491,7 @@ class KVEventSubscriber:
             self._apply_replay(result, end=None)
 
     def _catch_up(self, start: int) -> None:
-        while True:
+        for _ in range(self.config.max_replay_chunks):
             result = self._request_replay(start, None)
             if result.info is not None and not result.info.matched:
                 # Restarted yet again: forget the incarnation; the next gap finds out.
@@ -511,7 +515,7 @@ class KVEventSubscriber:
             self._declare_lost(self._tracker.skip_to(gap.end_seq), "no replay endpoint")
             return False
         start = gap.start_seq
-        while True:
+        for _ in range(self.config.max_replay_chunks):
             result = self._request_replay(start, gap.end_seq)
             if result.info is not None and not result.info.matched:
                 self._restart(
@@ -526,6 +530,11 @@ class KVEventSubscriber:
             if result.failure is not None:
                 self._declare_lost(self._tracker.skip_to(gap.end_seq), result.failure)
             return False
+        self._declare_lost(
+            self._tracker.skip_to(gap.end_seq),
+            f"gap larger than max_replay_chunks={self.config.max_replay_chunks} replies",
+        )
+        return False
 
     def _apply_replay(self, result: _ReplayResult, end: int | None) -> None:
         for seq, payload, topic in result.batches:

@@ -441,3 +441,30 @@ def test_unbounded_settings_are_refused(config: Any, kwargs: dict[str, Any], fie
         kwargs = {"endpoint": "tcp://127.0.0.1:1", **kwargs}
     with pytest.raises(ValueError, match=field):
         config(**kwargs)
+
+
+def test_chunked_repair_stops_at_max_replay_chunks(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """A gap is repaired with at most max_replay_chunks replies (a replay endpoint
+    that keeps answering in range can no longer hold the live stream forever);
+    the rest of the gap is reported lost with the bound named."""
+    pub = KVEventPublisher(PublisherConfig(max_replay_batches_per_request=5))
+    try:
+        for i in range(40):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0, idle_resync_s=None, max_replay_chunks=2)
+        assert pub.wait_for_subscribers(1)
+        first = _collect(sub, 10)
+        assert [b.seq for b in first if isinstance(b, ReceivedBatch)] == list(range(10))
+        pub.publish(_kilobyte_step(40))
+        items = _collect(sub, 11)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [b.seq for b in items if isinstance(b, ReceivedBatch)] == [*range(10, 20), 40]
+    assert [item for item in items if isinstance(item, GapDetected)] == [GapDetected(10, 40)]
+    lost = [item for item in items if isinstance(item, GapLost)]
+    assert [(g.start_seq, g.end_seq) for g in lost] == [(20, 40)]
+    assert "max_replay_chunks=2" in lost[0].reason
