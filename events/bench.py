@@ -155,7 +155,9 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
     try:
         proc = _start_receiver("kvbridge", pub.endpoint, pub.replay_endpoint, num_events, len(batches))
         try:
-            time.sleep(0.3)  # the SUB attaches; anything earlier comes back by replay
+            # Readiness handshake: the receiver's subscription reached the publisher.
+            if not pub.wait_for_subscribers(1, timeout_s):
+                raise RuntimeError("kvbridge bench subscriber never subscribed")
             kvb_start = time.monotonic()
             for batch in batches:
                 pub.publish(batch)

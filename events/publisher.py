@@ -4,6 +4,12 @@ One background thread owns both sockets: it encodes queued batches, sends them
 on the PUB socket, keeps the last ``replay_buffer_batches`` payloads in a ring,
 and answers replay requests on the ROUTER socket between sends.
 
+The PUB socket is an XPUB (the same wire for SUB peers, vLLM's included) so that
+the publisher sees each subscription arrive: ``wait_for_subscribers`` is the
+readiness handshake against ZeroMQ's slow joiner (a batch published before a
+SUB's subscription reached the publisher is not delivered to it live), in
+place of sleeping and hoping.
+
 Invariants:
 
 - Sequence numbers are assigned in ``publish`` under one lock, in call order,
@@ -11,8 +17,18 @@ Invariants:
   queued within ``enqueue_timeout_s`` is dropped *with its sequence number
   consumed*, so subscribers see the hole and report it as lost instead of
   silently missing it (``stats.dropped_batches`` counts them).
-- The ring holds payloads in increasing seq order; a replay streams exactly
-  the ring entries of the requested range, then the end marker.
+- The ring holds payloads in increasing seq order; a replay streams the ring
+  entries of the requested range that existed when the request arrived (at most
+  ``max_replay_batches_per_request`` of them), then the end marker. Entries
+  evicted while a slow reply is under way are skipped; the client sees the hole.
+- Replay memory is bounded: the ROUTER queues at most ``replay_sndhwm`` messages
+  per client and ``replay_rcvhwm`` unread requests; requests are at most
+  ``max_replay_request_bytes`` (MAXMSGSIZE). A reply is a cursor into the ring,
+  sent without blocking as the client's queue drains, never a copy of it. At
+  most ``max_replay_clients`` replies are under way (more: answered by the end
+  marker alone, counted as refused); a client may queue ``max_queued_replays``
+  more requests behind its reply; a reply that makes no progress for
+  ``replay_stall_timeout_s`` (the client stopped reading) is abandoned.
 - ``close`` stops accepting batches, lets the thread drain the queue until a
   deadline, flushes the PUB socket within what is left of it, and reports how
   many queued batches were abandoned.
@@ -20,12 +36,13 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,14 +51,16 @@ import zmq
 from .errors import EventDecodeError, PublisherClosedError
 from .schema import EventBatch, KVEvent
 from .wire import (
-    END_SEQ_BYTES,
     REPLAY_MAGIC,
     EventWireFormat,
     ReplayInfo,
+    ReplayRequest,
     encode_events,
     encode_replay_info,
     encode_seq,
     parse_replay_request,
+    replay_batch_frames,
+    replay_end_frames,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,11 +92,38 @@ class PublisherConfig:
     #: A fixed port may still be held by a just-closed socket (ZMQ releases it
     #: asynchronously): retry the bind for this long on EADDRINUSE.
     bind_retry_s: float = 1.0
+    #: Replay ROUTER send high-water mark, in messages per client (never 0: an
+    #: unread reply would otherwise queue without bound).
+    replay_sndhwm: int = 1000
+    #: Replay ROUTER receive high-water mark, in requests.
+    replay_rcvhwm: int = 1000
+    #: Largest replay request frame accepted (MAXMSGSIZE; a request is < 100 bytes).
+    max_replay_request_bytes: int = 1024
+    #: Most batches one replay reply carries (the client asks again for the rest).
+    max_replay_batches_per_request: int = 10_000
+    #: Replies under way at once (one per client identity).
+    max_replay_clients: int = 64
+    #: Requests a client may queue behind its reply under way; more are refused.
+    max_queued_replays: int = 4
+    #: A reply whose client read nothing for this long is abandoned.
+    replay_stall_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("replay_buffer_batches", "max_queue_batches"):
+        for name in (
+            "replay_buffer_batches",
+            "max_queue_batches",
+            "replay_sndhwm",
+            "replay_rcvhwm",
+            "max_replay_request_bytes",
+            "max_replay_batches_per_request",
+            "max_replay_clients",
+        ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected a positive number of batches")
+                raise ValueError(f"{name}: expected a positive number")
+        if self.max_queued_replays < 0:
+            raise ValueError("max_queued_replays: expected >= 0")
+        if not self.replay_stall_timeout_s > 0:
+            raise ValueError("replay_stall_timeout_s: expected > 0 seconds")
         if self.hwm < 0:
             raise ValueError("hwm: expected >= 0 (0 means unlimited)")
 
@@ -92,9 +138,31 @@ class PublisherStats:
     bad_replay_requests: int
     queued_batches: int
     next_seq: int
+    #: Requests answered by the end marker alone (too many clients or queued requests).
+    refused_replay_requests: int = 0
+    #: Replies dropped because their client stopped reading (or went away).
+    abandoned_replays: int = 0
+    #: Replies under way now.
+    replay_clients: int = 0
+    #: Subscriptions received on the PUB socket since start (one per SUB and topic;
+    #: reconnects count again).
+    subscriptions: int = 0
 
 
 _SENTINEL: Any = object()
+
+_Message = tuple[Any, ...]
+
+
+@dataclass
+class _ReplyStream:
+    """One client's reply under way: a generator of messages over the ring."""
+
+    identity: bytes
+    messages: Iterator[_Message]
+    pending: _Message | None
+    last_progress: float
+    queued: deque[tuple[tuple[bytes, ...], list[bytes]]]
 
 
 def _bind(sock: zmq.Socket[Any], endpoint: str, retry_s: float) -> None:
@@ -139,13 +207,23 @@ class KVEventPublisher:
         self._replay_requests = 0
         self._replayed_batches = 0
         self._bad_replay_requests = 0
+        self._refused_replay_requests = 0
+        self._abandoned_replays = 0
+        self._streams: dict[bytes, _ReplyStream] = {}
+        self._ring_appended = 0  # entries ever appended to the ring (thread-owned)
         self._linger_ms = 0
         self._sent_next = 0  # seq after the newest batch sent (thread-owned)
         self._last_drop_log = -1.0e9
+        self._last_refuse_log = -1.0e9
 
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._replay: zmq.Socket[Any] | None = None
+        self._subscriptions = 0
+        self._subscribed = threading.Condition()
         try:
+            # Every subscription message, also a second one for a known topic.
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscriptions are topic-sized
             self._pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
             _bind(self._pub, self.config.endpoint, self.config.bind_retry_s)
@@ -154,8 +232,11 @@ class KVEventPublisher:
             if self.config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                # A reply stream is bounded by the ring; never drop part of it silently.
-                self._replay.setsockopt(zmq.SNDHWM, 0)
+                # Bounded queues; a full client queue makes a non-blocking send
+                # fail (ROUTER_MANDATORY) instead of dropping part of a reply.
+                self._replay.setsockopt(zmq.SNDHWM, self.config.replay_sndhwm)
+                self._replay.setsockopt(zmq.RCVHWM, self.config.replay_rcvhwm)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, self.config.max_replay_request_bytes)
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 _bind(self._replay, self.config.replay_endpoint, self.config.bind_retry_s)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -224,7 +305,27 @@ class KVEventPublisher:
             bad_replay_requests=self._bad_replay_requests,
             queued_batches=self._queue.qsize(),
             next_seq=next_seq,
+            refused_replay_requests=self._refused_replay_requests,
+            abandoned_replays=self._abandoned_replays,
+            replay_clients=len(self._streams),
+            subscriptions=self._subscriptions,
         )
+
+    def wait_for_subscribers(self, count: int = 1, timeout_s: float = 10.0) -> bool:
+        """Wait until ``count`` subscriptions have reached the PUB socket (True) or
+        ``timeout_s`` passed (False). A batch published after this returns True is
+        delivered live to those subscribers (up to their high-water marks).
+
+        After a reconnect, libzmq re-sends a SUB's subscription only when the SUB's
+        owner next uses that socket: keep the subscriber polling meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        with self._subscribed:
+            while self._subscriptions < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._subscribed.wait(min(remaining, 0.05))
+            return True
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued batch has been sent (True) or the timeout passed."""
@@ -284,6 +385,7 @@ class KVEventPublisher:
         dp_rank = self.config.data_parallel_rank
         topic = self._topic
         while not self._abort.is_set():
+            self._read_subscriptions()
             self._serve_replays()
             try:
                 item = self._queue.get(timeout=0.002)
@@ -298,6 +400,7 @@ class KVEventPublisher:
                 payload = encode_events(ts, events, dp_rank, wire_format)
                 self._pub.send_multipart((topic, encode_seq(seq), payload), copy=False)
                 self._ring.append((seq, payload))
+                self._ring_appended += 1
                 self._sent_next = seq + 1
                 self._published_batches += 1
                 self._published_events += len(events)
@@ -309,6 +412,21 @@ class KVEventPublisher:
                 except queue.Empty:
                     break
 
+    def _read_subscriptions(self) -> None:
+        """Count subscribe messages (byte 1, then the topic) from the XPUB socket.
+
+        Read generously each round: libzmq keeps unread XPUB subscription messages
+        in an unbounded list."""
+        for _ in range(1024):
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                with self._subscribed:
+                    self._subscriptions += 1
+                    self._subscribed.notify_all()
+
     def _serve_replays(self) -> None:
         replay = self._replay
         if replay is None:
@@ -317,52 +435,134 @@ class KVEventPublisher:
             try:
                 frames = replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            try:
-                self._serve_one(replay, frames)
-            except zmq.ZMQError as exc:  # client went away mid-stream
-                logger.info("replay client vanished during reply: %s", exc)
+                break
+            self._accept_request(frames)
+        if self._streams:
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                self._pump(replay, stream, now)
 
-    def _serve_one(self, replay: zmq.Socket[Any], frames: list[bytes]) -> None:
+    def _accept_request(self, frames: list[bytes]) -> None:
         identity, rest = frames[0], frames[1:]
         # REQ (and DEALER clients imitating it) put an empty delimiter first.
         delim: tuple[bytes, ...] = (b"",) if len(rest) >= 2 and rest[0] == b"" else ()
         body = rest[len(delim) :]
         self._replay_requests += 1
+        stream = self._streams.get(identity)
+        if stream is not None:
+            if len(stream.queued) >= self.config.max_queued_replays:
+                self._refuse(identity, delim, "too many queued requests from one client")
+            else:
+                stream.queued.append((delim, body))
+            return
+        if len(self._streams) >= self.config.max_replay_clients:
+            self._refuse(identity, delim, f"{len(self._streams)} replays already under way")
+            return
+        self._streams[identity] = _ReplyStream(
+            identity, self._reply(identity, delim, body), None, time.monotonic(), deque()
+        )
+
+    def _refuse(self, identity: bytes, delim: tuple[bytes, ...], why: str) -> None:
+        self._refused_replay_requests += 1
+        now = time.monotonic()
+        if now - self._last_refuse_log >= 1.0:  # at most one line per second
+            self._last_refuse_log = now
+            logger.warning(
+                "replay request refused (%s): answered with the end marker (%d refused so far)",
+                why,
+                self._refused_replay_requests,
+            )
+        assert self._replay is not None
+        # A full queue or a vanished client: it times out on its own.
+        with contextlib.suppress(zmq.ZMQError):
+            self._replay.send_multipart(self._end_message(identity, delim), zmq.NOBLOCK)
+
+    def _pump(self, replay: zmq.Socket[Any], stream: _ReplyStream, now: float) -> None:
+        """Send what the client's queue takes now (a slice, so live batches and
+        other clients are not starved); finish, abandon or keep the stream."""
+        for _ in range(256):
+            message = stream.pending
+            if message is None:
+                message = next(stream.messages, None)
+                if message is None:
+                    if stream.queued:  # the client's next request
+                        delim, body = stream.queued.popleft()
+                        stream.messages = self._reply(stream.identity, delim, body)
+                        continue
+                    del self._streams[stream.identity]
+                    return
+            try:
+                replay.send_multipart(message, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                stream.pending = message
+                if now - stream.last_progress >= self.config.replay_stall_timeout_s:
+                    self._abandon(stream, "the client read nothing for "
+                                  f"{self.config.replay_stall_timeout_s:.1f} s")
+                return
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
+                self._abandon(stream, str(exc))
+                return
+            stream.pending = None
+            stream.last_progress = now
+
+    def _abandon(self, stream: _ReplyStream, why: str) -> None:
+        self._abandoned_replays += 1 + len(stream.queued)
+        del self._streams[stream.identity]
+        logger.info("replay reply abandoned: %s", why)
+
+    def _first_ordinal_at_or_after(self, seq: int) -> int:
+        """The ring ordinal (count of entries appended before it) of the first
+        entry with a seq >= ``seq`` (binary search: ring seqs increase)."""
+        ring = self._ring
+        lo, hi = 0, len(ring)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ring[mid][0] < seq:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self._ring_appended - len(ring) + lo
+
+    def _reply(
+        self, identity: bytes, delim: tuple[bytes, ...], body: list[bytes]
+    ) -> Iterator[_Message]:
+        """The messages answering one request, produced as the client takes them."""
         try:
             if len(body) != 1:
                 raise EventDecodeError("replay_request", f"expected 1 frame, got {len(body)}")
-            request = parse_replay_request(body[0])
+            request: ReplayRequest = parse_replay_request(body[0])
         except EventDecodeError as exc:
             self._bad_replay_requests += 1
             logger.warning("invalid replay request: %s", exc)
-            self._send_end(replay, identity, delim)
+            yield self._end_message(identity, delim)
             return
-        ring = list(self._ring)
+        head = (identity, *delim)
+        ring = self._ring
         oldest = ring[0][0] if ring else self._sent_next
-        newest_next = self._sent_next
+        stop_seq = self._sent_next  # what existed when the request arrived
+        if request.end_seq is not None:
+            stop_seq = min(stop_seq, request.end_seq)
         if body[0].startswith(REPLAY_MAGIC):
             matched = request.incarnation is None or request.incarnation == self.incarnation
-            info = ReplayInfo(self.incarnation, oldest, newest_next, matched)
-            replay.send_multipart((identity, *delim, REPLAY_MAGIC, encode_replay_info(info)))
+            info = ReplayInfo(self.incarnation, oldest, self._sent_next, matched)
+            yield (*head, REPLAY_MAGIC, encode_replay_info(info))
             if not matched:
-                self._send_end(replay, identity, delim)
+                yield self._end_message(identity, delim)
                 return
-        end = request.end_seq
-        sent = 0
-        for seq, payload in ring:
-            if seq < request.start_seq or (end is not None and seq >= end):
-                continue
-            if self.config.replay_includes_topic:
-                replay.send_multipart((identity, *delim, self._topic, encode_seq(seq), payload))
-            else:
-                replay.send_multipart((identity, *delim, encode_seq(seq), payload))
-            sent += 1
-        self._replayed_batches += sent
-        self._send_end(replay, identity, delim)
+        ordinal = self._first_ordinal_at_or_after(request.start_seq)
+        with_topic = self.config.replay_includes_topic
+        for _ in range(self.config.max_replay_batches_per_request):
+            base = self._ring_appended - len(ring)
+            index = max(0, ordinal - base)  # evicted meanwhile: go on with the oldest
+            if index >= len(ring):
+                break
+            seq, payload = ring[index]
+            if seq >= stop_seq:
+                break
+            ordinal = base + index + 1
+            self._replayed_batches += 1
+            yield (*head, *replay_batch_frames(self._topic if with_topic else None, seq, payload))
+        yield self._end_message(identity, delim)
 
-    def _send_end(self, replay: zmq.Socket[Any], identity: bytes, delim: tuple[bytes, ...]) -> None:
-        if self.config.replay_includes_topic:
-            replay.send_multipart((identity, *delim, b"", END_SEQ_BYTES, b""))
-        else:
-            replay.send_multipart((identity, *delim, END_SEQ_BYTES, b""))
+    def _end_message(self, identity: bytes, delim: tuple[bytes, ...]) -> _Message:
+        return (identity, *delim, *replay_end_frames(self.config.replay_includes_topic))

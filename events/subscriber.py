@@ -7,7 +7,8 @@ restarts made visible.
 - ``GapDetected``        sequence numbers were skipped; a replay follows;
 - ``GapLost``            part of a gap could not be replayed (evicted from the
                          publisher's ring, dropped by it, no replay endpoint,
-                         replay timed out);
+                         replay timed out, the reply overran the pending bound,
+                         replay backing off after failures);
 - ``PublisherRestarted`` a new publisher incarnation; sequence numbers restart;
 - ``MalformedFrame``     a frame or payload that does not parse (also counted
                          and logged; never fatal).
@@ -16,6 +17,24 @@ It works against vLLM's publisher (plain 8-byte replay requests) and against
 kvbridge's (replay requests that carry the incarnation, so that a restart is
 never mistaken for a gap and another incarnation's batches are never spliced
 in). All sequencing decisions are made by ``SequenceTracker`` (sans-I/O).
+
+Bounds (a replay endpoint is a peer, and a hostile or broken one must not cost
+memory or stall the live stream):
+
+- every frame is capped by ``max_message_bytes`` (ZMQ ``MAXMSGSIZE``: a larger
+  frame disconnects the peer before it is buffered); the replay DEALER's queue by
+  ``replay_rcvhwm`` messages;
+- one replay reply is read into at most ``max_pending_batches`` messages and
+  ``max_pending_bytes`` payload bytes; replies outside the requested range are
+  dropped but still count. Past the bound the reply is abandoned (its socket
+  closed): what arrived in order is delivered, the rest of the gap is reported
+  as ``GapLost`` (reason names the bound) and skipped. kvbridge publishers are
+  asked for ranges of at most ``max_pending_batches``, chunk after chunk (at most
+  ``max_replay_chunks`` per gap), so an honest large gap never hits the bound;
+- after a replay fails (timeout or overrun) no replay is tried for
+  ``replay_backoff_s``, doubling per consecutive failure up to
+  ``replay_backoff_max_s``; gaps in that window are reported lost at once and
+  live batches keep flowing. One successful replay resets the backoff.
 """
 
 from __future__ import annotations
@@ -65,6 +84,34 @@ class SubscriberConfig:
     #: batches were published that never arrived (a gap at the tail of the stream
     #: is otherwise invisible until the next live batch). None disables it.
     idle_resync_s: float | None = 1.0
+    #: Largest frame accepted from the publisher or its replay endpoint, in bytes
+    #: (ZMQ MAXMSGSIZE; a peer sending more is disconnected). -1: unlimited.
+    max_message_bytes: int = 16 << 20
+    #: Receive high-water mark of the replay DEALER, in messages.
+    replay_rcvhwm: int = 256
+    #: Most messages (batches) one replay reply may hand over before it is cut.
+    max_pending_batches: int = 10_000
+    #: Most payload bytes one replay reply may hand over before it is cut.
+    max_pending_bytes: int = 64 << 20
+    #: Most replies (chunks) one gap or catch-up is repaired with; the rest is lost.
+    max_replay_chunks: int = 100
+    #: No replay for this long after a failed one; doubles per consecutive failure.
+    replay_backoff_s: float = 1.0
+    replay_backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pending_batches", "max_pending_bytes", "replay_rcvhwm",
+                     "max_replay_chunks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive number")
+        if not self.replay_timeout_s > 0:
+            raise ValueError("replay_timeout_s: expected > 0 seconds")
+        if self.replay_backoff_s < 0 or self.replay_backoff_max_s < self.replay_backoff_s:
+            raise ValueError(
+                "replay_backoff_s / replay_backoff_max_s: expected 0 <= backoff <= max"
+            )
+        if self.max_message_bytes < -1 or self.max_message_bytes == 0:
+            raise ValueError("max_message_bytes: expected a positive byte count or -1")
 
 
 @dataclass(frozen=True)
@@ -127,6 +174,10 @@ class SubscriberStats:
     malformed_frames: int
     replay_requests: int
     replay_timeouts: int
+    #: Replies cut at ``max_pending_batches`` / ``max_pending_bytes``.
+    replay_overruns: int = 0
+    #: Replay requests not sent because of the backoff after failures.
+    replays_skipped: int = 0
 
 
 @dataclass
@@ -134,6 +185,10 @@ class _ReplayResult:
     info: ReplayInfo | None
     batches: list[tuple[int, bytes, bytes | None]]
     complete: bool
+    #: Why the reply is incomplete (None when complete).
+    failure: str | None = None
+    #: The subscriber asked for less than the caller's range (chunked): ask again.
+    truncated: bool = False
 
 
 class _Counters:
@@ -148,6 +203,8 @@ class _Counters:
         self.malformed_frames = 0
         self.replay_requests = 0
         self.replay_timeouts = 0
+        self.replay_overruns = 0
+        self.replays_skipped = 0
 
 
 class KVEventSubscriber:
@@ -164,6 +221,7 @@ class KVEventSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, config.rcvhwm)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode("utf-8"))
         self._monitor: zmq.Socket[Any] | None = None
         if config.replay_endpoint is not None and config.check_incarnation_on_reconnect:
@@ -184,6 +242,8 @@ class KVEventSubscriber:
         self._last_activity = time.monotonic()
         self._last_monitor_check = 0.0
         self._resync_interval = config.idle_resync_s
+        self._replay_failures = 0  # consecutive
+        self._replay_blocked_until = 0.0
 
     # ------------------------------------------------------------ public API
 
@@ -270,6 +330,8 @@ class KVEventSubscriber:
             malformed_frames=c.malformed_frames,
             replay_requests=c.replay_requests,
             replay_timeouts=c.replay_timeouts,
+            replay_overruns=c.replay_overruns,
+            replays_skipped=c.replays_skipped,
         )
 
     @property
@@ -412,8 +474,9 @@ class KVEventSubscriber:
         assert expected is not None
         result = self._request_replay(expected, None)
         base = self.config.idle_resync_s or 1.0
-        if not result.complete:
-            # A silent or dead publisher: ask less and less often (up to 30 s).
+        if result.failure is not None:
+            # A silent or dead publisher (or backing off after one): ask less and
+            # less often (up to 30 s).
             self._resync_interval = min(30.0, 2 * (self._resync_interval or base))
             return
         self._resync_interval = self.config.idle_resync_s
@@ -428,29 +491,49 @@ class KVEventSubscriber:
             self._apply_replay(result, end=None)
 
     def _catch_up(self, start: int) -> None:
-        result = self._request_replay(start, None)
-        if result.info is not None and not result.info.matched:
-            # Restarted yet again: forget the incarnation; the next gap finds out.
-            self.incarnation = None
-            return
-        if result.info is not None and result.info.oldest_seq > start:
-            self._declare_lost(
-                self._tracker.skip_to(result.info.oldest_seq), "evicted from the replay ring"
-            )
-        self._apply_replay(result, end=None)
+        for _ in range(self.config.max_replay_chunks):
+            result = self._request_replay(start, None)
+            if result.info is not None and not result.info.matched:
+                # Restarted yet again: forget the incarnation; the next gap finds out.
+                self.incarnation = None
+                return
+            if result.info is not None and result.info.oldest_seq > start:
+                self._declare_lost(
+                    self._tracker.skip_to(result.info.oldest_seq), "evicted from the replay ring"
+                )
+            self._apply_replay(result, end=None)
+            # Chunked (or cut at the pending bound by a plain publisher): go on from
+            # where the stream now is, as long as each round makes progress.
+            resume = self._tracker.expected
+            if not result.truncated or resume is None or resume <= start:
+                return
+            start = resume
 
     def _repair(self, gap: Gap) -> bool:
         """Replay ``gap``; True when the publisher turned out to be a new incarnation."""
         if self.config.replay_endpoint is None:
             self._declare_lost(self._tracker.skip_to(gap.end_seq), "no replay endpoint")
             return False
-        result = self._request_replay(gap.start_seq, gap.end_seq)
-        if result.info is not None and not result.info.matched:
-            self._restart(gap.end_seq, "replay answered by a new incarnation", result.info.incarnation)
-            return True
-        self._apply_replay(result, end=gap.end_seq)
-        if not result.complete:
-            self._declare_lost(self._tracker.skip_to(gap.end_seq), "replay timed out")
+        start = gap.start_seq
+        for _ in range(self.config.max_replay_chunks):
+            result = self._request_replay(start, gap.end_seq)
+            if result.info is not None and not result.info.matched:
+                self._restart(
+                    gap.end_seq, "replay answered by a new incarnation", result.info.incarnation
+                )
+                return True
+            self._apply_replay(result, end=gap.end_seq)
+            resume = self._tracker.expected
+            if result.truncated and resume is not None and start < resume < gap.end_seq:
+                start = resume  # the next chunk of a gap larger than one reply may hold
+                continue
+            if result.failure is not None:
+                self._declare_lost(self._tracker.skip_to(gap.end_seq), result.failure)
+            return False
+        self._declare_lost(
+            self._tracker.skip_to(gap.end_seq),
+            f"gap larger than max_replay_chunks={self.config.max_replay_chunks} replies",
+        )
         return False
 
     def _apply_replay(self, result: _ReplayResult, end: int | None) -> None:
@@ -470,6 +553,8 @@ class KVEventSubscriber:
             assert self.config.replay_endpoint is not None
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.RCVHWM, self.config.replay_rcvhwm)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
             self._dealer.connect(self.config.replay_endpoint)
         return self._dealer
 
@@ -479,26 +564,82 @@ class KVEventSubscriber:
             self._dealer.close(linger=0)
             self._dealer = None
 
+    def _replay_failed(self, result: _ReplayResult) -> _ReplayResult:
+        """Start (or extend) the backoff after a timed-out or overrun replay."""
+        self._replay_failures += 1
+        config = self.config
+        backoff = min(
+            config.replay_backoff_max_s,
+            config.replay_backoff_s * 2 ** min(self._replay_failures - 1, 32),
+        )
+        self._replay_blocked_until = time.monotonic() + backoff
+        self._discard_dealer()  # late replies to this request must never be read
+        logger.warning(
+            "KV event replay failed (%s); no replay for %.1f s (%d failures in a row)",
+            result.failure,
+            backoff,
+            self._replay_failures,
+        )
+        return result
+
     def _request_replay(self, start: int, end: int | None) -> _ReplayResult:
+        config = self.config
+        now = time.monotonic()
+        if now < self._replay_blocked_until:
+            self._counters.replays_skipped += 1
+            reason = (
+                f"replay endpoint backing off after {self._replay_failures} failed replays "
+                f"(next try in {self._replay_blocked_until - now:.1f} s)"
+            )
+            return _ReplayResult(None, [], complete=False, failure=reason)
         self._counters.replay_requests += 1
         use_ext = self.publisher_supports_incarnation is not False
         sock = self._dealer_socket()
+        # Ask a kvbridge publisher for no more than one reply may hold; the caller
+        # asks again for the rest (a vLLM publisher always replays to its newest).
+        asked_end = end
+        if end is None or end - start > config.max_pending_batches:
+            asked_end = start + config.max_pending_batches
         if use_ext:
-            request = ReplayRequest(start_seq=start, end_seq=end, incarnation=self.incarnation)
+            request = ReplayRequest(
+                start_seq=start, end_seq=asked_end, incarnation=self.incarnation
+            )
             sock.send_multipart((b"", encode_replay_request(request)))
         else:
             sock.send_multipart((b"", encode_seq(start)))
         info: ReplayInfo | None = None
         batches: list[tuple[int, bytes, bytes | None]] = []
-        deadline = time.monotonic() + self.config.replay_timeout_s
+        num_replies = 0
+        num_bytes = 0
+        deadline = time.monotonic() + config.replay_timeout_s
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
                 self._counters.replay_timeouts += 1
                 logger.warning("KV event replay from seq %d timed out", start)
-                self._discard_dealer()
-                return _ReplayResult(info, batches, complete=False)
+                return self._replay_failed(
+                    _ReplayResult(info, batches, complete=False, failure="replay timed out")
+                )
             frames = sock.recv_multipart()
+            num_replies += 1
+            num_bytes += sum(len(frame) for frame in frames)
+            if num_replies > config.max_pending_batches + 2 or num_bytes > config.max_pending_bytes:
+                # +2: the info header and the end marker.
+                self._counters.replay_overruns += 1
+                failure = (
+                    f"replay reply exceeded the subscriber's pending bound "
+                    f"(max_pending_batches={config.max_pending_batches}, "
+                    f"max_pending_bytes={config.max_pending_bytes})"
+                )
+                if not use_ext and batches:
+                    # A plain (vLLM) publisher replays up to its newest batch: an
+                    # honest large gap is cut here, then asked for again from the
+                    # next seq (no backoff: this round made progress).
+                    self._discard_dealer()
+                    return _ReplayResult(info, batches, complete=False, truncated=True)
+                return self._replay_failed(
+                    _ReplayResult(info, batches, complete=False, failure=failure)
+                )
             if frames and frames[0] == b"":
                 frames = frames[1:]
             try:
@@ -521,7 +662,19 @@ class KVEventSubscriber:
                     use_ext = False
                     sock.send_multipart((b"", encode_seq(start)))
                     continue
-                return _ReplayResult(info, batches, complete=True)
+                self._replay_failures = 0
+                # A kvbridge publisher caps each reply (and so do we, by asking for
+                # at most max_pending_batches): more may follow when this reply
+                # stopped short of what was asked and of what the publisher holds.
+                truncated = False
+                if info is not None and batches:
+                    limit = info.next_seq if asked_end is None else min(asked_end, info.next_seq)
+                    truncated = batches[-1][0] + 1 < limit
+                return _ReplayResult(info, batches, complete=True, truncated=truncated)
+            if reply.seq < start or (end is not None and reply.seq >= end):
+                continue  # not asked for (counted against the bound above)
+            if batches and reply.seq <= batches[-1][0]:
+                continue  # a reply stream goes forward only
             batches.append((reply.seq, reply.payload, reply.topic))
 
     def _current_incarnation_if_changed(self) -> int | None:

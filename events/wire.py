@@ -33,7 +33,10 @@ Encoding (MAP, the default)::
 
 Keys appear in declaration order, so the bytes equal msgspec's encoding of
 vLLM's own structs (tests check this against msgspec when it is installed).
-Block hashes are ints (uint64) or bytes (msgpack bin).
+Block hashes are ints (uint64) or bytes (msgpack bin). ``extra_keys`` may nest
+arrays/maps at most ``MAX_EXTRA_KEYS_DEPTH`` (32) levels deep; deeper is a decode
+error naming the field (the whole batch is rejected). Reference bytes of every
+form live in ``tests/golden/vectors/events_*``.
 
 Replay (vLLM protocol): a client (REQ or DEALER) sends one frame, the 8-byte
 start sequence; the publisher's ROUTER answers ``[topic, seq, payload]`` for
@@ -282,11 +285,42 @@ def _token_ids(value: object, where: str, name: str) -> tuple[int, ...]:
     return _typed_array(value, where, name, "token ids", _INT_TYPE, "int")
 
 
+#: Deepest array/map nesting accepted in ``extra_keys`` (the field itself is level 1).
+#: vLLM sends a list of per-block key tuples (depth 2 or 3); a hostile peer could
+#: nest hundreds of levels deep, and freezing such a value recursively would raise
+#: ``RecursionError`` instead of a decode error. The bound is checked without
+#: recursion before anything recurses.
+MAX_EXTRA_KEYS_DEPTH = 32
+
+
+def _check_nesting(value: object, where: str, name: str, limit: int) -> None:
+    """Raise ``EventDecodeError`` when arrays/maps in ``value`` nest deeper than ``limit``."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        kind = type(item)
+        if kind is tuple or kind is list:
+            children: Any = item
+        elif kind is dict:
+            assert isinstance(item, dict)
+            children = [part for pair in item.items() for part in pair]
+        else:
+            continue
+        if depth > limit:
+            raise EventDecodeError(
+                _path(where, name),
+                f"nested deeper than {limit} levels of arrays/maps; the batch is rejected "
+                "(check the publisher's extra_keys)",
+            )
+        stack.extend((child, depth + 1) for child in children)
+
+
 def _extra_keys(value: object, where: str, name: str) -> tuple[object, ...] | None:
     if value is None:
         return None
     if type(value) is not tuple and type(value) is not list:
         raise EventDecodeError(_path(where, name), f"expected array or nil, got {type(value).__name__}")
+    _check_nesting(value, where, name, MAX_EXTRA_KEYS_DEPTH)
     frozen = freeze_value(value)
     assert isinstance(frozen, tuple)
     return frozen
@@ -533,6 +567,20 @@ class ReplayReply:
     seq: int = END_SEQ
     payload: bytes = b""
     topic: bytes | None = None
+
+
+def replay_batch_frames(topic: bytes | None, seq: int, payload: bytes) -> tuple[bytes, ...]:
+    """One replayed batch as the publisher sends it (after the client's identity and
+    delimiter): ``[topic, seq, payload]``, or ``[seq, payload]`` when ``topic`` is
+    None (vLLM before PR #45177)."""
+    if topic is None:
+        return (encode_seq(seq), payload)
+    return (topic, encode_seq(seq), payload)
+
+
+def replay_end_frames(with_topic: bool = True) -> tuple[bytes, ...]:
+    """The end marker of a replay: ``[b"", END_SEQ, b""]`` (or ``[END_SEQ, b""]``)."""
+    return (b"", END_SEQ_BYTES, b"") if with_topic else (END_SEQ_BYTES, b"")
 
 
 def parse_replay_reply(frames: Sequence[bytes]) -> ReplayReply:

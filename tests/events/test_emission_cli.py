@@ -19,7 +19,14 @@ import pytest
 import zmq
 
 from kvbridge.engine import make_requests
-from kvbridge.events import BlockStored, KVEvent, KVEventSubscriber, ReceivedBatch, SubscriberConfig
+from kvbridge.events import (
+    BlockStored,
+    KVEvent,
+    KVEventSubscriber,
+    ReceivedBatch,
+    SubscriberConfig,
+    encode_batch,
+)
 from kvbridge.layouts import hash_blocks
 from tests.conftest import free_port, require
 
@@ -124,6 +131,99 @@ def test_serve_publishes_its_engine_events(tmp_path: Path) -> None:
         if proc.stdout is not None:
             proc.stdout.close()
     assert "KV events of producer" in (tmp_path / "stderr").read_text()
+
+
+def _rss_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_serve_replay_router_stays_bounded_under_unread_requests(tmp_path: Path) -> None:
+    """The served engine's replay ROUTER had SNDHWM 0: a client sending 3,000
+    replay requests and reading none made `serve` queue every reply. Now its
+    memory stays bounded, it keeps answering its control port, and an honest
+    subscriber still replays the whole ring."""
+    require("nixl_cu12", "NIXL (nixl-cu12)")
+    side, control, events_port, replay_port = _distinct_ports(4)
+    endpoint, replay = f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--role", "producer", "--port", str(side), "--control-port",
+             str(control), "--num-blocks", "800", "--events-endpoint", endpoint,
+             "--events-replay-endpoint", replay, "--json"],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    context = zmq.Context()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.setsockopt(zmq.SNDTIMEO, 30_000)
+    greedy = context.socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.setsockopt(zmq.SNDTIMEO, 30_000)
+
+    def call(op: str, **fields: Any) -> dict[str, Any]:
+        sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
+        reply: dict[str, Any] = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["ok"], reply
+        return reply
+
+    requests = make_requests(24, prompt_tokens=512, max_tokens=1, seed=5)
+    try:
+        _ready_line(proc, 120)
+        sock.connect(f"tcp://127.0.0.1:{control}")
+        call("submit", requests=[r.to_dict() for r in requests])
+        done: list[Any] = []
+        deadline = time.monotonic() + 120
+        while len(done) < len(requests):
+            assert time.monotonic() < deadline, "requests did not finish"
+            done += call("results")["results"]
+            time.sleep(0.05)
+        with KVEventSubscriber(SubscriberConfig(endpoint, replay, start_seq=0,
+                                                idle_resync_s=None)) as sub:
+            ring = [item for item in sub.items(idle_timeout_s=5.0)
+                    if isinstance(item, ReceivedBatch)]
+        assert ring and [b.seq for b in ring] == list(range(len(ring)))
+        assert len([h for b in ring for h in _gpu_stored(list(b.batch.events))]) == 24 * 32
+        # What 3,000 full replies of this ring would queue: far above the bound below.
+        ring_bytes = sum(len(encode_batch(b.batch)) for b in ring)
+        assert 3000 * ring_bytes > 4 * (32 << 20), ring_bytes
+
+        start_rss = _rss_of(proc.pid)
+        peak = start_rss
+        greedy.connect(replay)
+        for _ in range(3000):
+            greedy.send_multipart((b"", (0).to_bytes(8, "big")))
+        # Until serve has dealt with them: its RSS steady for 1 s (20 samples).
+        steady = 0
+        last = start_rss
+        deadline = time.monotonic() + 120
+        while steady < 20:
+            assert time.monotonic() < deadline, "serve's memory never settled"
+            time.sleep(0.05)
+            rss = _rss_of(proc.pid)
+            peak = max(peak, rss)
+            steady = steady + 1 if abs(rss - last) < (1 << 20) else 0
+            last = rss
+        assert peak - start_rss < 32 << 20, (
+            f"serve grew by {(peak - start_rss) >> 20} MiB on 3,000 unread replay requests")
+        assert call("info")["engine_id"]  # still serving
+        with KVEventSubscriber(SubscriberConfig(endpoint, replay, start_seq=0,
+                                                idle_resync_s=None)) as sub:
+            again = [item for item in sub.items(idle_timeout_s=5.0)
+                     if isinstance(item, ReceivedBatch)]
+        assert [b.seq for b in again] == [b.seq for b in ring]
+        call("shutdown")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        greedy.close(linger=0)
+        sock.close(linger=0)
+        context.term()
+        _stop(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @pytest.mark.slow  # two engine processes with NIXL: 20-40 s here; serve covers the flags

@@ -258,6 +258,21 @@ def _rebind(make: Callable[..., KVEventPublisher], **kwargs: Any) -> KVEventPubl
             time.sleep(0.05)
 
 
+def _until_subscribed(sub: KVEventSubscriber, pub: KVEventPublisher) -> list[StreamItem]:
+    """Readiness handshake after a publisher restart: drive the subscriber (libzmq
+    re-sends a SUB's subscription after a reconnect only when its owner uses the
+    socket) until the new publisher has seen the subscription; returns the items
+    that arrived meanwhile."""
+    items: list[StreamItem] = []
+    deadline = time.monotonic() + 20.0
+    while not pub.wait_for_subscribers(1, timeout_s=0.0):
+        assert time.monotonic() < deadline, "the SUB did not reconnect"
+        item = sub.get(0.02)
+        if item is not None:
+            items.append(item)
+    return items
+
+
 def test_restart_detected_when_sequence_goes_backwards(
     make_publisher: Callable[..., KVEventPublisher],
     make_subscriber: Callable[..., KVEventSubscriber],
@@ -271,10 +286,10 @@ def test_restart_detected_when_sequence_goes_backwards(
     first.close()
     second = _rebind(make_publisher, endpoint=endpoint, replay_endpoint=replay)
     assert second.incarnation != first.incarnation
-    time.sleep(0.5)  # let the SUB reconnect (ZMQ retries every 100 ms)
+    items = _until_subscribed(sub, second)
     for i in range(3):
         second.publish(step_events(100 + i))
-    items = collect(sub, 3)
+    items += collect(sub, 3)
     restarts = [item for item in items if isinstance(item, PublisherRestarted)]
     assert len(restarts) == 1
     assert restarts[0].previous_incarnation == first.incarnation
@@ -303,9 +318,9 @@ def test_restart_is_not_mistaken_for_a_gap(
     for i in range(20):  # before the SUB reconnects: missed live
         second.publish(step_events(200 + i))
     assert second.flush()
-    time.sleep(0.5)
+    items = _until_subscribed(sub, second)
     second.publish(step_events(220))
-    items = collect(sub, 21)
+    items += collect(sub, 21 - len(batches_of(items)))
     restarts = [item for item in items if isinstance(item, PublisherRestarted)]
     assert len(restarts) == 1 and restarts[0].incarnation == second.incarnation
     got = batches_of(items)
@@ -376,7 +391,7 @@ def test_vllm_style_client_reads_live_and_replay(
         sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
         sub.connect(pub.endpoint)
         dealer.connect(pub.replay_endpoint)
-        time.sleep(0.3)
+        assert pub.wait_for_subscribers(1), "the SUB never subscribed"
         for i in range(5):
             pub.publish(step_events(i))
         live = []
@@ -411,12 +426,13 @@ def test_vllm_style_client_reads_live_and_replay(
 class VllmStylePublisher:
     """vLLM's publisher protocol, reimplemented minimally from its wire layout:
     PUB [topic, seq, payload]; ROUTER answers an 8-byte start seq with
-    [topic, seq, payload]... then [b"", END_SEQ, b""]; anything else unparsed."""
+    [topic, seq, payload]... then [b"", END_SEQ, b""]; anything else unparsed.
+    (An XPUB, the same wire to a SUB, so the test can see the subscription arrive.)"""
 
     def __init__(self, topic: bytes) -> None:
         ctx = zmq.Context.instance()
         self.topic = topic
-        self.pub = ctx.socket(zmq.PUB)
+        self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind("tcp://127.0.0.1:*")
         self.router = ctx.socket(zmq.ROUTER)
@@ -429,6 +445,10 @@ class VllmStylePublisher:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
+
+    def wait_for_subscriber(self, timeout_s: float = 10.0) -> bool:
+        """Readiness handshake: True once a SUB's subscription arrived."""
+        return bool(self.pub.poll(int(timeout_s * 1000))) and self.pub.recv()[:1] == b"\x01"
 
     def send(self, seq: int, events: list[KVEvent], live: bool = True) -> None:
         payload = encode_batch(EventBatch(time.time(), tuple(events), 0))
@@ -471,7 +491,7 @@ def test_subscriber_repairs_gaps_from_a_vllm_style_publisher(
             endpoint=vllm.endpoint, replay_endpoint=vllm.replay_endpoint, topic="kv-events",
             idle_resync_s=None,
         )
-        time.sleep(0.3)
+        assert vllm.wait_for_subscriber(), "the subscriber never subscribed"
         vllm.send(0, step_events(0))
         assert [b.seq for b in batches_of(collect(sub, 1))] == [0]
         for seq in range(1, 6):
@@ -632,9 +652,9 @@ def test_restart_that_looks_like_a_continuation_is_detected(
     for i in range(expected):  # missed live: the SUB has not reconnected yet
         second.publish(step_events(300 + i))
     assert second.flush()
-    time.sleep(0.5)
+    items = _until_subscribed(sub, second)
     second.publish(step_events(300 + expected))
-    items = collect(sub, expected + 1)
+    items += collect(sub, expected + 1 - len(batches_of(items)))
     restarts = [item for item in items if isinstance(item, PublisherRestarted)]
     assert len(restarts) == 1 and restarts[0].incarnation == second.incarnation
     got = batches_of(items)

@@ -21,6 +21,7 @@ from kvbridge.events import (
 )
 from kvbridge.events.wire import (
     END_SEQ,
+    MAX_EXTRA_KEYS_DEPTH,
     REPLAY_MAGIC,
     ReplayInfo,
     ReplayRequest,
@@ -369,6 +370,37 @@ def test_decode_errors_name_the_field(payload: bytes, field: str) -> None:
     with pytest.raises(EventDecodeError) as info:
         decode_batch(payload)
     assert info.value.field == field
+
+
+def _deep(depth: int, as_map: bool) -> Any:
+    """An ``extra_keys`` value nesting ``depth`` levels (itself the first)."""
+    value: Any = "x"
+    for _ in range(depth - 1):
+        value = {"k": value} if as_map else [value]
+    return [value]
+
+
+@pytest.mark.parametrize("as_map", [False, True], ids=["arrays", "maps"])
+@pytest.mark.parametrize("event_form", ["map", "array"])
+def test_extra_keys_nesting_is_bounded(as_map: bool, event_form: str) -> None:
+    """Nested beyond MAX_EXTRA_KEYS_DEPTH: a decode error naming the field, in both
+    event encodings, arrays or maps inside (600 levels raised RecursionError)."""
+    def payload(depth: int) -> bytes:
+        extra = _deep(depth, as_map)
+        if event_form == "map":
+            event: Any = {"type": "BlockStored", "block_hashes": [1],
+                          "parent_block_hash": None, "token_ids": [], "block_size": 16,
+                          "extra_keys": extra}
+        else:
+            event = ["BlockStored", [1], None, [], 16, None, None, None, extra]
+        return msgpack.packb([1.0, [["AllBlocksCleared"], event], 0], use_bin_type=True)
+
+    assert decode_batch(payload(MAX_EXTRA_KEYS_DEPTH)).events[1].extra_keys is not None
+    for depth in (MAX_EXTRA_KEYS_DEPTH + 1, 600):
+        with pytest.raises(EventDecodeError) as info:
+            decode_batch(payload(depth))
+        assert info.value.field == "events[1].extra_keys"
+        assert f"deeper than {MAX_EXTRA_KEYS_DEPTH} levels" in info.value.reason
 
 
 # ---------------------------------------------------------------- frames
