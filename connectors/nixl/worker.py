@@ -310,9 +310,11 @@ class NixlWorker(WorkerConnector):
             self._pump = threading.Thread(target=self._pump_loop, daemon=True,
                                           name=f"kvb-nixl-pump-r{self.rank_index}")
             self._pump.start()
+        mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
-                                   max(num_blocks) if num_blocks else 0)
+                                   max(num_blocks) if num_blocks else 0,
+                                   mem_type=mem_type, device_id=device_id)
         self._agent_doc = encode_agent(meta)
 
     def get_handshake_metadata(self) -> bytes | None:
@@ -912,9 +914,11 @@ class NixlWorker(WorkerConnector):
                             self.memory, "producer")
         remote = build_table(sub.regions, sub.layers, sub.consumer_offsets, sub.lengths,
                              consumer.meta.layer_memory(), "consumer")
-        local_list = self.transport.prepare_local_descs(local.rows)
+        local_list = self.transport.prepare_local_descs(
+            local.strided(self.transport.memory_type[1]))
         try:
-            remote_list = self.transport.prepare_remote(consumer.peer, remote.rows)
+            remote_list = self.transport.prepare_remote(  # the consumer's memory type
+                consumer.peer, remote.strided(consumer.meta.device_id), consumer.meta.mem_type)
         except BaseException:
             self.transport.release_dlist(local_list)
             raise
