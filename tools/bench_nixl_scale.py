@@ -173,8 +173,8 @@ def _run_kvbridge(spec: KVCacheSpec, peer: PeerProcess, num_blocks: int, block_i
         rank_plan, local, remote, ldl, rdl = steps.run("prepare_lists", prepare)
 
         def first() -> Any:
-            lidx, ridx, _ = pull_indices(rank_plan, local, remote, 0, (block_ids,),
-                                         (producer_ids,))
+            lidx, ridx, _ = pull_indices(rank_plan, local, remote, 0, (block_ids.tolist(),),
+                                         (producer_ids.tolist(),))
             xfer = t.post("READ", ldl, lidx, rdl, ridx, deadline_s=60)
             t.wait(xfer)
             return xfer

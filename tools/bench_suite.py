@@ -182,16 +182,19 @@ def bench_nixl_scale(patterns: Sequence[tuple[int, int]], quick: bool, layers: i
         kvb, raw = rep["kvbridge"], rep["raw_nixl"]
         ok = bool(kvb["verified"] and raw["verified"])
         case = f"{num_layers}Lx{num_blocks}x{size_label(block_bytes)}"
-        common = {"num_blocks": num_layers * num_blocks, "block_bytes": block_bytes,
-                  "verified": ok, "lower_is_better": True}
+        def scale_row(op: str, unit: str, kvbridge: float, raw_value: float, raw_name: str,
+                      case: str = case, ok: bool = ok, num_blocks: int = num_blocks,
+                      block_bytes: int = block_bytes) -> dict[str, Any]:
+            return row("nixl-scale", case, op, unit, kvbridge, raw_value, raw_name,
+                       num_blocks=num_layers * num_blocks, block_bytes=block_bytes,
+                       verified=ok, lower_is_better=True)
+
         for key, label in SCALE_STEPS:
-            rows.append(row("nixl-scale", case, label, "ms", kvb["ms"][key], raw["ms"][key],
-                            "raw NIXL", **common))
-        rows.append(row("nixl-scale", case, "set-up total", "ms", sum(kvb["ms"].values()),
-                        sum(raw["ms"].values()), "raw NIXL", **common))
-        rows.append(row("nixl-scale", case, "handshake doc", "bytes",
-                        kvb["handshake_doc_bytes"], raw["agent_metadata_bytes"],
-                        "raw NIXL agent metadata", **common))
+            rows.append(scale_row(label, "ms", kvb["ms"][key], raw["ms"][key], "raw NIXL"))
+        rows.append(scale_row("set-up total", "ms", sum(kvb["ms"].values()),
+                              sum(raw["ms"].values()), "raw NIXL"))
+        rows.append(scale_row("handshake doc", "bytes", kvb["handshake_doc_bytes"],
+                              raw["agent_metadata_bytes"], "raw NIXL agent metadata"))
     return {"rows": rows, "detail": {"scale": reports}}
 
 
