@@ -2,7 +2,11 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvbridge-setup
+# ^ib only on a host without InfiniBand/RoCE devices (else UCX processes segfault at exit
+# here; on an RDMA host it would force TCP): the same rule as kvbridge.backends.env_defaults
+ifeq ($(wildcard /sys/class/infiniband/*),)
 export UCX_MODULES ?= ^ib
+endif
 export NIXL_LOG_LEVEL ?= WARN
 export MC_LOG_LEVEL ?= WARNING
 

@@ -18,11 +18,26 @@ every caller would otherwise rediscover (see ``BACKENDS.md``):
   (:meth:`NixlTransport.reap`, run by every :meth:`NixlTransport.get_notifs`);
   only then is ``Transfer.quiesced`` true and its local memory safe to reuse.
 
-Model: memory is registered once (:meth:`register_regions`); descriptor lists
-are prepared once (local per region with :meth:`prepare_local`, or arbitrary
-``(addr, len)`` rows with :meth:`prepare_local_descs` for sub-block / head-slice
-reads; remote ones with :meth:`prepare_remote` right after the handshake); a
-transfer then only passes *indices* into those lists (:meth:`post`).
+Model: memory is registered once (:meth:`register_regions`: each distinct
+backing storage once, host tensors as ``DRAM`` -- pinned ones too -- and CUDA
+tensors as ``VRAM`` with their device id); descriptor lists are prepared once
+(local per region with :meth:`prepare_local`, or arbitrary rows with
+:meth:`prepare_local_descs` for sub-block / head-slice reads; remote ones with
+:meth:`prepare_remote` right after the handshake, with the *peer's* memory
+type); a transfer then only passes *indices* into those lists (:meth:`post`).
+
+Descriptor rows are ``(addr, len[, dev])`` -- one row per descriptor -- or
+NIXL's strided form ``(addr, len, dev, stride, count)`` (NIXL >= 1.5): one row
+stands for ``count`` descriptors of ``len`` bytes, ``stride`` bytes apart, and
+index ``sum(count of the rows before) + k`` names the ``k``-th of them. A
+layer's per-block list of a real cache (~10^5 blocks) is then one row to build
+and prepare instead of 10^5 (:func:`strided_descs`).
+
+CUDA: UCX disables CUDA IPC on a thread without a current CUDA context, so
+once VRAM is registered every thread that enters the transport (the engine
+thread, a handshake executor, a progress pump) has ``torch.cuda.set_device``
+called for the registered device first (:func:`set_cuda_device`), once per
+thread.
 
 Invariants (checked by the tests through :meth:`counters`):
 
@@ -72,9 +87,22 @@ __all__ = [
     "XferOp",
     "XferState",
     "block_descs",
+    "expand_descs",
     "load_nixl_api",
+    "memory_of",
+    "set_cuda_device",
+    "strided_descs",
     "sub_block_descs",
 ]
+
+#: NIXL memory types kvbridge registers and prepares: host memory (pinned or not) and
+#: CUDA device memory.
+DRAM = "DRAM"
+VRAM = "VRAM"
+MEM_TYPES = (DRAM, VRAM)
+
+#: Transfers name rows by int32 index (NIXL's index arrays): a list holds at most this many.
+MAX_LIST_DESCS = (1 << 31) - 1
 
 
 class NixlTransportError(RuntimeError):
@@ -107,11 +135,91 @@ class XferState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Region:
-    """A registered memory region (host DRAM). ``region_id`` indexes :meth:`register_regions` order."""
+    """A registered memory region. ``region_id`` indexes :meth:`register_regions` order.
+
+    ``addr``/``nbytes`` span the item given (a tensor, or ``(addr, nbytes)``);
+    the NIXL registration behind it is the item's whole backing storage, shared
+    by every region on the same storage. ``mem_type`` is ``DRAM`` or ``VRAM``,
+    ``device_id`` the CUDA device (0 for host memory).
+    """
 
     region_id: int
     addr: int
     nbytes: int
+    mem_type: str = DRAM
+    device_id: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryOf:
+    """What :func:`memory_of` found about one item to register."""
+
+    addr: int
+    nbytes: int
+    mem_type: str
+    device_id: int
+    storage_addr: int  # the backing allocation, registered once for all its views
+    storage_nbytes: int
+
+
+def memory_of(item: Any, where: str = "region") -> MemoryOf:
+    """Address, size, memory type and backing storage of a tensor or raw tuple.
+
+    ``item`` is a contiguous tensor (``cpu`` -> DRAM, pinned or not; ``cuda`` ->
+    VRAM on its device), ``(addr, nbytes)`` (host memory) or ``(addr, nbytes,
+    mem_type, device_id)``. Only the tensor's attributes are read (``device``,
+    ``data_ptr``, ``untyped_storage``), so a description of a CUDA tensor
+    works on a machine without CUDA.
+    """
+    if isinstance(item, tuple):
+        if len(item) not in (2, 4):
+            raise NixlTransportError(f"{where}: expected (addr, nbytes) or (addr, nbytes, "
+                                     f"mem_type, device_id), got {item!r}")
+        addr, nbytes = int(item[0]), int(item[1])
+        mem_type, device_id = (DRAM, 0) if len(item) == 2 else (str(item[2]), int(item[3]))
+        storage_addr, storage_nbytes = addr, nbytes
+    else:
+        if not getattr(item, "is_contiguous", lambda: False)():
+            raise NixlTransportError(f"{where}: expected a contiguous tensor")
+        device = item.device
+        if device.type == "cpu":
+            mem_type, device_id = DRAM, 0
+        elif device.type == "cuda":
+            mem_type = VRAM
+            device_id = device.index if device.index is not None else _current_cuda_device()
+        else:
+            raise NixlTransportError(f"{where}: expected host (cpu) or CUDA memory, got "
+                                     f"{device}")
+        addr, nbytes = int(item.data_ptr()), int(item.numel() * item.element_size())
+        storage = item.untyped_storage()
+        storage_addr, storage_nbytes = int(storage.data_ptr()), int(storage.nbytes())
+        if not (storage_addr <= addr and addr + nbytes <= storage_addr + storage_nbytes):
+            storage_addr, storage_nbytes = addr, nbytes  # not a plain view: register itself
+    if mem_type not in MEM_TYPES:
+        raise NixlTransportError(f"{where}: mem_type must be one of {MEM_TYPES}, got "
+                                 f"{mem_type!r}")
+    if device_id < 0 or (mem_type == DRAM and device_id != 0):
+        raise NixlTransportError(f"{where}: device_id must be >= 0 (0 for DRAM), got "
+                                 f"{device_id}")
+    if addr <= 0 or nbytes <= 0:
+        raise NixlTransportError(f"{where}: expected addr > 0 and nbytes > 0, got {addr}, "
+                                 f"{nbytes}")
+    return MemoryOf(addr, nbytes, mem_type, device_id, storage_addr, storage_nbytes)
+
+
+def _current_cuda_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
+def set_cuda_device(device_id: int) -> None:
+    """Make ``device_id`` the current CUDA device of the calling thread (creates its
+    context). Module-level so that a test on a machine without CUDA can record the
+    calls in its place."""
+    import torch
+
+    torch.cuda.set_device(device_id)
 
 
 @dataclass(frozen=True)
@@ -200,15 +308,97 @@ class Transfer:
 
 
 def load_nixl_api() -> Any:
-    """Return NIXL's ``_api`` module (``nixl_cu12._api``, else ``nixl._api``)."""
-    apply_env_defaults()  # UCX_MODULES=^ib must be set before the first agent
+    """Return NIXL's ``_api`` module: the build that matches torch's CUDA.
+
+    The order and the reason for it come from :func:`nixl_candidates` (the
+    ``nixl`` meta package's ``nixl._api`` first: it picks the build for the
+    installed CUDA; else ``nixl_cu13`` / ``nixl_cu12``, the one matching
+    torch's CUDA major first). :func:`loaded_nixl` says which one loaded.
+    """
+    apply_env_defaults()  # UCX_MODULES and the CUDA transports must be set before an agent
+    global _LOADED
+    if _LOADED is not None:
+        return importlib.import_module(_LOADED[0])
     errors = []
-    for name in ("nixl_cu12._api", "nixl._api"):
+    names, reason = nixl_candidates()
+    for name in names:
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except Exception as exc:  # ImportError, or a shared library that fails to load
             errors.append(f"{name}: {exc!r}")
+            continue
+        _LOADED = (name, reason + (f" ({'; '.join(errors)})" if errors else ""))
+        return module
     raise NixlUnavailableError("NIXL is not importable (" + "; ".join(errors) + ")")
+
+
+_LOADED: tuple[str, str] | None = None
+
+
+def torch_cuda_major() -> int | None:
+    """The CUDA major version torch was built with (None for a CPU build or no torch)."""
+    try:
+        import torch
+    except Exception:
+        return None
+    version = getattr(torch.version, "cuda", None)
+    try:
+        return int(str(version).split(".")[0]) if version else None
+    except ValueError:
+        return None
+
+
+def nixl_candidates(cuda_major: int | None = None, *, from_torch: bool = True
+                    ) -> tuple[list[str], str]:
+    """NIXL modules to try, in order, and why that order (for ``kvbridge doctor``).
+
+    ``nixl._api`` (the meta package, which dispatches to the build for the
+    installed CUDA) first; then the per-CUDA wheels, the one for torch's CUDA
+    major first (a ``nixl_cu12`` next to a CUDA 13 torch links the wrong CUDA
+    runtime). A CPU torch prefers ``nixl_cu12``, the build tested here.
+    ``cuda_major`` overrides torch's (None with ``from_torch=False``: no CUDA).
+    """
+    major = torch_cuda_major() if cuda_major is None and from_torch else cuda_major
+    if major is not None and major >= 13:
+        builds, why = ["nixl_cu13._api", "nixl_cu12._api"], f"torch is built for CUDA {major}"
+    elif major is not None:
+        builds, why = ["nixl_cu12._api", "nixl_cu13._api"], f"torch is built for CUDA {major}"
+    else:
+        builds, why = ["nixl_cu12._api", "nixl_cu13._api"], "torch has no CUDA (CPU build)"
+    return ["nixl._api", *builds], (f"nixl._api (meta package) first, then "
+                                    f"{builds[0].split('.')[0]}: {why}")
+
+
+def loaded_nixl() -> tuple[str, str] | None:
+    """``(module, why)`` of the NIXL build :func:`load_nixl_api` loaded, or None yet."""
+    return _LOADED
+
+
+def strided_descs(addr: int, length: int, stride: int, count: int,
+                  device_id: int = 0) -> np.ndarray:
+    """One strided row ``(addr, length, device_id, stride, count)`` (uint64[1,5]):
+    ``count`` descriptors of ``length`` bytes at ``addr + k * stride``."""
+    if length <= 0 or count <= 0 or stride < length or device_id < 0:
+        raise NixlTransportError(f"strided descriptor: need length > 0, count > 0, stride >= "
+                                 f"length, device_id >= 0; got length={length} count={count} "
+                                 f"stride={stride} device_id={device_id}")
+    return np.array([[addr, length, device_id, stride, count]], dtype=np.uint64)
+
+
+def expand_descs(descs: Any) -> np.ndarray:
+    """Any accepted rows as one ``(addr, len, dev)`` row per descriptor (uint64[N,3]),
+    in index order: the per-block list a strided one stands for."""
+    groups = _as_groups(descs, "descs")
+    counts = groups[:, 4].astype(np.int64)
+    group = np.repeat(np.arange(groups.shape[0]), counts)
+    first = np.zeros(groups.shape[0], dtype=np.int64)
+    first[1:] = np.cumsum(counts)[:-1]
+    k = (np.arange(group.shape[0], dtype=np.int64) - first[group]).astype(np.uint64)
+    out = np.empty((group.shape[0], 3), dtype=np.uint64)
+    out[:, 0] = groups[group, 0] + k * groups[group, 3]
+    out[:, 1] = groups[group, 1]
+    out[:, 2] = groups[group, 2]
+    return out
 
 
 def block_descs(addr: int, block_bytes: int, num_blocks: int) -> np.ndarray:
@@ -239,20 +429,48 @@ def sub_block_descs(
 
 
 def _as_desc_array(descs: Any, what: str) -> np.ndarray:
-    """Validate ``descs`` as (addr, len) or (addr, len, dev) rows -> uint64[N,3]."""
+    """Validate ``descs`` as (addr, len), (addr, len, dev) or strided (addr, len, dev,
+    stride, count) rows -> uint64[N,3] or uint64[N,5] (the strided form kept)."""
     arr = np.asarray(descs)
-    if arr.ndim != 2 or arr.shape[1] not in (2, 3) or arr.shape[0] == 0:
+    if arr.ndim != 2 or arr.shape[1] not in (2, 3, 5) or arr.shape[0] == 0:
         raise NixlTransportError(
-            f"{what}: expected a non-empty array of shape (N, 2) or (N, 3), got {arr.shape}"
+            f"{what}: expected a non-empty array of shape (N, 2), (N, 3) or strided (N, 5), "
+            f"got {arr.shape}"
         )
     if arr.dtype.kind not in "iu":
         raise NixlTransportError(f"{what}: expected integer rows, got dtype {arr.dtype}")
     if arr.dtype.kind == "i" and (arr < 0).any():
         raise NixlTransportError(f"{what}: addresses and lengths must be >= 0")
-    out = np.zeros((arr.shape[0], 3), dtype=np.uint64)
+    out = np.zeros((arr.shape[0], 5 if arr.shape[1] == 5 else 3), dtype=np.uint64)
     out[:, : arr.shape[1]] = arr.astype(np.uint64)
     if (out[:, 1] == 0).any():
         raise NixlTransportError(f"{what}: every descriptor length must be > 0")
+    if out.shape[1] == 5:
+        stride, count = out[:, 3], out[:, 4]
+        if (count == 0).any() or ((stride < out[:, 1]) & (count > 1)).any():
+            k = int(np.flatnonzero((count == 0) | ((stride < out[:, 1]) & (count > 1)))[0])
+            raise NixlTransportError(f"{what}: strided row {k}: count must be > 0 and stride "
+                                     f">= len (rows may not overlap), got {out[k].tolist()}")
+        span = stride.astype(np.float64) * (count.astype(np.float64) - 1) + out[:, 1]
+        if (out[:, 0].astype(np.float64) + span >= 2.0**63).any():
+            raise NixlTransportError(f"{what}: a strided row runs past the address space")
+        if float(count.astype(np.float64).sum()) > MAX_LIST_DESCS:
+            raise NixlTransportError(f"{what}: {int(count.sum())} descriptors exceed "
+                                     f"{MAX_LIST_DESCS} (transfers index rows with int32)")
+    elif out.shape[0] > MAX_LIST_DESCS:
+        raise NixlTransportError(f"{what}: {out.shape[0]} rows exceed {MAX_LIST_DESCS}")
+    return out
+
+
+def _as_groups(descs: Any, what: str) -> np.ndarray:
+    """Any accepted rows as strided groups uint64[M,5] (a plain row is a group of one)."""
+    arr = _as_desc_array(descs, what)
+    if arr.shape[1] == 5:
+        return arr
+    out = np.empty((arr.shape[0], 5), dtype=np.uint64)
+    out[:, :3] = arr
+    out[:, 3] = arr[:, 1]
+    out[:, 4] = 1
     return out
 
 
@@ -269,9 +487,50 @@ def _as_indices(idx: Any, bound: int, what: str) -> np.ndarray:
 
 @dataclass
 class _DListEntry:
+    """A prepared list. Row lengths are kept per group (a strided row is one group),
+    so looking up the lengths of posted indices costs no per-descriptor memory."""
+
     handle: Any
-    lengths: np.ndarray  # uint64[N]
+    group_lengths: np.ndarray  # uint64[M]
+    group_ends: np.ndarray | None  # int64[M] cumulative counts; None: every group is one row
     peer: PeerHandle | None
+    mem_type: str = DRAM
+
+    def lengths(self, idx: np.ndarray) -> np.ndarray:
+        if self.group_ends is None:
+            return self.group_lengths[idx]
+        return self.group_lengths[np.searchsorted(self.group_ends, idx, side="right")]
+
+
+@dataclass
+class _Registration:
+    """One NIXL registration: a distinct backing storage."""
+
+    addr: int
+    nbytes: int
+    mem_type: str
+    device_id: int
+    handle: Any
+
+
+class _AgentLock:
+    """The transport's lock; entering it also makes the registered CUDA device
+    current on the calling thread (see the module docstring)."""
+
+    def __init__(self, transport: NixlTransport) -> None:
+        self._rlock = threading.RLock()
+        self._transport = transport
+
+    def __enter__(self) -> None:
+        self._rlock.acquire()
+        try:
+            self._transport._bind_thread()
+        except BaseException:
+            self._rlock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._rlock.release()
 
 
 class NixlTransport:
@@ -291,7 +550,9 @@ class NixlTransport:
             num_threads=num_threads,
         )
         self._api = api
-        self._lock = threading.RLock()
+        self._cuda_device: int | None = None  # set by the first VRAM registration
+        self._thread_device = threading.local()
+        self._lock = _AgentLock(self)
         try:
             self._agent = api.nixl_agent(self.name, config)
         except Exception as exc:
@@ -302,7 +563,7 @@ class NixlTransport:
             )
         self._closed = False
         self._regions: list[Region] = []
-        self._reg_descs: list[Any] = []
+        self._registrations: list[_Registration] = []
         self._dlists: dict[int, _DListEntry] = {}
         self._peers: dict[str, PeerHandle] = {}
         self._peer_md: dict[str, bytes] = {}
@@ -317,39 +578,68 @@ class NixlTransport:
     # ------------------------------------------------------------------ memory
 
     def register_regions(self, regions: Sequence[Any]) -> list[Region]:
-        """Register host memory once: each item a contiguous CPU tensor or ``(addr, nbytes)``.
+        """Register memory once: each item a contiguous tensor (host -> DRAM, CUDA ->
+        VRAM with its device id), ``(addr, nbytes)`` of host memory, or ``(addr,
+        nbytes, mem_type, device_id)``.
 
-        The caller keeps the memory alive until :meth:`close`.
+        Each distinct backing storage is registered once, whole (vLLM hands out
+        every layer as a view of one allocation); items on a storage that is
+        already registered only add a :class:`Region`. All VRAM must be on one
+        device (the one made current on NIXL threads). The caller keeps the
+        memory alive until :meth:`close`.
         """
         self._check_open()
-        rows: list[tuple[int, int]] = []
-        for i, item in enumerate(regions):
-            if isinstance(item, tuple):
-                if len(item) != 2:
-                    raise NixlTransportError(f"regions[{i}]: expected (addr, nbytes), got {item!r}")
-                addr, nbytes = int(item[0]), int(item[1])
-            else:
-                if not getattr(item, "is_contiguous", lambda: False)():
-                    raise NixlTransportError(f"regions[{i}]: expected a contiguous tensor")
-                if item.device.type != "cpu":
-                    raise NixlTransportError(
-                        f"regions[{i}]: only host (cpu) memory is supported, got {item.device}"
-                    )
-                addr, nbytes = int(item.data_ptr()), int(item.numel() * item.element_size())
-            if addr <= 0 or nbytes <= 0:
-                raise NixlTransportError(
-                    f"regions[{i}]: expected addr > 0 and nbytes > 0, got {addr}, {nbytes}"
-                )
-            rows.append((addr, nbytes))
+        infos = [memory_of(item, f"regions[{i}]") for i, item in enumerate(regions)]
+        devices = {i.device_id for i in infos if i.mem_type == VRAM}
+        if self._cuda_device is not None:
+            devices.add(self._cuda_device)
+        if len(devices) > 1:
+            raise NixlTransportError(f"regions: VRAM on several CUDA devices {sorted(devices)}; "
+                                     "one transport serves one device")
         out = []
         with self._lock:
-            for addr, nbytes in rows:
-                reg = self._agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
-                region = Region(len(self._regions), addr, nbytes)
+            if devices and self._cuda_device is None:
+                self._cuda_device = devices.pop()
+                self._bind_thread()
+            for info in infos:
+                if self._registration_of(info) is None:
+                    reg = self._agent.register_memory(
+                        [(info.storage_addr, info.storage_nbytes, info.device_id, "")],
+                        info.mem_type)
+                    self._registrations.append(_Registration(
+                        info.storage_addr, info.storage_nbytes, info.mem_type, info.device_id,
+                        reg))
+                region = Region(len(self._regions), info.addr, info.nbytes, info.mem_type,
+                                info.device_id)
                 self._regions.append(region)
-                self._reg_descs.append(reg)
                 out.append(region)
         return out
+
+    def _registration_of(self, info: MemoryOf) -> _Registration | None:
+        for reg in self._registrations:
+            if ((reg.mem_type, reg.device_id) == (info.mem_type, info.device_id)
+                    and reg.addr <= info.addr
+                    and info.addr + info.nbytes <= reg.addr + reg.nbytes):
+                return reg
+        return None
+
+    @property
+    def memory_type(self) -> tuple[str, int]:
+        """``(mem_type, device_id)`` of everything registered (DRAM, 0 when nothing is):
+        what this rank's handshake document announces to peers."""
+        kinds = {(r.mem_type, r.device_id) for r in self._registrations}
+        if len(kinds) > 1:
+            raise NixlTransportError(f"registered memory mixes {sorted(kinds)}: a rank's KV "
+                                     "must be of one memory type")
+        return kinds.pop() if kinds else (DRAM, 0)
+
+    def _bind_thread(self) -> None:
+        """Make the registered CUDA device current on this thread (once per thread)."""
+        device = self._cuda_device
+        if device is None or getattr(self._thread_device, "device", None) == device:
+            return
+        set_cuda_device(device)
+        self._thread_device.device = device
 
     @property
     def regions(self) -> tuple[Region, ...]:
@@ -368,18 +658,25 @@ class NixlTransport:
         return self.prepare_local_descs(block_descs(region.addr, block_bytes, num_blocks))
 
     def prepare_local_descs(self, descs: Any) -> DescList:
-        """Prepare arbitrary local ``(addr, len[, dev])`` rows (e.g. head slices of blocks).
+        """Prepare local rows: ``(addr, len[, dev])`` or strided ``(addr, len, dev,
+        stride, count)`` (e.g. head slices of every block of a layer: one row).
 
-        Every row must lie inside one registered region; transfers then name rows by index.
+        Every descriptor must lie inside one registered storage, all of one memory
+        type; the device column must be that registration's device (two-column rows
+        get it filled in). Transfers then name descriptors by index.
         """
         arr = _as_desc_array(descs, "local descs")
-        self._check_inside_regions(arr)
-        return self._prep(arr, None)
+        mem_type = self._check_inside_regions(arr)
+        return self._prep(arr, None, mem_type)
 
-    def prepare_remote(self, peer: PeerHandle, descs: Any) -> DescList:
-        """Prepare the peer's ``(addr, len[, dev])`` rows (from its handshake) once per peer."""
+    def prepare_remote(self, peer: PeerHandle, descs: Any, mem_type: str = DRAM) -> DescList:
+        """Prepare the peer's rows (from its handshake) once per peer, as ``mem_type``:
+        the *peer's* memory type, which its handshake document carries. Rows as for
+        :meth:`prepare_local_descs`, the device column being the peer's device."""
+        if mem_type not in MEM_TYPES:
+            raise NixlTransportError(f"mem_type must be one of {MEM_TYPES}, got {mem_type!r}")
         self._check_peer(peer)
-        return self._prep(_as_desc_array(descs, "remote descs"), peer)
+        return self._prep(_as_desc_array(descs, "remote descs"), peer, mem_type)
 
     def release_dlist(self, dlist: DescList) -> None:
         """Release a prepared list (no transfer may be using it; idempotent)."""
@@ -388,20 +685,27 @@ class NixlTransport:
             if entry is not None:
                 entry.handle.release()
 
-    def _prep(self, arr: np.ndarray, peer: PeerHandle | None) -> DescList:
+    def _prep(self, arr: np.ndarray, peer: PeerHandle | None, mem_type: str) -> DescList:
         with self._lock:
             self._check_open()
             target = "NIXL_INIT_AGENT" if peer is None else peer.name
             try:
-                handle = self._agent.prep_xfer_dlist(target, arr, "DRAM", ["UCX"])
+                handle = self._agent.prep_xfer_dlist(target, arr, mem_type, ["UCX"])
             except Exception as exc:
                 raise NixlTransportError(
                     f"prep_xfer_dlist for {'local' if peer is None else peer.name} "
                     f"({arr.shape[0]} descs) failed: {exc!r}"
                 ) from exc
             list_id = next(self._ids)
-            self._dlists[list_id] = _DListEntry(handle, arr[:, 1].copy(), peer)
-            return DescList(list_id, int(arr.shape[0]), peer)
+            if arr.shape[1] == 5:
+                ends = np.cumsum(arr[:, 4].astype(np.int64))
+                num_descs = int(ends[-1])
+                entry = _DListEntry(handle, arr[:, 1].copy(), ends, peer, mem_type)
+            else:
+                num_descs = int(arr.shape[0])
+                entry = _DListEntry(handle, arr[:, 1].copy(), None, peer, mem_type)
+            self._dlists[list_id] = entry
+            return DescList(list_id, num_descs, peer)
 
     # ------------------------------------------------------------------- peers
 
@@ -497,7 +801,7 @@ class NixlTransport:
                 raise NixlTransportError(
                     f"local_idx and remote_idx must have equal length, got {li.size} and {ri.size}"
                 )
-            llen, rlen = lentry.lengths[li], rentry.lengths[ri]
+            llen, rlen = lentry.lengths(li), rentry.lengths(ri)
             if not np.array_equal(llen, rlen):
                 k = int(np.flatnonzero(llen != rlen)[0])
                 raise NixlTransportError(
@@ -672,7 +976,7 @@ class NixlTransport:
     def counters(self) -> TransportCounters:
         with self._lock:
             return TransportCounters(
-                registrations=len(self._reg_descs),
+                registrations=len(self._registrations),
                 dlists=len(self._dlists),
                 xfer_handles=len(self._pending) + len(self._zombies),
                 peers=len(self._peers),
@@ -705,11 +1009,11 @@ class NixlTransport:
                 self._dlists.pop(list_id).handle.release()
             for z in list(self._zombies):  # peers already removed: none should be left
                 self._force_release(z)
-            while self._reg_descs:
-                reg = self._reg_descs.pop()
-                self._regions.pop()
+            self._regions.clear()
+            while self._registrations:
+                reg = self._registrations.pop()
                 try:
-                    self._agent.deregister_memory(reg)
+                    self._agent.deregister_memory(reg.handle)
                 except Exception as exc:
                     logger.error("deregister_memory failed: %r", exc)
             self._closed = True
@@ -760,15 +1064,35 @@ class NixlTransport:
             raise NixlTransportError("local: expected a list from prepare_local*, got a remote one")
         return entry
 
-    def _check_inside_regions(self, arr: np.ndarray) -> None:
+    def _check_inside_regions(self, arr: np.ndarray) -> str:
+        """Every descriptor of ``arr`` inside one registration, all of one memory type,
+        with that registration's device id (filled in for two-column input, whose
+        device column is 0); returns the memory type."""
         starts = arr[:, 0].astype(np.int64)
-        ends = starts + arr[:, 1].astype(np.int64)
-        inside = np.zeros(arr.shape[0], dtype=bool)
-        for r in self._regions:
-            inside |= (starts >= r.addr) & (ends <= r.addr + r.nbytes)
-        if not inside.all():
-            k = int(np.flatnonzero(~inside)[0])
+        if arr.shape[1] == 5:
+            last = (arr[:, 3] * (arr[:, 4] - np.uint64(1))).astype(np.int64)
+            ends = starts + last + arr[:, 1].astype(np.int64)
+        else:
+            ends = starts + arr[:, 1].astype(np.int64)
+        owner = np.full(arr.shape[0], -1, dtype=np.int64)
+        for i, r in enumerate(self._registrations):
+            owner[(owner < 0) & (starts >= r.addr) & (ends <= r.addr + r.nbytes)] = i
+        if (owner < 0).any():
+            k = int(np.flatnonzero(owner < 0)[0])
             raise NixlTransportError(
                 f"local descs row {k} (addr {int(starts[k]):#x}, len {int(arr[k, 1])}) "
                 "is not inside any registered region"
             )
+        kinds = {(self._registrations[i].mem_type, self._registrations[i].device_id)
+                 for i in np.unique(owner).tolist()}
+        if len({m for m, _ in kinds}) > 1:
+            raise NixlTransportError(f"local descs span memory types {sorted(kinds)}: a list "
+                                     "is of one memory type")
+        devices = np.array([r.device_id for r in self._registrations], dtype=np.uint64)[owner]
+        wrong = (arr[:, 2] != devices) & (arr[:, 2] != 0)
+        if wrong.any():
+            k = int(np.flatnonzero(wrong)[0])
+            raise NixlTransportError(f"local descs row {k}: device {int(arr[k, 2])}, but its "
+                                     f"memory is registered on device {int(devices[k])}")
+        arr[:, 2] = devices
+        return next(iter(kinds))[0]

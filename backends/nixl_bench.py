@@ -60,12 +60,39 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 # ------------------------------------------------------------------ the peer
 
 
-def peer_main(conn: Any, name: str, nbytes: int, seed: int) -> None:
-    """Body of the peer process (see module docstring). Exits on ``close`` or EOF."""
+class _DeviceBuffer:
+    """The peer's buffer in CUDA memory (``device`` "cuda[:N]"): the same ops as the
+    numpy host buffer (slice read, fill), copying through host memory."""
+
+    def __init__(self, nbytes: int, seed: int, device: str) -> None:
+        import torch
+
+        host = pattern(nbytes, seed) if seed >= 0 else np.zeros(nbytes, dtype=np.uint8)
+        self.tensor = torch.from_numpy(host).to(device)
+        self.nbytes = nbytes
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        return np.asarray(self.tensor[key].cpu().numpy())
+
+    def __setitem__(self, key: slice, value: np.ndarray) -> None:
+        import torch
+
+        self.tensor[key] = torch.from_numpy(np.ascontiguousarray(value)).to(self.tensor.device)
+
+
+def peer_main(conn: Any, name: str, nbytes: int, seed: int, device: str = "cpu") -> None:
+    """Body of the peer process (see module docstring). Exits on ``close`` or EOF.
+
+    ``device`` "cuda[:N]" puts the buffer in CUDA memory (registered as VRAM)."""
     apply_env_defaults()
     transport = NixlTransport(name)
-    buf = pattern(nbytes, seed) if seed >= 0 else np.zeros(nbytes, dtype=np.uint8)
-    region = transport.register_regions([(buf.ctypes.data, buf.nbytes)])[0]
+    buf: Any
+    if device == "cpu":
+        buf = pattern(nbytes, seed) if seed >= 0 else np.zeros(nbytes, dtype=np.uint8)
+        region = transport.register_regions([(buf.ctypes.data, buf.nbytes)])[0]
+    else:
+        buf = _DeviceBuffer(nbytes, seed, device)
+        region = transport.register_regions([buf.tensor])[0]
     peers: dict[str, Any] = {}
     notifs: dict[str, list[bytes]] = {}
 
@@ -73,7 +100,8 @@ def peer_main(conn: Any, name: str, nbytes: int, seed: int) -> None:
         conn.send_bytes(msgpack.packb(obj, use_bin_type=True))
 
     reply({"name": transport.name, "md": transport.agent_metadata(), "addr": region.addr,
-           "nbytes": region.nbytes, "pid": os.getpid()})
+           "nbytes": region.nbytes, "pid": os.getpid(), "mem_type": region.mem_type,
+           "device_id": region.device_id})
     t_end = time.monotonic() + _PEER_MAX_LIFETIME_S
     try:
         while time.monotonic() < t_end:
@@ -118,14 +146,16 @@ def peer_main(conn: Any, name: str, nbytes: int, seed: int) -> None:
 class PeerProcess:
     """Parent-side handle of a peer subprocess. Every call is bounded by ``timeout_s``."""
 
-    def __init__(self, name: str, nbytes: int, seed: int = 1, timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, nbytes: int, seed: int = 1, timeout_s: float = 30.0,
+                 device: str = "cpu", env: dict[str, str] | None = None) -> None:
         mine, theirs = socket.socketpair()
         self.timeout_s = timeout_s
         try:
             fd = theirs.fileno()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.backends.nixl_bench", "peer", str(fd), name,
-                 str(nbytes), str(seed)], pass_fds=(fd,), stdin=subprocess.DEVNULL)
+            argv = [sys.executable, "-m", "kvbridge.backends.nixl_bench", "peer", str(fd), name,
+                    str(nbytes), str(seed)] + ([device] if device != "cpu" else [])
+            self.proc = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL,
+                                         env=None if env is None else {**os.environ, **env})
         except BaseException:
             mine.close()
             raise
@@ -142,6 +172,8 @@ class PeerProcess:
         self.addr: int = hello["addr"]
         self.nbytes: int = hello["nbytes"]
         self.pid: int = hello["pid"]
+        self.mem_type: str = hello.get("mem_type", "DRAM")
+        self.device_id: int = hello.get("device_id", 0)
 
     def _recv(self) -> Any:
         if not self._conn.poll(self.timeout_s):
@@ -359,13 +391,15 @@ def _verify(op: str, peer: PeerProcess, local: torch.Tensor, total: int, seed: i
 
 
 def _peer_entry(argv: Sequence[str]) -> int:
-    """``peer FD NAME NBYTES SEED``: run :func:`peer_main` on the inherited socket ``FD``."""
-    if len(argv) != 5 or argv[0] != "peer":
-        sys.stderr.write("usage: python -m kvbridge.backends.nixl_bench peer FD NAME NBYTES SEED\n")
+    """``peer FD NAME NBYTES SEED [DEVICE]``: run :func:`peer_main` on the inherited
+    socket ``FD`` (DEVICE: cpu, the default, or cuda[:N])."""
+    if len(argv) not in (5, 6) or argv[0] != "peer":
+        sys.stderr.write("usage: python -m kvbridge.backends.nixl_bench peer FD NAME NBYTES SEED "
+                         "[DEVICE]\n")
         return 2
     fd, name, nbytes, seed = int(argv[1]), argv[2], int(argv[3]), int(argv[4])
     with Connection(fd) as conn:
-        peer_main(conn, name, nbytes, seed)
+        peer_main(conn, name, nbytes, seed, argv[5] if len(argv) == 6 else "cpu")
     return 0
 
 

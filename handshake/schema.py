@@ -72,6 +72,10 @@ MAX_RANKS = 4096
 MAX_REGIONS = 64
 MAX_LAYERS = 8192
 MAX_NUM_BLOCKS = (1 << 31) - 1
+# --- memory type per rank (gpu helper, issue 15): where a rank's KV lives -------------
+#: NIXL memory types a rank's KV may be in (host memory, pinned or not; CUDA memory)
+MEM_TYPES = ("DRAM", "VRAM")
+MAX_DEVICE_ID = 1 << 16
 MAX_BLOCK_BYTES = 1 << 40
 U64_MAX = (1 << 64) - 1
 
@@ -453,16 +457,20 @@ class AgentMetadata:
     regions: tuple[RegionMemory, ...]  # in spec region order
     spec: KVCacheSpec
     generation: int = 0  # registration generation; the server stamps it on publish
+    # where the rank's KV lives: a peer prepares this rank's descriptors with it
+    mem_type: str = "DRAM"  # one of MEM_TYPES
+    device_id: int = 0  # CUDA device of VRAM (0 for DRAM)
 
     @classmethod
     def build(cls, engine_id: str, agent_name: str, agent_blob: bytes, spec: KVCacheSpec,
               topology: ParallelTopology, layer_addrs: Mapping[int, int],
-              num_blocks: int) -> AgentMetadata:
+              num_blocks: int, mem_type: str = "DRAM", device_id: int = 0) -> AgentMetadata:
         """Metadata of one rank from its layer tensors' addresses, checked.
 
         ``layer_addrs`` maps every layer id on this rank's stage to the data
         pointer of that layer's KV tensor (``tensor.data_ptr()``), each tensor
-        shaped ``RankRegionShape.tensor_shape(num_blocks)`` and densely packed.
+        shaped ``RankRegionShape.tensor_shape(num_blocks)`` and densely packed;
+        ``mem_type``/``device_id`` say where they are (``VRAM`` on a CUDA device).
         """
         regions = []
         try:
@@ -478,7 +486,8 @@ class AgentMetadata:
                 shape.region.name, tuple(int(layer_addrs[layer]) for layer in shape.layer_ids),
                 shape.block_bytes_per_layer, num_blocks if shape.layer_ids else 0,
                 shape.region.memory_order, shape.region.block_size))
-        meta = cls(engine_id, agent_name, agent_blob, topology, tuple(regions), spec)
+        meta = cls(engine_id, agent_name, agent_blob, topology, tuple(regions), spec,
+                   mem_type=mem_type, device_id=device_id)
         check_agent(meta)
         return meta
 
@@ -519,6 +528,10 @@ def check_agent(meta: AgentMetadata) -> None:
     if not isinstance(meta.agent_blob, bytes) or len(meta.agent_blob) > MAX_BLOB_BYTES:
         raise HandshakeError("agent_blob", f"expected at most {MAX_BLOB_BYTES} bytes")
     _check_int(meta.generation, "generation", 0, U64_MAX)
+    if meta.mem_type not in MEM_TYPES:
+        raise HandshakeError("mem_type", f"expected one of {list(MEM_TYPES)}, got "
+                                         f"{_short(meta.mem_type)}")
+    _check_int(meta.device_id, "device_id", 0, MAX_DEVICE_ID if meta.mem_type == "VRAM" else 0)
     try:
         meta.spec.validate_topology(meta.topology)
         shapes = meta.spec.rank_shapes(meta.topology)
@@ -571,6 +584,8 @@ def _agent_to_map(meta: AgentMetadata, include_spec: bool) -> dict[str, Any]:
         "agent_blob": meta.agent_blob, "topology": meta.topology.to_dict(),
         "regions": [r.to_map() for r in meta.regions], "generation": meta.generation,
     }
+    if meta.mem_type != "DRAM":  # memory type (issue 15); absent = DRAM, as before it existed
+        out["mem_type"], out["device_id"] = meta.mem_type, meta.device_id
     if include_spec:
         out["spec"] = meta.spec.to_dict()
     return out
@@ -596,7 +611,8 @@ def _topology_from(obj: object, path: str) -> ParallelTopology:
 
 def _agent_from_map(obj: object, path: str, spec: KVCacheSpec | None) -> AgentMetadata:
     keys = ("engine_id", "agent_name", "agent_blob", "topology", "regions", "generation")
-    r = _Reader(obj, path, keys + (("spec",) if spec is None else ()))
+    r = _Reader(obj, path, keys + (("spec",) if spec is None else ()),
+                optional=("mem_type", "device_id"))
     if spec is None:
         spec = _spec_from(r.raw("spec"), r.where("spec"))
     regions = tuple(RegionMemory.from_map(item, r.where(f"regions[{i}]"))
@@ -605,7 +621,9 @@ def _agent_from_map(obj: object, path: str, spec: KVCacheSpec | None) -> AgentMe
         engine_id=r.get_str("engine_id"), agent_name=r.get_str("agent_name"),
         agent_blob=r.get_bytes("agent_blob", MAX_BLOB_BYTES, allow_empty=True),
         topology=_topology_from(r.raw("topology"), r.where("topology")),
-        regions=regions, spec=spec, generation=r.get_int("generation"))
+        regions=regions, spec=spec, generation=r.get_int("generation"),
+        mem_type=r.opt_str("mem_type", 8) or "DRAM",
+        device_id=r.opt_int("device_id", 0, MAX_DEVICE_ID) or 0)
     try:
         check_agent(meta)
     except HandshakeError as exc:

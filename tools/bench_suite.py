@@ -4,6 +4,10 @@ Paths (``PATHS``):
 
 * ``nixl``     -- the NIXL connector's pull load vs a raw NIXL READ of the same held
   blocks (:mod:`kvbridge.tools.bench_nixl`); limit: torch copy of the same bytes.
+* ``nixl-scale`` -- set-up at a real cache size (default 64 layers x 100,000 blocks):
+  register, handshake document, both sides' lists, first transfer to a new peer, each
+  timed with its peak memory, vs raw NIXL doing the same
+  (:mod:`kvbridge.tools.bench_nixl_scale`).
 * ``mooncake`` -- the mooncake_store connector's put/get vs Mooncake's own
   ``batch_put_from``/``batch_get_into`` (:mod:`kvbridge.connectors.mooncake_store.bench`).
 * ``offload``  -- the fs tier's store/load vs plain sequential file I/O
@@ -56,12 +60,14 @@ DEFAULT_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "nixl": ((64, 2 << 20), (256, 256 << 10), (4096, 16 << 10)),
     "mooncake": ((64, 2 << 20), (256, 256 << 10), (4096, 16 << 10)),
     "offload": ((32, 2 << 20), (128, 256 << 10)),
+    "nixl-scale": ((100_000, 16),),  # blocks per layer x bytes of one layer's block
 }
 #: --quick: small enough for a test or a smoke run (seconds, not minutes)
 QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "nixl": ((16, 64 << 10),),
     "mooncake": ((16, 64 << 10),),
     "offload": ((8, 64 << 10),),
+    "nixl-scale": ((2000, 16),),
 }
 
 
@@ -152,6 +158,74 @@ def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
                 and p.get("raw_matches_connector", True) is not False)
             for p in raw["patterns"]]
     return {"rows": rows, "detail": raw}
+
+
+SCALE_STEPS = (("register", "register"), ("prepare_lists", "prepare lists"),
+               ("first_transfer", "first transfer"))
+
+
+def bench_nixl_scale(patterns: Sequence[tuple[int, int]], quick: bool, layers: int | None,
+                     per_block: bool) -> dict[str, Any]:
+    try:
+        from kvbridge.backends.nixl import load_nixl_api
+
+        load_nixl_api()
+    except Exception as exc:
+        raise Skipped(f"NIXL cannot load: {exc}") from None
+    from kvbridge.tools.bench_nixl_scale import run_nixl_scale_bench
+
+    num_layers = layers or (8 if quick else 64)
+    rows, reports = [], []
+    for num_blocks, block_bytes in patterns:
+        rep = run_nixl_scale_bench(num_layers, num_blocks, block_bytes, per_block=per_block)
+        reports.append(rep)
+        kvb, raw = rep["kvbridge"], rep["raw_nixl"]
+        ok = bool(kvb["verified"] and raw["verified"])
+        case = f"{num_layers}Lx{num_blocks}x{size_label(block_bytes)}"
+        def scale_row(op: str, unit: str, kvbridge: float, raw_value: float, raw_name: str,
+                      case: str = case, ok: bool = ok, num_blocks: int = num_blocks,
+                      block_bytes: int = block_bytes) -> dict[str, Any]:
+            return row("nixl-scale", case, op, unit, kvbridge, raw_value, raw_name,
+                       num_blocks=num_layers * num_blocks, block_bytes=block_bytes,
+                       verified=ok, lower_is_better=True)
+
+        for key, label in SCALE_STEPS:
+            rows.append(scale_row(label, "ms", kvb["ms"][key], raw["ms"][key], "raw NIXL"))
+        rows.append(scale_row("set-up total", "ms", sum(kvb["ms"].values()),
+                              sum(raw["ms"].values()), "raw NIXL"))
+        rows.append(scale_row("handshake doc", "bytes", kvb["handshake_doc_bytes"],
+                              raw["agent_metadata_bytes"], "raw NIXL agent metadata"))
+    return {"rows": rows, "detail": {"scale": reports}}
+
+
+def format_scale_detail(detail: dict[str, Any]) -> str:
+    """Per step: ms and peak MiB of each side (and of per-block lists if they ran)."""
+    lines = []
+    for rep in detail["scale"]:
+        sides = [k for k in ("kvbridge", "raw_nixl", "kvbridge_per_block") if k in rep]
+        lines.append(f"{rep['num_layers']} layers x {rep['num_blocks']} blocks x "
+                     f"{rep['block_bytes']} B per rank; first transfer: "
+                     f"{rep['request_blocks']} blocks of every layer")
+        lines.append(f"{'step':>16} " + " ".join(f"{s + ' ms':>22} {'peak MiB':>9}"
+                                                 for s in sides))
+        for step in ("register", "handshake_doc", "prepare_lists", "first_transfer"):
+            cells = []
+            for side in sides:
+                peak = rep[side]["peak_mib"][step]
+                cells.append(f"{rep[side]['ms'][step]:22.2f} "
+                             f"{'-' if peak is None else f'{peak:.1f}':>9}")
+            lines.append(f"{step:>16} " + " ".join(cells))
+        for side in sides:
+            extra = ""
+            if "list_rows" in rep[side]:
+                extra = (f", {rep[side]['list_rows']} list rows for "
+                         f"{rep[side]['descriptors']} descriptors, handshake document "
+                         f"{rep[side]['handshake_doc_bytes']} B")
+            lines.append(f"{side}: agent metadata {rep[side]['agent_metadata_bytes']} B{extra}; "
+                         f"verified {rep[side]['verified']}")
+    lines.append("peak MiB: resident memory above the step's start (VmHWM), NIXL's own "
+                 "allocations included")
+    return "\n".join(lines)
 
 
 def _mooncake_available() -> None:
@@ -372,14 +446,15 @@ def _mooncake_exists(num_keys: int, iterations: int, master: str | None,
             "keys": num_keys, "iterations": iterations}
 
 
-PATHS = ("nixl", "mooncake", "offload", "events", "lookup")
+PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup")
 
 
 def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | None = None,
               iters: int = 5, quick: bool = False, events: int | None = None,
               batch_sizes: Sequence[int] = (16, 64), master: str | None = None,
               metadata: str | None = None, directory: str | None = None,
-              block_order: str = "sorted",
+              block_order: str = "sorted", layers: int | None = None,
+              per_block: bool = False,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the named paths; returns ``{"machine", "paths": {name: {...}}, "rows": [...]}``.
 
@@ -399,6 +474,8 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
         try:
             if name == "nixl":
                 result = bench_nixl(chosen, iters, quick, block_order)
+            elif name == "nixl-scale":
+                result = bench_nixl_scale(chosen, quick, layers, per_block)
             elif name == "mooncake":
                 result = bench_mooncake(chosen, iters, quick, master, metadata)
             elif name == "offload":
@@ -500,6 +577,8 @@ def format_details(report: dict[str, Any]) -> str | None:
         return None
     if name == "nixl":
         return format_nixl_detail(detail)
+    if name == "nixl-scale":
+        return format_scale_detail(detail)
     if name == "mooncake":
         from kvbridge.connectors.mooncake_store.bench import format_report
 
@@ -561,6 +640,8 @@ examples:
   kvbridge bench all --json results.json --plot results.png   # every path, one file
   kvbridge bench nixl                    # NIXL connector vs raw NIXL READ vs torch copy
   kvbridge bench nixl --block-order vllm # the same with vLLM's block order
+  kvbridge bench nixl-scale              # set-up at 64 layers x 100,000 blocks vs raw NIXL
+  kvbridge bench nixl-scale --layers 32 --pattern 50000x64 --per-block
   kvbridge bench mooncake --pattern 64x2MiB --iters 9 --json
   kvbridge bench offload --dir /mnt/nvme # fs tier vs plain file I/O
   kvbridge bench events                  # KV events/s vs raw pyzmq
@@ -606,6 +687,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nixl: how both engines hand out blocks: sorted (ascending per "
                              "request, the reference engine's default) or vllm (free-queue "
                              "order, which runs downwards after frees)")
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="nixl-scale: layers per rank (default 64, --quick 8); --pattern "
+                             "gives blocks per layer x bytes of one layer's block")
+    parser.add_argument("--per-block", action="store_true",
+                        help="nixl-scale: also prepare per-block lists (one row per block and "
+                             "layer: slow and memory-hungry at real sizes)")
     parser.add_argument("--progress", action="store_true",
                         help="progress on stderr even when it is not a terminal")
 
@@ -622,6 +709,9 @@ def run(args: argparse.Namespace) -> int:
     if args.iters < 1 or (args.events is not None and args.events < 1):
         print("kvbridge bench: --iters and --events must be >= 1", file=sys.stderr)
         return EXIT_USAGE
+    if args.layers is not None and args.layers < 1:
+        print("kvbridge bench: --layers must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
     if (args.master is None) != (args.metadata is None):
         print("kvbridge bench: --master and --metadata go together", file=sys.stderr)
         return EXIT_USAGE
@@ -637,7 +727,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_suite(names, patterns=patterns, iters=args.iters, quick=args.quick,
                        events=args.events, batch_sizes=sizes, master=args.master,
                        metadata=args.metadata, directory=args.dir,
-                       block_order=args.block_order, progress=progress.update)
+                       block_order=args.block_order, layers=args.layers,
+                       per_block=args.per_block, progress=progress.update)
     progress.done()
     if args.json == "-":
         print(json.dumps(report, indent=2))

@@ -10,6 +10,12 @@ matched against the backends it declares.
 
 Required: torch, pyzmq, msgpack, NIXL (kvbridge's dependencies) and every
 backend a registered connector declares. Exit 1 if a required check fails.
+
+It also says which NIXL build loaded and why (``nixl._api`` of the meta
+package, else the ``nixl_cu13`` / ``nixl_cu12`` wheel matching torch's CUDA),
+prints every UCX setting in force, and warns (check ``rdma``, not required)
+when the host has InfiniBand/RoCE devices but UCX is held to TCP
+(``UCX_MODULES=^ib``, or a ``UCX_TLS`` without an RDMA transport).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ examples:
 
 --json prints {"ok", "checks": [{"name", "ok", "required", "detail", "fix",
 "seconds"}], "connectors": [{"name", "origin", "loaded", "roles", "backends",
-"usable", ...}], "environment": {...}, "python"}.
+"usable", ...}], "environment": {...}, "ucx": {"settings": {UCX_*: value},
+"infiniband_devices", "nvidia_gpus", "tcp_only"}, "python"}.
 
 exit codes: 0 every required check passed, 1 a required check failed, 2 usage error
 """
@@ -45,14 +52,15 @@ _NIXL_PROBE = """
 import json, sys
 import kvbridge.backends  # UCX_MODULES=^ib before the first agent
 import torch
-from kvbridge.backends.nixl import NixlTransport, load_nixl_api
+from kvbridge.backends.nixl import NixlTransport, load_nixl_api, loaded_nixl
 api = load_nixl_api()
 transport = NixlTransport("kvbridge-doctor")
 buf = torch.zeros(4096, dtype=torch.uint8)
 transport.register_regions([buf])
 metadata = transport.agent_metadata()
 transport.close()
-print(json.dumps({"module": api.__name__, "metadata_bytes": len(metadata)}))
+module, why = loaded_nixl()
+print(json.dumps({"module": module, "why": why, "metadata_bytes": len(metadata)}))
 sys.stdout.flush()
 """
 
@@ -69,9 +77,13 @@ _FIXES = {
              "--index-url https://download.pytorch.org/whl/cpu (or run `make setup`)",
     "zmq": "pip install 'pyzmq>=25' into this environment",
     "msgpack": "pip install 'msgpack>=1.0' into this environment",
-    "nixl": "pip install nixl-cu12==1.5.1 after torch (an unpinned `nixl` pulls CUDA builds); "
-            "keep UCX_MODULES=^ib (kvbridge sets it unless you override it) and check "
+    "nixl": "pip install nixl-cu12==1.5.1 after torch (an unpinned `nixl` pulls CUDA builds; "
+            "with a CUDA 13 torch: nixl-cu13); on a host without InfiniBand keep "
+            "UCX_MODULES=^ib (kvbridge sets it there unless you override it) and check "
             "UCX_TLS if you set it",
+    "rdma": "this host has InfiniBand/RoCE devices: unset UCX_MODULES (or drop ib from its "
+            "exclusions) and let UCX_TLS include rc/ud/dc (or leave it unset), else every "
+            "transfer goes over TCP",
     "mooncake": "pip install mooncake-transfer-engine-non-cuda (no GPU driver) or "
                 "mooncake-transfer-engine (with libcuda.so.1), then apt-get install "
                 "libibverbs1 librdmacm1 libnuma1 libcurl4",
@@ -169,8 +181,31 @@ def _probe(code: str, timeout_s: float) -> dict[str, object]:
 
 def check_nixl(timeout_s: float) -> str:
     data = _probe(_NIXL_PROBE, timeout_s)
-    return (f"{data['module']}: agent with UCX created, 4 KiB registered, "
-            f"{data['metadata_bytes']} B of agent metadata")
+    return (f"{data['module']} loaded ({data.get('why', '')}): agent with UCX created, "
+            f"4 KiB registered, {data['metadata_bytes']} B of agent metadata")
+
+
+def ucx_report(root: str = "/") -> dict[str, object]:
+    """UCX settings in force, the host's RDMA devices and GPUs, and why UCX is held to
+    TCP if it is (``tcp_only`` None otherwise)."""
+    from kvbridge.backends import infiniband_devices, nvidia_gpus, tcp_only
+
+    return {"settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+            "infiniband_devices": infiniband_devices(root), "nvidia_gpus": nvidia_gpus(root),
+            "tcp_only": tcp_only(os.environ)}
+
+
+def check_rdma(root: str = "/") -> str:
+    """Fails when the host has RDMA devices but UCX may only use TCP."""
+    ucx = ucx_report(root)
+    devices = ucx["infiniband_devices"]
+    assert isinstance(devices, list)
+    if not devices:
+        return "no InfiniBand/RoCE device on this host (TCP / shared memory only)"
+    if ucx["tcp_only"]:
+        raise RuntimeError(f"host has RDMA devices {devices} but {ucx['tcp_only']}: "
+                           "transfers would go over TCP")
+    return f"RDMA devices {devices} usable by UCX"
 
 
 def check_mooncake(timeout_s: float) -> str:
@@ -215,6 +250,7 @@ def run_checks(timeout_s: float) -> dict[str, object]:
         _timed("nixl", "nixl" in required, lambda: check_nixl(timeout_s), _FIXES["nixl"]),
         _timed("mooncake", "mooncake" in required, lambda: check_mooncake(timeout_s),
                _FIXES["mooncake"]),
+        _timed("rdma", False, check_rdma, _FIXES["rdma"]),
         *connector_problems,
     ]
     status = {c.name: c.ok for c in checks}
@@ -231,6 +267,7 @@ def run_checks(timeout_s: float) -> dict[str, object]:
             "environment": {k: os.environ.get(k) for k in
                             ("UCX_MODULES", "UCX_TLS", "NIXL_LOG_LEVEL", "MC_LOG_LEVEL",
                              "MC_TCP_BIND_ADDRESS")},
+            "ucx": ucx_report(),
             "python": sys.version.split()[0]}
 
 
@@ -266,6 +303,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{mark}] {check['name']:<10} {check['detail']} ({check['seconds']:.1f} s)")
             if not check["ok"]:
                 print(f"       fix: {check['fix']}")
+        ucx = report["ucx"]
+        assert isinstance(ucx, dict)
+        settings = ucx["settings"]
+        assert isinstance(settings, dict)
+        print("ucx settings in force: " + (", ".join(f"{k}={v}" for k, v in settings.items())
+                                           or "none (UCX defaults)"))
         connectors = report["connectors"]
         assert isinstance(connectors, list)
         print(f"connectors ({len(connectors)} registered):")

@@ -5,6 +5,9 @@ rank, never per request. A list is the plan's descriptors times every block:
 row ``base_row[j] + block_id`` is descriptor ``j`` of the block ``block_id``
 (``base_row[j] = sum of num_blocks of the descriptors before j``). A request
 then becomes two int32 index arrays, built with numpy from its block ids.
+The list is prepared in NIXL's strided form (:meth:`DescTable.strided`): one
+row per descriptor ``j``, whatever the number of blocks, which NIXL indexes
+exactly as the per-block rows above (:attr:`DescTable.rows`, kept for checks).
 
 Notification targets: every producer rank that holds a request's blocks must
 hear from consumer ranks exactly ``expected`` times. A consumer rank notifies
@@ -55,7 +58,7 @@ class DescTable:
     ``b`` and ``b + 1`` are contiguous in memory.
     """
 
-    rows: npt.NDArray[np.uint64]  # (N, 2) addr, len
+    starts: npt.NDArray[np.uint64]  # address of descriptor j in block 0
     base_row: IntArray
     num_blocks: IntArray
     regions: IntArray
@@ -66,6 +69,36 @@ class DescTable:
     @property
     def num_descs(self) -> int:
         return int(self.base_row.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the whole list: every descriptor of every block."""
+        return int(self.num_blocks.sum())
+
+    def strided(self, device_id: int = 0) -> npt.NDArray[np.uint64]:
+        """The list in NIXL's strided form: row ``j`` is ``(starts[j], lengths[j],
+        device_id, strides[j], num_blocks[j])``; its ``k``-th descriptor is block ``k``."""
+        out = np.empty((self.num_descs, 5), dtype=np.uint64)
+        out[:, 0] = self.starts
+        out[:, 1] = self.lengths
+        out[:, 2] = device_id
+        out[:, 3] = self.strides
+        out[:, 4] = self.num_blocks
+        return out
+
+    @property
+    def rows(self) -> npt.NDArray[np.uint64]:
+        """The per-block rows ``(addr, len)`` the strided form stands for (N = every
+        descriptor of every block: built on demand, for checks and tools)."""
+        parts = []
+        for start, length, stride, nb in zip(self.starts.tolist(), self.lengths.tolist(),
+                                             self.strides.tolist(), self.num_blocks.tolist(),
+                                             strict=True):
+            rows = np.empty((nb, 2), dtype=np.uint64)
+            rows[:, 0] = np.uint64(start) + np.arange(nb, dtype=np.uint64) * np.uint64(stride)
+            rows[:, 1] = length
+            parts.append(rows)
+        return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.uint64)
 
     def check_ids(self, which: IntArray, ids: IntArray, region: int, side: str) -> None:
         """Refuse block ids outside ``[0, num_blocks)`` of descriptors ``which`` (a bad
@@ -89,7 +122,7 @@ def build_table(regions: IntArray, layers: IntArray, offsets: IntArray, lengths:
     """
     nb = np.empty(layers.shape[0], dtype=np.int64)
     strides = np.empty(layers.shape[0], dtype=np.int64)
-    parts = []
+    starts = np.empty(layers.shape[0], dtype=np.uint64)
     for j, (layer, offset, length) in enumerate(zip(layers.tolist(), offsets.tolist(),
                                                     lengths.tolist(), strict=True)):
         mem = memory.get(int(layer))
@@ -101,16 +134,11 @@ def build_table(regions: IntArray, layers: IntArray, offsets: IntArray, lengths:
                               f"leaves its block of {mem.block_stride} bytes")
         nb[j] = mem.num_blocks
         strides[j] = mem.block_stride
-        rows = np.empty((mem.num_blocks, 2), dtype=np.uint64)
-        rows[:, 0] = (np.uint64(mem.base_addr + offset)
-                      + np.arange(mem.num_blocks, dtype=np.uint64) * np.uint64(mem.block_stride))
-        rows[:, 1] = length
-        parts.append(rows)
+        starts[j] = mem.base_addr + offset
     base = np.zeros(layers.shape[0], dtype=np.int64)
     if layers.shape[0] > 1:
         base[1:] = np.cumsum(nb)[:-1]
-    rows_all = (np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.uint64))
-    return DescTable(rows_all, base, nb, regions.astype(np.int64), layers.astype(np.int64),
+    return DescTable(starts, base, nb, regions.astype(np.int64), layers.astype(np.int64),
                      strides, lengths.astype(np.int64))
 
 

@@ -111,12 +111,14 @@ def open_session(key: SessionKey, transport: NixlTransport, client: HandshakeCli
             if p in rank_plan.sources:
                 table = producer_table(rank_plan.for_producer(p), agent.layer_memory())
                 session.remote_tables[p] = table
-                session.remote_lists[p] = transport.prepare_remote(peer, table.rows)
+                session.remote_lists[p] = transport.prepare_remote(  # peer's memory type
+                    peer, table.strided(agent.device_id), agent.mem_type)
         sizes_key = meta.topology.sizes()
         local = local_cache.get(sizes_key)
         if local is None and rank_plan.num_descriptors:
             table = consumer_table(rank_plan, memory)
-            local = LocalLists(table, transport.prepare_local_descs(table.rows))
+            local = LocalLists(table, transport.prepare_local_descs(
+                table.strided(transport.memory_type[1])))
             local_cache[sizes_key] = local
         session.local = local
     except BaseException:

@@ -50,6 +50,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
+from kvbridge.backends.fence import Fence, record_fence
 from kvbridge.backends.nixl import (
     DescList,
     NixlTransport,
@@ -185,6 +186,8 @@ class _PushJob:
     final: bool = False
     dropped: bool = False
     layers_ready: set[int] = field(default_factory=set)
+    # push fence (issue 15): layers saved whose kernels may still run; ready once done()
+    fenced: list[tuple[Fence, frozenset[int]]] = field(default_factory=list)
     targets: dict[int, _PushTarget] = field(default_factory=dict)
     started_at: float = 0.0
 
@@ -258,6 +261,8 @@ class NixlWorker(WorkerConnector):
         self._consumers: dict[str, _ConsumerPeer] = {}
         self._pending_acks: dict[str, list[messages.Notif]] = {}
         self._push_jobs: dict[str, _PushJob] = {}
+        #: records the push fence of a saved layer (issue 15); a test may stand in for it
+        self.record_fence: Callable[[Any], Fence] = record_fence
         self._early_registers: dict[str, list[tuple[str, messages.Register]]] = {}
         self._step_pushes: tuple[PushOrder, ...] = ()
         self._last_heartbeat = time.monotonic()
@@ -310,9 +315,11 @@ class NixlWorker(WorkerConnector):
             self._pump = threading.Thread(target=self._pump_loop, daemon=True,
                                           name=f"kvb-nixl-pump-r{self.rank_index}")
             self._pump.start()
+        mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
-                                   max(num_blocks) if num_blocks else 0)
+                                   max(num_blocks) if num_blocks else 0,
+                                   mem_type=mem_type, device_id=device_id)
         self._agent_doc = encode_agent(meta)
 
     def get_handshake_metadata(self) -> bytes | None:
@@ -373,15 +380,51 @@ class NixlWorker(WorkerConnector):
     def save_kv_layer(self, layer_id: int, kv_layer: Any) -> None:
         if not self._step_pushes:
             return
+        fence: Fence | None = None
         for push in self._step_pushes:
             job = self._push_jobs.get(push.request_id)
             if job is not None and push.final:
-                job.layers_ready.add(layer_id)
-                self._post_push_writes(job)
+                if fence is None:  # one fence for the layer, whatever the number of requests
+                    fence = self.record_fence(kv_layer)
+                job.fenced.append((fence, frozenset((layer_id,))))
+                if self._release_fenced(job):
+                    self._post_push_writes(job)
 
+    @_locked
     def wait_for_save(self) -> None:
-        """Writes stay in flight across steps; the blocks are held by ``delay_free``."""
+        """Writes stay in flight across steps; the blocks are held by ``delay_free``.
+
+        A fence over the whole step covers every layer of the step's final pushes
+        (for engines that do not call ``save_kv_layer`` per layer)."""
+        fence: Fence | None = None
+        for push in self._step_pushes:
+            job = self._push_jobs.get(push.request_id)
+            if job is not None and push.final and self.memory:
+                if fence is None:
+                    fence = self.record_fence(self._kv_tensors[0] if self._kv_tensors
+                                              else None)
+                job.fenced.append((fence, frozenset(self.memory)))
+                if self._release_fenced(job):
+                    self._post_push_writes(job)
         self._step_pushes = ()
+
+    def _release_fenced(self, job: _PushJob) -> bool:
+        """Move the layers of passed fences into ``layers_ready``; True if any moved.
+
+        A WRITE of a layer is posted only from ``layers_ready``: never before the
+        kernels that wrote the layer finished (on host memory fences pass at once)."""
+        if not job.fenced:
+            return False
+        waiting = []
+        moved = False
+        for fence, layers in job.fenced:
+            if fence.done():
+                job.layers_ready |= layers
+                moved = True
+            else:
+                waiting.append((fence, layers))
+        job.fenced = waiting
+        return moved
 
     @_locked
     def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
@@ -912,9 +955,11 @@ class NixlWorker(WorkerConnector):
                             self.memory, "producer")
         remote = build_table(sub.regions, sub.layers, sub.consumer_offsets, sub.lengths,
                              consumer.meta.layer_memory(), "consumer")
-        local_list = self.transport.prepare_local_descs(local.rows)
+        local_list = self.transport.prepare_local_descs(
+            local.strided(self.transport.memory_type[1]))
         try:
-            remote_list = self.transport.prepare_remote(consumer.peer, remote.rows)
+            remote_list = self.transport.prepare_remote(  # the consumer's memory type
+                consumer.peer, remote.strided(consumer.meta.device_id), consumer.meta.mem_type)
         except BaseException:
             self.transport.release_dlist(local_list)
             raise
@@ -1032,7 +1077,7 @@ class NixlWorker(WorkerConnector):
             target.finished = True
             self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
             return
-        if job.final and not self._step_pushes:
+        if job.final and not self._step_pushes and not job.fenced:
             job.layers_ready |= set(self.memory)  # prefill already complete: everything
         self._post_push_writes(job)
 
@@ -1085,6 +1130,8 @@ class NixlWorker(WorkerConnector):
     def _progress_pushes(self, now: float) -> None:
         assert self.transport is not None
         for job in list(self._push_jobs.values()):
+            if self._release_fenced(job):
+                self._post_push_writes(job)
             self._maybe_drop_job(job)
             for target in job.targets.values():
                 if target.finished:

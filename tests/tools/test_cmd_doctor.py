@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +48,44 @@ def test_a_failing_required_check_exits_1_with_a_fix(
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "[FAIL] zmq" in out and "pip install 'pyzmq>=25'" in out
+
+
+def _skip_backend_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cmd_doctor, "check_nixl", lambda timeout_s: "skipped in this test")
+    monkeypatch.setattr(cmd_doctor, "check_mooncake", lambda timeout_s: "skipped in this test")
+
+
+def test_doctor_prints_the_ucx_settings_in_force(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _skip_backend_probes(monkeypatch)
+    monkeypatch.setenv("UCX_TLS", "tcp,cma")
+    main(["doctor"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("ucx settings in force: "))
+    assert "UCX_TLS=tcp,cma" in line and "UCX_MODULES=" in line
+    assert "[ok  ] rdma" in out  # this host has no InfiniBand device: nothing to flag
+
+
+def test_doctor_flags_tcp_only_on_a_host_with_rdma_devices(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "sys" / "class" / "infiniband" / "mlx5_0").mkdir(parents=True)
+    monkeypatch.setenv("UCX_MODULES", "^ib")
+    with pytest.raises(RuntimeError, match=r"RDMA devices \['mlx5_0'\].*UCX_MODULES=\^ib"):
+        cmd_doctor.check_rdma(str(tmp_path))
+    monkeypatch.setenv("UCX_MODULES", "")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with pytest.raises(RuntimeError, match="UCX_TLS=tcp has no RDMA transport"):
+        cmd_doctor.check_rdma(str(tmp_path))
+    monkeypatch.setenv("UCX_TLS", "rc,cuda_copy")
+    assert "usable" in cmd_doctor.check_rdma(str(tmp_path))
+    report = cmd_doctor.ucx_report(str(tmp_path))
+    assert report["infiniband_devices"] == ["mlx5_0"] and report["tcp_only"] is None
+    assert report["settings"]["UCX_TLS"] == "rc,cuda_copy"
+
+
+def test_doctor_says_which_nixl_build_loaded_and_why() -> None:
+    from tests.conftest import require
+
+    require("nixl_cu12._api", "NIXL")
+    detail = cmd_doctor.check_nixl(120)
+    assert "._api loaded (nixl._api (meta package) first, then " in detail

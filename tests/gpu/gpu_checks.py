@@ -1,0 +1,412 @@
+"""GPU checks of kvbridge's NIXL path (issue 15), run by ``run_gpu_checks.sh``.
+
+Not part of the default test suite (no ``test_`` prefix, and CI has no GPU):
+run it on a host with an NVIDIA GPU. Each check prints one line and adds a
+record to the JSON report; a failed check does not stop the others; the exit
+code is 1 if any check failed, 2 for usage errors or no CUDA.
+
+Checks (``--checks`` selects; default all, in this order):
+
+* ``env``        -- torch/CUDA/GPU, the NIXL build kvbridge loaded and why, the
+  UCX settings kvbridge put in force (``cuda_copy``, CUDA IPC zero-copy).
+* ``cuda_ipc``   -- CUDA IPC between two processes on one GPU, through torch's
+  storage IPC handles (the fields travel as msgpack): the child reads the
+  parent's bytes and writes its own back.
+* ``transfers``  -- VRAM -> VRAM between two processes through
+  :class:`~kvbridge.backends.nixl.NixlTransport` (a peer process registers a CUDA
+  buffer, this one too): READ and WRITE, strided lists, every byte verified; GB/s
+  of kvbridge, raw NIXL on the same descriptors, and a device-to-device torch
+  copy of the same bytes. Runs in a child with ``UCX_PROTO_INFO=y``; the UCX
+  protocol lines it printed are summarised (``cuda_ipc`` / ``cuda_copy`` /
+  ``tcp`` ...).
+* ``connector``  -- the ``nixl`` connector end to end, pull and push, producer and
+  consumer reference engines in two processes with their KV caches in CUDA
+  memory (``torch.set_default_device`` through a ``sitecustomize`` on the
+  children's path); outputs verified, the producer's handshake must announce
+  VRAM.
+
+Usage: ``python3 tests/gpu/gpu_checks.py [--checks env,cuda_ipc,...] [--json FILE]
+[--quick]`` from the repository root with ``kvbridge`` importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+CHECKS = ("env", "cuda_ipc", "transfers", "connector")
+#: (num_blocks, block_bytes) moved by the transfers check
+PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
+QUICK_PATTERNS = ((16, 1 << 20),)
+#: UCX transports whose names are looked for in UCX_PROTO_INFO output
+UCX_TRANSPORTS = ("cuda_ipc", "cuda_copy", "gdr_copy", "rc_mlx5", "dc_mlx5", "ud_mlx5",
+                  "rc_verbs", "tcp", "cma", "posix", "sysv", "self")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gpu_checks.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--checks", default=",".join(CHECKS),
+                        help=f"comma-separated subset of {','.join(CHECKS)} (default: all)")
+    parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--quick", action="store_true", help="one small pattern, fewer iters")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per pattern")
+    parser.add_argument("--device", default="cuda:0",
+                        help="CUDA device (default cuda:0); cpu runs the transfers check on "
+                             "host memory (a dry run of the script's logic)")
+    # internal: the transfers check re-runs this script in a child under UCX_PROTO_INFO=y
+    parser.add_argument("--child-transfers", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    chosen = tuple(c.strip() for c in args.checks.split(",") if c.strip())
+    unknown = [c for c in chosen if c not in CHECKS]
+    if unknown or not chosen:
+        parser.error(f"--checks: unknown {unknown}; expected a subset of {list(CHECKS)}")
+    if args.iters < 1:
+        parser.error("--iters must be >= 1")
+    args.checks = chosen
+    return args
+
+
+def ucx_protocols(text: str) -> dict[str, int]:
+    """Count UCX_PROTO_INFO lines naming each transport (the protocol UCX selected)."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if "UCX" not in line and "|" not in line:
+            continue
+        for tl in UCX_TRANSPORTS:
+            if re.search(rf"\b{tl}\b", line):
+                counts[tl] = counts.get(tl, 0) + 1
+    return counts
+
+
+def gbps(nbytes: int, seconds: Sequence[float]) -> float:
+    """GB/s of the median of ``seconds``."""
+    ordered = sorted(seconds)
+    return nbytes / ordered[len(ordered) // 2] / 1e9
+
+
+# ------------------------------------------------------------------ checks
+
+
+def check_env(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import kvbridge.backends as backends
+    from kvbridge.backends.nixl import load_nixl_api, loaded_nixl
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch sees no CUDA device")
+    load_nixl_api()
+    return {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name(args.device),
+            "gpus_seen_by_driver": backends.nvidia_gpus(),
+            "infiniband_devices": backends.infiniband_devices(),
+            "nixl": loaded_nixl(),
+            "ucx": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}}
+
+
+_IPC_CHILD = r"""
+import sys, msgpack, torch
+h = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
+torch.cuda.set_device(h["device"])
+storage = torch.UntypedStorage._new_shared_cuda(*h["handle"])
+t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
+ok = int(t[: h["nbytes"]].to(torch.int64).sum().item()) == h["checksum"]
+t[: h["nbytes"]].fill_(7)
+torch.cuda.synchronize()
+print("ok" if ok else "mismatch")
+"""
+
+
+def check_cuda_ipc(args: argparse.Namespace) -> dict[str, Any]:
+    import msgpack
+    import torch
+
+    nbytes = 64 << 20
+    device = torch.device(args.device)
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    checksum = int(t.to(torch.int64).sum().item())
+    handle = list(t.untyped_storage()._share_cuda_())
+    payload = msgpack.packb({"device": device.index or 0, "handle": handle, "nbytes": nbytes,
+                             "checksum": checksum}, use_bin_type=True)
+    proc = subprocess.run([sys.executable, "-c", _IPC_CHILD], input=payload,
+                          capture_output=True, timeout=120)
+    answer = proc.stdout.decode().strip()
+    torch.cuda.synchronize()
+    written = bool((t == 7).all().item())
+    if proc.returncode != 0 or answer != "ok" or not written:
+        raise RuntimeError(f"child rc {proc.returncode} said {answer!r}, wrote back {written}: "
+                           f"{proc.stderr.decode()[-500:]}")
+    return {"bytes": nbytes, "child_read": True, "child_wrote": True}
+
+
+def _wait(transport: Any, xfer: Any) -> None:
+    from kvbridge.backends.nixl import XferState
+
+    if transport.wait(xfer) is not XferState.DONE:
+        raise RuntimeError(f"transfer {xfer.op.value} {xfer.state.value}: {xfer.error}")
+
+
+def run_transfers(args: argparse.Namespace) -> dict[str, Any]:
+    """The body of the transfers check (in the child that has UCX_PROTO_INFO=y)."""
+    import numpy as np
+    import torch
+
+    from kvbridge.backends.nixl import NixlTransport, load_nixl_api, strided_descs
+    from kvbridge.backends.nixl_bench import PeerProcess, pattern
+
+    api = load_nixl_api()
+    device = torch.device(args.device)
+    mem_type = "VRAM" if device.type == "cuda" else "DRAM"  # --device cpu: a dry run
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    results = []
+    for num_blocks, block_bytes in (QUICK_PATTERNS if args.quick else PATTERNS):
+        total = num_blocks * block_bytes
+        seed = 1000 + num_blocks
+        with PeerProcess(f"gpu-peer-{uuid.uuid4().hex[:8]}", total, seed=seed, timeout_s=120,
+                         device=str(device)) as peer:
+            if peer.mem_type != mem_type:
+                raise RuntimeError(f"peer registered {peer.mem_type}, expected {mem_type}")
+            local = torch.zeros(total, dtype=torch.uint8, device=device)
+            t = NixlTransport(f"gpu-local-{uuid.uuid4().hex[:8]}")
+            try:
+                (region,) = t.register_regions([local])
+                if region.mem_type != mem_type:
+                    raise RuntimeError(f"registered {region}, expected {mem_type}")
+                dev = region.device_id
+                ldl = t.prepare_local_descs(strided_descs(local.data_ptr(), block_bytes,
+                                                          block_bytes, num_blocks, dev))
+                ph = t.add_peer(peer.name, peer.metadata)
+                rdl = t.prepare_remote(ph, strided_descs(peer.addr, block_bytes, block_bytes,
+                                                         num_blocks, peer.device_id), mem_type)
+                idx = np.arange(num_blocks)
+                want = pattern(total, seed)
+                x = t.post("READ", ldl, idx, rdl, idx, deadline_s=60)
+                _wait(t, x)
+                _sync(device)
+                read_ok = bool(np.array_equal(local.cpu().numpy(), want))
+                read_s = []
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    _wait(t, t.post("READ", ldl, idx, rdl, idx, deadline_s=60))
+                    read_s.append(time.perf_counter() - t0)
+                mine = torch.from_numpy(pattern(total, seed + 1)).to(device)
+                local.copy_(mine)
+                _sync(device)
+                write_s = []
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    _wait(t, t.post("WRITE", ldl, idx, rdl, idx, deadline_s=60))
+                    write_s.append(time.perf_counter() - t0)
+                write_ok = all(peer.read(off, min(block_bytes, 1 << 20))
+                               == mine[off:off + min(block_bytes, 1 << 20)].cpu().numpy()
+                               .tobytes() for off in range(0, total, block_bytes))
+                raw_s = _raw_read(api, peer, local, num_blocks, block_bytes, dev, args.iters,
+                                  mem_type)
+                copy_s = _d2d_copy(local, args.iters)
+            finally:
+                final = t.close(strict=False)
+        results.append({
+            "num_blocks": num_blocks, "block_bytes": block_bytes, "read_verified": read_ok,
+            "write_verified": write_ok, "kvbridge_read_gbps": round(gbps(total, read_s), 3),
+            "kvbridge_write_gbps": round(gbps(total, write_s), 3),
+            "raw_nixl_read_gbps": round(gbps(total, raw_s), 3),
+            "torch_d2d_copy_gbps": round(gbps(total, copy_s), 3), "leaks": final.live})
+    return {"patterns": results}
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _raw_read(api: Any, peer: Any, local: Any, num_blocks: int, block_bytes: int, dev: int,
+              iters: int, mem_type: str) -> list[float]:
+    import numpy as np
+
+    from kvbridge.backends.nixl import strided_descs
+
+    agent = api.nixl_agent(f"gpu-raw-{uuid.uuid4().hex[:8]}", api.nixl_agent_config(
+        enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
+    reg = agent.register_memory(local)  # a CUDA tensor: NIXL takes VRAM and its device
+    remote = agent.add_remote_agent(peer.metadata)
+    ldl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", strided_descs(
+        local.data_ptr(), block_bytes, block_bytes, num_blocks, dev), mem_type, ["UCX"])
+    rdl = agent.prep_xfer_dlist(remote, strided_descs(
+        peer.addr, block_bytes, block_bytes, num_blocks, peer.device_id), mem_type, ["UCX"])
+    idx = np.arange(num_blocks, dtype=np.int32)
+    handle = agent.make_prepped_xfer("READ", ldl, idx, rdl, idx, b"", ["UCX"])
+    out = []
+    try:
+        for i in range(iters + 1):
+            t0 = time.perf_counter()
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + 60
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL READ {state}")
+            if i:
+                out.append(time.perf_counter() - t0)
+    finally:
+        handle.release()
+        ldl.release()
+        rdl.release()
+        agent.remove_remote_agent(remote)
+        agent.deregister_memory(reg)
+    return out
+
+
+def _d2d_copy(src: Any, iters: int) -> list[float]:
+    import torch
+
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(src.device)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(src.device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def check_transfers(args: argparse.Namespace) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--child-transfers", "--iters", str(args.iters),
+            "--device", args.device] + (["--quick"] if args.quick else [])
+    env = {**os.environ, "UCX_PROTO_INFO": "y"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    text = proc.stdout + proc.stderr
+    report = None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            report = json.loads(line)
+            break
+    if proc.returncode != 0 or report is None:
+        raise RuntimeError(f"transfers child exited {proc.returncode}: {text[-1500:]}")
+    report["ucx_protocols"] = ucx_protocols(text)
+    report["ucx_proto_lines"] = [x for x in text.splitlines() if "cuda" in x][:20]
+    bad = [p for p in report["patterns"]
+           if not (p["read_verified"] and p["write_verified"]) or p["leaks"]]
+    if bad:
+        raise RuntimeError(f"bytes or leaks wrong: {bad}")
+    return report
+
+
+_SITECUSTOMIZE = """
+import os
+if os.environ.get("KVBRIDGE_GPU_CHECK_DEVICE"):
+    import torch
+    torch.set_default_device(os.environ["KVBRIDGE_GPU_CHECK_DEVICE"])
+"""
+
+
+def check_connector(args: argparse.Namespace) -> dict[str, Any]:
+    from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode
+    from kvbridge.engine.core import EngineConfig
+    from kvbridge.engine.harness import EngineProcess
+    from kvbridge.engine.workload import check_outputs, make_requests
+    from kvbridge.handshake import HandshakeClient, format_address
+    from kvbridge.layouts import ParallelTopology, load_spec
+    from kvbridge.tools.demo_nixl import Router
+
+    site = tempfile.mkdtemp(prefix="kvb-gpu-site-")
+    Path(site, "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    env = {"KVBRIDGE_GPU_CHECK_DEVICE": args.device,
+           "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
+    out: dict[str, Any] = {}
+    for mode in (TransferMode.PULL, TransferMode.PUSH):
+        def config(role: KVRole, mode: TransferMode = mode) -> EngineConfig:
+            return EngineConfig(spec=load_spec("tiny-gqa"), topology=ParallelTopology(),
+                                num_blocks=64, max_num_batched_tokens=2048, max_num_seqs=16,
+                                connector=ConnectorConfig("nixl", role, extra={
+                                    "mode": mode.value, "transfer_timeout_s": 30.0}),
+                                remote_kv_timeout_s=60.0)
+
+        with EngineProcess(config(KVRole.PRODUCER), name="gpu-producer", env=env,
+                           start_timeout_s=180) as producer, \
+                EngineProcess(config(KVRole.CONSUMER), name="gpu-consumer", env=env,
+                              start_timeout_s=180) as consumer:
+            host, port = producer.endpoint or ("", 0)
+            rank = HandshakeClient(timeout_s=10).fetch(format_address(host, port)).metadata
+            mem = [(m.mem_type, m.device_id) for m in rank.ranks]
+            router = Router(producer, consumer, mode, ParallelTopology(),
+                            load_spec("tiny-gqa").fingerprint())
+            specs = make_requests(4, prompt_tokens=40, max_tokens=2, seed=5,
+                                  prefix=f"gpu-{mode.value}")
+            router.submit(specs)
+            deadline = time.monotonic() + 120
+            while not router.done:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{mode.value}: {len(router.results)} of {len(specs)} "
+                                       "requests done in 120 s")
+                if not router.poll():
+                    time.sleep(0.01)
+            results = list(router.results.values())
+            wrong = check_outputs(results, specs)
+            moved = [r.num_external_tokens for r in results]
+            if wrong or not all(moved) or any(r.mismatched_bytes for r in results):
+                raise RuntimeError(f"{mode.value}: wrong outputs {wrong}, external tokens "
+                                   f"{moved}")
+            if any(m != "VRAM" for m, _ in mem):
+                raise RuntimeError(f"{mode.value}: producer ranks announce {mem}, not VRAM")
+            out[mode.value] = {"requests": len(results), "external_tokens": sum(moved),
+                               "producer_memory": mem}
+    return out
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "env": check_env, "cuda_ipc": check_cuda_ipc, "transfers": check_transfers,
+    "connector": check_connector}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child_transfers:
+        print(json.dumps(run_transfers(args)))
+        return 0
+    try:
+        import torch
+
+        if args.device != "cpu" and not torch.cuda.is_available():
+            print("gpu_checks: torch sees no CUDA device: run this on a GPU host",
+                  file=sys.stderr)
+            return 2
+    except ImportError:
+        print("gpu_checks: torch is not importable", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"checks": {}}
+    failed = False
+    for name in args.checks:
+        t0 = time.monotonic()
+        try:
+            detail = RUNNERS[name](args)
+            entry = {"ok": True, "detail": detail}
+        except Exception as exc:
+            failed = True
+            entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        entry["seconds"] = round(time.monotonic() - t0, 2)
+        report["checks"][name] = entry
+        shown = json.dumps(entry.get("detail", entry.get("error")))[:2000]
+        print(f"[{'ok  ' if entry['ok'] else 'FAIL'}] {name} ({entry['seconds']} s): {shown}",
+              flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

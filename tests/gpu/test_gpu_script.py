@@ -1,0 +1,76 @@
+"""The GPU check script's CPU-runnable parts (the script itself needs a GPU host).
+
+``run_gpu_checks.sh`` parses its arguments and sets up as on a GPU host;
+``--dry-run-cpu`` then runs the transfers check on host memory through the same
+code (two processes, real NIXL, bytes verified), so the script cannot rot
+unnoticed between GPU sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require
+from tests.gpu import gpu_checks
+
+SCRIPT = Path(__file__).with_name("run_gpu_checks.sh")
+
+
+def _sh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_shell_script_parses_and_refuses_bad_arguments() -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], timeout=30).returncode == 0
+    shown = _sh("--help")
+    assert shown.returncode == 0 and "--wheels DIR" in shown.stdout
+    assert "nixl-cu13==1.5.1 pyzmq" in shown.stdout  # how to fetch the wheels
+    bad = _sh("--frobnicate")
+    assert bad.returncode == 2 and "unknown argument '--frobnicate'" in bad.stderr
+    assert _sh("--budget", "soon").returncode == 2
+
+
+def test_checks_arguments() -> None:
+    args = gpu_checks.parse_args([])
+    assert args.checks == gpu_checks.CHECKS and args.device == "cuda:0"
+    assert gpu_checks.parse_args(["--checks", "env,transfers"]).checks == ("env", "transfers")
+    for bad in (["--checks", "env,nope"], ["--checks", ","], ["--iters", "0"]):
+        with pytest.raises(SystemExit) as info:
+            gpu_checks.parse_args(bad)
+        assert info.value.code == 2
+
+
+def test_ucx_protocol_summary_and_rates() -> None:
+    text = ("[1] UCX INFO | cuda_ipc/cuda : zero-copy 2.1 GB/s |\n"
+            "[1] UCX INFO | tcp/lo : bcopy |\n| rc_mlx5/mlx5_0:1 zcopy |\nnot ucx cuda_ipc\n")
+    assert gpu_checks.ucx_protocols(text) == {"cuda_ipc": 1, "tcp": 1, "rc_mlx5": 1}
+    assert gpu_checks.gbps(2_000_000_000, [2.0, 1.0, 4.0]) == 1.0
+
+
+def test_without_cuda_the_checks_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = require("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the no-CUDA answer cannot be seen here")
+    assert gpu_checks.main(["--checks", "env"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_dry_run_on_host_memory_moves_verified_bytes(tmp_path: Path) -> None:
+    require("nixl_cu12._api", "NIXL")
+    done = _sh("--python", sys.executable, "--wheels", str(tmp_path / "none"),
+               "--out", str(tmp_path), "--dry-run-cpu", timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_checks.json").read_text())
+    entry = report["checks"]["transfers"]
+    assert entry["ok"], entry
+    (pattern,) = entry["detail"]["patterns"]
+    assert pattern["read_verified"] and pattern["write_verified"] and pattern["leaks"] == 0
+    assert pattern["kvbridge_read_gbps"] > 0 and pattern["raw_nixl_read_gbps"] > 0
+    assert entry["detail"]["ucx_protocols"]  # UCX_PROTO_INFO lines were seen and counted
+    assert "[ok  ] transfers" in (tmp_path / "gpu_checks.log").read_text()
