@@ -139,10 +139,10 @@ def assert_figures(row: dict[str, Any], keys: tuple[str, ...] | list[str]) -> No
 
 @pytest.fixture
 def mooncake_setups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Counts Mooncake ``setup()`` entries: a client that fails fast never reaches it.
-
-    Wraps the real store class (the pre-checks in ``MooncakeStoreClient.setup`` exist
-    because Mooncake's own ``setup()`` blocks ~90 s against an absent master).
+    """Counts how often ``MooncakeStoreClient.setup`` went past its pre-checks to
+    Mooncake's own ``setup()`` (it fetches the real store class just before): a client
+    that fails fast never gets there. Those pre-checks exist because Mooncake's
+    ``setup()`` blocks ~90 s, GIL held, against an absent or stalled master.
     """
     from kvbridge.backends import mooncake
 
