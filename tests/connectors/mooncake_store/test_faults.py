@@ -22,10 +22,13 @@ from tests.connectors.mooncake_store.conftest import store_extra
 
 def client_stats(master: MooncakeMaster) -> ClientStats:
     """The summed counters of the pooled clients of ``master`` (the real clients the
-    connector halves share): which path answered each call."""
+    connector halves share): which path answered each call. Waits (bounded) until no
+    call is running first, so a call abandoned earlier cannot count in a later phase."""
     with clients._lock:
-        stats = [e.client.stats() for k, e in clients._entries.items()
-                 if k.master_address == master.rpc_address]
+        pooled = [e.client for k, e in clients._entries.items()
+                  if k.master_address == master.rpc_address]
+    assert all(c.wait_idle(30.0) for c in pooled), "a Mooncake call still running after 30 s"
+    stats = [c.stats() for c in pooled]
     assert stats, "no pooled client for this master"
     return ClientStats(*(sum(getattr(s, f) for s in stats) for f in (
         "calls", "keys", "key_errors", "timeouts", "unreachable")))
