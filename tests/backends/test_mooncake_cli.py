@@ -14,7 +14,7 @@ import pytest
 from kvbridge.backends.mooncake_master import port_accepts
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
 from kvbridge.tools.cmd_mooncake import parse_pattern
-from tests.conftest import require
+from tests.conftest import assert_figures, require
 
 
 def test_parse_pattern_units_and_errors() -> None:
@@ -74,6 +74,7 @@ def test_bench_command_reports_ratios_and_verifies_bytes(
     assert [(p["num_blocks"], p["block_bytes"]) for p in report["patterns"]] == [(8, 65536), (64, 4096)]
     for p in report["patterns"]:
         assert p["verified"] and p["failed_rounds"] == {"raw": 0, "client": 0}
-        assert p["raw"]["put_gbps"] > 0 and p["client"]["get_gbps"] > 0
+        for side in ("raw", "client"):  # well-formed figures, no claim about their size
+            assert_figures(p[side], ("put_gbps", "get_gbps"))
         assert {"put", "get", "put_best", "get_best"} <= set(p["ratio"])
-        assert all(r > 0 for r in p["ratio"].values())
+        assert_figures(p["ratio"], list(p["ratio"]))

@@ -1,8 +1,9 @@
 """Fault injection on a real mooncake_master: killed -> bounded error results; restarted -> works again.
 
 The master is this module's own (``mooncake_master_fresh``) so killing it
-cannot disturb other tests. Bounds asserted here are generous "does not hang"
-limits, not performance claims.
+cannot disturb other tests. "Bounded" is checked by outcome, not by a clock: the
+client's counters say which path answered (the reachability check, the client's own
+deadline, or Mooncake); pytest-timeout catches a hang.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
 
 MiB = 1 << 20
 OP_TIMEOUT_S = 1.0
-# Seconds a call may take beyond its deadline (thread hand-off, a loaded 2-core machine).
-SLACK_S = 2.0
 
 
 def _config(master: MooncakeMaster, *, check_first: bool) -> MooncakeConfig:
@@ -65,12 +64,11 @@ def test_killed_master_gives_bounded_errors_and_restart_recovers(
         master.kill()
         assert not checked.is_master_reachable()
 
-        started = time.monotonic()
         failed = checked.batch_get_into(keys, dst_ptrs, sizes)
         assert [r.code for r in failed] == [McStatus.MASTER_UNREACHABLE] * 4
         assert checked.batch_exists(keys) == [False] * 4  # a failed check is a miss
-        assert time.monotonic() - started < SLACK_S
-        assert checked.stats().unreachable == 2
+        # both refused by the reachability check: no call reached Mooncake (none timed out)
+        assert checked.stats().unreachable == 2 and checked.stats().timeouts == 0
 
         # Without the check each call blocks inside Mooncake (~4.4 s per RPC to a dead
         # master); the caller still gets per-key errors within op_timeout_s.
@@ -80,12 +78,15 @@ def test_killed_master_gives_bounded_errors_and_restart_recovers(
             lambda: unchecked.batch_exists_results(keys),
             lambda: unchecked.batch_put_from(keys, ptrs, sizes),
         ):
-            started = time.monotonic()
+            before = unchecked.stats().timeouts
             results = call()
-            elapsed = time.monotonic() - started
-            assert elapsed < OP_TIMEOUT_S + SLACK_S, elapsed
             assert len(results) == 4 and all(r.status is KeyStatus.ERROR for r in results)
-            assert {r.code_name for r in results} <= {"TIMEOUT", "RPC_FAIL"}
+            codes = {r.code_name for r in results}
+            assert codes <= {"TIMEOUT", "RPC_FAIL"}, codes
+            # TIMEOUT is the client's own deadline answering (counted), not Mooncake's
+            assert ("TIMEOUT" in codes) == (unchecked.stats().timeouts == before + 1), codes
+        assert unchecked.stats().timeouts > 0, "no call was cut short by op_timeout_s"
+        assert unchecked.stats().unreachable == 0  # this client never checks first
         assert unchecked.wait_idle(15.0)  # abandoned calls end (Mooncake bounds them itself)
         assert not dst.any()  # the failed gets wrote nothing, not even late
 
@@ -109,7 +110,7 @@ def test_killed_master_gives_bounded_errors_and_restart_recovers(
 
 
 def test_paused_master_times_out_ops_and_refuses_new_setup_fast(
-    mooncake_master_fresh: MooncakeMaster,
+    mooncake_master_fresh: MooncakeMaster, mooncake_setups: list[str],
 ) -> None:
     master = mooncake_master_fresh
     src = torch.randint(0, 255, (2, 4096), dtype=torch.uint8)
@@ -129,16 +130,14 @@ def test_paused_master_times_out_ops_and_refuses_new_setup_fast(
                 lambda: client.batch_exists_results(fresh),
                 lambda: client.batch_put_from(fresh, ptrs, sizes),
             ):
-                started = time.monotonic()
-                results = call()
-                assert time.monotonic() - started < OP_TIMEOUT_S + SLACK_S
+                results = call()  # TIMEOUT: the client's deadline answered, not Mooncake
                 assert [r.code for r in results] == [McStatus.TIMEOUT] * 2
             assert client.stats().timeouts == 2
             # A new client must not enter Mooncake's setup() (minutes, GIL held).
-            started = time.monotonic()
+            mooncake_setups.clear()  # (the first client's setup was real and counted)
             with pytest.raises(MooncakeSetupError, match="does not answer HTTP"):
                 MooncakeStoreClient.connect(_config(master, check_first=True))
-            assert time.monotonic() - started < SLACK_S + 1
+            assert mooncake_setups == [], "entered Mooncake's setup() against a stalled master"
         finally:
             master.resume()
         assert client.wait_idle(15.0)

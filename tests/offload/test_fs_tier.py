@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +17,7 @@ import pytest
 
 from kvbridge.offload.faults import FaultKind, FaultPlan
 from kvbridge.offload.fs import FileMapper, FsTier
-from kvbridge.offload.fs_io import FsIO, load_block, store_block
+from kvbridge.offload.fs_io import TEMP_SUFFIX, FsIO, load_block, store_block
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import EventKind, JobResult, OffloadError, ShortReadError
 
@@ -109,6 +111,38 @@ def test_store_is_atomic_and_existing_destination_is_success(tmp_path) -> None:
     with pytest.raises(OSError, match="rename"):
         store_block(FailingRename(), str(tmp_path / "blk2"), [data], BLOCK, direct=False)
     assert os.listdir(tmp_path) == ["blk"]            # temp removed, nothing half-written
+
+    # Atomic, observed: while the bytes are written (short writes: several calls), the
+    # final name does not exist at all; it appears whole, by the rename. A store that
+    # wrote the final file in place fails here.
+    final = str(tmp_path / "blk3")
+    seen: list[tuple[bool, int]] = []
+
+    class Watching(FsIO):
+        def writev(self, fd: int, views: list[memoryview]) -> int:
+            seen.append((os.path.exists(final), os.fstat(fd).st_size))
+            return super().writev(fd, [views[0][:1000]])
+
+    assert store_block(Watching(), final, [data], BLOCK, direct=False) is True
+    assert seen == [(False, 0), (False, 1000), (False, 2000), (False, 3000), (False, 4000)]
+    with open(final, "rb") as fh:
+        assert fh.read() == bytes(data)
+
+    # A crash mid-write (no clean-up runs) leaves no final file: at most a temp file,
+    # which the final name's readers never see (fsck removes it).
+    crash = (
+        "import os, sys\n"
+        "from kvbridge.offload.fs_io import FsIO, store_block\n"
+        "class Crash(FsIO):\n"
+        "    def writev(self, fd, views):\n"
+        "        os.writev(fd, [views[0][:1000]])\n"
+        "        os._exit(9)\n"
+        "store_block(Crash(), sys.argv[1], [memoryview(bytearray(4096))], 4096, direct=False)\n")
+    died = subprocess.run([sys.executable, "-c", crash, str(tmp_path / "blk4")], timeout=120)
+    assert died.returncode == 9
+    assert not os.path.exists(tmp_path / "blk4")
+    left = [n for n in os.listdir(tmp_path) if n.startswith("blk4")]
+    assert len(left) == 1 and left[0].endswith(TEMP_SUFFIX), left
 
 
 def test_o_direct_is_probed_once_with_buffered_fallback(make_fs, store_dir) -> None:

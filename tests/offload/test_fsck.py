@@ -11,6 +11,7 @@ import pytest
 from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fsck import FindingKind, fsck
 from kvbridge.tools.cli import main
+from tests.conftest import assert_figures
 
 FP = "0123456789abcdef"
 OTHER_FP = "fedcba9876543210"
@@ -142,8 +143,9 @@ def test_cli_bench_small_run(tmp_path, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["verified"] is True and data["failed_jobs"] == 0
     assert data["bytes"] == 4 * 64 * 1024
-    for name in ("store", "load"):
-        assert data[name]["tier_gbps"] > 0 and data[name]["plain_gbps"] > 0
+    for name in ("store", "load"):  # well-formed figures, no claim about their size
+        assert_figures(data[name], ("tier_gbps", "plain_gbps"))
     lookup = data["lookup"]
-    assert lookup["busy_per_key_us"]["median"] > 0 and lookup["busy_store_jobs"] > 0
+    assert_figures(lookup["busy_per_key_us"], ("median",))
+    assert lookup["busy_store_jobs"] > 0
     assert os.listdir(tmp_path) == []                      # temp store removed

@@ -111,7 +111,8 @@ def test_object_gone_between_probe_and_load_is_a_miss_without_retry(manager, cli
     assert tier.cache.enqueue_count[key(1)] == 1
 
 
-def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, client) -> None:
+def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, client,
+                                                                   monkeypatch) -> None:
     tier = manager.secondaries[0]
     short = bytearray(b"s" * (BLOCK // 2))
     import numpy as np
@@ -123,3 +124,35 @@ def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, clie
     assert client.batch_exists([tier.object_name(key(7))]) == [False]
     removed = [e for e in manager.take_events() if e.kind is EventKind.REMOVED and e.tier == "obj"]
     assert [e.keys for e in removed] == [(key(7),)]
+
+    # a missing object (gone between the probe and the load): a miss that removes nothing,
+    # seen on the real client (every remove the tier asks for is recorded)
+    store(manager, [key(8)])
+    store(manager, [key(100 + i) for i in range(4)])   # evict key 8 from the CPU tier
+    for _ in range(5000):
+        if tier.cache.peek(key(8)):
+            break
+        tier.lookup("r2", key(8))
+        tier.step()
+        tier.drain_results()
+        time.sleep(0.001)
+    assert tier.cache.peek(key(8)) is True
+    assert client.remove([tier.object_name(key(8))], force=True)[0].ok
+    asked: list[list[str]] = []
+    real_remove = client.remove
+
+    def recorded_remove(names, *args, **kwargs):
+        asked.append(list(names))
+        return real_remove(names, *args, **kwargs)
+
+    monkeypatch.setattr(client, "remove", recorded_remove)
+    manager.take_events()
+    failed_before = tier.stats.loads_failed
+    result = settle(manager, "r2", [key(8)])
+    assert result == LookupResult(LookupStatus.MISS, 0)
+    assert manager.failed_loads("r2") == (key(8),)
+    assert tier.stats.loads_failed == failed_before + 1       # the load was tried, and failed
+    assert asked == [], "a missing object must not be removed (it may be written again)"
+    assert tier.stats.files_deleted == 1                      # still only the short one
+    assert not [e for e in manager.take_events()
+                if e.kind is EventKind.REMOVED and e.tier == "obj"]

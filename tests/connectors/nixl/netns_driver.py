@@ -4,8 +4,8 @@
 it prints ``{"event": ...}`` lines on stdout and reads one command per line on
 stdin (``go``). Sequence: one warm-up request (must succeed); prefill of the
 second request, then ``{"event": "ready"}`` and wait for ``go`` (the test takes
-the link down meanwhile); load it (must fail within the deadline); print the
-outcome, wait for ``go`` again (link back up), then two more requests that must
+the link down meanwhile); load it (must fail by its deadline: the failure's logged
+reason is printed with the outcome); wait for ``go`` again (link back up), then two more requests that must
 succeed. Every wait is bounded.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import select
 import sys
 import time
@@ -27,6 +28,19 @@ from kvbridge.engine.workload import make_requests
 from kvbridge.handshake import parse_address
 from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.tools.demo_nixl import RemoteEngine
+
+
+class LoadFailures(logging.Handler):
+    """The reasons the real NIXL worker logs for failed loads (which path failed them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("nixl load failed"):
+            self.reasons.append(message)
 
 
 def emit(**fields: Any) -> None:
@@ -79,6 +93,8 @@ def main() -> int:
             "host": args.host, "transfer_timeout_s": args.deadline,
             "handshake_timeout_s": 1.0, "revalidate_s": 0.5})))
     specs = make_requests(4, prompt_tokens=48, max_tokens=2, seed=21, prefix="netns")
+    failures = LoadFailures()
+    logging.getLogger("kvbridge.connectors.nixl.worker").addHandler(failures)
     try:
         for index, spec in enumerate(specs):
             if index == 1:
@@ -86,10 +102,12 @@ def main() -> int:
                 emit(event="ready")
                 wait_go()  # the link is down now
                 final, failed, failed_at = load(consumer, spec, result.transfer_params)
+                reasons = [r.rsplit(" reason=", 1)[-1] for r in failures.reasons
+                           if f" request={spec.request_id} " in r]
                 emit(event="cut", request=spec.request_id, failed=failed,
                      failed_after_s=failed_at, state=final.state.value,
                      recomputed=final.num_recomputed_tokens,
-                     mismatched=final.mismatched_bytes)
+                     mismatched=final.mismatched_bytes, reasons=reasons)
                 wait_go()  # the link is back
                 continue
             result = prefill(producer, spec)

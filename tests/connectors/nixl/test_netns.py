@@ -125,7 +125,8 @@ def test_link_down_mid_transfer_then_back(veth_pair: dict[str, str]) -> None:
         cut = lines.next(60)
         assert cut["event"] == "cut" and cut["failed"], cut
         # its deadline (3 s), plus the step and scheduling slack of a loaded 2-core box
-        assert cut["failed_after_s"] < 3.0 + 9.0, "must fail within its deadline"
+        # failed by its own deadline (3 s), as the worker logged it: not by a clock here
+        assert len(cut["reasons"]) == 1 and cut["reasons"][0].startswith("deadline passed"), cut
         assert cut["state"] == "finished_length" and cut["recomputed"] > 0
         assert cut["mismatched"] == 0
         _ip("-n", net["ns_p"], "link", "set", net["vp"], "up")

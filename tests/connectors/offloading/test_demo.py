@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+from kvbridge.tools.cmd_demo import format_summary
+from kvbridge.tools.demo_offload import format_details
 
 
 def test_demo_json_reports_fs_hits_and_verified_bytes(tmp_path: Path,
@@ -29,10 +31,20 @@ def test_demo_json_reports_fs_hits_and_verified_bytes(tmp_path: Path,
 def test_demo_with_injected_faults_recomputes_and_verifies(
         capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--connector", "offload", "--requests", "24", "--rounds", "3",
-                 "--inject-faults", "0.3", "--seed", "2"])
-    text = capsys.readouterr().out
+                 "--inject-faults", "0.3", "--seed", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
     assert code == EXIT_OK
-    assert "hits by tier" in text and "failed loads" in text
+    # faults were injected and loads failed ...
+    assert sum(out["injected_faults"].values()) > 0 and out["failed_loads"] > 0
+    # ... and the demo recomputed those blocks: every request finished with the right
+    # output and every loaded byte checked, so no failed load was trusted
+    assert out["recomputed_blocks"] > 0
+    assert out["failed_requests"] == 0 and out["wrong_outputs"] == 0
+    assert out["mismatched_bytes"] == 0 and out["verified_bytes"] > 0
+    assert out["hit_blocks_by_tier"]["cpu"] + out["hit_blocks_by_tier"]["fs"] > 0
+    text = format_summary(out) + "\n" + format_details(out)  # what the demo prints
+    assert "hits by tier" in text and f"failed loads    {out['failed_loads']}" in text
+    assert f"recomputed blocks {out['recomputed_blocks']}" in text
     assert "mismatched      0" in text
 
 
