@@ -124,7 +124,7 @@ def test_other_request_sharing_the_entry_gets_miss_without_new_promotion(make_ma
     # r2 asks while r1 still references the entry: cached miss, no probe, no load
     assert m.lookup("r2", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
     assert m.stats()["promotions_started"] == started
-    assert m.secondaries[0].cache.enqueue_count[k(0)] == 1
+    assert m.secondaries[0].cache.num_enqueued == 1
     # once nobody references the entry it is cleaned up; a new request probes afresh
     m.request_finished("r1")
     m.request_finished("r2")
