@@ -312,3 +312,20 @@ def test_touch_protects_a_block_from_lru_eviction(make_manager) -> None:
     m.touch([k(0)])                       # now k1, k0
     store(m, "w", [k(2)])
     assert k(0) in m.primary and k(1) not in m.primary
+
+
+def test_asking_again_counts_a_hit_once_and_only_successful_copies_count(make_manager) -> None:
+    m = make_manager(fs=False)
+    keys = [k(0), k(1)]
+    store(m, "w", keys)
+    m.request_finished("w")
+    for _ in range(5):                        # the engine asks again before scheduling it
+        assert m.lookup("r1", keys) == LookupResult(LookupStatus.HIT, 2)
+    assert m.stats()["hit_blocks_primary"] == 2
+    m.prepare_load("r1", keys)
+    m.complete_load("r1", keys, success=[k(1)])   # the copy of k(1) into the engine failed
+    stats = m.stats()
+    assert stats["hits_by_tier"] == {"cpu": 1} and stats["engine_loads_failed"] == 1
+    m.request_finished("r1")
+    assert m.lookup("r2", keys) == LookupResult(LookupStatus.HIT, 2)   # a new request counts
+    assert m.stats()["hit_blocks_primary"] == 4
