@@ -47,7 +47,12 @@ from kvbridge.offload.fs_io import (
     remove_entry,
     store_block,
 )
-from kvbridge.offload.tier import BlockBuffers, SecondaryTier
+from kvbridge.offload.tier import (
+    DEFAULT_LOAD_TIMEOUT_S,
+    DEFAULT_PROBE_TIMEOUT_S,
+    BlockBuffers,
+    SecondaryTier,
+)
 from kvbridge.offload.types import (
     BatchIOError,
     NotRegularFileError,
@@ -149,11 +154,14 @@ class FsTier(SecondaryTier):
                  use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,
                  write_threads: int = 2, io: FsIO | None = None,
                  faults: FaultPlan | None = None, name: str = "fs",
-                 probe_timeout_s: float = 5.0, load_timeout_s: float = 10.0,
+                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
                  quarantine_after: int = 3) -> None:
         self.mapper = FileMapper(root, fingerprint)
         super().__init__(name, block_bytes, read_threads, write_threads,
-                         probe_timeout_s=probe_timeout_s, load_timeout_s=load_timeout_s)
+                         probe_timeout_s=(DEFAULT_PROBE_TIMEOUT_S if probe_timeout_s is None
+                                          else probe_timeout_s),
+                         load_timeout_s=(DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None
+                                         else load_timeout_s))
         self.root = root
         self.io = io or FsIO()
         #: set when ``faults`` is given: the injector wrapping the real I/O

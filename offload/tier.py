@@ -64,6 +64,10 @@ from kvbridge.offload.workers import StuckAwarePool
 
 logger = logging.getLogger(__name__)
 
+#: default deadlines of a tier (seconds): a lookup verdict, a promotion
+DEFAULT_PROBE_TIMEOUT_S = 5.0
+DEFAULT_LOAD_TIMEOUT_S = 10.0
+
 #: per key, the views its block bytes are read into / written from
 BlockBuffers = Sequence[Sequence[memoryview]]
 
@@ -96,7 +100,8 @@ class SecondaryTier(abc.ABC):
     locality: str = Locality.LOCAL.value
 
     def __init__(self, name: str, block_bytes: int, read_threads: int = 2, write_threads: int = 1,
-                 *, probe_timeout_s: float = 5.0, load_timeout_s: float = 10.0,
+                 *, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if block_bytes <= 0:
             raise OffloadError("block_bytes", f"expected a positive size, got {block_bytes}")

@@ -125,20 +125,18 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
         for nbytes in table.pool_bytes:
             fingerprint = pool_fingerprint(spec, nbytes)
             secondaries: list[SecondaryTier] = []
-            deadlines: dict[str, float] = {}
-            if settings.probe_timeout_s is not None:
-                deadlines["probe_timeout_s"] = settings.probe_timeout_s
-            if settings.load_timeout_s is not None:
-                deadlines["load_timeout_s"] = settings.load_timeout_s
             if settings.fs_dir is not None:
                 secondaries.append(FsTier(settings.fs_dir, nbytes, fingerprint,
                                           use_o_direct=settings.fs_o_direct,
                                           faults=settings.fs_faults,
                                           quarantine_after=settings.fs_quarantine_after,
-                                          **deadlines))
+                                          probe_timeout_s=settings.probe_timeout_s,
+                                          load_timeout_s=settings.load_timeout_s))
             if client is not None:
                 from kvbridge.offload.obj import ObjTier
-                secondaries.append(ObjTier(client, nbytes, fingerprint, **deadlines))
+                secondaries.append(ObjTier(client, nbytes, fingerprint,
+                                           probe_timeout_s=settings.probe_timeout_s,
+                                           load_timeout_s=settings.load_timeout_s))
             shm_path = shm_paths[len(managers)] if shm_paths else None
             managers.append(OffloadManager(CpuTier(settings.cpu_blocks, nbytes, settings.policy,
                                                    shm_path=shm_path), secondaries))
