@@ -34,8 +34,9 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbridge.events.schema import Locality, Medium
 from kvbridge.offload.faults import FaultPlan, FaultyFsIO
@@ -155,9 +156,10 @@ class FsTier(SecondaryTier):
                  write_threads: int = 2, io: FsIO | None = None,
                  faults: FaultPlan | None = None, name: str = "fs",
                  probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
-                 quarantine_after: int = 3) -> None:
+                 quarantine_after: int = 3,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.mapper = FileMapper(root, fingerprint)
-        super().__init__(name, block_bytes, read_threads, write_threads,
+        super().__init__(name, block_bytes, read_threads, write_threads, clock=clock,
                          probe_timeout_s=(DEFAULT_PROBE_TIMEOUT_S if probe_timeout_s is None
                                           else probe_timeout_s),
                          load_timeout_s=(DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None

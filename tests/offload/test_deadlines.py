@@ -1,9 +1,10 @@
 """Deadlines: one stuck stat or read turns into a miss, and does not wedge other keys.
 
 The stuck call is a real fs-tier call held at its entry by a gate (``GatedIO``
-wraps the real ``FsIO``: once the gate opens, the real system call runs). The
-deadlines are short here so the tests run fast; nothing asserts on time, the
-tests poll for outcomes with a generous bound.
+wraps the real ``FsIO``: once the gate opens, the real system call runs). Time
+is a ``ManualClock`` shared by the tier, its thread pools and the manager: a
+deadline passes when the test moves the clock, never because the machine is
+slow, so an unstuck call is never mistaken for a stuck one.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ class GatedIO(FsIO):
         return super().open_read(path, direct)
 
 
+class ManualClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def wait_for(predicate: Callable[[], bool], what: str, step: Callable[[], None] | None = None,
              timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -76,12 +90,13 @@ def settle(m: OffloadManager, request_id: str, keys: list[bytes]) -> LookupResul
 
 
 @pytest.fixture
-def gated(tmp_path) -> Iterator[tuple[OffloadManager, FsTier, GatedIO]]:
+def gated(tmp_path) -> Iterator[tuple[OffloadManager, FsTier, GatedIO, ManualClock]]:
     io = GatedIO()
+    clock = ManualClock()
     tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
-                  read_threads=1, probe_timeout_s=0.3, load_timeout_s=0.3)
-    m = OffloadManager(CpuTier(4, BLOCK), [tier])
-    yield m, tier, io
+                  read_threads=1, probe_timeout_s=5.0, load_timeout_s=5.0, clock=clock)
+    m = OffloadManager(CpuTier(4, BLOCK), [tier], clock=clock)
+    yield m, tier, io, clock
     io.gate.set()
     m.shutdown()
 
@@ -101,12 +116,16 @@ def store_on_disk(m: OffloadManager, keys: list[bytes]) -> None:
 
 
 def test_stuck_probe_is_a_miss_by_the_deadline_and_other_keys_are_still_probed(gated) -> None:
-    m, tier, io = gated
+    m, tier, io, clock = gated
     store_on_disk(m, [k(0), k(1)])
     io.held_probe.add(tier.path(k(0)))
     assert m.lookup("r0", [k(0)]).status is LookupStatus.RETRY
     m.step()                                       # the probe of k(0) enters and sticks
     wait_for(io.entered.is_set, "the probe to enter the stuck call")
+    for _ in range(20):                            # before the deadline: "ask again"
+        assert m.lookup("r0", [k(0)]).status is LookupStatus.RETRY
+        m.step()
+    clock.advance(5.0)                             # probe_timeout_s passes
     assert settle(m, "r0", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
     # the only probe thread is stuck: k(1) is probed by a replacement and hits
     assert settle(m, "r1", [k(1)]) == LookupResult(LookupStatus.HIT, 1)
@@ -120,11 +139,20 @@ def test_stuck_probe_is_a_miss_by_the_deadline_and_other_keys_are_still_probed(g
 
 
 def test_stuck_read_is_a_miss_by_the_deadline_and_its_slot_is_not_reused(gated) -> None:
-    m, tier, io = gated
+    m, tier, io, clock = gated
     store_on_disk(m, [k(0), k(1)])
     io.held_read.add(tier.path(k(0)))
-    result = settle(m, "r1", [k(0)])           # probed (not held), then the read sticks
-    assert io.entered.is_set()
+
+    def reading() -> bool:                     # probed (not held), then the read sticks
+        assert m.lookup("r1", [k(0)]).status in (LookupStatus.RETRY, LookupStatus.HIT_PENDING)
+        return io.entered.is_set()
+
+    wait_for(reading, "the read to enter the stuck call", m.step)
+    for _ in range(20):                        # before the deadline: "ask again"
+        assert m.lookup("r1", [k(0)]).status is LookupStatus.HIT_PENDING
+        m.step()
+    clock.advance(5.0)                         # load_timeout_s passes
+    result = settle(m, "r1", [k(0)])
     assert result == LookupResult(LookupStatus.MISS, 0)
     assert m.failed_loads("r1") == (k(0),)
     assert m.stats()["promotions_timed_out"] == 1

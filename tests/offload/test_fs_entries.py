@@ -63,9 +63,10 @@ class BadSectorIO(FsIO):
 @pytest.fixture
 def setup(tmp_path) -> Iterator[tuple[OffloadManager, FsTier, BadSectorIO]]:
     io = BadSectorIO()
+    # a clock that never moves: no deadline can pass on a slow machine (not tested here)
     tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
-                  quarantine_after=3, probe_timeout_s=5.0, load_timeout_s=5.0)
-    m = OffloadManager(CpuTier(2, BLOCK), [tier])
+                  quarantine_after=3, clock=lambda: 0.0)
+    m = OffloadManager(CpuTier(2, BLOCK), [tier], clock=lambda: 0.0)
     yield m, tier, io
     m.shutdown()
 

@@ -277,17 +277,18 @@ def test_lookup_never_waits_for_io(make_manager) -> None:
     armed = threading.Event()
 
     class Stuck(FsIO):
-        def exists(self, path: str) -> bool:
+        def is_block_file(self, path: str) -> bool:   # the probe's stat
             if armed.is_set():
                 gate.wait(10)
-            return super().exists(path)
+            return super().is_block_file(path)
 
         def open_read(self, path: str, direct: bool) -> int:
             if armed.is_set() and path.endswith(".kvb"):
                 gate.wait(10)
             return super().open_read(path, direct)
 
-    m = make_manager(num_slots=4, io=Stuck())
+    # deadlines far beyond this test: it is about never blocking, not about giving up
+    m = make_manager(num_slots=4, io=Stuck(), probe_timeout_s=600.0, load_timeout_s=600.0)
     store(m, "w", [k(0)])
     m.request_finished("w")
     evict_all(m)

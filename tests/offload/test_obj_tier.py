@@ -135,7 +135,8 @@ def test_timed_out_get_never_lands_in_a_slot_given_to_another_key(mooncake_maste
                             global_segment_size=64 * MiB, local_buffer_size=16 * MiB,
                             op_timeout_s=0.5)
     with MooncakeStoreClient(config) as client:
-        tier = ObjTier(client, BLOCK, uuid.uuid4().hex[:16], load_timeout_s=1.0)
+        tier = ObjTier(client, BLOCK, uuid.uuid4().hex[:16], load_timeout_s=1.0,
+                       probe_timeout_s=60.0)
         m = OffloadManager(CpuTier(1, BLOCK), [tier])   # one slot: any reuse is that slot
         a, b, filler = key(1), key(2), key(3)
         try:
