@@ -182,3 +182,35 @@ def test_deadlines_are_validated() -> None:
     for bad in (0, -1.0, float("inf"), float("nan"), True):
         with pytest.raises(OffloadError, match="probe_timeout_s"):
             FsTier("/nonexistent-never-made", BLOCK, FP, probe_timeout_s=bad)  # type: ignore[arg-type]
+
+
+def test_pool_replaces_a_stuck_thread_and_shrinks_back_when_it_returns() -> None:
+    from kvbridge.offload.workers import StuckAwarePool
+
+    clock = ManualClock()
+    pool = StuckAwarePool("kvbridge-test-pool", 1, stuck_after_s=5.0, max_extra_threads=2,
+                          clock=clock)
+    gate = threading.Event()
+    ran: list[str] = []
+    try:
+        pool.submit(lambda: gate.wait(60))
+        wait_for(lambda: pool.num_threads_alive == 1 and pool.num_stuck == 0
+                 and pool._pending == 0, "the first job to start")
+        pool.submit(lambda: ran.append("queued before the deadline"))
+        assert pool.num_threads_alive == 1         # not stuck yet: no replacement
+        clock.advance(5.0)
+        pool.check()                               # stuck now: a replacement runs the job
+        wait_for(lambda: ran == ["queued before the deadline"], "the queued job")
+        assert pool.replacements == 1 and pool.num_threads_alive == 2
+        for _ in range(3):                         # more stuck calls: capped at 1 + 2 threads
+            pool.submit(lambda: gate.wait(60))
+            wait_for(lambda: pool._pending == 0 or pool.num_threads_alive == 3,
+                     "the stuck job to start", pool.check)
+            clock.advance(5.0)
+            pool.check()
+        assert pool.num_threads_alive == 3
+        gate.set()                                 # every stuck call returns
+        wait_for(lambda: pool.num_threads_alive == 1, "the pool to shrink back", pool.check)
+    finally:
+        gate.set()
+        assert pool.close(10.0)
