@@ -7,14 +7,16 @@ Two halves:
   refcounted by the requests that asked. A new entry is enqueued for probing
   exactly once; ``take_batch`` hands the queued keys to the prober (one batch
   per scheduler step); ``apply_results`` settles them.
-* ``ProbeRunner`` — a background thread that runs the tier's blocking probe
-  function on each batch and queues the results; ``drain`` hands them back to
+* ``ProbeRunner`` — background threads that run the tier's blocking probe
+  function on each batch and queue the results; ``drain`` hands them back to
   the scheduler thread, the only thread that touches the cache.
 
 Invariants (the failed-load livelock, vLLM #49176, comes from breaking them):
 
 * **enqueue once**: an entry is probed at most once in its lifetime, so a
-  second result for it is a bug; ``apply_results`` asserts it. A stale True
+  second result for it is a bug. ``apply_results`` checks it for real (not
+  with ``assert``, which ``python -O`` strips): the duplicate is dropped,
+  counted in ``invariant_violations`` and logged as an error. A stale True
   arriving after ``mark_miss`` would otherwise send the request back to a
   doomed promotion forever.
 * **mark_miss sticks**: ``mark_miss`` flips a verdict to False without a
@@ -23,6 +25,13 @@ Invariants (the failed-load livelock, vLLM #49176, comes from breaking them):
 * Results carry the entry's generation: a result for an entry that was cleaned
   up (and possibly re-created, hence re-enqueued) is dropped, never applied to
   the new entry.
+* **bounded**: the cache keeps state only for keys some live request
+  references; ``release`` of the last reference forgets the key entirely
+  (``num_enqueued`` is a plain total; per-key histories are the business of an
+  ``on_enqueue`` observer, e.g. a test).
+* **deadline**: a verdict still unknown ``probe_timeout_s`` after its probe was
+  enqueued settles as a miss (``expire``, counted in ``probe_timeouts``), so a
+  stuck ``stat`` never keeps a request waiting; a late True cannot revive it.
 """
 
 from __future__ import annotations
@@ -30,10 +39,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvbridge.offload.types import OffloadKey, RequestId
+from kvbridge.offload.workers import StuckAwarePool
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +57,8 @@ ProbeResult = tuple[OffloadKey, int, bool]
 @dataclass
 class _Entry:
     generation: int
+    #: when the probe was enqueued (the caller's monotonic clock), for the deadline
+    enqueued_at: float = 0.0
     result: bool | None = None
     probe_outstanding: bool = True
     refs: set[RequestId] = field(default_factory=set)
@@ -54,23 +67,38 @@ class _Entry:
 class LookupCache:
     """Cached probe verdicts per key, refcounted by request (pure, single-threaded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_enqueue: Callable[[OffloadKey], None] | None = None) -> None:
         self._entries: dict[OffloadKey, _Entry] = {}
         self._by_request: dict[RequestId, set[OffloadKey]] = {}
         self._queued: list[tuple[OffloadKey, int]] = []
+        #: entries whose verdict is unknown, in enqueue order (oldest first)
+        self._unknown: dict[OffloadKey, None] = {}
         self._next_generation = 0
-        #: how many times each key was enqueued for a probe (tests check it)
-        self.enqueue_count: dict[OffloadKey, int] = {}
+        #: called with each key enqueued for a probe (observers such as tests keep
+        #: per-key histories; the cache itself forgets released keys)
+        self.on_enqueue = on_enqueue
+        #: probes enqueued in all (every new entry is enqueued exactly once)
+        self.num_enqueued = 0
+        #: second results for one entry (dropped; a bug if ever non-zero)
+        self.invariant_violations = 0
+        #: verdicts settled as a miss because their probe outlived the deadline
+        self.probe_timeouts = 0
 
-    def lookup(self, request_id: RequestId, key: OffloadKey) -> bool | None:
-        """Cached verdict for ``key``; None while unknown (first call enqueues a probe)."""
+    def lookup(self, request_id: RequestId, key: OffloadKey, now: float = 0.0) -> bool | None:
+        """Cached verdict for ``key``; None while unknown (first call enqueues a probe).
+
+        ``now``: the caller's monotonic clock, recorded for ``expire``.
+        """
         entry = self._entries.get(key)
         if entry is None:
             self._next_generation += 1
-            entry = _Entry(generation=self._next_generation)
+            entry = _Entry(generation=self._next_generation, enqueued_at=now)
             self._entries[key] = entry
             self._queued.append((key, entry.generation))
-            self.enqueue_count[key] = self.enqueue_count.get(key, 0) + 1
+            self._unknown[key] = None
+            self.num_enqueued += 1
+            if self.on_enqueue is not None:
+                self.on_enqueue(key)
         if request_id not in entry.refs:
             entry.refs.add(request_id)
             self._by_request.setdefault(request_id, set()).add(key)
@@ -91,12 +119,17 @@ class LookupCache:
             entry = self._entries.get(key)
             if entry is None or entry.generation != generation:
                 continue  # cleaned up while the probe ran: nobody wants it
-            assert entry.probe_outstanding, (
-                "lookup entry received a second probe result; the enqueue-once "
-                "invariant is broken and could reopen the failed-load livelock")
+            if not entry.probe_outstanding:
+                # a real check, not an assert: python -O must not remove it
+                self.invariant_violations += 1
+                logger.error("lookup entry received a second probe result (generation %d); "
+                             "the enqueue-once invariant is broken and could reopen the "
+                             "failed-load livelock; result dropped", generation)
+                continue
             entry.probe_outstanding = False
             if entry.result is None:
                 entry.result = present
+                self._unknown.pop(key, None)
             # else: mark_miss settled it first; a late True must not revive it
 
     def mark_miss(self, keys: Iterable[OffloadKey]) -> None:
@@ -109,6 +142,29 @@ class LookupCache:
             entry = self._entries.get(key)
             if entry is not None:
                 entry.result = False
+                self._unknown.pop(key, None)
+
+    def expire(self, now: float, timeout_s: float) -> list[OffloadKey]:
+        """Settle as a miss every verdict still unknown ``timeout_s`` after its enqueue.
+
+        The probe may still answer later; that answer is then ignored (like after
+        ``mark_miss``). Returns the keys settled.
+        """
+        expired: list[OffloadKey] = []
+        for key in self._unknown:   # oldest first: stop at the first one in time
+            if now - self._entries[key].enqueued_at < timeout_s:
+                break
+            expired.append(key)
+        for key in expired:
+            del self._unknown[key]
+            self._entries[key].result = False
+        self.probe_timeouts += len(expired)
+        return expired
+
+    @property
+    def num_unknown(self) -> int:
+        """Entries whose verdict is not known yet."""
+        return len(self._unknown)
 
     def release(self, request_id: RequestId) -> None:
         """Drop the request's references; entries nobody references are removed."""
@@ -119,6 +175,7 @@ class LookupCache:
             entry.refs.discard(request_id)
             if not entry.refs:
                 del self._entries[key]
+                self._unknown.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -132,31 +189,39 @@ class LookupCache:
 
 
 class ProbeRunner:
-    """Runs ``probe(keys) -> list[bool]`` on a background thread, batch by batch.
+    """Runs ``probe(keys) -> list[bool]`` on background threads, batch by batch.
 
     ``submit`` and ``drain`` never block the caller on I/O. A probe function
     that raises answers the whole batch "absent" (best effort: the block is
-    recomputed) and is logged.
+    recomputed) and is logged. One stuck probe does not hold the batches of
+    other keys: the threads are a ``StuckAwarePool`` (a thread stuck for over
+    ``stuck_after_s`` is replaced while batches wait); the stuck batch's keys
+    are settled as misses by the cache's deadline (``LookupCache.expire``).
     """
 
     def __init__(self, probe: Callable[[Sequence[OffloadKey]], Sequence[bool]], name: str,
-                 on_result: Callable[[], None] | None = None) -> None:
+                 on_result: Callable[[], None] | None = None, *, num_threads: int = 1,
+                 stuck_after_s: float = 5.0, max_extra_threads: int = 4,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._probe = probe
         self._on_result = on_result
         self._submitted = 0
         self._drained = 0
-        self._requests: queue.SimpleQueue[ProbeBatch | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[list[ProbeResult]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"kvbridge-probe-{name}",
-                                        daemon=True)
+        self._pool = StuckAwarePool(f"kvbridge-probe-{name}", num_threads, stuck_after_s,
+                                    max_extra_threads, clock)
         self._closed = False
+        self._count_lock = threading.Lock()
         self.batches_run = 0
-        self._thread.start()
 
     def submit(self, batch: ProbeBatch) -> None:
         if batch and not self._closed:
             self._submitted += 1
-            self._requests.put(batch)
+            self._pool.submit(lambda: self._run(batch))
+
+    def check(self) -> None:
+        """Replace stuck probe threads while batches wait (scheduler step; never blocks)."""
+        self._pool.check()
 
     def drain(self) -> list[ProbeResult]:
         out: list[ProbeResult] = []
@@ -172,28 +237,29 @@ class ProbeRunner:
         """Batches submitted whose results were not drained yet (caller's thread)."""
         return self._submitted - self._drained
 
-    def _run(self) -> None:
-        while True:
-            batch = self._requests.get()
-            if batch is None:
-                return
-            keys = [key for key, _ in batch]
-            try:
-                verdicts = list(self._probe(keys))
-                if len(verdicts) != len(keys):
-                    raise ValueError(f"probe returned {len(verdicts)} verdicts for {len(keys)} keys")
-            except Exception:
-                logger.exception("probe of %d keys failed; answering absent", len(keys))
-                verdicts = [False] * len(keys)
-            self.batches_run += 1
-            self._results.put([(key, gen, bool(v))
-                               for (key, gen), v in zip(batch, verdicts, strict=True)])
-            if self._on_result is not None:
-                self._on_result()
+    @property
+    def pool(self) -> StuckAwarePool:
+        return self._pool
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def _run(self, batch: ProbeBatch) -> None:
+        keys = [key for key, _ in batch]
+        try:
+            verdicts = list(self._probe(keys))
+            if len(verdicts) != len(keys):
+                raise ValueError(f"probe returned {len(verdicts)} verdicts for {len(keys)} keys")
+        except Exception:
+            logger.exception("probe of %d keys failed; answering absent", len(keys))
+            verdicts = [False] * len(keys)
+        with self._count_lock:
+            self.batches_run += 1
+        self._results.put([(key, gen, bool(v))
+                           for (key, gen), v in zip(batch, verdicts, strict=True)])
+        if self._on_result is not None:
+            self._on_result()
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop the probe threads (bounded wait); True if none is still inside a probe."""
         if self._closed:
-            return
+            return True
         self._closed = True
-        self._requests.put(None)
-        self._thread.join(timeout_s)
+        return self._pool.close(timeout_s)

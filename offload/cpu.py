@@ -45,6 +45,10 @@ class Slot:
     io_refs: int = 0
     #: the tier a promoted block came from, until its first load (hit statistics)
     origin: str | None = None
+    #: WRITING_PROMOTION only: when (manager clock) waiting requests give up on it
+    deadline: float | None = None
+    #: WRITING_PROMOTION only: the deadline passed (counted once)
+    timed_out: bool = False
 
     @property
     def evictable(self) -> bool:

@@ -170,6 +170,15 @@ class FaultyFsIO(FsIO):
     def exists(self, path: str) -> bool:
         return self.inner.exists(path)
 
+    def is_block_file(self, path: str) -> bool:
+        return self.inner.is_block_file(path)
+
+    def lstat_mode(self, path: str) -> int | None:
+        return self.inner.lstat_mode(path)
+
+    def rmdir(self, path: str) -> None:
+        self.inner.rmdir(path)
+
     def injected_kinds(self) -> dict[FaultKind, int]:
         with self._lock:
             out: dict[FaultKind, int] = {}

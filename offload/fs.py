@@ -13,16 +13,30 @@ deeper fan-out made lazily cost a directory creation (a journal commit) on
 most stores of a young store, which halved store throughput in the benchmark;
 ext4/xfs index large directories, so 256 of them hold millions of blocks. The fingerprint in the name lets ``fsck`` tell blocks
 of another layout apart; several layouts may share one directory.
+
+Quarantine: a regular block file whose every read fails without being
+provably short (EIO, a bad sector, an unreadable inode) would be retried once
+by every new request forever, and a later store would see it and skip. After
+``quarantine_after`` failed loads in a row (each from a different lookup entry:
+a failure is never retried while its entry lives), the file is removed
+(``files_quarantined``, a REMOVED event) so a later store writes it again.
+Errors that say nothing about the file (EMFILE, ENFILE, ENOMEM, EAGAIN, EINTR,
+ENOENT) never count. A successful load clears the count. The counts live in
+memory, bounded (``QUARANTINE_TRACKED`` keys, oldest forgotten first).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from kvbridge.events.schema import Locality, Medium
 from kvbridge.offload.faults import FaultPlan, FaultyFsIO
@@ -31,10 +45,22 @@ from kvbridge.offload.fs_io import (
     direct_ok,
     load_block,
     probe_o_direct,
+    remove_entry,
     store_block,
 )
-from kvbridge.offload.tier import BlockBuffers, SecondaryTier
-from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey
+from kvbridge.offload.tier import (
+    DEFAULT_LOAD_TIMEOUT_S,
+    DEFAULT_PROBE_TIMEOUT_S,
+    BlockBuffers,
+    SecondaryTier,
+)
+from kvbridge.offload.types import (
+    BatchIOError,
+    NotRegularFileError,
+    OffloadError,
+    OffloadKey,
+    ShortReadError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +70,25 @@ FINGERPRINT_RE = re.compile(r"^[0-9a-f]{8,64}$")
 #: block file name: <hash>.<fingerprint>.kvb
 BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
 HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
+#: keys whose failed-load counts are remembered (oldest forgotten first)
+QUARANTINE_TRACKED = 4096
+#: load errors that say nothing about the file itself: never counted towards quarantine
+NOT_THE_FILES_FAULT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN,
+                                 errno.EINTR, errno.ENOENT, errno.ENOBUFS})
+
+
+class QuarantinedError(OSError):
+    """A block file failed ``failures`` loads in a row and was removed (``deleted``)."""
+
+    removal_reason = "quarantine"
+
+    def __init__(self, path: str, failures: int, cause: OSError, deleted: bool) -> None:
+        super().__init__(cause.errno, f"{path}: {failures} failed loads in a row ({cause}); "
+                         + ("removed" if deleted else "removal failed, kept"))
+        self.path = path
+        self.failures = failures
+        self.cause = cause
+        self.deleted = deleted
 
 
 def header_name(fingerprint: str) -> str:
@@ -109,9 +154,16 @@ class FsTier(SecondaryTier):
     def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
                  use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,
                  write_threads: int = 2, io: FsIO | None = None,
-                 faults: FaultPlan | None = None, name: str = "fs") -> None:
+                 faults: FaultPlan | None = None, name: str = "fs",
+                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
+                 quarantine_after: int = 3,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.mapper = FileMapper(root, fingerprint)
-        super().__init__(name, block_bytes, read_threads, write_threads)
+        super().__init__(name, block_bytes, read_threads, write_threads, clock=clock,
+                         probe_timeout_s=(DEFAULT_PROBE_TIMEOUT_S if probe_timeout_s is None
+                                          else probe_timeout_s),
+                         load_timeout_s=(DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None
+                                         else load_timeout_s))
         self.root = root
         self.io = io or FsIO()
         #: set when ``faults`` is given: the injector wrapping the real I/O
@@ -120,6 +172,14 @@ class FsTier(SecondaryTier):
             self.injector = FaultyFsIO(faults, self.mapper.path, self.io)
             self.io = self.injector
         self.fsync = fsync
+        if isinstance(quarantine_after, bool) or not isinstance(quarantine_after, int) \
+                or quarantine_after < 1:
+            raise OffloadError("quarantine_after", f"expected a count >= 1 of failed loads, "
+                               f"got {quarantine_after!r}")
+        #: failed loads in a row after which a block file is removed
+        self.quarantine_after = quarantine_after
+        self._failures: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._failures_lock = threading.Lock()
         os.makedirs(root, exist_ok=True)
         ensure_header(root, fingerprint, block_bytes)
         # probed once for the store directory (the fan-out dirs are on the same file system)
@@ -131,19 +191,48 @@ class FsTier(SecondaryTier):
         return self.mapper.path(key)
 
     def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        return [self.io.exists(self.mapper.path(key)) for key in keys]
+        # lstat: only a regular file is a block (a directory, FIFO or symlink is absent)
+        return [self.io.is_block_file(self.mapper.path(key)) for key in keys]
 
     def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
         for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
             direct = self.o_direct and direct_ok(views)
+            path = self.mapper.path(key)
             try:
-                outcome = load_block(self.io, self.mapper.path(key), views, self.block_bytes,
-                                     direct)
+                outcome = load_block(self.io, path, views, self.block_bytes, direct)
             except OSError as exc:
-                raise BatchIOError(i, exc) from exc
+                raise BatchIOError(i, self._count_failure(key, path, exc)) from exc
+            if self._failures:
+                with self._failures_lock:
+                    self._failures.pop(key, None)
             if outcome.close_error:
                 with self._stats_lock:
                     self.stats.close_errors_ignored += 1
+
+    def _count_failure(self, key: OffloadKey, path: str, exc: OSError) -> OSError:
+        """Count a failed load of ``key``; quarantine (remove) the file at the threshold.
+
+        Returns the error to report: ``exc`` itself, or a ``QuarantinedError``.
+        """
+        if isinstance(exc, ShortReadError | NotRegularFileError) \
+                or exc.errno in NOT_THE_FILES_FAULT:
+            with self._failures_lock:
+                self._failures.pop(key, None)   # handled (removed) or not the file's fault
+            return exc
+        with self._failures_lock:
+            failures = self._failures.pop(key, 0) + 1
+            if failures < self.quarantine_after:
+                self._failures[key] = failures
+                while len(self._failures) > QUARANTINE_TRACKED:
+                    self._failures.popitem(last=False)
+                return exc
+        deleted = remove_entry(self.io, path)
+        logger.warning("%s: %s failed %d loads in a row (last: %s); %s", self.name, path,
+                       failures, exc, "removed (quarantine)" if deleted else
+                       "could not remove it")
+        if not deleted:
+            self.count("quarantine_remove_failed")
+        return QuarantinedError(path, failures, exc, deleted)
 
     def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
         for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
@@ -164,7 +253,7 @@ class FsTier(SecondaryTier):
             except OSError as exc:
                 raise BatchIOError(i, exc) from exc
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        super().shutdown(timeout_s)
         if self.injector is not None:
             self.injector.close_injector()

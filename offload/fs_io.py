@@ -11,7 +11,18 @@ Deletion policy (the only place a block file is deleted on a load):
   not hide the short read;
 * open errors (ENOENT, ELOOP, EMFILE, ...), read errors (EIO) and close errors
   leave the file: a transient fault must not destroy data;
-* a close error after a full read is not a load failure (logged, counted).
+* a close error after a full read is not a load failure (logged, counted);
+* something that is *not a regular file* in a block's place (a directory, a
+  FIFO, a device, a symlink) is provably not a block: the tier never makes
+  one. Block files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
+  ``fstat`` before any read, so a FIFO cannot hang a read thread and a symlink
+  is never followed out of the store; such an entry is removed (a symlink is
+  unlinked, never its target; a directory only if empty). Probes ``lstat`` and
+  answer "absent" for anything but a regular file, and a store replaces such
+  an entry (or fails) instead of taking it for a stored block.
+
+Repeated failures of a regular file that are never provably short (EIO,
+EISDIR...) are the fs tier's business (quarantine, ``FsTier``).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,11 +40,13 @@ from itertools import count
 
 import numpy as np
 
-from kvbridge.offload.types import ShortReadError
+from kvbridge.offload.types import NotRegularFileError, ShortReadError
 
 logger = logging.getLogger(__name__)
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
 #: alignment O_DIRECT needs for buffer addresses, lengths and file offsets
 DIRECT_ALIGN = 4096
 TEMP_SUFFIX = ".tmp"
@@ -44,7 +58,22 @@ class FsIO:
     """The system calls of the fs tier (the real ones; faults wrap this)."""
 
     def open_read(self, path: str, direct: bool) -> int:
-        return os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+        """Open a block file for reading; never follows a symlink, never blocks on a FIFO.
+
+        Raises ``NotRegularFileError`` when the entry is not a regular file
+        (checked with ``fstat`` on the opened descriptor, so it is the file read).
+        """
+        flags = os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (O_DIRECT if direct else 0)
+        fd = os.open(path, flags)   # a symlink: ELOOP (a transient-looking error, kept)
+        try:
+            mode = os.fstat(fd).st_mode
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise NotRegularFileError(path, describe_mode(mode))
+        return fd
 
     def readv(self, fd: int, views: list[memoryview]) -> int:
         return os.readv(fd, views)
@@ -72,7 +101,56 @@ class FsIO:
         os.remove(path)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        """Whether anything is at ``path`` (not following a symlink)."""
+        return os.path.lexists(path)
+
+    def is_block_file(self, path: str) -> bool:
+        """Whether ``path`` is a regular file (``lstat``: a symlink is not one)."""
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            return False
+
+    def lstat_mode(self, path: str) -> int | None:
+        """``st_mode`` of ``path`` itself (None when nothing is there)."""
+        try:
+            return os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
+
+def describe_mode(mode: int) -> str:
+    """What kind of entry ``mode`` is, in words (for errors and fsck findings)."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return f"not a regular file (mode {mode:o})"
+
+
+def remove_entry(io: FsIO, path: str) -> bool:
+    """Remove whatever is at ``path`` without following it: unlink a file, FIFO or symlink
+    (never its target), rmdir an empty directory. True if nothing is there any more."""
+    try:
+        mode = io.lstat_mode(path)
+        if mode is None:
+            return True
+        if stat.S_ISDIR(mode):
+            io.rmdir(path)
+        else:
+            io.remove(path)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        logger.warning("could not remove %s: %s", path, exc)
+        return False
 
 
 @dataclass
@@ -156,7 +234,11 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
     fd: int | None = None
     loaded = False
     try:
-        fd = io.open_read(path, direct)
+        try:
+            fd = io.open_read(path, direct)
+        except NotRegularFileError as exc:
+            exc.deleted = remove_entry(io, path)
+            raise
         done = 0
         remaining = views
         while done < block_bytes:
@@ -209,10 +291,16 @@ def store_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: i
 
     The bytes go to a temp file in the same directory which is then renamed
     over ``path``, so a reader sees either no file or a complete one. On any
-    error the temp file is removed and the error raised.
+    error the temp file is removed and the error raised. Only a regular file
+    counts as "already stored": anything else in its place (a directory, a
+    FIFO, a symlink) is removed first, and if that fails the store fails.
     """
-    if io.exists(path):
-        return False
+    mode = io.lstat_mode(path)
+    if mode is not None:
+        if stat.S_ISREG(mode):
+            return False
+        if not remove_entry(io, path):
+            raise NotRegularFileError(path, describe_mode(mode) + " that cannot be removed")
     views = byte_views(views)
     if sum(len(v) for v in views) != block_bytes:
         raise ValueError(f"buffers do not hold block_bytes={block_bytes}")

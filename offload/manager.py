@@ -32,16 +32,25 @@ Rules (each has a test):
   another request stores the block meanwhile (``failed_loads``).
 * A slot pinned by a request (hit or promotion it waits for) or read by an
   in-flight cascade is never evicted.
+* A promotion still running ``load_timeout_s`` (of its tier) after it started
+  is a failed load for every request waiting on it (``failed_loads``, counted
+  in ``promotions_timed_out``): the request recomputes instead of waiting
+  forever. The slot stays WRITING until the job really ends (a stuck read may
+  still write into it); it then becomes READY (the bytes arrived) or is freed.
+* ``hit_blocks_primary`` counts each (request, block) once, however often the
+  engine asks again; ``hits_by_tier`` counts blocks the engine really copied
+  (``complete_load`` with ``success=True``); failed copies are
+  ``engine_loads_failed``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvbridge.offload.cpu import CpuTier, SlotState
+from kvbridge.offload.cpu import CpuTier, Slot, SlotState
 from kvbridge.offload.tier import SecondaryTier
 from kvbridge.offload.types import (
     JobKind,
@@ -83,10 +92,11 @@ class StoreSpec:
 @dataclass
 class ManagerStats:
     lookups: int = 0
-    hit_blocks_primary: int = 0        # blocks reported as HIT (final verdicts)
+    hit_blocks_primary: int = 0        # (request, block) pairs reported as HIT, each once
     promotions_started: int = 0        # blocks
     promotions_ok: int = 0             # blocks
     promotions_failed: int = 0         # blocks
+    promotions_timed_out: int = 0      # blocks whose waiters gave up at load_timeout_s
     promotions_skipped_no_slot: int = 0
     stores_started: int = 0            # blocks
     stores_ok: int = 0
@@ -94,7 +104,8 @@ class ManagerStats:
     stores_skipped_no_slot: int = 0
     cascades_ok: int = 0               # blocks x tiers
     cascades_failed: int = 0
-    hits_by_tier: dict[str, int] = field(default_factory=dict)   # blocks loaded, by source
+    hits_by_tier: dict[str, int] = field(default_factory=dict)   # blocks copied, by source
+    engine_loads_failed: int = 0       # blocks the engine's copy out of a slot failed
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,8 @@ class _Job:
 class OffloadManager:
     """Tiered offload store: a CPU primary tier and zero or more secondary tiers."""
 
-    def __init__(self, primary: CpuTier, secondaries: Sequence[SecondaryTier] = ()) -> None:
+    def __init__(self, primary: CpuTier, secondaries: Sequence[SecondaryTier] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         for tier in secondaries:
             if tier.block_bytes != primary.block_bytes:
                 raise OffloadError(f"secondaries[{tier.name}].block_bytes",
@@ -122,6 +134,11 @@ class OffloadManager:
         self._stats = ManagerStats()
         self._pins: dict[RequestId, set[OffloadKey]] = {}
         self._failed_loads: dict[RequestId, dict[OffloadKey, None]] = {}
+        #: per request: the keys already counted in ``hit_blocks_primary``
+        self._counted_hits: dict[RequestId, set[OffloadKey]] = {}
+        #: per request: keys handed out by ``prepare_load``, with the tier credited
+        self._loading: dict[RequestId, dict[OffloadKey, str]] = {}
+        self._clock = clock
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
         self._closed = False
@@ -146,6 +163,7 @@ class OffloadManager:
         unknown = False    # a secondary tier's verdict is still being probed
         to_promote: list[tuple[OffloadKey, SecondaryTier]] = []
         failed = self._failed_loads.get(request_id)
+        now = self._clock()
         for key in keys:
             if failed is not None and key in failed:
                 break  # its load failed while this request waited: recompute, never retry
@@ -153,6 +171,10 @@ class OffloadManager:
             if slot is not None:
                 if slot.state is SlotState.WRITING_STORE:
                     break  # not readable yet; the prefix ends here (best effort)
+                if (slot.state is SlotState.WRITING_PROMOTION and slot.deadline is not None
+                        and now >= slot.deadline):
+                    self._give_up_promotion(request_id, key, slot, pins)
+                    break  # a load past its deadline is a failed load for this request
                 if unknown:
                     continue  # only scanning to batch the probes of this step
                 if key not in pins:
@@ -196,9 +218,25 @@ class OffloadManager:
             primary.unpin(key, request_id)
             pins.discard(key)
         if num_ready:
-            self._stats.hit_blocks_primary += num_ready
+            seen = self._counted_hits.setdefault(request_id, set())
+            new = [k for k in keys[:num_ready] if k not in seen]
+            seen.update(new)
+            self._stats.hit_blocks_primary += len(new)   # an engine re-asking counts nothing
             return LookupResult(LookupStatus.HIT, num_ready)
         return LookupResult(LookupStatus.MISS, 0)
+
+    def _give_up_promotion(self, request_id: RequestId, key: OffloadKey, slot: Slot,
+                           pins: set[OffloadKey]) -> None:
+        """``request_id`` stops waiting for a promotion past its deadline (it recomputes)."""
+        if not slot.timed_out:
+            slot.timed_out = True
+            self._stats.promotions_timed_out += 1
+            logger.warning("offload: promotion of a block from %s still running after its "
+                           "load_timeout_s; waiting requests recompute it", slot.origin)
+        if key in pins:
+            self.primary.unpin(key, request_id)
+            pins.discard(key)
+        self._failed_loads.setdefault(request_id, {})[key] = None
 
     def _promote(self, request_id: RequestId, plan: list[tuple[OffloadKey, SecondaryTier]],
                  pins: set[OffloadKey]) -> bool:
@@ -212,6 +250,8 @@ class OffloadManager:
                 break  # no room: the prefix ends here; best effort
             self.primary.pin(key, request_id)
             pins.add(key)
+            made[0].deadline = self._clock() + tier.load_timeout_s
+            made[0].origin = tier.name
             entry = per_tier.setdefault(tier.name, (tier, [], []))
             entry[1].append(key)
             entry[2].append(made[0].index)
@@ -228,6 +268,7 @@ class OffloadManager:
         self._check_open()
         pins = self._pins.setdefault(request_id, set())
         slots: list[int] = []
+        loading = self._loading.setdefault(request_id, {})
         for i, key in enumerate(keys):
             slot = self.primary.get(key)
             if slot is None or slot.state is not SlotState.READY:
@@ -238,19 +279,38 @@ class OffloadManager:
                 pins.add(key)
             slots.append(slot.index)
             # the first load after a promotion is credited to the tier it came from
-            tier = slot.origin or self.primary.name
+            # (in complete_load, once the engine's copy succeeded)
+            loading[key] = slot.origin or self.primary.name
             slot.origin = None
-            self._stats.hits_by_tier[tier] = self._stats.hits_by_tier.get(tier, 0) + 1
         self.primary.touch(keys)
         return LoadSpec(request_id, tuple(keys), tuple(slots))
 
-    def complete_load(self, request_id: RequestId, keys: Iterable[OffloadKey]) -> None:
-        """The worker finished copying ``keys``: unpin them for the request."""
+    def complete_load(self, request_id: RequestId, keys: Iterable[OffloadKey],
+                      success: bool | Iterable[OffloadKey] = True) -> None:
+        """The worker finished copying ``keys`` (or gave up on them): unpin them.
+
+        ``success``: True (every copy succeeded), False (none did), or the keys
+        whose copy failed. Only successful copies of ``prepare_load`` keys count
+        as hits (``hits_by_tier``); failed ones count in ``engine_loads_failed``.
+        """
         pins = self._pins.get(request_id)
+        loading = self._loading.get(request_id, {})
+        keys = list(keys)
+        failed_keys: set[OffloadKey] = (set() if success is True else
+                                        set(keys) if success is False else set(success))
         for key in keys:
             self.primary.unpin(key, request_id)
             if pins is not None:
                 pins.discard(key)
+            tier = loading.pop(key, None)
+            if tier is None:
+                continue   # a counted block the engine did not load: no hit
+            if key in failed_keys:
+                self._stats.engine_loads_failed += 1
+            else:
+                self._stats.hits_by_tier[tier] = self._stats.hits_by_tier.get(tier, 0) + 1
+        if not loading:
+            self._loading.pop(request_id, None)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Mark blocks as recently used (eviction order)."""
@@ -344,6 +404,8 @@ class OffloadManager:
         for key in self._pins.pop(request_id, ()):
             self.primary.unpin(key, request_id)
         self._failed_loads.pop(request_id, None)
+        self._counted_hits.pop(request_id, None)
+        self._loading.pop(request_id, None)
         for tier in self.secondaries:
             tier.release_request(request_id)
 

@@ -12,6 +12,13 @@ cache marks the rest as misses (``SecondaryTier.get_finished_jobs``). The only
 object the tier removes is one proven too short (Mooncake returned fewer bytes
 than a block): the analogue of the fs tier's short read. Not-found (evicted by
 Mooncake meanwhile), timeouts and an unreachable master remove nothing.
+
+Timeouts: a get or put that outlived ``op_timeout_s`` is abandoned by the
+client but keeps running. Its job is reported failed only once the client is
+idle (the fence of ``SecondaryTier``): until then its slots stay WRITING, so
+no other key's promotion or store gets a slot a late get could still write
+(which would serve, and cascade, another key's bytes). Requests waiting on
+such a promotion turn into misses at ``load_timeout_s``.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -31,6 +39,25 @@ from kvbridge.offload.tier import BlockBuffers, SecondaryTier
 from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey, ShortReadError
 
 logger = logging.getLogger(__name__)
+
+
+#: fences (holding views of memory an abandoned call may still write) kept until exit
+_KEPT_ALIVE: list[_IdleFence] = []
+
+
+class _IdleFence:
+    """Callable: True once the client is idle; holds ``views`` alive until then."""
+
+    def __init__(self, client: MooncakeStoreClient, views: list[memoryview]) -> None:
+        self._client = client
+        self._views: list[memoryview] | None = views
+        self.passed = False
+
+    def __call__(self) -> bool:
+        if not self.passed and self._client.wait_idle(0):
+            self.passed = True
+            self._views = None
+        return self.passed
 
 
 def _address(view: memoryview) -> int:
@@ -49,14 +76,25 @@ class ObjTier(SecondaryTier):
     locality = Locality.REMOTE.value
 
     def __init__(self, client: MooncakeStoreClient, block_bytes: int, fingerprint: str, *,
-                 read_threads: int = 2, write_threads: int = 2, name: str = "obj") -> None:
+                 read_threads: int = 2, write_threads: int = 2, name: str = "obj",
+                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None
+                 ) -> None:
         if not FINGERPRINT_RE.match(fingerprint):
             raise OffloadError("fingerprint",
                                f"expected 8-64 lowercase hex digits, got {fingerprint!r}")
-        super().__init__(name, block_bytes, read_threads, write_threads)
+        # every Mooncake call is bounded by op_timeout_s already: the deadlines leave it room
+        op_timeout_s = client.config.op_timeout_s
+        super().__init__(name, block_bytes, read_threads, write_threads,
+                         probe_timeout_s=(op_timeout_s + 1.0 if probe_timeout_s is None
+                                          else probe_timeout_s),
+                         load_timeout_s=(2 * op_timeout_s + 1.0 if load_timeout_s is None
+                                         else load_timeout_s))
         self.client = client
         self.prefix = f"kvbridge/offload/{fingerprint}/"
         self._registered: list[int] = []
+        #: fences handed out (pruned as they pass); shutdown waits for them
+        self._pending_fences: list[_IdleFence] = []
+        self._fence_lock = threading.Lock()
 
     def object_name(self, key: OffloadKey) -> str:
         return self.prefix + hashlib.blake2b(key, digest_size=16).hexdigest()
@@ -94,6 +132,11 @@ class ObjTier(SecondaryTier):
             targets = single
         results = self.client.batch_get_into(names, [_address(v) for v in targets],
                                              [self.block_bytes] * len(keys))
+        if any(r.code == McStatus.TIMEOUT for r in results):
+            # the get was abandoned, not ended: it may still write into ``targets``
+            i = next(i for i, r in enumerate(results) if not r.ok)
+            raise BatchIOError(0, OSError(errno.ETIMEDOUT, f"mooncake get of {names[i]}: "
+                                          f"{results[i]}"), self._fence(targets))
         for i, result in enumerate(results):
             if not result.ok:
                 raise BatchIOError(i, self._load_error(names[i], result))
@@ -114,6 +157,20 @@ class ObjTier(SecondaryTier):
         return OSError(errno.ENOENT if result.not_found else errno.EIO,
                        f"mooncake get of {name}: {result}")
 
+    def _fence(self, views: list[memoryview]) -> Callable[[], bool]:
+        """True once no call of the client is running, so the abandoned one ended.
+
+        The same proof the Mooncake store connector uses before a block may be
+        reused (``MooncakeStoreClient.wait_idle``): the client cannot say which
+        call ended, only that none runs. The fence keeps ``views`` (slot views,
+        or staging buffers) alive: an abandoned call writes through raw pointers.
+        """
+        fence = _IdleFence(self.client, views)
+        with self._fence_lock:
+            self._pending_fences = [f for f in self._pending_fences if not f.passed]
+            self._pending_fences.append(fence)
+        return fence
+
     def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
         names = [self.object_name(k) for k in keys]
         single = self._single_views(buffers)
@@ -125,12 +182,27 @@ class ObjTier(SecondaryTier):
             sources = single
         results = self.client.batch_put_from(names, [_address(v) for v in sources],
                                              [self.block_bytes] * len(keys))
+        if any(r.code == McStatus.TIMEOUT for r in results):
+            # an abandoned put may still read ``sources``: the slots stay held (no eviction,
+            # so no other key's bytes) until it ended
+            i = next(i for i, r in enumerate(results) if not r.ok)
+            raise BatchIOError(0, OSError(errno.ETIMEDOUT, f"mooncake put of {names[i]}: "
+                                          f"{results[i]}"), self._fence(sources))
         for i, result in enumerate(results):
             if not result.ok:
                 raise BatchIOError(i, OSError(errno.EIO, f"mooncake put of {names[i]}: {result}"))
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        super().shutdown(timeout_s)
+        # an abandoned get still writing into the slot memory must end before the memory
+        # is unregistered (and later unmapped): wait for it, bounded
+        grace = 2 * self.client.config.op_timeout_s + 1.0
+        if not self.client.wait_idle(grace):
+            logger.error("%s: Mooncake calls still running %.1f s after shutdown; keeping the "
+                         "slot memory registered and mapped", self.name, grace)
+            _KEPT_ALIVE.extend(self._pending_fences)
+            return
+        self._pending_fences.clear()
         for ptr in self._registered:
             try:
                 self.client.unregister_buffer(ptr)

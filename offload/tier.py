@@ -17,16 +17,34 @@ and inherits the scheduler-side bookkeeping from ``SecondaryTier``:
 
 Buffers (``BlockBuffers``): for each key, the list of memoryviews its block is
 read into or written from, in order; their lengths add up to ``block_bytes``.
+
+Deadlines and fences (a stuck or abandoned call never wedges a request, and
+never lets a buffer be reused while something may still write into it):
+
+* a probe verdict still unknown ``probe_timeout_s`` after it was asked for is
+  a miss (``LookupCache.expire``, in ``drain_results``); the manager turns a
+  promotion still running ``load_timeout_s`` after it started into a miss for
+  every request waiting on it;
+* probes, reads and writes run on ``StuckAwarePool`` threads: a call stuck
+  for longer than its deadline gets a replacement thread, so the jobs of
+  other keys go on;
+* a job is reported finished only once none of its I/O can still touch its
+  buffers (the primary slots). A tier whose blocking call can be abandoned
+  while still running (obj: a Mooncake get that timed out) raises
+  ``BatchIOError`` with a ``fence``; the job's completion is then held back
+  until ``fence()`` is True, so its slots stay WRITING (never handed to
+  another key) until the abandoned call provably ended.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import math
 import queue
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvbridge.events.schema import Locality, Medium
@@ -40,11 +58,15 @@ from kvbridge.offload.types import (
     OffloadEvent,
     OffloadKey,
     RequestId,
-    ShortReadError,
     TierStats,
 )
+from kvbridge.offload.workers import StuckAwarePool
 
 logger = logging.getLogger(__name__)
+
+#: default deadlines of a tier (seconds): a lookup verdict, a promotion
+DEFAULT_PROBE_TIMEOUT_S = 5.0
+DEFAULT_LOAD_TIMEOUT_S = 10.0
 
 #: per key, the views its block bytes are read into / written from
 BlockBuffers = Sequence[Sequence[memoryview]]
@@ -57,6 +79,18 @@ class _Done:
     ok: bool
     num_succeeded: int
     deleted_key: OffloadKey | None = None
+    #: why ``deleted_key`` was removed: "short" (provable short read), "not_regular"
+    #: (not a regular file) or "quarantine" (failed every read ``quarantine_after`` times)
+    deleted_reason: str = "short"
+    #: True once no I/O of the job can touch its buffers any more (None: already true)
+    fence: Callable[[], bool] | None = None
+
+
+def _positive_seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
+            or not math.isfinite(value):
+        raise OffloadError(name, f"expected a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 class SecondaryTier(abc.ABC):
@@ -65,25 +99,36 @@ class SecondaryTier(abc.ABC):
     medium: str = Medium.STORAGE.value
     locality: str = Locality.LOCAL.value
 
-    def __init__(self, name: str, block_bytes: int, read_threads: int = 2, write_threads: int = 1
-                 ) -> None:
+    def __init__(self, name: str, block_bytes: int, read_threads: int = 2, write_threads: int = 1,
+                 *, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if block_bytes <= 0:
             raise OffloadError("block_bytes", f"expected a positive size, got {block_bytes}")
         if read_threads <= 0 or write_threads <= 0:
             raise OffloadError("threads", "expected at least one read and one write thread")
         self.name = name
         self.block_bytes = block_bytes
+        #: a verdict unknown this long after it was asked for is a miss
+        self.probe_timeout_s = _positive_seconds("probe_timeout_s", probe_timeout_s)
+        #: a promotion (load) running this long is a miss for the requests waiting on it
+        self.load_timeout_s = _positive_seconds("load_timeout_s", load_timeout_s)
+        self.clock = clock
         self.cache = LookupCache()
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
         self._done_event = threading.Event()
         self._job_keys: dict[int, tuple[JobKind, tuple[OffloadKey, ...]]] = {}
+        #: completions held back until their fence says the I/O ended
+        self._fenced: list[_Done] = []
         self._events: list[OffloadEvent] = []
-        self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvbridge-{name}-rd")
-        self._write_pool = ThreadPoolExecutor(write_threads,
-                                              thread_name_prefix=f"kvbridge-{name}-wr")
-        self._runner = ProbeRunner(self._probe_counted, name, on_result=self._done_event.set)
+        self._read_pool = StuckAwarePool(f"kvbridge-{name}-rd", read_threads,
+                                         self.load_timeout_s, clock=clock)
+        self._write_pool = StuckAwarePool(f"kvbridge-{name}-wr", write_threads,
+                                          self.load_timeout_s, clock=clock)
+        self._runner = ProbeRunner(self._probe_counted, name, on_result=self._done_event.set,
+                                   stuck_after_s=self.probe_timeout_s, clock=clock)
         self._closed = False
 
     # -- blocking calls, run on the tier's threads --------------------------
@@ -113,17 +158,27 @@ class SecondaryTier(abc.ABC):
     # -- scheduler thread ---------------------------------------------------
     def lookup(self, request_id: RequestId, key: OffloadKey) -> bool | None:
         """Cached verdict (None: probe pending). Never blocks."""
-        return self.cache.lookup(request_id, key)
+        return self.cache.lookup(request_id, key, self.clock())
 
     def step(self) -> None:
-        """Send this step's probe batch (at most one) to the prober."""
+        """Send this step's probe batch (at most one) to the prober; replace stuck threads."""
         batch = self.cache.take_batch()
         if batch:
             self._runner.submit(batch)
+        self._runner.check()
+        self._read_pool.check()
+        self._write_pool.check()
 
     def drain_results(self) -> None:
-        """Apply finished probes to the cache (scheduler thread only)."""
+        """Apply finished probes to the cache; verdicts past the deadline become misses
+        (scheduler thread only)."""
         self.cache.apply_results(self._runner.drain())
+        if self.cache.num_unknown:
+            expired = self.cache.expire(self.clock(), self.probe_timeout_s)
+            if expired:
+                logger.warning("%s: %d lookup(s) unanswered after %.1f s (probe_timeout_s): "
+                               "treated as misses", self.name, len(expired),
+                               self.probe_timeout_s)
 
     def release_request(self, request_id: RequestId) -> None:
         self.cache.release(request_id)
@@ -140,10 +195,13 @@ class SecondaryTier(abc.ABC):
             raise OffloadError("tier", f"{self.name} is shut down")
         if len(keys) != len(buffers):
             raise OffloadError("buffers", f"expected {len(keys)} buffer lists, got {len(buffers)}")
-        assert job_id not in self._job_keys, "job id reused while in flight"
+        if job_id in self._job_keys:   # a real check: python -O keeps it
+            raise OffloadError("job_id", f"job {job_id} is still in flight on {self.name}; "
+                               "use a new id per job")
         self._job_keys[job_id] = (kind, tuple(keys))
         pool = self._read_pool if kind is JobKind.LOAD else self._write_pool
-        pool.submit(self._run_job, kind, job_id, tuple(keys), buffers)
+        frozen = tuple(keys)
+        pool.submit(lambda: self._run_job(kind, job_id, frozen, buffers))
 
     def _run_job(self, kind: JobKind, job_id: int, keys: tuple[OffloadKey, ...],
                  buffers: BlockBuffers) -> None:
@@ -156,11 +214,13 @@ class SecondaryTier(abc.ABC):
                 self.store_batch(keys, buffers)
         except BatchIOError as exc:
             deleted = None
-            if isinstance(exc.cause, ShortReadError) and getattr(exc.cause, "deleted", False):
+            reason = "short"
+            if getattr(exc.cause, "deleted", False):
                 deleted = keys[exc.num_succeeded]
+                reason = str(getattr(exc.cause, "removal_reason", "short"))
             logger.warning("%s %s job %d failed at block %d of %d: %s", self.name, kind.value,
                            job_id, exc.num_succeeded, len(keys), exc.cause)
-            done = _Done(job_id, kind, False, exc.num_succeeded, deleted)
+            done = _Done(job_id, kind, False, exc.num_succeeded, deleted, reason, exc.fence)
         except BaseException as exc:  # a bug in a tier must still finish the job
             logger.exception("%s %s job %d failed: %s", self.name, kind.value, job_id, exc)
             done = _Done(job_id, kind, False, 0)
@@ -175,12 +235,27 @@ class SecondaryTier(abc.ABC):
     def get_finished_jobs(self) -> list[JobResult]:
         """Finished jobs, each once; failed loads correct this tier's lookup cache."""
         self._done_event.clear()   # before draining: a job finishing now sets it again
-        results: list[JobResult] = []
+        ready: list[_Done] = []
+        if self._fenced:
+            still: list[_Done] = []
+            for held in self._fenced:
+                (ready if self._fence_passed(held) else still).append(held)
+            self._fenced = still
         while True:
             try:
                 done = self._done.get_nowait()
             except queue.Empty:
-                return results
+                break
+            if done.fence is not None and not self._fence_passed(done):
+                self.stats.jobs_fenced += 1
+                logger.warning("%s %s job %d: an abandoned call may still touch its buffers; "
+                               "its slots stay reserved until it provably ended", self.name,
+                               done.kind.value, done.job_id)
+                self._fenced.append(done)
+                continue
+            ready.append(done)
+        results: list[JobResult] = []
+        for done in ready:
             kind, keys = self._job_keys.pop(done.job_id)
             ok_keys = keys[:done.num_succeeded]
             failed = keys[done.num_succeeded:]
@@ -198,11 +273,30 @@ class SecondaryTier(abc.ABC):
                     self._events.append(OffloadEvent(EventKind.STORED, ok_keys, self.name,
                                                      self.medium, self.locality))
             if done.deleted_key is not None:
-                self.stats.files_deleted += 1
+                if done.deleted_reason == "quarantine":
+                    self.stats.files_quarantined += 1
+                else:
+                    self.stats.files_deleted += 1
                 self._events.append(OffloadEvent(EventKind.REMOVED, (done.deleted_key,),
                                                  self.name, self.medium, self.locality))
             results.append(JobResult(done.job_id, done.ok,
                                      ok_keys if not done.ok else keys))
+        return results
+
+    def _fence_passed(self, done: _Done) -> bool:
+        if done.fence is None:
+            return True
+        try:
+            return bool(done.fence())
+        except Exception:
+            logger.exception("%s: fence of job %d raised; keeping its slots reserved",
+                             self.name, done.job_id)
+            return False
+
+    @property
+    def num_jobs_fenced(self) -> int:
+        """Finished jobs held back because an abandoned call may still touch their slots."""
+        return len(self._fenced)
 
     @property
     def num_jobs_in_flight(self) -> int:
@@ -227,18 +321,29 @@ class SecondaryTier(abc.ABC):
     def stats_snapshot(self) -> dict[str, object]:
         """The counters as a dict, read under the lock the I/O threads count under."""
         with self._stats_lock:
-            return asdict(self.stats)
+            out = asdict(self.stats)
+        out["probe_timeouts"] = self.cache.probe_timeouts
+        out["lookup_invariant_violations"] = self.cache.invariant_violations
+        out["stuck_thread_replacements"] = (self._runner.pool.replacements
+                                            + self._read_pool.replacements
+                                            + self._write_pool.replacements)
+        return out
 
     def count(self, name: str, n: int = 1) -> None:
         """Thread-safe counter in ``stats.extra`` (for I/O threads)."""
         with self._stats_lock:
             self.stats.extra[name] = self.stats.extra.get(name, 0) + n
 
-    def shutdown(self) -> None:
-        """Stop the prober and wait for in-flight jobs (their buffers stay valid until then)."""
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop the prober and wait for in-flight jobs (their buffers stay valid until then).
+
+        Bounded: each pool waits at most ``timeout_s`` (default: ``load_timeout_s``);
+        a thread still inside a stuck call is left behind (daemon) and logged.
+        """
         if self._closed:
             return
         self._closed = True
-        self._runner.close()
-        self._read_pool.shutdown(wait=True)
-        self._write_pool.shutdown(wait=True)
+        wait = self.load_timeout_s if timeout_s is None else timeout_s
+        self._runner.close(min(wait, self.probe_timeout_s))
+        self._read_pool.close(wait)
+        self._write_pool.close(wait)

@@ -8,6 +8,8 @@ fs tier only hashes it into a file name, so nothing a peer sends becomes a path.
 from __future__ import annotations
 
 import enum
+import errno
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.events.schema import Locality
@@ -43,18 +45,43 @@ class ShortReadError(OSError):
         #: whether the short file was removed (a failed delete is logged, never raised)
         self.deleted = False
 
+    removal_reason = "short"
+
+
+class NotRegularFileError(OSError):
+    """Something other than a regular file is where a block file should be.
+
+    The fs tier only ever renames regular files into place, so a directory,
+    FIFO, device or symlink there is provably not a block (never read, never
+    followed). ``deleted``: whether it was removed.
+    """
+
+    removal_reason = "not_regular"
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(errno.EINVAL, f"{path} is {what}, not a block file")
+        self.path = path
+        self.what = what
+        self.deleted = False
+
 
 class BatchIOError(OSError):
     """A batch load/store stopped at its first failing block.
 
     ``num_succeeded`` blocks (the leading ones, in batch order) completed before
     the failure: they are valid and reported as ``JobResult.successful_keys``.
+
+    ``fence``: set by a tier whose failed call may still be running (a Mooncake
+    get abandoned at its timeout): True once that call provably ended; until
+    then the job's buffers must not be reused (``SecondaryTier`` holds the job).
     """
 
-    def __init__(self, num_succeeded: int, cause: BaseException) -> None:
+    def __init__(self, num_succeeded: int, cause: BaseException,
+                 fence: Callable[[], bool] | None = None) -> None:
         super().__init__(f"batch failed after {num_succeeded} blocks: {cause}")
         self.num_succeeded = num_succeeded
         self.cause = cause
+        self.fence = fence
 
 
 class LookupStatus(enum.Enum):
@@ -138,6 +165,8 @@ class TierStats:
     load_jobs_failed: int = 0
     stores_ok: int = 0         # blocks
     stores_failed: int = 0     # blocks
-    files_deleted: int = 0     # provable short reads only
+    files_deleted: int = 0     # provable short reads (and non-regular files in a block's place)
+    files_quarantined: int = 0  # removed after failing every read quarantine_after times
+    jobs_fenced: int = 0       # completions held until an abandoned call ended
     close_errors_ignored: int = 0
     extra: dict[str, int] = field(default_factory=dict)

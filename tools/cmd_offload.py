@@ -19,8 +19,12 @@ examples:
   kvbridge offload bench --dir /mnt/nvme --blocks 256 --block-kib 2048
 
 fsck repairs only what is provably broken: block files whose size differs
-from their layout header's block_bytes, and temp files older than
---min-temp-age seconds. Everything else is reported and left alone.
+from their layout header's block_bytes, temp files older than
+--min-temp-age seconds, and a directory, FIFO, device or symlink under a
+block file's name (a symlink is unlinked, never its target; a directory only
+if empty). Everything else is reported and left alone, among it a fan-out
+directory that cannot be listed or is a symlink. fsck never blocks on a FIFO
+and reads at most 64 KiB of a header.
 
 --json: fsck prints {"root", "layouts", "blocks_ok", "ok", "findings": [{"kind",
 "path", "detail", "broken", "repaired"}], ...}; bench prints {"bytes",

@@ -25,6 +25,13 @@ request can loop on a failed load (the livelock of the seed report).
 A block of region ``r`` is a hit only if every part (every namespace of
 ``lookup_namespaces``) is ready. Keys are ``BlockKey.to_bytes()``:
 namespace + chained block hash.
+
+Stats are counted where the outcome is known: ``hit_blocks`` (and the
+per-tier ``hits_<tier>``) are blocks whose copy into the engine succeeded,
+counted in ``update_connector_output``; a copy the worker reports in
+``invalid_block_ids`` counts in ``load_blocks_failed`` instead. An engine
+asking again for the same request (a lookup repeated before it is scheduled)
+counts nothing again.
 """
 
 from __future__ import annotations
@@ -121,10 +128,15 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
             if settings.fs_dir is not None:
                 secondaries.append(FsTier(settings.fs_dir, nbytes, fingerprint,
                                           use_o_direct=settings.fs_o_direct,
-                                          faults=settings.fs_faults))
+                                          faults=settings.fs_faults,
+                                          quarantine_after=settings.fs_quarantine_after,
+                                          probe_timeout_s=settings.probe_timeout_s,
+                                          load_timeout_s=settings.load_timeout_s))
             if client is not None:
                 from kvbridge.offload.obj import ObjTier
-                secondaries.append(ObjTier(client, nbytes, fingerprint))
+                secondaries.append(ObjTier(client, nbytes, fingerprint,
+                                           probe_timeout_s=settings.probe_timeout_s,
+                                           load_timeout_s=settings.load_timeout_s))
             shm_path = shm_paths[len(managers)] if shm_paths else None
             managers.append(OffloadManager(CpuTier(settings.cpu_blocks, nbytes, settings.policy,
                                                    shm_path=shm_path), secondaries))
@@ -160,7 +172,8 @@ class OffloadingScheduler(SchedulerConnector):
         # per request: what the last final lookup counted, per (region, pool): the keys
         self._counted: dict[str, dict[tuple[int, int], list[bytes]]] = {}
         self._loads: dict[str, tuple[CopyItem, ...]] = {}
-        self._load_keys: list[tuple[int, str, list[bytes]]] = []  # (pool, mreq, keys)
+        #: this step's loads: (pool, mreq, keys, per key the engine block it is copied to)
+        self._load_keys: list[tuple[int, str, list[bytes], dict[bytes, set[tuple[int, int]]]]] = []
         self._step_stores: dict[str, list[tuple[int, list[bytes]]]] = {}
         self._step_loaded_blocks: dict[str, set[tuple[int, int]]] = {}
         self._block_info: OrderedDict[tuple[int, BlockHash], _BlockInfo] = OrderedDict()
@@ -173,7 +186,7 @@ class OffloadingScheduler(SchedulerConnector):
             "lookups": 0, "lookups_deferred": 0, "hit_blocks": 0, "load_blocks": 0,
             "load_parts": 0, "store_parts": 0, "store_parts_failed": 0,
             "max_lookups_per_request": 0, "loads_failed_in_engine": 0,
-            "failed_load_blocks": 0,
+            "failed_load_blocks": 0, "load_blocks_failed": 0,
         }
         #: tests: when a list, every final lookup appends ``(request_id, region, block_index,
         #: matched_tokens)`` for each block whose promotion failed while the request waited
@@ -222,8 +235,8 @@ class OffloadingScheduler(SchedulerConnector):
         new = max(0, matched - num_computed_tokens)
         self._counted[rid] = counted
         self._note_failed_loads(request, num_computed_tokens, matched)
-        if new:
-            self._stats["hit_blocks"] += sum(new // t for t in block_tokens)
+        # hit_blocks is counted when the copy into the engine succeeded
+        # (update_connector_output), not here: the engine may ask again, or the copy fail
         return new, False
 
     def _note_failed_loads(self, request: ConnectorRequest, num_computed_tokens: int,
@@ -276,11 +289,13 @@ class OffloadingScheduler(SchedulerConnector):
                 continue
             spec = manager.prepare_load(mreq, load_keys)
             slot_of = dict(zip(spec.keys, spec.slots, strict=True))
+            block_of: dict[bytes, set[tuple[int, int]]] = {}
             for i in indices:
                 for part in pool_parts:
                     key = part.key(request.block_hashes[r][i])
                     items.append((part.index, r, block_ids[r][i], pool, slot_of[key]))
-            self._load_keys.append((pool, mreq, load_keys))
+                    block_of.setdefault(key, set()).add((r, block_ids[r][i]))
+            self._load_keys.append((pool, mreq, load_keys, block_of))
             self._stats["load_parts"] += len(load_keys)
         if items:
             self._loads[rid] = self._loads.get(rid, ()) + tuple(items)
@@ -324,17 +339,22 @@ class OffloadingScheduler(SchedulerConnector):
         return meta
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
-        for pool, mreq, keys in self._load_keys:
-            self.managers[pool].complete_load(mreq, keys)
-        self._load_keys = []
         invalid = set(output.invalid_block_ids)
+        for pool, mreq, keys, block_of in self._load_keys:
+            # a key whose copy into any engine block failed is no hit (the engine recomputes)
+            failed = [key for key in keys if block_of.get(key, set()) & invalid]
+            self.managers[pool].complete_load(mreq, keys, success=failed or True)
+        self._load_keys = []
         # workers count failed store copies cumulatively: a new one fails the step's stores
         copy_errors = output.merged_stats().get("store_copy_errors", 0)
         stores_ok = copy_errors == self._copy_errors_seen
         self._copy_errors_seen = copy_errors
         for blocks in self._step_loaded_blocks.values():
-            if blocks & invalid:
+            bad = blocks & invalid
+            if bad:
                 self._stats["loads_failed_in_engine"] += 1
+                self._stats["load_blocks_failed"] += len(bad)
+            self._stats["hit_blocks"] += len(blocks) - len(bad)
         for rid, batches in self._step_stores.items():
             # blocks computed in a step whose load failed are computed on bad KV: drop them
             ok = stores_ok and not (self._step_loaded_blocks.get(rid, set()) & invalid)
@@ -418,6 +438,7 @@ class OffloadingScheduler(SchedulerConnector):
         for manager in self.managers:
             stats = manager.stats()
             for name in ("promotions_started", "promotions_ok", "promotions_failed",
+                         "promotions_timed_out", "engine_loads_failed",
                          "stores_ok", "stores_failed", "stores_skipped_no_slot",
                          "cascades_ok", "cascades_failed"):
                 value = stats[name]
@@ -435,7 +456,9 @@ class OffloadingScheduler(SchedulerConnector):
             tiers = stats["tiers"]
             assert isinstance(tiers, dict)
             for name, tier in tiers.items():
-                for stat in ("loads_failed", "files_deleted", "close_errors_ignored"):
+                for stat in ("loads_failed", "files_deleted", "files_quarantined",
+                             "close_errors_ignored", "jobs_fenced", "probe_timeouts",
+                             "stuck_thread_replacements"):
                     if stat in tier:
                         out[f"{name}_{stat}"] = out.get(f"{name}_{stat}", 0) + tier[stat]
         return out

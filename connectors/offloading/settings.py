@@ -13,6 +13,17 @@ Keys:
 * ``shm_dir`` (none): back the CPU slots by files in this directory (e.g.
   ``/dev/shm``) so worker halves in other processes can map them; without it
   the workers must run in the scheduler's process.
+* ``probe_timeout_s`` (fs: 5.0; obj: the client's ``op_timeout_s`` + 1): a
+  lookup whose existence probe has not answered this long is a miss (the
+  request computes instead of waiting: vLLM has no deadline of its own on a
+  connector's "ask again").
+* ``load_timeout_s`` (fs: 10.0; obj: 2 x ``op_timeout_s`` + 1): a promotion
+  from a secondary tier still running this long is a failed load for the
+  requests waiting on it (they recompute); its CPU slot stays reserved until
+  the read really ends. Also the age at which a stuck I/O thread is replaced.
+* ``fs_quarantine_after`` (3): a block file whose loads fail this many times
+  in a row (EIO and the like, never provably short) is removed, so a later
+  store can write it again.
 * ``obj`` (none): a Mooncake client config (``kvbridge.backends.mooncake.
   MooncakeConfig`` fields, e.g. ``{"master_address": "127.0.0.1:50051",
   "metadata_server": "http://127.0.0.1:8080/metadata"}``) for the ``obj``
@@ -29,7 +40,8 @@ from kvbridge.connectors.errors import ConfigError
 from kvbridge.offload.faults import FaultKind, FaultPlan
 
 _PREFIX = "kv_connector_extra_config"
-KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_faults", "obj", "shm_dir")
+KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_faults", "obj", "shm_dir",
+         "probe_timeout_s", "load_timeout_s", "fs_quarantine_after")
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,10 @@ class OffloadSettings:
     fs_faults: FaultPlan | None = None
     obj: Mapping[str, Any] | None = field(default=None)
     shm_dir: str | None = None
+    #: None: each tier's own default (see the module docstring)
+    probe_timeout_s: float | None = None
+    load_timeout_s: float | None = None
+    fs_quarantine_after: int = 3
 
 
 def _faults(value: object) -> FaultPlan:
@@ -117,4 +133,17 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
     shm_dir = extra.get("shm_dir")
     if shm_dir is not None and (not isinstance(shm_dir, str) or not shm_dir):
         raise ConfigError(f"{_PREFIX}.shm_dir", f"expected a directory path, got {shm_dir!r}")
-    return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj, shm_dir)
+    timeouts: dict[str, float | None] = {}
+    for name in ("probe_timeout_s", "load_timeout_s"):
+        value = extra.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not 0 < value < float("inf")):
+            raise ConfigError(f"{_PREFIX}.{name}", f"expected a positive number of seconds, "
+                                                   f"got {value!r}")
+        timeouts[name] = None if value is None else float(value)
+    quarantine = extra.get("fs_quarantine_after", 3)
+    if isinstance(quarantine, bool) or not isinstance(quarantine, int) or quarantine < 1:
+        raise ConfigError(f"{_PREFIX}.fs_quarantine_after",
+                          f"expected a count >= 1 of failed loads, got {quarantine!r}")
+    return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj, shm_dir,
+                           timeouts["probe_timeout_s"], timeouts["load_timeout_s"], quarantine)

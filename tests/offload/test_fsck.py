@@ -149,3 +149,68 @@ def test_cli_bench_small_run(tmp_path, capsys) -> None:
     assert_figures(lookup["busy_per_key_us"], ("median",))
     assert lookup["busy_store_jobs"] > 0
     assert os.listdir(tmp_path) == []                      # temp store removed
+
+
+# ---- what a disk or an operator can leave in the store (no hangs, no unbounded reads) ----
+
+def test_fsck_neither_hangs_on_a_fifo_header_nor_reads_dev_zero(make_fs, store_dir) -> None:
+    make_fs()
+    os.mkfifo(os.path.join(store_dir, f"layout-{OTHER_FP}.json"))
+    third = "aaaabbbbccccdddd"
+    os.symlink("/dev/zero", os.path.join(store_dir, f"layout-{third}.json"))
+    fourth = "1111222233334444"
+    with open(os.path.join(store_dir, f"layout-{fourth}.json"), "wb") as fh:
+        fh.write(b" " * (2 << 20) + b"{}")            # whitespace-padded JSON, far too big
+    report = fsck(store_dir)
+    bad = {os.path.basename(f.path): f.detail for f in report.findings
+           if f.kind is FindingKind.BAD_HEADER}
+    assert set(bad) == {f"layout-{fp}.json" for fp in (OTHER_FP, third, fourth)}
+    assert "FIFO" in bad[f"layout-{OTHER_FP}.json"]
+    assert "symbolic link" in bad[f"layout-{third}.json"]
+    assert "larger than" in bad[f"layout-{fourth}.json"]
+    assert report.layouts == {FP: BLOCK} and not report.ok
+
+
+def test_fsck_reports_symlinked_and_unreadable_fanout_dirs(make_fs, store_dir, tmp_path) -> None:
+    make_fs()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rmdir(os.path.join(store_dir, "3c"))
+    os.symlink(elsewhere, os.path.join(store_dir, "3c"))
+    unreadable = os.path.join(store_dir, "7f")
+
+    def listdir(path: str) -> list[str]:              # the real call, failing as EACCES would
+        if path == unreadable:
+            raise PermissionError(13, "Permission denied", path)
+        return os.listdir(path)
+
+    report = fsck(store_dir, listdir=listdir, repair=True)
+    found = kinds(report)
+    assert found[FindingKind.SYMLINKED_DIR] == [os.path.join(store_dir, "3c")]
+    assert found[FindingKind.UNREADABLE_DIR] == [unreadable]
+    assert not report.ok and not any(f.repaired for f in report.findings)
+    assert os.path.islink(os.path.join(store_dir, "3c")) and elsewhere.is_dir()
+    if os.geteuid() != 0:                             # a real EACCES where permissions bind
+        os.chmod(unreadable, 0)
+        try:
+            assert kinds(fsck(store_dir))[FindingKind.UNREADABLE_DIR] == [unreadable]
+        finally:
+            os.chmod(unreadable, 0o755)
+
+
+def test_fsck_finds_and_repairs_non_regular_entries_under_block_names(make_fs, store_dir,
+                                                                      tmp_path) -> None:
+    tier = make_fs()
+    target = tmp_path / "target.bin"
+    target.write_bytes(b"t" * BLOCK)
+    os.mkfifo(tier.path(k(0)))
+    os.mkdir(tier.path(k(1)))                          # empty: removable
+    os.makedirs(os.path.join(tier.path(k(2)), "inside"))   # not empty: kept
+    os.symlink(target, tier.path(k(3)))
+    report = fsck(store_dir, repair=True)
+    found = kinds(report)
+    assert sorted(found[FindingKind.NOT_REGULAR]) == sorted(tier.path(k(i)) for i in range(4))
+    repaired = {f.path for f in report.findings if f.repaired}
+    assert repaired == {tier.path(k(0)), tier.path(k(1)), tier.path(k(3))}
+    assert not os.path.lexists(tier.path(k(3))) and target.read_bytes() == b"t" * BLOCK
+    assert os.path.isdir(tier.path(k(2))) and not report.ok

@@ -124,7 +124,7 @@ def test_other_request_sharing_the_entry_gets_miss_without_new_promotion(make_ma
     # r2 asks while r1 still references the entry: cached miss, no probe, no load
     assert m.lookup("r2", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
     assert m.stats()["promotions_started"] == started
-    assert m.secondaries[0].cache.enqueue_count[k(0)] == 1
+    assert m.secondaries[0].cache.num_enqueued == 1
     # once nobody references the entry it is cleaned up; a new request probes afresh
     m.request_finished("r1")
     m.request_finished("r2")
@@ -277,17 +277,18 @@ def test_lookup_never_waits_for_io(make_manager) -> None:
     armed = threading.Event()
 
     class Stuck(FsIO):
-        def exists(self, path: str) -> bool:
+        def is_block_file(self, path: str) -> bool:   # the probe's stat
             if armed.is_set():
                 gate.wait(10)
-            return super().exists(path)
+            return super().is_block_file(path)
 
         def open_read(self, path: str, direct: bool) -> int:
             if armed.is_set() and path.endswith(".kvb"):
                 gate.wait(10)
             return super().open_read(path, direct)
 
-    m = make_manager(num_slots=4, io=Stuck())
+    # deadlines far beyond this test: it is about never blocking, not about giving up
+    m = make_manager(num_slots=4, io=Stuck(), probe_timeout_s=600.0, load_timeout_s=600.0)
     store(m, "w", [k(0)])
     m.request_finished("w")
     evict_all(m)
@@ -312,3 +313,20 @@ def test_touch_protects_a_block_from_lru_eviction(make_manager) -> None:
     m.touch([k(0)])                       # now k1, k0
     store(m, "w", [k(2)])
     assert k(0) in m.primary and k(1) not in m.primary
+
+
+def test_asking_again_counts_a_hit_once_and_only_successful_copies_count(make_manager) -> None:
+    m = make_manager(fs=False)
+    keys = [k(0), k(1)]
+    store(m, "w", keys)
+    m.request_finished("w")
+    for _ in range(5):                        # the engine asks again before scheduling it
+        assert m.lookup("r1", keys) == LookupResult(LookupStatus.HIT, 2)
+    assert m.stats()["hit_blocks_primary"] == 2
+    m.prepare_load("r1", keys)
+    m.complete_load("r1", keys, success=[k(1)])   # the copy of k(1) into the engine failed
+    stats = m.stats()
+    assert stats["hits_by_tier"] == {"cpu": 1} and stats["engine_loads_failed"] == 1
+    m.request_finished("r1")
+    assert m.lookup("r2", keys) == LookupResult(LookupStatus.HIT, 2)   # a new request counts
+    assert m.stats()["hit_blocks_primary"] == 4

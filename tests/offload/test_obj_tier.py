@@ -108,7 +108,7 @@ def test_object_gone_between_probe_and_load_is_a_miss_without_retry(manager, cli
         assert manager.lookup("r1", keys) == LookupResult(LookupStatus.HIT, 1)
         manager.step()
     assert tier.stats.loads_ok + tier.stats.loads_failed == loads
-    assert tier.cache.enqueue_count[key(1)] == 1
+    assert tier.cache.num_enqueued == 2           # keys 0 and 1, once each
 
 
 def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, client,
@@ -156,3 +156,70 @@ def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, clie
     assert tier.stats.files_deleted == 1                      # still only the short one
     assert not [e for e in manager.take_events()
                 if e.kind is EventKind.REMOVED and e.tier == "obj"]
+
+
+def test_timed_out_get_never_lands_in_a_slot_given_to_another_key(mooncake_master_fresh) -> None:
+    """A get abandoned at its timeout keeps running inside Mooncake. Its slot must stay
+    reserved until the client is idle again: otherwise the slot goes to key B, the late
+    get writes A's bytes into it once the master resumes, and B serves (and cascades)
+    A's bytes under B's key."""
+    master = mooncake_master_fresh
+    config = MooncakeConfig(master.rpc_address, master.metadata_url,
+                            global_segment_size=64 * MiB, local_buffer_size=16 * MiB,
+                            op_timeout_s=0.5)
+    with MooncakeStoreClient(config) as client:
+        tier = ObjTier(client, BLOCK, uuid.uuid4().hex[:16], load_timeout_s=1.0,
+                       probe_timeout_s=60.0)
+        m = OffloadManager(CpuTier(1, BLOCK), [tier])   # one slot: any reuse is that slot
+        a, b, filler = key(1), key(2), key(3)
+        try:
+            store(m, [a])
+            store(m, [filler])                           # evicts a from CPU; a is in Mooncake
+            for _ in range(5000):                        # a's verdict (True) while the master answers
+                tier.lookup("r1", a)
+                tier.step()
+                tier.drain_results()
+                if tier.cache.peek(a):
+                    break
+                time.sleep(0.001)
+            assert tier.cache.peek(a) is True
+            master.pause()
+            try:
+                assert m.lookup("r1", [a]).status is LookupStatus.HIT_PENDING  # the get starts
+                deadline = time.monotonic() + 30
+                while client.stats().timeouts == 0 and time.monotonic() < deadline:
+                    m.step()
+                    time.sleep(0.01)
+                assert client.stats().timeouts >= 1          # abandoned, still inside Mooncake
+                assert settle(m, "r1", [a]) == LookupResult(LookupStatus.MISS, 0)
+                m.request_finished("r1")
+                spec = m.prepare_store("w2", [b])            # another key wants the slot
+                for k, slot in zip(spec.keys, spec.slots, strict=True):
+                    m.primary.view(slot)[:] = block_content(k, BLOCK)
+                m.complete_store(spec.keys)
+                m.request_finished("w2")
+                m.step()
+            finally:
+                master.resume()
+            assert client.wait_idle(30)
+            assert m.wait_idle(30)
+            for k, slot in m.primary._slots.items():         # every block holds its own bytes
+                assert bytes(m.primary.view(slot.index)) == block_content(k, BLOCK), k
+            assert tier.stats.jobs_fenced == 1
+            # the slot is free again: b is stored and served with b's bytes
+            store(m, [b])
+            assert settle(m, "r3", [b]) == LookupResult(LookupStatus.HIT, 1)
+            spec = m.prepare_load("r3", [b])
+            assert bytes(m.primary.view(spec.slots[0])) == block_content(b, BLOCK)
+            m.complete_load("r3", [b])
+            m.request_finished("r3")
+            # and every object in Mooncake holds its own key's bytes
+            staging = bytearray(BLOCK)
+            import numpy as np
+            ptr = int(np.frombuffer(staging, dtype=np.uint8).ctypes.data)
+            for k in (a, b, filler):
+                got = client.batch_get_into([tier.object_name(k)], [ptr], [BLOCK])[0]
+                if got.ok:
+                    assert bytes(staging) == block_content(k, BLOCK), k
+        finally:
+            m.shutdown()

@@ -289,3 +289,26 @@ def test_requests_arriving_after_a_failed_load_do_not_retry_it(tmp_path: Path) -
     assert stats["promotions_started"] == started  # nobody tried the failed blocks again
     late_results = [r for r in results if r.request_id.startswith("late-")]
     assert all(r.num_external_tokens == 0 for r in late_results)
+
+
+def test_failed_worker_copies_are_not_counted_as_hits() -> None:
+    """Only blocks the worker really copied into the engine are hits; a copy that failed
+    (reported in invalid_block_ids, then recomputed) counts in load_blocks_failed."""
+    specs = make_requests(3, prompt_tokens=64, max_tokens=2, seed=11)
+    with _engine(None) as engine:                  # CPU tier only
+        _run(engine, specs)
+        engine.reset_prefix_cache()                # next run must load from the offload store
+        worker = engine.workers[0].connector
+        assert worker is not None
+        worker.fail_next_loads(3)                  # type: ignore[attr-defined]
+        results, _ = _run(engine, _again(specs, "again"))
+        stats = _scheduler(engine).get_stats()
+        copies = engine.stats()["worker_stats"]
+        assert engine.stats()["mismatched_bytes"] == 0
+    assert isinstance(copies, dict)
+    assert copies["load_copy_errors"] == 3 and copies["load_copies"] > 0
+    assert stats["load_blocks_failed"] == 3
+    assert stats["hit_blocks"] == copies["load_copies"]        # tp=1: one part per block
+    assert stats["hits_cpu"] == copies["load_copies"]
+    assert stats["engine_loads_failed"] == 3
+    assert sum(r.num_external_tokens for r in results) > 0

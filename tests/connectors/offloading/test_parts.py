@@ -91,3 +91,22 @@ def test_settings_parse_fault_plan() -> None:
     assert settings.fs_faults is not None
     assert settings.fs_faults.rate == 0.05 and settings.fs_faults.seed == 7
     assert [k.value for k in settings.fs_faults.kinds] == ["eio", "eloop"]
+
+
+def test_deadline_and_quarantine_settings_are_parsed_and_validated() -> None:
+    import pytest
+
+    from kvbridge.connectors.errors import ConfigError
+    from kvbridge.connectors.offloading.settings import parse_settings
+
+    settings = parse_settings({"probe_timeout_s": 2, "load_timeout_s": 7.5,
+                               "fs_quarantine_after": 5})
+    assert (settings.probe_timeout_s, settings.load_timeout_s,
+            settings.fs_quarantine_after) == (2.0, 7.5, 5)
+    defaults = parse_settings({})
+    assert defaults.probe_timeout_s is None and defaults.load_timeout_s is None
+    for key, bad in (("probe_timeout_s", 0), ("load_timeout_s", -1), ("load_timeout_s", True),
+                     ("probe_timeout_s", float("inf")), ("fs_quarantine_after", 0),
+                     ("fs_quarantine_after", 2.5)):
+        with pytest.raises(ConfigError, match=key):
+            parse_settings({key: bad})
