@@ -54,6 +54,7 @@ class TinyLlamaRecipe:
     max_position_embeddings: int = 2048
     init_std: float = 0.08  # large enough that greedy outputs depend on the whole prompt
     sliding_window: int = 64  # hybrid only: tokens seen by the sliding-window layers
+    mla_nope_dim: int = 64  # mla only: qk_nope_head_dim and v_head_dim
 
     @property
     def head_dim(self) -> int:
@@ -131,7 +132,8 @@ def _config(recipe: TinyLlamaRecipe, vocab_size: int) -> tuple[object, str]:
     if recipe.kind == "mla":
         # Dense MLPs (first_k_dense_replace = all layers); no q LoRA; latent 512 + rope 64.
         return DeepseekV2Config(**common, kv_lora_rank=512, q_lora_rank=None,
-                                qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                                qk_rope_head_dim=64, qk_nope_head_dim=recipe.mla_nope_dim,
+                                v_head_dim=recipe.mla_nope_dim,
                                 first_k_dense_replace=recipe.num_layers, n_routed_experts=4,
                                 n_shared_experts=1, num_experts_per_tok=2,
                                 moe_intermediate_size=64, torch_dtype="float16"), "float16"
