@@ -513,7 +513,7 @@ class AgentMetadata:
         shaped ``RankRegionShape.tensor_shape(num_blocks)`` and densely packed,
         unless ``block_strides[r]`` gives region ``r``'s real block stride (padded pages).
         """
-        regions = []
+        regions: list[RegionMemory] = []
         try:
             shapes = spec.rank_shapes(topology)
         except LayoutError as exc:
