@@ -12,7 +12,15 @@ fail at start-up with the message naming the setting.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +35,11 @@ HEADS, HEAD, TOKENS, BLOCKS, LAYERS = 4, 8, 16, 6, 2
 @pytest.fixture(scope="module")
 def v() -> Any:
     require_vllm_env()
+    return load_vllm()
+
+
+def load_vllm() -> Any:
+    """vLLM's allocator, spec classes and layouts (also used by ``nixl_format_peer.py``)."""
     import torch
     from vllm.v1 import kv_cache_interface as kvi
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -142,31 +155,53 @@ def _dense(heads: int, dtype_name: str = "float16"):
 CASES = [("cuda", "LBNHC"), ("cuda", "LBHNC"), ("cpu", "LBHNC")]
 
 
-@pytest.mark.parametrize(("device", "layout"), CASES, ids=[f"{d}-{lay}" for d, lay in CASES])
-@pytest.mark.parametrize(("p_tp", "c_tp"), [(2, 1), (1, 2)])
-def test_dense_formats_move_each_head_to_the_byte(v, device: str, layout: str, p_tp: int,
-                                                  c_tp: int) -> None:
-    torch = v.torch
+P_IDS, C_IDS = [5, 1, 3], [2, 4, 1]
+
+
+def dense_engine(v: Any, device: str, layout: str, tp: int) -> list[dict]:
     make = _dense(HEADS)
-    producer = _engine(v, device, layout, p_tp, lambda n: make(v, n))
-    consumer = _engine(v, device, layout, c_tp, lambda n: make(v, n))
+    return _engine(v, device, layout, tp, lambda n: make(v, n))
+
+
+def fill_dense(v: Any, producer: list[dict], device: str, layout: str) -> Any:
+    """Write one seeded logical K/V (global heads) into every producer rank through vLLM's
+    own reading of the view; returns it (the same in every process)."""
+    torch = v.torch
+    tp = len(producer)
     gen = torch.Generator().manual_seed(3)
     logical = torch.randn(LAYERS, 2, BLOCKS, HEADS, TOKENS, HEAD, generator=gen).half()
     for r, rank in enumerate(producer):
-        lo, n = r * HEADS // p_tp, HEADS // p_tp
+        lo, n = r * HEADS // tp, HEADS // tp
         for lay in range(LAYERS):
             k, val = _kv_of(rank["caches"][f"model.layers.{lay}.attn"], device, layout)
             k.copy_(logical[lay, 0, :, lo:lo + n])
             val.copy_(logical[lay, 1, :, lo:lo + n])
-    p_ids, c_ids = [5, 1, 3], [2, 4, 1]
-    _move(producer, consumer, p_ids, c_ids)
+    return logical
+
+
+def check_dense(v: Any, consumer: list[dict], device: str, layout: str, logical: Any) -> None:
+    """Each consumer rank's heads, read the way vLLM's attention reads them, are the
+    producer's blocks ``P_IDS`` in blocks ``C_IDS``."""
+    torch = v.torch
+    tp = len(consumer)
     for r, rank in enumerate(consumer):
-        lo, n = r * HEADS // c_tp, HEADS // c_tp
+        lo, n = r * HEADS // tp, HEADS // tp
         for lay in range(LAYERS):
             k, val = _kv_of(rank["caches"][f"model.layers.{lay}.attn"], device, layout)
-            for p, c in zip(p_ids, c_ids, strict=True):
-                assert torch.equal(k[c], logical[lay, 0, p, lo:lo + n])
-                assert torch.equal(val[c], logical[lay, 1, p, lo:lo + n])
+            for p, c in zip(P_IDS, C_IDS, strict=True):
+                assert torch.equal(k[c], logical[lay, 0, p, lo:lo + n]), (r, lay, p, c)
+                assert torch.equal(val[c], logical[lay, 1, p, lo:lo + n]), (r, lay, p, c)
+
+
+@pytest.mark.parametrize(("device", "layout"), CASES, ids=[f"{d}-{lay}" for d, lay in CASES])
+@pytest.mark.parametrize(("p_tp", "c_tp"), [(2, 1), (1, 2)])
+def test_dense_formats_move_each_head_to_the_byte(v, device: str, layout: str, p_tp: int,
+                                                  c_tp: int) -> None:
+    producer = dense_engine(v, device, layout, p_tp)
+    consumer = dense_engine(v, device, layout, c_tp)
+    logical = fill_dense(v, producer, device, layout)
+    _move(producer, consumer, P_IDS, C_IDS)
+    check_dense(v, consumer, device, layout, logical)
     region = producer[0]["adapter"].spec.regions[0]
     assert region.interior.value == ("head_kv" if device == "cpu" else "token_kv")
 
@@ -318,3 +353,79 @@ def test_mamba_groups_are_refused_naming_the_layer_kind(v) -> None:
         build_spec("m", [group], VllmFormat("cpu", "LBHNC", "auto"))
     assert info.value.field == "kv_cache_config.kv_cache_groups[0]"
     assert "Mamba / linear-attention state" in info.value.reason
+
+
+# --------------------------------------------------------------------------- over real NIXL
+
+PEER = Path(__file__).with_name("nixl_format_peer.py")
+
+
+def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line:
+                return line
+        if proc.poll() is not None:
+            break
+    raise AssertionError(f"producer process gave no metadata (rc {proc.poll()})")
+
+
+NIXL_CASES = [("cuda", "LBNHC", 2, 1), ("cpu", "LBHNC", 1, 2), ("cuda", "LBHNC", 2, 1)]
+
+
+@pytest.mark.parametrize(("device", "layout", "p_tp", "c_tp"), NIXL_CASES,
+                         ids=[f"{d}-{lay}-tp{p}to{c}" for d, lay, p, c in NIXL_CASES])
+def test_nixl_reads_vllm_allocated_blocks_from_another_process(v, device: str, layout: str,
+                                                               p_tp: int, c_tp: int) -> None:
+    """The producer ranks live in another process (``nixl_format_peer.py``), with vLLM's
+    allocator and the adapter's views, registered with NIXL as the worker does (each backing
+    storage once); this process READs the plan's descriptors over NIXL (UCX) and checks
+    every head as vLLM's attention reads it."""
+    from kvbridge.backends.nixl import NixlTransport, XferState
+    from kvbridge.layouts import ParallelTopology
+    from kvbridge.layouts.plan import LayerMemory, absolute_descriptors, plan_transfer
+
+    env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"))
+    args = json.dumps({"device": device, "layout": layout, "tp": p_tp})
+    proc = subprocess.Popen([sys.executable, str(PEER), args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    transports: list[Any] = []
+    try:
+        peers_info = json.loads(_read_line(proc, 180.0))
+        consumer = dense_engine(v, device, layout, c_tp)
+        spec = consumer[0]["adapter"].spec
+        assert peers_info["fingerprint"] == spec.fingerprint()
+        producer_memory = {int(i): {int(lid): LayerMemory(*m) for lid, m in info["memory"].items()}
+                           for i, info in enumerate(peers_info["ranks"])}
+        plan = plan_transfer(spec, ParallelTopology(tp_size=p_tp), ParallelTopology(tp_size=c_tp))
+        for index, rank in enumerate(consumer):
+            transport = NixlTransport(f"kvb-test-c{index}")
+            transports.append(transport)
+            transport.register_regions(rank["kv"].backing_spans())
+            peers = {i: transport.add_peer(info["name"], bytes.fromhex(info["agent"]))
+                     for i, info in enumerate(peers_info["ranks"])}
+            for d in absolute_descriptors(plan.for_consumer(index), rank["memory"],
+                                          producer_memory, C_IDS, P_IDS):
+                local = transport.prepare_local_descs(d.consumer)
+                remote = transport.prepare_remote(peers[d.producer_rank], d.producer)
+                rows = list(range(d.consumer.shape[0]))
+                xfer = transport.post("READ", local, rows, remote, rows, deadline_s=60.0)
+                assert transport.wait(xfer) is XferState.DONE
+        logical = fill_dense(v, dense_engine(v, device, layout, p_tp), device, layout)
+        check_dense(v, consumer, device, layout, logical)
+    finally:
+        if proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write("done\n")
+                proc.stdin.flush()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        for transport in transports:
+            transport.close(strict=False)
