@@ -101,3 +101,19 @@ def test_mla_group_is_a_key_only_replicated_latent() -> None:
     region = build_spec("m", [mla], CPU, tp_size=2).spec.regions[0]
     assert region.key_only and region.layout is RegionLayout.REPLICATE
     assert region.interior is Interior.KV_OUTER and region.head_dim == 576
+
+
+def test_connector_asks_vllm_for_hnd_except_for_mla_and_piecewise_only_for_push() -> None:
+    from types import SimpleNamespace
+
+    from tests.conftest import require
+
+    connector = require("kvbridge.integrations.vllm.connector")
+    cls = connector.KVBridgeNixlConnector
+    dense = SimpleNamespace(model_config=SimpleNamespace(use_mla=False))
+    mla = SimpleNamespace(model_config=SimpleNamespace(use_mla=True))
+    assert cls.get_required_kvcache_layout(dense) == "LBHNC"
+    assert cls.get_required_kvcache_layout(mla) is None
+    assert cls.requires_piecewise_for_cudagraph({"mode": "push"})
+    assert not cls.requires_piecewise_for_cudagraph({"mode": "pull"})
+    assert not cls.requires_piecewise_for_cudagraph({})
