@@ -18,6 +18,8 @@ from kvbridge.handshake.schema import (
     CompatHeader,
     TransferMode,
     check_compatible,
+    decode_agent,
+    encode_agent,
 )
 from kvbridge.handshake.server import HandshakeServer, MetadataStore
 from kvbridge.layouts import (
@@ -85,3 +87,46 @@ def test_specs_without_engine_format_keep_their_header_fingerprint() -> None:
     header = CompatHeader.from_spec(plain, TransferMode.PULL)
     assert "engine_format" not in header.compat_map()
     assert "interior" not in header.compat_map()["regions"][0]
+
+
+def _two_regions() -> KVCacheSpec:
+    window = RegionSpec("g0-sliding_window", RegionLayout.SPLIT, (0, 2), 16, 4, 64, "float16",
+                        token_sharded=False, interior=Interior.HEAD_KV)
+    full = RegionSpec("g1-full_attention", RegionLayout.SPLIT, (1, 3), 16, 4, 64, "float16",
+                      interior=Interior.HEAD_KV)
+    return KVCacheSpec("hybrid", (window, full))
+
+
+def test_hybrid_groups_may_alias_exactly_and_nothing_else() -> None:
+    """vLLM's hybrid allocator puts layer j of every group on the same bytes: accepted.
+    Partial overlaps, or two layers of one region on the same bytes, stay refused."""
+    spec, rank = _two_regions(), ParallelTopology()
+    block = 4 * 16 * 64 * 2 * 2
+    a, b = 1 << 20, (1 << 20) + 8 * block
+    AgentMetadata.build("e", "x", b"", spec, rank, {0: a, 1: a, 2: b, 3: b}, 8)
+    with pytest.raises(HandshakeError) as info:  # one region's two layers on one tensor
+        AgentMetadata.build("e", "x", b"", spec, rank, {0: a, 2: a, 1: b, 3: b}, 8)
+    assert "overlaps" in str(info.value)
+    with pytest.raises(HandshakeError) as info:  # a shifted alias
+        AgentMetadata.build("e", "x", b"", spec, rank, {0: a, 1: a + 64, 2: b, 3: b}, 8)
+    assert "overlaps" in str(info.value)
+    with pytest.raises(HandshakeError) as info:  # same start, different block stride
+        AgentMetadata.build("e", "x", b"", spec, rank, {0: a, 1: a, 2: b, 3: b}, 8,
+                            (block, block + 64))
+    assert "overlaps" in str(info.value)
+
+
+def test_padded_block_stride_travels_and_is_bounded() -> None:
+    spec, rank = _two_regions(), ParallelTopology()
+    block = 4 * 16 * 64 * 2 * 2
+    meta = AgentMetadata.build("e", "x", b"", spec, rank,
+                               {0: 1 << 20, 1: 1 << 20, 2: 2 << 20, 3: 2 << 20}, 8,
+                               (block + 64, block + 64))
+    assert meta.regions[0].to_map()["block_stride"] == block + 64
+    assert all(m.block_stride == block + 64 for m in meta.layer_memory().values())
+    assert decode_agent(encode_agent(meta)) == meta  # the stride travels on the wire
+    with pytest.raises(HandshakeError) as info:
+        AgentMetadata.build("e", "x", b"", spec, rank,
+                            {0: 1 << 20, 1: 1 << 20, 2: 2 << 20, 3: 2 << 20}, 8,
+                            (block - 2, block - 2))
+    assert info.value.field.endswith("block_stride")
