@@ -80,9 +80,9 @@ from kvbridge.connectors import (
 from kvbridge.connectors import registry as kvb_registry
 from kvbridge.connectors.metadata_wire import MetadataWireError, decode_metadata, encode_metadata
 from kvbridge.integrations.vllm.layout import (
+    REQUIRED_LAYOUT,
     AdapterConfigError,
     AdapterSpec,
-    REQUIRED_LAYOUT,
     GroupInfo,
     GroupKind,
     VllmFormat,
@@ -724,7 +724,11 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
             finished_sending=sent,
             finished_recving=self._kvb_ids(connector_output.finished_recving),
             failed_recving=self._kvb_ids(getattr(connector_output, "failed_recving", None)),
-            invalid_block_ids=frozenset((0, b) for b in connector_output.invalid_block_ids or ()),
+            # vLLM's block ids are pool ids shared by every KV cache group (hybrid models):
+            # a bad block is bad in whichever region holds it
+            invalid_block_ids=frozenset(
+                (r, b) for b in connector_output.invalid_block_ids or ()
+                for r in range(len(self._desc.adapter.spec.regions))),
         )
         self.kvbridge_scheduler.update_connector_output(out)
         for kvb_id in sent:  # a held request is done for good once sent
