@@ -220,6 +220,25 @@ class KVCaches:
         """``(layer_id, tensor)`` of one region's layers on this rank, in layer order."""
         return tuple((layer, self.layers[layer]) for layer in self.shapes[region_index].layer_ids)
 
+    def block_stride(self, layer_id: int) -> int:
+        """Bytes from one block of a layer to the next: the tensor's own dim-0 stride
+        (larger than a block for padded pages, e.g. vLLM's hybrid or MLA caches)."""
+        tensor = self.layers[layer_id]
+        return int(tensor.stride(0)) * int(tensor.element_size())
+
+    def backing_spans(self) -> list[tuple[int, int]]:
+        """``(addr, nbytes)`` of each distinct backing storage of the layer tensors, once.
+
+        Tensors that alias (vLLM's hybrid allocator puts layer i of every KV cache
+        group on the same bytes) or are views of one allocation share a storage,
+        which a transport must register once.
+        """
+        spans: dict[int, int] = {}
+        for tensor in self.layers.values():
+            storage = tensor.untyped_storage()
+            spans[int(storage.data_ptr())] = int(storage.nbytes())
+        return sorted(spans.items())
+
 
 @dataclass(frozen=True)
 class WorkerOutput:

@@ -50,6 +50,7 @@ import msgpack
 
 from kvbridge.handshake.errors import HandshakeError
 from kvbridge.layouts import (
+    Interior,
     KVCacheSpec,
     LayoutError,
     MemoryOrder,
@@ -57,6 +58,7 @@ from kvbridge.layouts import (
     RegionLayout,
 )
 from kvbridge.layouts.plan import LayerMemory, rank_index
+from kvbridge.layouts.spec import MAX_FORMAT_CHARS, MAX_FORMAT_KEYS
 
 PROTOCOL_VERSION = 1
 
@@ -295,14 +297,20 @@ class RegionCompat:
     key_only: bool
     token_sharded: bool
     layer_ids: tuple[int, ...]
+    #: where K and V sit in a block (layouts.Interior); a GPU-format and a CPU-format
+    #: engine must never exchange bytes. Sent only when not the default "kv_outer".
+    interior: Interior = Interior.KV_OUTER
 
     def to_map(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name, "layout": self.layout.value, "dtype": self.dtype,
             "head_dim": self.head_dim, "num_kv_heads": self.num_kv_heads,
             "key_only": self.key_only, "token_sharded": self.token_sharded,
             "layer_ids": list(self.layer_ids),
         }
+        if self.interior is not Interior.KV_OUTER:
+            out["interior"] = self.interior.value
+        return out
 
 
 @dataclass(frozen=True)
@@ -321,22 +329,29 @@ class CompatHeader:
     transfer_mode: TransferMode
     regions: tuple[RegionCompat, ...]
     protocol_version: int = PROTOCOL_VERSION
+    #: the engine's names for its KV format (KVCacheSpec.engine_format: attention
+    #: backend, layout, cache dtype), compared exactly; sent only when not empty
+    engine_format: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, transfer_mode: TransferMode) -> CompatHeader:
         regions = tuple(
             RegionCompat(r.name, r.layout, r.dtype, r.head_dim, r.num_kv_heads, r.key_only,
-                         r.token_sharded, tuple(r.layer_ids))
+                         r.token_sharded, tuple(r.layer_ids), r.interior)
             for r in spec.regions
         )
-        return cls(spec.model, spec.num_layers, TransferMode(transfer_mode), regions)
+        return cls(spec.model, spec.num_layers, TransferMode(transfer_mode), regions,
+                   engine_format=spec.engine_format)
 
     def compat_map(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "model": self.model, "num_layers": self.num_layers,
             "transfer_mode": self.transfer_mode.value,
             "regions": [r.to_map() for r in self.regions],
         }
+        if self.engine_format:
+            out["engine_format"] = dict(self.engine_format)
+        return out
 
     @property
     def fingerprint(self) -> str:
@@ -353,15 +368,20 @@ class CompatHeader:
                 diffs.append((name, getattr(self, name), getattr(other, name)))
         if self.transfer_mode != other.transfer_mode:
             diffs.append(("transfer_mode", self.transfer_mode.value, other.transfer_mode.value))
+        ours_fmt, theirs_fmt = dict(self.engine_format), dict(other.engine_format)
+        for key in sorted(ours_fmt.keys() | theirs_fmt.keys()):
+            if ours_fmt.get(key) != theirs_fmt.get(key):
+                diffs.append((f"engine_format.{key}", ours_fmt.get(key), theirs_fmt.get(key)))
         ours = {r.name: r for r in self.regions}
         theirs = {r.name: r for r in other.regions}
         if list(ours) != list(theirs):
             diffs.append(("regions", list(ours), list(theirs)))
         for name in ours.keys() & theirs.keys():
             a, b = ours[name].to_map(), theirs[name].to_map()
-            for key in a:
-                if a[key] != b[key]:
-                    diffs.append((f"regions[{name}].{key}", a[key], b[key]))
+            for key in sorted(a.keys() | b.keys()):
+                if a.get(key) != b.get(key):
+                    diffs.append((f"regions[{name}].{key}", a.get(key, "kv_outer"),
+                                  b.get(key, "kv_outer")))
         return diffs
 
 
@@ -372,7 +392,7 @@ def _header_to_map(header: CompatHeader) -> dict[str, Any]:
 
 def _header_from_map(obj: object, path: str) -> CompatHeader:
     r = _Reader(obj, path, ("protocol_version", "fingerprint", "model", "num_layers",
-                            "transfer_mode", "regions"))
+                            "transfer_mode", "regions"), ("engine_format",))
     version = r.get_int("protocol_version", 0, 1 << 32)
     if version != PROTOCOL_VERSION:
         raise HandshakeError("protocol_version", f"peer header is v{version}, this kvbridge "
@@ -381,21 +401,36 @@ def _header_from_map(obj: object, path: str) -> CompatHeader:
     for index, item in enumerate(r.get_list("regions", MAX_REGIONS, 1)):
         rr = _Reader(item, r.where(f"regions[{index}]"),
                      ("name", "layout", "dtype", "head_dim", "num_kv_heads", "key_only",
-                      "token_sharded", "layer_ids"))
+                      "token_sharded", "layer_ids"), ("interior",))
         layer_ids = tuple(_check_int(x, rr.where(f"layer_ids[{i}]"), 0, MAX_LAYERS)
                           for i, x in enumerate(rr.get_list("layer_ids", MAX_LAYERS, 1)))
         regions.append(RegionCompat(
             rr.get_str("name", 64), rr.get_enum("layout", RegionLayout), rr.get_str("dtype", 32),
             rr.get_int("head_dim", 1, 1 << 20), rr.get_int("num_kv_heads", 1, 1 << 20),
-            rr.get_bool("key_only"), rr.get_bool("token_sharded"), layer_ids))
+            rr.get_bool("key_only"), rr.get_bool("token_sharded"), layer_ids,
+            rr.get_enum("interior", Interior) if rr.has("interior") else Interior.KV_OUTER))
     header = CompatHeader(r.get_str("model"), r.get_int("num_layers", 1, MAX_LAYERS),
-                          r.get_enum("transfer_mode", TransferMode), tuple(regions), version)
+                          r.get_enum("transfer_mode", TransferMode), tuple(regions), version,
+                          _engine_format_from(r))
     carried = r.get_str("fingerprint", 64)
     if carried != header.fingerprint:
         raise HandshakeError(r.where("fingerprint"),
                              f"{carried!r} does not match the header's own fields "
                              f"({header.fingerprint!r}): corrupted or forged header")
     return header
+
+
+def _engine_format_from(r: _Reader) -> tuple[tuple[str, str], ...]:
+    raw = r.raw("engine_format")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or len(raw) > MAX_FORMAT_KEYS:
+        raise HandshakeError(r.where("engine_format"), f"expected a map of at most "
+                                                       f"{MAX_FORMAT_KEYS} names to strings")
+    return tuple(sorted(
+        (_check_str(k, r.where("engine_format"), MAX_FORMAT_CHARS),
+         _check_str(v, r.where(f"engine_format.{str(k)[:32]}"), MAX_FORMAT_CHARS))
+        for k, v in raw.items()))
 
 
 def check_compatible(local: CompatHeader, remote: CompatHeader) -> None:
@@ -420,6 +455,9 @@ class RegionMemory:
     held by this rank (``RankRegionShape.layer_ids`` order); block ``b`` of that
     layer spans ``[base + b * block_bytes_per_layer, base + (b+1) * block_bytes_per_layer)``.
     A region with no layer on this pipeline stage has no addresses.
+    ``block_stride`` (0: equal to ``block_bytes_per_layer``) is the distance between
+    two blocks when pages are padded or interleaved by the engine (vLLM's padded
+    MLA pages); block ``b`` then starts at ``base + b * block_stride``.
     """
 
     name: str
@@ -428,22 +466,32 @@ class RegionMemory:
     num_blocks: int
     memory_order: MemoryOrder
     block_size: int  # tokens per block on this rank
+    block_stride: int = 0
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_bytes_per_layer
 
     def to_map(self) -> dict[str, Any]:
-        return {"name": self.name, "base_addrs": list(self.base_addrs),
-                "block_bytes_per_layer": self.block_bytes_per_layer,
-                "num_blocks": self.num_blocks, "memory_order": self.memory_order.value,
-                "block_size": self.block_size}
+        out: dict[str, Any] = {"name": self.name, "base_addrs": list(self.base_addrs),
+                               "block_bytes_per_layer": self.block_bytes_per_layer,
+                               "num_blocks": self.num_blocks,
+                               "memory_order": self.memory_order.value,
+                               "block_size": self.block_size}
+        if self.stride != self.block_bytes_per_layer:
+            out["block_stride"] = self.block_stride
+        return out
 
     @classmethod
     def from_map(cls, obj: object, path: str) -> RegionMemory:
         r = _Reader(obj, path, ("name", "base_addrs", "block_bytes_per_layer", "num_blocks",
-                                "memory_order", "block_size"))
+                                "memory_order", "block_size"), ("block_stride",))
         addrs = tuple(_check_int(x, r.where(f"base_addrs[{i}]"), 1, U64_MAX)
                       for i, x in enumerate(r.get_list("base_addrs", MAX_LAYERS)))
         return cls(r.get_str("name", 64), addrs, r.get_int("block_bytes_per_layer", 1, MAX_BLOCK_BYTES),
                    r.get_int("num_blocks", 0, MAX_NUM_BLOCKS), r.get_enum("memory_order", MemoryOrder),
-                   r.get_int("block_size", 1, 1 << 20))
+                   r.get_int("block_size", 1, 1 << 20),
+                   r.opt_int("block_stride", 1, MAX_BLOCK_BYTES) or 0)
 
 
 @dataclass(frozen=True)
@@ -464,15 +512,17 @@ class AgentMetadata:
     @classmethod
     def build(cls, engine_id: str, agent_name: str, agent_blob: bytes, spec: KVCacheSpec,
               topology: ParallelTopology, layer_addrs: Mapping[int, int],
-              num_blocks: int, mem_type: str = "DRAM", device_id: int = 0) -> AgentMetadata:
+              num_blocks: int, block_strides: Sequence[int] = (), mem_type: str = "DRAM",
+              device_id: int = 0) -> AgentMetadata:
         """Metadata of one rank from its layer tensors' addresses, checked.
 
         ``layer_addrs`` maps every layer id on this rank's stage to the data
         pointer of that layer's KV tensor (``tensor.data_ptr()``), each tensor
-        shaped ``RankRegionShape.tensor_shape(num_blocks)`` and densely packed;
+        shaped ``RankRegionShape.tensor_shape(num_blocks)`` and densely packed,
+        unless ``block_strides[r]`` gives region ``r``'s real block stride (padded pages);
         ``mem_type``/``device_id`` say where they are (``VRAM`` on a CUDA device).
         """
-        regions = []
+        regions: list[RegionMemory] = []
         try:
             shapes = spec.rank_shapes(topology)
         except LayoutError as exc:
@@ -485,7 +535,8 @@ class AgentMetadata:
             regions.append(RegionMemory(
                 shape.region.name, tuple(int(layer_addrs[layer]) for layer in shape.layer_ids),
                 shape.block_bytes_per_layer, num_blocks if shape.layer_ids else 0,
-                shape.region.memory_order, shape.region.block_size))
+                shape.region.memory_order, shape.region.block_size,
+                _stride_field(block_strides, len(regions), shape.block_bytes_per_layer)))
         meta = cls(engine_id, agent_name, agent_blob, topology, tuple(regions), spec,
                    mem_type=mem_type, device_id=device_id)
         check_agent(meta)
@@ -506,7 +557,7 @@ class AgentMetadata:
         shapes = self.spec.rank_shapes(self.topology)
         for memory, shape in zip(self.regions, shapes, strict=True):
             for layer, addr in zip(shape.layer_ids, memory.base_addrs, strict=True):
-                out[layer] = LayerMemory(addr, memory.block_bytes_per_layer, memory.num_blocks)
+                out[layer] = LayerMemory(addr, memory.stride, memory.num_blocks)
         return out
 
     def region(self, name: str) -> RegionMemory:
@@ -514,6 +565,12 @@ class AgentMetadata:
             if region.name == name:
                 return region
         raise HandshakeError("regions", f"no region {name!r} on rank {self.rank.describe()}")
+
+
+def _stride_field(strides: Sequence[int], index: int, block_bytes: int) -> int:
+    """``RegionMemory.block_stride`` for a given stride: 0 when dense (the default)."""
+    stride = int(strides[index]) if index < len(strides) else 0
+    return 0 if stride == block_bytes else stride
 
 
 def check_agent(meta: AgentMetadata) -> None:
@@ -540,7 +597,7 @@ def check_agent(meta: AgentMetadata) -> None:
     if len(meta.regions) != len(shapes):
         raise HandshakeError("regions", f"expected {len(shapes)} regions (one per spec "
                                         f"region), got {len(meta.regions)}")
-    ranges: list[tuple[int, int, str]] = []
+    ranges: list[tuple[int, int, str, int, int]] = []  # start, end, field, region, stride
     for index, (memory, shape) in enumerate(zip(meta.regions, shapes, strict=True)):
         where = f"regions[{index}]"
         spec_region = shape.region
@@ -565,17 +622,36 @@ def check_agent(meta: AgentMetadata) -> None:
                                  f"({len(shape.layer_ids)}), got {len(memory.base_addrs)}")
         if shape.layer_ids and memory.num_blocks < 1:
             raise HandshakeError(f"{where}.num_blocks", "expected at least one block")
-        span = memory.num_blocks * memory.block_bytes_per_layer
+        if memory.stride < memory.block_bytes_per_layer:
+            raise HandshakeError(f"{where}.block_stride",
+                                 f"{memory.block_stride} is smaller than a block "
+                                 f"({memory.block_bytes_per_layer} bytes): blocks would overlap")
+        span = (max(memory.num_blocks - 1, 0) * memory.stride
+                + memory.block_bytes_per_layer * (memory.num_blocks > 0))
         for layer_index, addr in enumerate(memory.base_addrs):
             if addr + span > U64_MAX + 1:
                 raise HandshakeError(f"{where}.base_addrs[{layer_index}]",
                                      f"range of {span} bytes from {addr:#x} wraps past 2**64")
-            ranges.append((addr, addr + span, f"{where}.base_addrs[{layer_index}]"))
+            ranges.append((addr, addr + span, f"{where}.base_addrs[{layer_index}]", index,
+                           memory.stride))
     ranges.sort()
-    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:], strict=False):
-        if start < end:
-            raise HandshakeError(second, f"tensor overlaps {first}: each layer of each region "
-                                         f"must be its own non-overlapping tensor")
+    # The one overlap allowed: a layer of one region aliasing a layer of another at the
+    # same address with the same block stride (vLLM's hybrid allocator puts layer i of
+    # every KV cache group on the same bytes; a block id belongs to one group at a time).
+    widest: tuple[int, int, str, int, int] | None = None
+    aliased: set[int] = set()  # regions already seen at widest's address
+    for current in ranges:
+        if widest is not None and current[0] < widest[1]:
+            aliases = (current[0] == widest[0] and current[3] not in aliased
+                       and current[4] == widest[4])
+            if not aliases:
+                raise HandshakeError(current[2], f"tensor overlaps {widest[2]}: each layer of "
+                                                 f"each region must be its own tensor, or "
+                                                 f"alias a layer of another region exactly")
+            aliased.add(current[3])
+        if widest is None or current[1] > widest[1]:
+            widest = current
+            aliased = {current[3]}
 
 
 def _agent_to_map(meta: AgentMetadata, include_spec: bool) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from kvbridge.layouts.plan import (
 from kvbridge.layouts.presets import PRESETS, load_spec, preset_names
 from kvbridge.layouts.spec import (
     DTYPE_BYTES,
+    Interior,
     KVCacheSpec,
     MemoryOrder,
     RankRegionShape,
@@ -51,6 +52,7 @@ __all__ = [
     "DEFAULT_SEED",
     "DTYPE_BYTES",
     "HASH_VERSION",
+    "Interior",
     "NAMESPACE_VERSION",
     "PRESETS",
     "BlockHash",

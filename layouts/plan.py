@@ -53,7 +53,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.layouts.errors import LayoutError
-from kvbridge.layouts.spec import KVCacheSpec, MemoryOrder, RankRegionShape, RegionLayout
+from kvbridge.layouts.spec import (
+    Interior,
+    KVCacheSpec,
+    MemoryOrder,
+    RankRegionShape,
+    RegionLayout,
+)
 from kvbridge.layouts.topology import ParallelTopology
 
 logger = logging.getLogger(__name__)
@@ -322,6 +328,8 @@ def _raw_rows(shape_c: RankRegionShape, shape_p: RankRegionShape, head_lo: int,
     tokens, dim, elem = region.block_size, region.head_dim, region.elem_bytes
     kv = np.arange(region.num_kv, dtype=np.int64)
     heads = np.arange(head_lo, head_hi, dtype=np.int64)
+    if region.interior is not Interior.KV_OUTER:
+        return _interior_rows(shape_c, shape_p, heads)
     if region.memory_order is MemoryOrder.HND:
         row = tokens * dim * elem
         p = (kv[:, None] * shape_p.num_heads + (heads - shape_p.head_start)[None, :]) * row
@@ -333,6 +341,34 @@ def _raw_rows(shape_c: RankRegionShape, shape_p: RankRegionShape, head_lo: int,
     p = (kt * shape_p.num_heads + (heads - shape_p.head_start)[None, None, :]) * row
     c = (kt * shape_c.num_heads + (heads - shape_c.head_start)[None, None, :]) * row
     return p.ravel(), c.ravel(), row
+
+
+def _interior_rows(shape_c: RankRegionShape, shape_p: RankRegionShape, heads: IntArray,
+                   ) -> tuple[IntArray, IntArray, int]:
+    """Rows of vLLM's packed interiors: one ``head_dim`` row per (head, token, K|V).
+
+    ``token_kv``: cell ``(h, n)`` (HND) or ``(n, h)`` (NHD) holds K then V, so
+    element offset ``cell * 2 * dim + kv * dim``. ``head_kv`` (HND): head ``h``
+    holds its K rows then its V rows, offset ``((h * 2 + kv) * tokens + n) * dim``.
+    Coalescing merges them back into whole heads (or whole cells) where both
+    sides are adjacent.
+    """
+    region = shape_c.region
+    tokens, dim, elem = region.block_size, region.head_dim, region.elem_bytes
+    kv = np.arange(2, dtype=np.int64)[None, None, :]
+    tok = np.arange(tokens, dtype=np.int64)[None, :, None]
+
+    def offsets(shape: RankRegionShape) -> IntArray:
+        h = (heads - shape.head_start)[:, None, None]
+        if region.interior is Interior.HEAD_KV:
+            out = ((h * 2 + kv) * tokens + tok) * dim
+        elif region.memory_order is MemoryOrder.HND:
+            out = (h * tokens + tok) * 2 * dim + kv * dim
+        else:
+            out = (tok * shape.num_heads + h) * 2 * dim + kv * dim
+        return (out * elem).ravel()
+
+    return offsets(shape_p), offsets(shape_c), dim * elem
 
 
 def _plan_rank(spec: KVCacheSpec, producer: ParallelTopology, consumer: ParallelTopology,

@@ -8,6 +8,24 @@ head_dim)`` for HND order or ``(tokens, heads, head_dim)`` for NHD. So one
 block of one layer is contiguous (``block_bytes_per_layer`` bytes), and under
 HND one head's slice of K (or V) inside it is contiguous too.
 
+Interior formats (``RegionSpec.interior``): where K and V sit inside a block.
+
+* ``kv_outer`` (kvbridge's own): all K of the block, then all V, as above.
+* ``token_kv`` (vLLM's GPU backends, e.g. FlashAttention: ``kv.transpose(1, 2)
+  .split(head_size, -1)``): one tensor ``(num_blocks, *cells, 2 * head_dim)``
+  where ``cells`` is ``(heads, tokens)`` (HND) or ``(tokens, heads)`` (NHD) and
+  each cell holds that head's K of that token, then its V.
+* ``head_kv`` (vLLM's CPU backend): ``(num_blocks, heads, tokens, 2 * head_dim)``
+  read as each head's ``tokens`` K rows, then its ``tokens`` V rows (HND only).
+
+The three have the same bytes per block and differ in meaning: two engines
+with different interiors never exchange bytes (the handshake compares it).
+Key-only regions (MLA) have one interior, ``kv_outer``.
+
+A block's bytes need not sit ``block_bytes_per_layer`` apart: the planner's
+:class:`~kvbridge.layouts.plan.LayerMemory` carries the real block stride
+(padded pages, block-outermost engine layouts).
+
 Head assignment (SPLIT regions) uses the head groups of the topology
 (``tp_size // dcp_size`` groups): with ``H`` global KV heads and ``G`` groups,
 either ``H % G == 0`` (group ``g`` holds heads ``[g*H/G, (g+1)*H/G)``) or
@@ -53,6 +71,14 @@ class RegionLayout(str, Enum):
     REPLICATE = "replicate"  # every rank holds the whole block (MLA latent, Mamba state)
 
 
+class Interior(str, Enum):
+    """Where K and V sit inside one block of one layer (see the module docstring)."""
+
+    KV_OUTER = "kv_outer"  # (2, *block_shape): K of every head and token, then V
+    TOKEN_KV = "token_kv"  # (*cells, 2 * head_dim): per (head, token) cell, K then V (GPU)
+    HEAD_KV = "head_kv"  # (heads, 2 * tokens, head_dim): per head, K rows then V rows (CPU)
+
+
 class MemoryOrder(str, Enum):
     """Order of the axes inside one block of K (or V)."""
 
@@ -74,6 +100,7 @@ class RegionSpec:
     key_only: bool = False
     memory_order: MemoryOrder = MemoryOrder.HND
     token_sharded: bool = True  # sharded across DCP ranks (full attention, MLA)
+    interior: Interior = Interior.KV_OUTER
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > 64:
@@ -103,6 +130,15 @@ class RegionSpec:
         if not isinstance(self.key_only, bool) or not isinstance(self.token_sharded, bool):
             raise LayoutError("key_only" if not isinstance(self.key_only, bool)
                               else "token_sharded", "expected true or false")
+        if not isinstance(self.interior, Interior):
+            raise LayoutError("interior", f"expected one of {[m.value for m in Interior]}, "
+                                          f"got {self.interior!r}")
+        if self.key_only and self.interior is not Interior.KV_OUTER:
+            raise LayoutError("interior", f"a key-only region has no V to place; expected "
+                                          f"'kv_outer', got {self.interior.value!r}")
+        if self.interior is Interior.HEAD_KV and self.memory_order is not MemoryOrder.HND:
+            raise LayoutError("interior", "'head_kv' (each head's K rows then V rows) is a "
+                                          "head-major format: it needs memory_order 'HND'")
 
     @property
     def num_kv(self) -> int:
@@ -147,6 +183,10 @@ class RegionSpec:
             "key_only": self.key_only,
             "memory_order": self.memory_order.value,
             "token_sharded": self.token_sharded,
+            # only when not the default, so specs written before interiors keep their
+            # fingerprints
+            **({"interior": self.interior.value} if self.interior is not Interior.KV_OUTER
+               else {}),
         }
 
     @classmethod
@@ -155,7 +195,7 @@ class RegionSpec:
             raise LayoutError(field, f"expected a mapping, got {type(data).__name__}")
         required = ("name", "layout", "layer_ids", "block_size", "num_kv_heads", "head_dim",
                     "dtype")
-        optional = ("key_only", "memory_order", "token_sharded")
+        optional = ("key_only", "memory_order", "token_sharded", "interior")
         for name in required:
             if name not in data:
                 raise LayoutError(f"{field}.{name}", "missing")
@@ -175,6 +215,13 @@ class RegionSpec:
             except ValueError:
                 raise LayoutError(f"{field}.memory_order", f"expected 'HND' or 'NHD', "
                                   f"got {data['memory_order']!r}") from None
+        if "interior" in data:
+            try:
+                kwargs["interior"] = Interior(str(data["interior"]).lower())
+            except ValueError:
+                raise LayoutError(f"{field}.interior", f"expected one of "
+                                  f"{[m.value for m in Interior]}, "
+                                  f"got {data['interior']!r}") from None
         if not isinstance(data["layer_ids"], list | tuple):
             raise LayoutError(f"{field}.layer_ids", "expected a list of integers")
         kwargs["layer_ids"] = tuple(data["layer_ids"])
@@ -201,8 +248,15 @@ class RankRegionShape:
         return (r.block_size, self.num_heads, r.head_dim)
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of the per-layer KV tensor of this region on this rank."""
-        return (num_blocks, self.region.num_kv, *self.block_shape)
+        """Shape of the per-layer KV tensor of this region on this rank.
+
+        ``kv_outer``: ``(num_blocks, num_kv, *block_shape)``; ``token_kv`` and
+        ``head_kv``: vLLM's ``(num_blocks, *cells, 2 * head_dim)``.
+        """
+        if self.region.interior is Interior.KV_OUTER:
+            return (num_blocks, self.region.num_kv, *self.block_shape)
+        a, b, dim = self.block_shape
+        return (num_blocks, a, b, 2 * dim)
 
     @property
     def block_bytes_per_layer(self) -> int:
@@ -215,12 +269,24 @@ class RankRegionShape:
         return self.block_bytes_per_layer * len(self.layer_ids)
 
 
+#: Bounds of ``KVCacheSpec.engine_format`` (it travels in handshakes).
+MAX_FORMAT_KEYS = 8
+MAX_FORMAT_CHARS = 64
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The regions of one model. Layer ids of all regions form ``0..num_layers-1``."""
+    """The regions of one model. Layer ids of all regions form ``0..num_layers-1``.
+
+    ``engine_format``: the serving engine's names for its KV format (e.g.
+    ``{"engine": "vllm", "attn_backend": "CPU_ATTN", "kv_cache_layout": "LBHNC",
+    "cache_dtype": "auto"}``), compared as they are by two engines before any
+    byte moves; empty for engines that do not say.
+    """
 
     model: str
     regions: tuple[RegionSpec, ...]
+    engine_format: tuple[tuple[str, str], ...] = ()
     _layer_owner: dict[int, int] = field(default_factory=dict, init=False, repr=False,
                                          compare=False, hash=False)
 
@@ -229,6 +295,16 @@ class KVCacheSpec:
             raise LayoutError("model", f"expected a non-empty name, got {self.model!r}")
         if not isinstance(self.regions, tuple) or not self.regions:
             raise LayoutError("regions", "expected at least one region")
+        fmt = self.engine_format
+        if (not isinstance(fmt, tuple) or len(fmt) > MAX_FORMAT_KEYS
+                or not all(isinstance(kv, tuple) and len(kv) == 2
+                           and all(isinstance(x, str) and 0 < len(x) <= MAX_FORMAT_CHARS
+                                   for x in kv) for kv in fmt)
+                or len({k for k, _ in fmt}) != len(fmt)):
+            raise LayoutError("engine_format", f"expected at most {MAX_FORMAT_KEYS} distinct "
+                                               f"names, each mapped to a string of 1.."
+                                               f"{MAX_FORMAT_CHARS} chars, got {fmt!r}")
+        object.__setattr__(self, "engine_format", tuple(sorted(fmt)))
         names: set[str] = set()
         for index, region in enumerate(self.regions):
             if not isinstance(region, RegionSpec):
@@ -306,22 +382,32 @@ class KVCacheSpec:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "regions": [r.to_dict() for r in self.regions]}
+        out: dict[str, Any] = {"model": self.model,
+                               "regions": [r.to_dict() for r in self.regions]}
+        if self.engine_format:
+            out["engine_format"] = dict(self.engine_format)
+        return out
 
     @classmethod
     def from_dict(cls, data: object) -> KVCacheSpec:
         if not isinstance(data, dict):
             raise LayoutError("spec", f"expected a mapping, got {type(data).__name__}")
-        unknown = set(data) - {"model", "regions"}
+        unknown = set(data) - {"model", "regions", "engine_format"}
         if unknown:
-            raise LayoutError(sorted(unknown)[0], "unknown field; expected 'model' and 'regions'")
+            raise LayoutError(sorted(unknown)[0], "unknown field; expected 'model', 'regions' "
+                                                  "and optionally 'engine_format'")
         if "model" not in data:
             raise LayoutError("model", "missing")
         regions = data.get("regions")
         if not isinstance(regions, list) or not regions:
             raise LayoutError("regions", "expected a non-empty list of regions")
         parsed = tuple(RegionSpec.from_dict(r, f"regions[{i}]") for i, r in enumerate(regions))
-        return cls(model=data["model"], regions=parsed)
+        fmt = data.get("engine_format") or {}
+        if not isinstance(fmt, dict) or len(fmt) > MAX_FORMAT_KEYS:
+            raise LayoutError("engine_format", f"expected a map of at most {MAX_FORMAT_KEYS} "
+                                               f"names to strings")
+        return cls(model=data["model"], regions=parsed,
+                   engine_format=tuple((k, v) for k, v in fmt.items()))
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> KVCacheSpec:

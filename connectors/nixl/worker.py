@@ -300,16 +300,21 @@ class NixlWorker(WorkerConnector):
         tensors = []
         layer_addrs: dict[int, int] = {}
         num_blocks = set()
+        strides: list[int] = []
         for index, shape in enumerate(caches.shapes):
+            stride = shape.block_bytes_per_layer
             for layer in shape.layer_ids:
                 tensor = caches.layers[layer]
                 tensors.append(tensor)
+                stride = caches.block_stride(layer)
                 layer_addrs[layer] = int(tensor.data_ptr())
-                self.memory[layer] = LayerMemory(int(tensor.data_ptr()),
-                                                 shape.block_bytes_per_layer,
+                self.memory[layer] = LayerMemory(int(tensor.data_ptr()), stride,
                                                  caches.num_blocks[index])
                 num_blocks.add(caches.num_blocks[index])
-        transport.register_regions(tensors)
+            strides.append(stride)
+        # One registration per backing storage: views that alias (vLLM's hybrid groups)
+        # or share one allocation are registered once, not once per view.
+        transport.register_regions(caches.backing_spans())
         self._kv_tensors = tensors  # kept alive past shutdown while a hold is promised
         if self.settings.idle_progress_ms > 0:
             self._pump = threading.Thread(target=self._pump_loop, daemon=True,
@@ -318,7 +323,7 @@ class NixlWorker(WorkerConnector):
         mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
-                                   max(num_blocks) if num_blocks else 0,
+                                   max(num_blocks) if num_blocks else 0, strides,
                                    mem_type=mem_type, device_id=device_id)
         self._agent_doc = encode_agent(meta)
 

@@ -80,11 +80,12 @@ from kvbridge.connectors import (
 from kvbridge.connectors import registry as kvb_registry
 from kvbridge.connectors.metadata_wire import MetadataWireError, decode_metadata, encode_metadata
 from kvbridge.integrations.vllm.layout import (
+    REQUIRED_LAYOUT,
     AdapterConfigError,
     AdapterSpec,
     GroupInfo,
     GroupKind,
-    TensorLayout,
+    VllmFormat,
     build_spec,
     kvbridge_dtype,
     kvbridge_view,
@@ -299,7 +300,29 @@ def _group_info(index: int, group: Any, total_kv_heads: int, cache_dtype: str) -
         kind = GroupKind.UNSUPPORTED
     if kind is GroupKind.UNSUPPORTED:
         return GroupInfo(index, kind, type_name, tuple(group.layer_names), 1, 1, 1, "float32")
+    if not getattr(group, "enable_kv_transfer", True):
+        # vLLM 0.33: an ephemeral replica group vLLM rebuilds from its source after a load.
+        raise AdapterConfigError(f"kv_cache_config.kv_cache_groups[{index}]",
+                                 f"{type_name} group has enable_kv_transfer=False (a replica "
+                                 f"vLLM rebuilds after loads); kvbridge's adapter transfers "
+                                 f"every group and does not skip one yet")
+    where = f"kv_cache_config.kv_cache_groups[{index}]"
+    packed = [f"{name}={getattr(spec, name)!r}" for name, plain in (
+        ("num_head_slots", None), ("state_content_bytes", None), ("tokens_per_state", 1))
+        if getattr(spec, name, plain) != plain]
+    if packed:
+        raise AdapterConfigError(where, f"{type_name} has a packed page ({', '.join(packed)}): "
+                                        f"not plain K/V cells kvbridge can describe")
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if quant not in ("NONE", "FP8_PER_TENSOR"):
+        raise AdapterConfigError("kv_cache_dtype", f"{type_name} uses KV quantization {quant} "
+                                                   f"(scales or packed values in the cache), "
+                                                   f"which kvbridge does not describe; use "
+                                                   f"'auto' or a plain fp8 kv_cache_dtype")
     head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    if kind is GroupKind.MLA:
+        # MLAAttentionSpec: one latent (kv_lora_rank + rope) per token, no V (head_size_v 0).
+        head_size_v = spec.head_size if head_size_v in (0, None) else head_size_v
     if head_size_v not in (None, spec.head_size):
         raise AdapterConfigError(f"kv_cache_config.kv_cache_groups[{index}]",
                                  f"K head size {spec.head_size} != V head size {head_size_v}; "
@@ -307,15 +330,26 @@ def _group_info(index: int, group: Any, total_kv_heads: int, cache_dtype: str) -
     heads = 1 if kind is GroupKind.MLA else total_kv_heads
     return GroupInfo(index, kind, type_name, tuple(group.layer_names), int(spec.block_size),
                      int(heads), int(spec.head_size),
-                     kvbridge_dtype(str(spec.dtype), cache_dtype))
+                     kvbridge_dtype(str(spec.dtype), cache_dtype),
+                     int(getattr(spec, "page_size_bytes", 0) or 0))
 
 
-def _tensor_layout() -> TensorLayout:
+def _vllm_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> VllmFormat:
+    """The format vLLM resolved: platform, ``kv_cache_layout`` (the engine core resolves it
+    before the connector exists; it may have dropped kvbridge's request), cache dtype."""
     from vllm.platforms import current_platform
 
-    if current_platform.device_type == "cpu":
-        return TensorLayout.CPU_PACKED
-    return TensorLayout.NATIVE_HND
+    layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+              or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+    if layout is None:
+        # Not resolved yet (an older vLLM, or a profiling run): what vLLM will use for
+        # kvbridge's request; register_kv_caches checks the tensors' strides against it.
+        layout = REQUIRED_LAYOUT
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    backend_name = getattr(backend, "name", None) or (str(backend) if backend else "auto")
+    return VllmFormat(device=str(current_platform.device_type), kv_cache_layout=str(layout),
+                      cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
+                      attn_backend=backend_name)
 
 
 @dataclass(frozen=True)
@@ -339,6 +373,20 @@ class EngineDescription:
             raise AdapterConfigError("prefill_context_parallel_size",
                                      f"{pcp} > 1 is not supported by kvbridge's vLLM adapter; "
                                      f"use 1")
+        interleave = int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
+        if dcp > 1 and interleave != 1:
+            raise AdapterConfigError(
+                "cp_kv_cache_interleave_size",
+                f"{interleave} places runs of {interleave} tokens on each DCP rank; kvbridge's "
+                f"token sharding is token t on DCP rank t % dcp_size (interleave 1): use 1")
+        from vllm.platforms import current_platform
+
+        if (current_platform.device_type != "cpu"
+                and str(getattr(transfer, "kv_buffer_device", "")) == "cpu"):
+            raise AdapterConfigError(
+                "kv_buffer_device",
+                "'cpu' stages KV in a host buffer; kvbridge's connectors register the "
+                "device KV cache itself: leave kv_buffer_device at the device (e.g. 'cuda')")
         try:
             topology = ParallelTopology(tp_size=int(parallel.tensor_parallel_size),
                                         pp_size=int(parallel.pipeline_parallel_size),
@@ -350,7 +398,9 @@ class EngineDescription:
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
         groups = [_group_info(i, g, total_kv_heads, cache_dtype)
                   for i, g in enumerate(kv_cache_config.kv_cache_groups)]
-        adapter = build_spec(str(model_config.model), groups, _tensor_layout(), dcp)
+        fmt = _vllm_format(vllm_config, kv_cache_config)
+        adapter = build_spec(str(model_config.model), groups, fmt,
+                             int(parallel.tensor_parallel_size))
         try:
             adapter.spec.validate_topology(topology)
         except Exception as exc:
@@ -448,6 +498,48 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
     #: kvbridge connector name (registry name or ``module:Class``); None: read extra config.
     KVBRIDGE_CONNECTOR: ClassVar[str | None] = None
 
+    # ------------------------------------------------------------------ vLLM API (0.32/0.33)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """LBHNC (HND) for head-split models, as vLLM's NixlConnector asks: a head's slice
+        of a block is one run, so heterogeneous TP moves whole runs. None for MLA (one
+        head: every layout is the same bytes). vLLM may drop the request (a backend that
+        cannot run it); the adapter then describes the layout vLLM resolved, or refuses
+        it at start-up naming it (see :mod:`kvbridge.integrations.vllm.layout`)."""
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is None or getattr(model_config, "use_mla", False):
+            return None
+        return REQUIRED_LAYOUT
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Push mode writes each layer from ``save_kv_layer``, which a CUDA graph replay
+        would skip: it needs PIECEWISE graphs. Pull mode does nothing per layer."""
+        return str((extra_config or {}).get("mode", "pull")).lower() == "push"
+
+    @property
+    def supports_sleep_mode(self) -> bool:
+        """Declined: kvbridge keeps the KV cache registered with its transport (NIXL
+        registrations, peers' descriptors) for the engine's life; vLLM's sleep mode
+        frees and re-allocates that memory under them. Say so instead of corrupting."""
+        return False
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """kvbridge loads every region it describes, and regions are vLLM's KV cache groups
+        (sliding-window groups included: the producer's whole block list moves)."""
+        return tuple(sorted(set(self._desc.adapter.group_of_region)))
+
+    def has_pending_push_work(self) -> bool:
+        """True while a push-mode producer holds a finished request whose KV it still has
+        to write to a consumer (the engine must keep stepping to drive the writes)."""
+        return bool(self._held_push)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Nothing to do: kvbridge's offloading connector copies a step's stores inside
+        ``wait_for_save`` (the same step), so no save is in flight when vLLM preempts a
+        request and reuses its blocks; the NIXL connectors read only held blocks."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -498,12 +590,14 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
         self._to_vllm: dict[str, str] = {}
         self._to_kvb: dict[str, str] = {}
         self._new_ids: dict[str, str] = {}
+        self._held_push: set[str] = set()  # push producer: finished, KV still to write
         # worker-side state
         self._views: dict[str, torch.Tensor] = {}
         self._records_seen: Any = None
-        logger.info("kvbridge: %s (%s) for vLLM engine %s, role %s, %d region(s), layout %s",
+        logger.info("kvbridge: %s (%s) for vLLM engine %s, role %s, %d region(s), format %s",
                     type(self).__name__, resolved.config.connector, resolved.config.engine_id,
-                    resolved.config.role.value, len(spec.regions), self._desc.adapter.layout.value)
+                    resolved.config.role.value, len(spec.regions),
+                    dict(spec.engine_format))
 
     # ------------------------------------------------------------------ helpers
 
@@ -630,10 +724,15 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
             finished_sending=sent,
             finished_recving=self._kvb_ids(connector_output.finished_recving),
             failed_recving=self._kvb_ids(getattr(connector_output, "failed_recving", None)),
-            invalid_block_ids=frozenset((0, b) for b in connector_output.invalid_block_ids or ()),
+            # vLLM's block ids are pool ids shared by every KV cache group (hybrid models):
+            # a bad block is bad in whichever region holds it
+            invalid_block_ids=frozenset(
+                (r, b) for b in connector_output.invalid_block_ids or ()
+                for r in range(len(self._desc.adapter.spec.regions))),
         )
         self.kvbridge_scheduler.update_connector_output(out)
         for kvb_id in sent:  # a held request is done for good once sent
+            self._held_push.discard(kvb_id)
             vllm_id = self._to_vllm.pop(kvb_id, None)
             if vllm_id is not None:
                 self._to_kvb.pop(vllm_id, None)
@@ -647,6 +746,9 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
                 view, self._region_blocks(block_ids))
         finally:
             self._forget(rid)
+        if delay and view.transfer_params is not None \
+                and view.transfer_params.mode is TransferMode.PUSH:
+            self._held_push.add(view.request_id)
         return delay, (wrap_transfer_params(params) if params is not None else None)
 
     def request_finished(self, request: Request, block_ids: list[int],
@@ -698,8 +800,9 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
                         f"KV tensor for it")
                 tensor = kv_caches[name]
                 count = int(tensor.shape[0])
-                view = kvbridge_view(tensor, self._desc.adapter.layout,
-                                     shape.tensor_shape(count), name)
+                view = kvbridge_view(tensor, shape.region, shape.tensor_shape(count), name,
+                                     self._desc.adapter.fmt.kv_cache_layout,
+                                     manager_blocks=self._desc.num_blocks)
                 self._views[name] = view
                 layers[lid] = view
             num_blocks.append(count)

@@ -1,25 +1,36 @@
 """vLLM KV cache groups and tensors described in kvbridge's memory model (pure; no vLLM import).
 
-kvbridge's model (:mod:`kvbridge.layouts.spec`): per layer one tensor of shape
-``(num_blocks, num_kv, *block_shape)``, ``block_shape`` = ``(heads, tokens,
-head_dim)`` (HND) or ``(tokens, heads, head_dim)`` (NHD).
+What vLLM (>= 0.32) hands a connector, per layer: one view ``(num_blocks, heads,
+block_size, C)`` of a shared flat buffer (``allocate_kv_cache`` /
+``create_kv_cache_views``), ``C = (head_size + head_size_v)`` elements, whose
+memory order is the resolved ``kv_cache_layout``. What those bytes mean depends
+on the attention backend (the *interior*, :class:`kvbridge.layouts.Interior`):
 
-vLLM's CPU attention backend (0.32) stores a layer as ``(num_blocks,
-num_kv_heads, block_size, 2 * head_size)``: inside a block, for each head, the
-head's K rows (``block_size x head_size``) then its V rows. K and V sit
-*inside* the head axis, which kvbridge's model (K/V outside the heads) cannot
-say directly. Byte for byte it is exactly an HND **key-only** region whose
-``head_dim`` is ``2 * head_size``: one block of one head is one contiguous run
-of ``block_size * 2 * head_size`` elements in both descriptions, so head
-slicing for heterogeneous TP, block addressing and every byte range a plan
-computes are the same. What that description cannot express is a token
-slice of a head (DCP token sharding would need K rows and V rows of the same
-token, which are not adjacent here): the adapter refuses DCP > 1 with this
-layout at start-up. The honest fix belongs in the layouts layer (a memory
-order with K/V inside the head axis, ``HKND``); see the integration README.
+* GPU backends (FlashAttention, Triton, FlashInfer, ...) read each (head, token)
+  cell as K then V (``kv.transpose(1, 2).split(head_size, -1)``): ``token_kv``;
+* vLLM's CPU backend (``CPU_ATTN``) reads each head's block as its K rows then
+  its V rows (``view(B, H, 2 * N, D).chunk(2, dim=2)``): ``head_kv``;
+* MLA backends (``MLAAttentionSpec``: one latent of ``kv_lora_rank + rope`` per
+  token, ``head_size_v == 0``, one KV head): a key-only REPLICATE region.
 
-Tensors that already follow kvbridge's model, ``(num_blocks, 2, heads,
-tokens, head_dim)``, are described as they are (``NATIVE_HND``).
+Memory orders (``kv_cache_layout``, ``VLLM_KV_CACHE_LAYOUT``):
+
+=========  ===============================================================
+LBHNC/HND  supported: kvbridge ``HND`` (what :meth:`required_layout` asks for)
+LBNHC/NHD  supported: kvbridge ``NHD`` (vLLM's view transposed, no copy)
+BLHNC      refused: block-outermost (every layer's page inside one block)
+BLNHC      refused: block-outermost
+BHLNC      refused: block-outermost, heads outside the layer
+LHBNC      refused: heads outside the blocks
+=========  ===============================================================
+
+Block strides come from the tensors themselves, so padded pages (a block
+stride larger than a block's bytes, as vLLM pads hybrid and MLA pages) are
+described as they are. A view at kernel-block granularity (a backend kernel
+block smaller than the manager block) is refused at start-up with the
+``--block-size`` that avoids it. Hybrid models: one region per KV cache group;
+groups alias the same bytes (layer i of each group), which the transports
+register once.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.layouts import KVCacheSpec, MemoryOrder, RegionLayout, RegionSpec
+from kvbridge.layouts import Interior, KVCacheSpec, MemoryOrder, RegionLayout, RegionSpec
 from kvbridge.layouts.spec import DTYPE_BYTES
 
 
@@ -43,11 +54,39 @@ class AdapterConfigError(ValueError):
         super().__init__(f"{field}: {reason}")
 
 
-class TensorLayout(str, enum.Enum):
-    """How one vLLM layer tensor sits in memory."""
+#: vLLM ``kv_cache_layout`` names kvbridge serves, and their kvbridge memory order.
+SUPPORTED_LAYOUTS = {"LBHNC": MemoryOrder.HND, "LBNHC": MemoryOrder.NHD}
+#: vLLM's legacy aliases.
+LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
+#: Layouts kvbridge refuses, and why (the message names the setting to change).
+REFUSED_LAYOUTS = {
+    "BLHNC": "block-outermost: a block holds every layer's page, so one layer's blocks are "
+             "not a contiguous tensor kvbridge can register per layer",
+    "BLNHC": "block-outermost: a block holds every layer's page, so one layer's blocks are "
+             "not a contiguous tensor kvbridge can register per layer",
+    "BHLNC": "block-outermost with heads outside the layer: one layer's block is not "
+             "contiguous",
+    "LHBNC": "heads outside the blocks: one layer's block is not contiguous",
+}
+#: What kvbridge asks vLLM for (``get_required_kvcache_layout``) for head-split models:
+#: a head's slice of a block is contiguous, as vLLM's NixlConnector asks.
+REQUIRED_LAYOUT = "LBHNC"
 
-    CPU_PACKED = "cpu_packed"  # (num_blocks, heads, block_size, 2 * head_size)
-    NATIVE_HND = "native_hnd"  # (num_blocks, 2, heads, block_size, head_size)
+
+def memory_order_of(layout_name: str | None, num_kv_heads_local: int = 2) -> MemoryOrder:
+    """kvbridge's memory order for a resolved vLLM ``kv_cache_layout``; refuses the rest.
+
+    With one KV head per rank (MLA) LBHNC and LBNHC are the same bytes: HND.
+    """
+    name = LAYOUT_ALIASES.get(str(layout_name), str(layout_name))
+    if name in SUPPORTED_LAYOUTS:
+        return MemoryOrder.HND if num_kv_heads_local == 1 else SUPPORTED_LAYOUTS[name]
+    why = REFUSED_LAYOUTS.get(name, "unknown to kvbridge")
+    raise AdapterConfigError(
+        "kv_cache_layout",
+        f"vLLM resolved KV cache layout {name} ({why}); kvbridge serves "
+        f"{'/'.join(SUPPORTED_LAYOUTS)}: set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT} "
+        f"(or --kv-cache-layout / cache_config.kv_cache_layout {REQUIRED_LAYOUT})")
 
 
 class GroupKind(str, enum.Enum):
@@ -55,6 +94,12 @@ class GroupKind(str, enum.Enum):
     MLA = "mla"
     SLIDING_WINDOW = "sliding_window"
     UNSUPPORTED = "unsupported"
+
+
+#: vLLM spec classes that hold no attention KV (state, not pages of tokens): refused by name.
+STATE_KINDS = {
+    "MambaSpec": "Mamba / linear-attention state",
+}
 
 
 @dataclass(frozen=True)
@@ -69,21 +114,33 @@ class GroupInfo:
     num_kv_heads: int  # global (all TP ranks)
     head_size: int
     dtype: str  # torch name without "torch."
+    page_bytes: int = 0  # vLLM's (possibly padded) page size per layer; 0 = not known
 
 
-#: vLLM cache dtype names -> kvbridge's (torch) dtype names.
+#: vLLM cache dtype names -> kvbridge's (torch) dtype names. The bytes are fp8 stored as
+#: uint8; the per-tensor scales live in the layers, outside the cache.
 KV_CACHE_DTYPES = {
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
+#: vLLM cache dtypes whose bytes are not plain elements of the KV (scales or codebooks inside
+#: the cache, packed nibbles, per-token-head scales): refused by name.
+QUANTIZED_PREFIXES = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head",
+                      "nvfp4", "turboquant_", "ultraquant_", "fp8_ds_mla")
 
 
-def kvbridge_dtype(torch_dtype_name: str, cache_dtype: str) -> str:
+def kvbridge_dtype(torch_dtype_name: str, cache_dtype: str | None) -> str:
     """The dtype name kvbridge uses for a vLLM cache; refuses what it does not know."""
     if cache_dtype not in ("auto", None, ""):
-        name = KV_CACHE_DTYPES.get(cache_dtype)
+        name = KV_CACHE_DTYPES.get(str(cache_dtype))
         if name is None:
+            if str(cache_dtype).startswith(QUANTIZED_PREFIXES):
+                raise AdapterConfigError(
+                    "kv_cache_dtype", f"{cache_dtype!r} is a scaled/quantized KV cache format "
+                                      f"(scales or packed values in the cache) that kvbridge "
+                                      f"does not describe; use 'auto' or one of "
+                                      f"{sorted(KV_CACHE_DTYPES)}")
             raise AdapterConfigError("kv_cache_dtype", f"kvbridge does not know KV cache dtype "
                                                        f"{cache_dtype!r}; expected 'auto' or one "
                                                        f"of {sorted(KV_CACHE_DTYPES)}")
@@ -108,11 +165,33 @@ def layer_number(name: str) -> int:
 
 
 @dataclass(frozen=True)
+class VllmFormat:
+    """Which of vLLM's KV formats an engine runs: what two engines compare by name."""
+
+    device: str  # vLLM platform device type: "cpu", "cuda", ...
+    kv_cache_layout: str  # resolved layout name (LBHNC, LBNHC, ...)
+    cache_dtype: str  # vLLM's kv_cache_dtype ("auto", "fp8", ...)
+    attn_backend: str = "auto"  # the configured attention backend, or "auto"
+
+    @property
+    def interior(self) -> Interior:
+        """Where K and V sit in a non-MLA block: vLLM's CPU backend or a GPU backend."""
+        return Interior.HEAD_KV if self.device == "cpu" else Interior.TOKEN_KV
+
+    def engine_format(self) -> tuple[tuple[str, str], ...]:
+        return (("engine", "vllm"), ("device", self.device),
+                ("kv_cache_layout", LAYOUT_ALIASES.get(self.kv_cache_layout,
+                                                       self.kv_cache_layout)),
+                ("cache_dtype", self.cache_dtype or "auto"),
+                ("attn_backend", self.attn_backend or "auto"))
+
+
+@dataclass(frozen=True)
 class AdapterSpec:
     """The kvbridge spec of a vLLM engine plus the name <-> layer id mapping."""
 
     spec: KVCacheSpec
-    layout: TensorLayout
+    fmt: VllmFormat
     layer_ids: Mapping[str, int]  # vLLM layer name -> kvbridge layer id
     group_of_region: tuple[int, ...]  # region index -> vLLM group index
 
@@ -120,70 +199,94 @@ class AdapterSpec:
         return self.layer_ids.get(name)
 
 
-def build_spec(model: str, groups: Sequence[GroupInfo], layout: TensorLayout,
-               dcp_size: int = 1,
+def build_spec(model: str, groups: Sequence[GroupInfo], fmt: VllmFormat,
+               tp_size: int = 1,
                number_of: Callable[[str], int] = layer_number) -> AdapterSpec:
     """One kvbridge region per vLLM group; layer ids ordered by vLLM's layer index."""
     if not groups:
         raise AdapterConfigError("kv_cache_config", "no KV cache groups")
     for group in groups:
         if group.kind is GroupKind.UNSUPPORTED:
+            what = STATE_KINDS.get(group.type_name, f"{group.type_name} layers")
             raise AdapterConfigError(
                 f"kv_cache_config.kv_cache_groups[{group.index}]",
-                f"{group.type_name} layers are not supported by kvbridge's vLLM adapter "
-                f"(full attention, MLA and sliding window are)")
-    if layout is TensorLayout.CPU_PACKED and dcp_size > 1:
-        raise AdapterConfigError(
-            "decode_context_parallel_size",
-            f"{dcp_size} > 1 shards tokens across ranks, which the CPU backend's packed KV "
-            f"layout (K and V inside each head) does not allow kvbridge to address; use 1")
+                f"{what} ({group.type_name}, layers {list(group.layer_names[:2])}...) is not "
+                f"supported by kvbridge's vLLM adapter: it serves full attention, sliding "
+                f"window and MLA groups; run this model with vLLM's own connector")
     names = sorted({n for g in groups for n in g.layer_names}, key=lambda n: (number_of(n), n))
     layer_ids = {name: index for index, name in enumerate(names)}
     regions = []
     for group in groups:
         ids = tuple(sorted(layer_ids[n] for n in group.layer_names))
-        key_only = group.kind is GroupKind.MLA
-        head_dim = group.head_size
-        if layout is TensorLayout.CPU_PACKED and not key_only:
-            key_only, head_dim = True, 2 * group.head_size  # see the module docstring
+        mla = group.kind is GroupKind.MLA
+        local_heads = 1 if mla else max(1, group.num_kv_heads // max(1, tp_size))
         regions.append(RegionSpec(
             name=f"g{group.index}-{group.kind.value}",
-            layout=RegionLayout.REPLICATE if group.kind is GroupKind.MLA else RegionLayout.SPLIT,
+            layout=RegionLayout.REPLICATE if mla else RegionLayout.SPLIT,
             layer_ids=ids,
             block_size=group.block_size,
             num_kv_heads=group.num_kv_heads,
-            head_dim=head_dim,
+            head_dim=group.head_size,
             dtype=group.dtype,
-            key_only=key_only,
-            memory_order=MemoryOrder.HND,
+            key_only=mla,
+            memory_order=memory_order_of(fmt.kv_cache_layout, local_heads),
             token_sharded=group.kind is not GroupKind.SLIDING_WINDOW,
+            interior=Interior.KV_OUTER if mla else fmt.interior,
         ))
-    spec = KVCacheSpec(model=model, regions=tuple(regions))
-    return AdapterSpec(spec, layout, layer_ids, tuple(g.index for g in groups))
+    spec = KVCacheSpec(model=model, regions=tuple(regions), engine_format=fmt.engine_format())
+    return AdapterSpec(spec, fmt, layer_ids, tuple(g.index for g in groups))
 
 
-def kvbridge_view(tensor: Any, layout: TensorLayout, expected_shape: Sequence[int],
-                  layer_name: str) -> Any:
+def kvbridge_view(tensor: Any, region: RegionSpec, expected_shape: Sequence[int],
+                  layer_name: str, kv_cache_layout: str, manager_blocks: int | None = None,
+                  ) -> Any:
     """A view of a vLLM layer tensor with kvbridge's per-layer shape; no copy.
 
-    Raises :class:`AdapterConfigError` naming ``kv_cache_layout`` when the
-    tensor is not what the layout promises (checked at start-up, in
-    ``register_kv_caches``).
+    ``tensor`` is vLLM's ``(num_blocks, heads, block_size, C)`` view. Checks its
+    strides are the ones ``kv_cache_layout`` promises (a head's cells, a token's
+    row, the content contiguous; any block stride at least a block's bytes) and
+    raises :class:`AdapterConfigError` naming ``kv_cache_layout`` (or
+    ``block_size`` for kernel-block views) otherwise. Checked at start-up, in
+    ``register_kv_caches``.
     """
-    shape = tuple(tensor.shape)
-    expected = tuple(expected_shape)
-    if not tensor.is_contiguous():
-        raise AdapterConfigError("kv_cache_layout", f"layer {layer_name}: KV tensor is not "
-                                                    f"contiguous (strides {tensor.stride()})")
-    if layout is TensorLayout.CPU_PACKED:
-        num_blocks, heads, tokens, packed = (expected[0], expected[2], expected[3], expected[4])
-        want = (num_blocks, heads, tokens, packed)
-        if shape != want:
-            raise AdapterConfigError("kv_cache_layout", f"layer {layer_name}: expected the CPU "
-                                                        f"backend's {want}, got {shape}")
-        return tensor.view(num_blocks, 1, heads, tokens, packed)
-    if shape != expected:
-        raise AdapterConfigError("kv_cache_layout", f"layer {layer_name}: expected {expected} "
-                                                    f"(num_blocks, kv, heads, tokens, head_dim), "
-                                                    f"got {shape}")
-    return tensor
+    shape = tuple(int(x) for x in tensor.shape)
+    expected = tuple(int(x) for x in expected_shape)
+    if len(shape) != 4:
+        raise AdapterConfigError("kv_cache_layout", f"layer {layer_name}: expected vLLM's 4-D "
+                                                    f"(blocks, heads, tokens, content) view, "
+                                                    f"got shape {shape}")
+    blocks, heads, tokens, content = shape
+    if manager_blocks is not None and blocks != manager_blocks and blocks % manager_blocks == 0:
+        ratio = blocks // manager_blocks
+        raise AdapterConfigError(
+            "block_size", f"layer {layer_name}: vLLM split each {tokens * ratio}-token block "
+                          f"into {ratio} kernel blocks of {tokens} tokens (the attention "
+                          f"backend's kernel block size); kvbridge moves manager blocks whole "
+                          f"only when they are one page: run with --block-size {tokens}")
+    stride = tuple(int(x) for x in tensor.stride())
+    order = region.memory_order
+    want_token = content
+    want_head = tokens * content if order is MemoryOrder.HND else content
+    if order is MemoryOrder.NHD:
+        want_token = heads * content
+    bad = (stride[3] != 1 or (tokens > 1 and stride[2] != want_token)
+           or (heads > 1 and stride[1] != want_head)
+           or stride[0] < heads * tokens * content)
+    if bad:
+        raise AdapterConfigError(
+            "kv_cache_layout", f"layer {layer_name}: KV view strides {stride} for shape "
+                               f"{shape} are not vLLM's {kv_cache_layout} with dense pages; "
+                               f"set VLLM_KV_CACHE_LAYOUT={REQUIRED_LAYOUT}")
+    if region.key_only:  # MLA: (blocks, 1, tokens, latent) -> (blocks, 1, 1, tokens, latent)
+        view = tensor.unsqueeze(1)
+    elif order is MemoryOrder.NHD:  # vLLM's logical (B, H, N, C) -> kvbridge's (B, N, H, C)
+        view = tensor.transpose(1, 2)
+    else:
+        view = tensor
+    got = tuple(int(x) for x in view.shape)
+    if got[1:] != expected[1:]:
+        raise AdapterConfigError("kv_cache_layout", f"layer {layer_name}: expected per-block "
+                                                    f"shape {expected[1:]} for region "
+                                                    f"{region.name!r}, vLLM's view gives "
+                                                    f"{got[1:]}")
+    return view

@@ -10,8 +10,18 @@ Shape choices: 2 layers, 4 query heads, 2 KV heads (GQA, so KV-head slicing is
 exercised), head_dim 64 (a size vLLM's CPU attention supports), float32
 weights (no bf16 rounding between a colocated and a disaggregated run).
 
-Run ``python -m kvbridge.integrations.vllm.tiny_model OUT_DIR`` (inside the
-vLLM venv, where ``transformers`` and ``tokenizers`` are installed).
+Two more kinds for vLLM's other KV cache formats (``--kind``):
+
+- ``mla``: a DeepSeek-V2-style MLA model (2 dense layers, ``kv_lora_rank``
+  512 + rope 64 = the 576-wide latent vLLM's CPU MLA kernel is built for),
+  float16 weights (vLLM CPU's MLA backend wants 16-bit weights; bf16 kernels
+  die with an illegal instruction on this project's machines);
+- ``hybrid``: a Gemma-3-style model whose layers alternate sliding-window
+  (window 64 tokens) and full attention, so vLLM's hybrid allocator makes two
+  KV cache groups over shared bytes; float32 weights.
+
+Run ``python -m kvbridge.integrations.vllm.tiny_model [--kind K] OUT_DIR`` (inside
+the vLLM venv, where ``transformers`` and ``tokenizers`` are installed).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ RECIPE_FILE = "kvbridge_tiny_recipe.json"
 class TinyLlamaRecipe:
     """Everything that determines the checkpoint's bytes."""
 
+    kind: str = "llama"  # "llama", "mla" (DeepSeek-V2 style) or "hybrid" (Gemma-3 style)
     seed: int = 1234
     num_layers: int = 2
     hidden_size: int = 256
@@ -42,6 +53,8 @@ class TinyLlamaRecipe:
     vocab_size: int = 1024
     max_position_embeddings: int = 2048
     init_std: float = 0.08  # large enough that greedy outputs depend on the whole prompt
+    sliding_window: int = 64  # hybrid only: tokens seen by the sliding-window layers
+    mla_nope_dim: int = 64  # mla only: qk_nope_head_dim and v_head_dim
 
     @property
     def head_dim(self) -> int:
@@ -96,11 +109,58 @@ def build_tokenizer(recipe: TinyLlamaRecipe, out_dir: Path) -> int:
     return int(tok.get_vocab_size())
 
 
-def build_model(recipe: TinyLlamaRecipe, out_dir: Path, vocab_size: int) -> None:
-    """Seeded random Llama weights, saved as safetensors with a config.json."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: The recipes of the three kinds (``--kind``).
+RECIPES = {
+    "llama": TinyLlamaRecipe(),
+    "mla": TinyLlamaRecipe(kind="mla", num_heads=4, num_kv_heads=4, init_std=0.05),
+    "hybrid": TinyLlamaRecipe(kind="hybrid", num_layers=4, num_kv_heads=1),
+}
 
+
+def _config(recipe: TinyLlamaRecipe, vocab_size: int) -> tuple[object, str]:
+    """The transformers config and weight dtype of one recipe."""
+    from transformers import DeepseekV2Config, Gemma3TextConfig, LlamaConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=recipe.hidden_size,
+                  intermediate_size=recipe.intermediate_size,
+                  num_hidden_layers=recipe.num_layers,
+                  num_attention_heads=recipe.num_heads,
+                  num_key_value_heads=recipe.num_kv_heads,
+                  max_position_embeddings=recipe.max_position_embeddings,
+                  initializer_range=recipe.init_std, bos_token_id=0, eos_token_id=1,
+                  pad_token_id=2, tie_word_embeddings=False)
+    if recipe.kind == "mla":
+        # Dense MLPs (first_k_dense_replace = all layers); no q LoRA; latent 512 + rope 64.
+        return DeepseekV2Config(**common, kv_lora_rank=512, q_lora_rank=None,
+                                qk_rope_head_dim=64, qk_nope_head_dim=recipe.mla_nope_dim,
+                                v_head_dim=recipe.mla_nope_dim,
+                                first_k_dense_replace=recipe.num_layers, n_routed_experts=4,
+                                n_shared_experts=1, num_experts_per_tok=2,
+                                moe_intermediate_size=64, torch_dtype="float16"), "float16"
+    if recipe.kind == "hybrid":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(recipe.num_layers)]
+        return Gemma3TextConfig(**common, head_dim=recipe.head_dim,
+                                query_pre_attn_scalar=recipe.head_dim,
+                                sliding_window=recipe.sliding_window, layer_types=types,
+                                torch_dtype="float32"), "float32"
+    if recipe.kind != "llama":
+        raise ValueError(f"kind: expected one of {sorted(RECIPES)}, got {recipe.kind!r}")
+    return LlamaConfig(**common, head_dim=recipe.head_dim, torch_dtype="float32"), "float32"
+
+
+def build_model(recipe: TinyLlamaRecipe, out_dir: Path, vocab_size: int) -> None:
+    """Seeded random weights, saved as safetensors with a config.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if recipe.kind != "llama":
+        config, dtype = _config(recipe, vocab_size)
+        torch.manual_seed(recipe.seed)
+        model = AutoModelForCausalLM.from_config(config)
+        _randomize(model, recipe)
+        model.to(getattr(torch, dtype)).save_pretrained(str(out_dir), safe_serialization=True)
+        return
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=recipe.hidden_size,
@@ -119,14 +179,20 @@ def build_model(recipe: TinyLlamaRecipe, out_dir: Path, vocab_size: int) -> None
     )
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(config)
+    _randomize(model, recipe)
+    model.to(torch.float32).save_pretrained(str(out_dir), safe_serialization=True)
+
+
+def _randomize(model: object, recipe: TinyLlamaRecipe) -> None:
+    import torch
+
     with torch.no_grad():
         generator = torch.Generator().manual_seed(recipe.seed)
-        for _name, param in sorted(model.named_parameters()):
+        for _name, param in sorted(model.named_parameters()):  # type: ignore[attr-defined]
             if param.dim() == 1:  # norms: keep them near one
                 param.copy_(1.0 + 0.01 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(recipe.init_std * torch.randn(param.shape, generator=generator))
-    model.to(torch.float32).save_pretrained(str(out_dir), safe_serialization=True)
 
 
 def ensure_tiny_llama(out_dir: Path, recipe: TinyLlamaRecipe | None = None) -> Path:
@@ -141,18 +207,29 @@ def ensure_tiny_llama(out_dir: Path, recipe: TinyLlamaRecipe | None = None) -> P
     vocab = build_tokenizer(recipe, out_dir)
     build_model(recipe, out_dir, vocab)
     marker.write_text(wanted)
-    logger.info("built tiny Llama (%d layers, vocab %d) in %s", recipe.num_layers, vocab, out_dir)
+    logger.info("built tiny %s (%d layers, vocab %d) in %s", recipe.kind, recipe.num_layers,
+                vocab, out_dir)
     return out_dir
+
+
+def ensure_tiny_model(kind: str, out_dir: Path) -> Path:
+    """The checkpoint of one kind (``llama``, ``mla``, ``hybrid``), built once."""
+    if kind not in RECIPES:
+        raise ValueError(f"kind: expected one of {sorted(RECIPES)}, got {kind!r}")
+    return ensure_tiny_llama(out_dir, RECIPES[kind])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Build the tiny seeded Llama checkpoint used by the vLLM tests.",
+        description="Build a tiny seeded checkpoint (Llama, MLA or hybrid) used by the vLLM tests.",
         epilog="example: python -m kvbridge.integrations.vllm.tiny_model /tmp/tiny-llama",
     )
+    parser.add_argument("--kind", choices=sorted(RECIPES), default="llama",
+                        help="llama (dense GQA), mla (DeepSeek-V2 style), hybrid (Gemma-3 "
+                             "style sliding-window + full attention); default llama")
     parser.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
-    path = ensure_tiny_llama(args.out_dir)
+    path = ensure_tiny_model(args.kind, args.out_dir)
     print(path)  # noqa: T201 (a command-line entry point)
     return 0
 

@@ -9,15 +9,19 @@ from kvbridge.integrations.vllm.layout import (
     AdapterConfigError,
     GroupInfo,
     GroupKind,
-    TensorLayout,
+    VllmFormat,
     build_spec,
     kvbridge_dtype,
     kvbridge_view,
     layer_number,
+    memory_order_of,
 )
-from kvbridge.layouts import ParallelTopology, RegionLayout
+from kvbridge.layouts import Interior, MemoryOrder, ParallelTopology, RegionLayout
 
 pytestmark = pytest.mark.vllm
+
+CPU = VllmFormat("cpu", "LBHNC", "auto")
+GPU_NHD = VllmFormat("cuda", "LBNHC", "auto")
 
 
 def _group(index: int = 0, kind: GroupKind = GroupKind.FULL, layers: tuple[str, ...] = (
@@ -25,48 +29,48 @@ def _group(index: int = 0, kind: GroupKind = GroupKind.FULL, layers: tuple[str, 
     return GroupInfo(index, kind, "FullAttentionSpec", layers, 32, 2, 64, "float32")
 
 
-def test_cpu_packed_layout_is_a_key_only_region_of_double_head_dim() -> None:
-    adapter = build_spec("m", [_group()], TensorLayout.CPU_PACKED)
+def test_cpu_backend_is_a_head_kv_region_of_vllms_shape() -> None:
+    adapter = build_spec("m", [_group()], CPU)
     region = adapter.spec.regions[0]
-    assert region.key_only and region.head_dim == 128 and region.layout is RegionLayout.SPLIT
+    assert region.interior is Interior.HEAD_KV and region.head_dim == 64
+    assert region.layout is RegionLayout.SPLIT and not region.key_only
     assert adapter.layer_ids == {"model.layers.0.self_attn.attn": 0,
                                  "model.layers.1.self_attn.attn": 1}
     shape = adapter.spec.rank_shapes(ParallelTopology())[0]
-    assert shape.tensor_shape(10) == (10, 1, 2, 32, 128)
-    # the bytes of one block are the same as vLLM's (blocks, heads, tokens, 2*head) tensor
+    assert shape.tensor_shape(10) == (10, 2, 32, 128)  # vLLM's (B, H, N, K|V)
     assert shape.block_bytes_per_layer == 2 * 32 * 2 * 64 * 4
+    assert dict(adapter.spec.engine_format) == {
+        "engine": "vllm", "device": "cpu", "kv_cache_layout": "LBHNC", "cache_dtype": "auto",
+        "attn_backend": "auto"}
 
 
-def test_cpu_packed_view_keeps_each_heads_k_then_v_bytes() -> None:
-    adapter = build_spec("m", [_group()], TensorLayout.CPU_PACKED)
-    shape = adapter.spec.rank_shapes(ParallelTopology(tp_size=2, tp_rank=1))[0]
-    assert (shape.head_start, shape.num_heads) == (1, 1)
+def test_cpu_view_is_vllms_tensor_and_keeps_each_heads_k_then_v_bytes() -> None:
+    adapter = build_spec("m", [_group()], CPU)
+    full = adapter.spec.rank_shapes(ParallelTopology())[0]
     vllm_tensor = torch.arange(4 * 2 * 32 * 128, dtype=torch.float32).view(4, 2, 32, 128)
-    full = adapter.spec.rank_shapes(ParallelTopology())[0]
-    view = kvbridge_view(vllm_tensor, TensorLayout.CPU_PACKED, full.tensor_shape(4), "l0")
-    assert view.data_ptr() == vllm_tensor.data_ptr()
-    # vLLM's CPU kernel: view (blocks, heads, 2*tokens, head) and chunk -> K, V
-    k, v = vllm_tensor.view(4, 2, 64, 64).chunk(2, dim=2)
-    head = view[3, 0, 1].reshape(-1)  # block 3, head 1: one contiguous run in kvbridge's view
-    assert torch.equal(head[: 32 * 64], k[3, 1].reshape(-1))
-    assert torch.equal(head[32 * 64:], v[3, 1].reshape(-1))
+    view = kvbridge_view(vllm_tensor, full.region, full.tensor_shape(4), "l0", "LBHNC")
+    assert view.data_ptr() == vllm_tensor.data_ptr() and view.shape == vllm_tensor.shape
 
 
-def test_wrong_tensor_shape_is_refused_naming_the_layout() -> None:
-    adapter = build_spec("m", [_group()], TensorLayout.CPU_PACKED)
+def test_gpu_nhd_view_is_vllms_logical_view_transposed_without_a_copy() -> None:
+    adapter = build_spec("m", [_group()], GPU_NHD)
+    region = adapter.spec.regions[0]
+    assert region.interior is Interior.TOKEN_KV and region.memory_order is MemoryOrder.NHD
     full = adapter.spec.rank_shapes(ParallelTopology())[0]
-    with pytest.raises(AdapterConfigError) as info:
-        kvbridge_view(torch.zeros(4, 2, 2, 32, 64), TensorLayout.CPU_PACKED,
-                      full.tensor_shape(4), "l0")
-    assert info.value.field == "kv_cache_layout"
+    # vLLM's LBNHC: logical (B, H, N, C) over memory (B, N, H, C)
+    memory = torch.zeros(4, 32, 2, 128)
+    logical = memory.permute(0, 2, 1, 3)
+    view = kvbridge_view(logical, region, full.tensor_shape(4), "l0", "LBNHC")
+    assert view.is_contiguous() and view.data_ptr() == memory.data_ptr()
+    with pytest.raises(AdapterConfigError) as info:  # an HND tensor under an NHD promise
+        kvbridge_view(memory.permute(0, 2, 1, 3).contiguous(), region, full.tensor_shape(4),
+                      "l0", "LBNHC")
+    assert info.value.field == "kv_cache_layout" and "LBNHC" in info.value.reason
 
 
 def test_settings_kvbridge_cannot_serve_are_refused_naming_them() -> None:
     with pytest.raises(AdapterConfigError) as info:
-        build_spec("m", [_group()], TensorLayout.CPU_PACKED, dcp_size=2)
-    assert info.value.field == "decode_context_parallel_size"
-    with pytest.raises(AdapterConfigError) as info:
-        build_spec("m", [_group(kind=GroupKind.UNSUPPORTED)], TensorLayout.CPU_PACKED)
+        build_spec("m", [_group(kind=GroupKind.UNSUPPORTED)], CPU)
     assert info.value.field == "kv_cache_config.kv_cache_groups[0]"
     with pytest.raises(AdapterConfigError) as info:
         kvbridge_dtype("torch.float32", "int4")
@@ -74,13 +78,42 @@ def test_settings_kvbridge_cannot_serve_are_refused_naming_them() -> None:
     assert kvbridge_dtype("torch.uint8", "fp8_e5m2") == "float8_e5m2"
     with pytest.raises(AdapterConfigError):
         layer_number("lm_head")
+    with pytest.raises(AdapterConfigError) as info:
+        memory_order_of("BLHNC")
+    assert info.value.field == "kv_cache_layout" and "VLLM_KV_CACHE_LAYOUT" in info.value.reason
+    assert memory_order_of("NHD") is MemoryOrder.NHD
+    assert memory_order_of("LBNHC", num_kv_heads_local=1) is MemoryOrder.HND  # MLA
 
 
 def test_groups_become_regions_in_order_with_global_layer_ids() -> None:
     full = _group(0, GroupKind.FULL, ("model.layers.0.attn", "model.layers.2.attn"))
     window = GroupInfo(1, GroupKind.SLIDING_WINDOW, "SlidingWindowSpec",
                        ("model.layers.1.attn", "model.layers.3.attn"), 32, 2, 64, "bfloat16")
-    adapter = build_spec("m", [full, window], TensorLayout.NATIVE_HND)
+    adapter = build_spec("m", [full, window], GPU_NHD)
     assert [r.layer_ids for r in adapter.spec.regions] == [(0, 2), (1, 3)]
     assert not adapter.spec.regions[1].token_sharded
     assert adapter.group_of_region == (0, 1)
+
+
+def test_mla_group_is_a_key_only_replicated_latent() -> None:
+    mla = GroupInfo(0, GroupKind.MLA, "MLAAttentionSpec", ("model.layers.0.self_attn.attn",),
+                    16, 1, 576, "float16")
+    region = build_spec("m", [mla], CPU, tp_size=2).spec.regions[0]
+    assert region.key_only and region.layout is RegionLayout.REPLICATE
+    assert region.interior is Interior.KV_OUTER and region.head_dim == 576
+
+
+def test_connector_asks_vllm_for_hnd_except_for_mla_and_piecewise_only_for_push() -> None:
+    from types import SimpleNamespace
+
+    from tests.conftest import require
+
+    connector = require("kvbridge.integrations.vllm.connector")
+    cls = connector.KVBridgeNixlConnector
+    dense = SimpleNamespace(model_config=SimpleNamespace(use_mla=False))
+    mla = SimpleNamespace(model_config=SimpleNamespace(use_mla=True))
+    assert cls.get_required_kvcache_layout(dense) == "LBHNC"
+    assert cls.get_required_kvcache_layout(mla) is None
+    assert cls.requires_piecewise_for_cudagraph({"mode": "push"})
+    assert not cls.requires_piecewise_for_cudagraph({"mode": "pull"})
+    assert not cls.requires_piecewise_for_cudagraph({})
