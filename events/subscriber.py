@@ -665,10 +665,11 @@ class KVEventSubscriber:
                 self._replay_failures = 0
                 # A kvbridge publisher caps each reply (and so do we, by asking for
                 # at most max_pending_batches): more may follow when this reply
-                # stopped short of what was asked and of what the publisher holds.
+                # stopped short of the caller's range (not just of the chunk asked
+                # for) and of what the publisher holds.
                 truncated = False
                 if info is not None and batches:
-                    limit = info.next_seq if asked_end is None else min(asked_end, info.next_seq)
+                    limit = info.next_seq if end is None else min(end, info.next_seq)
                     truncated = batches[-1][0] + 1 < limit
                 return _ReplayResult(info, batches, complete=True, truncated=truncated)
             if reply.seq < start or (end is not None and reply.seq >= end):

@@ -468,3 +468,56 @@ def test_chunked_repair_stops_at_max_replay_chunks(
     lost = [item for item in items if isinstance(item, GapLost)]
     assert [(g.start_seq, g.end_seq) for g in lost] == [(20, 40)]
     assert "max_replay_chunks=2" in lost[0].reason
+
+
+
+def test_subscriber_chunks_a_catch_up_larger_than_its_own_pending_bound(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """The subscriber asks for at most max_pending_batches per reply; when the
+    publisher answers that chunk in full (its own cap, 10,000, is larger) the
+    subscriber asks for the rest instead of stopping after the first chunk."""
+    pub = KVEventPublisher(PublisherConfig())
+    try:
+        for i in range(40):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0, idle_resync_s=None, max_pending_batches=4)
+        assert pub.wait_for_subscribers(1)
+        head = _collect(sub, 40)
+        pub.publish(_kilobyte_step(40))
+        items = head + _collect(sub, 1)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [b.seq for b in items if isinstance(b, ReceivedBatch)] == list(range(41))
+    assert [item for item in items if isinstance(item, (GapDetected, GapLost))] == []
+    assert sub.stats.lost_batches == 0 and sub.stats.replay_requests >= 10
+
+
+def test_subscriber_chunks_a_gap_larger_than_its_own_pending_bound(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """Same for a gap before a live batch: chunk after chunk of max_pending_batches
+    (up to max_replay_chunks), the rest lost with that bound named -- not the
+    batches after the first chunk reported "not in the publisher's replay ring"."""
+    pub = KVEventPublisher(PublisherConfig())
+    try:
+        for i in range(40):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0, idle_resync_s=None, max_pending_batches=4,
+                              max_replay_chunks=3)
+        assert pub.wait_for_subscribers(1)
+        head = _collect(sub, 12)  # the catch-up: three chunks of four
+        assert [b.seq for b in head if isinstance(b, ReceivedBatch)] == list(range(12))
+        pub.publish(_kilobyte_step(40))
+        items = _collect(sub, 13)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [b.seq for b in items if isinstance(b, ReceivedBatch)] == [*range(12, 24), 40]
+    assert [item for item in items if isinstance(item, GapDetected)] == [GapDetected(12, 40)]
+    lost = [item for item in items if isinstance(item, GapLost)]
+    assert [(g.start_seq, g.end_seq) for g in lost] == [(24, 40)]
+    assert "max_replay_chunks=3" in lost[0].reason
