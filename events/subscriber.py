@@ -30,7 +30,9 @@ memory or stall the live stream):
   closed): what arrived in order is delivered, the rest of the gap is reported
   as ``GapLost`` (reason names the bound) and skipped. kvbridge publishers are
   asked for ranges of at most ``max_pending_batches``, chunk after chunk (at most
-  ``max_replay_chunks`` per gap), so an honest large gap never hits the bound;
+  ``max_replay_chunks`` per gap); a reply from a publisher that answered in order
+  (a plain one, or a kvbridge one whose ``ReplayInfo`` matched) and was cut at a
+  bound is a chunk too, so an honest large gap is not lost to the bound;
 - after a replay fails (timeout or overrun) no replay is tried for
   ``replay_backoff_s``, doubling per consecutive failure up to
   ``replay_backoff_max_s``; gaps in that window are reported lost at once and
@@ -631,10 +633,12 @@ class KVEventSubscriber:
                     f"(max_pending_batches={config.max_pending_batches}, "
                     f"max_pending_bytes={config.max_pending_bytes})"
                 )
-                if not use_ext and batches:
-                    # A plain (vLLM) publisher replays up to its newest batch: an
-                    # honest large gap is cut here, then asked for again from the
-                    # next seq (no backoff: this round made progress).
+                if batches and (not use_ext or (info is not None and info.matched)):
+                    # A plain (vLLM) publisher replays up to its newest batch, and a
+                    # kvbridge one (ReplayInfo first) up to max_pending_batches of
+                    # any size: an honest large gap is cut here, then asked for
+                    # again from the next seq (no backoff: this round made progress;
+                    # max_replay_chunks bounds the rounds per gap).
                     self._discard_dealer()
                     return _ReplayResult(info, batches, complete=False, truncated=True)
                 return self._replay_failed(

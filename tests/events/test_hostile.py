@@ -521,3 +521,30 @@ def test_subscriber_chunks_a_gap_larger_than_its_own_pending_bound(
     lost = [item for item in items if isinstance(item, GapLost)]
     assert [(g.start_seq, g.end_seq) for g in lost] == [(24, 40)]
     assert "max_replay_chunks=3" in lost[0].reason
+
+
+def test_honest_gap_larger_than_max_pending_bytes_is_chunked_not_lost(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """A kvbridge publisher's reply (ReplayInfo first) cut at max_pending_bytes --
+    honest batches, just large -- is asked for again from where it stopped, with
+    no backoff, like a plain publisher's; before, the rest of the gap was reported
+    lost and replay backed off (the docstring promised an honest gap never hits
+    the bound, but only the batch count was chunked)."""
+    pub = KVEventPublisher(PublisherConfig())
+    try:
+        for i in range(60):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0, idle_resync_s=None, max_pending_bytes=16 << 10)
+        assert pub.wait_for_subscribers(1)
+        items = _collect(sub, 60)
+        pub.publish(_kilobyte_step(60))
+        items += _collect(sub, 1)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [b.seq for b in items if isinstance(b, ReceivedBatch)] == list(range(61))
+    assert [item for item in items if isinstance(item, (GapDetected, GapLost))] == []
+    assert sub.stats.lost_batches == 0 and sub.stats.replays_skipped == 0
+    assert sub.stats.replay_overruns >= 60 * 1000 // (16 << 10)  # it was cut, and went on
