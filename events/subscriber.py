@@ -7,8 +7,9 @@ restarts made visible.
 - ``GapDetected``        sequence numbers were skipped; a replay follows;
 - ``GapLost``            part of a gap could not be replayed (evicted from the
                          publisher's ring, dropped by it, no replay endpoint,
-                         replay timed out, the reply overran the pending bound,
-                         replay backing off after failures);
+                         replay timed out or refused by a busy publisher, the
+                         reply overran the pending bound, replay backing off
+                         after failures);
 - ``PublisherRestarted`` a new publisher incarnation; sequence numbers restart;
 - ``MalformedFrame``     a frame or payload that does not parse (also counted
                          and logged; never fatal).
@@ -658,6 +659,13 @@ class KVEventSubscriber:
                     self.incarnation = info.incarnation
                 continue
             if reply.end:
+                if use_ext and info is None and self.publisher_supports_incarnation:
+                    # This publisher answered with ReplayInfo before: an end marker
+                    # alone is a refusal (too many replays under way), not a vLLM
+                    # publisher. Keep the extended protocol; back off.
+                    return self._replay_failed(_ReplayResult(
+                        None, batches, complete=False,
+                        failure="replay refused by the publisher (busy)"))
                 if use_ext and info is None:
                     # A vLLM publisher read our request as an out-of-range seq.
                     self.publisher_supports_incarnation = False

@@ -548,3 +548,45 @@ def test_honest_gap_larger_than_max_pending_bytes_is_chunked_not_lost(
     assert [item for item in items if isinstance(item, (GapDetected, GapLost))] == []
     assert sub.stats.lost_batches == 0 and sub.stats.replays_skipped == 0
     assert sub.stats.replay_overruns >= 60 * 1000 // (16 << 10)  # it was cut, and went on
+
+
+def test_a_busy_kvbridge_publishers_refusal_does_not_downgrade_the_protocol(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """A kvbridge publisher that refuses a replay (max_replay_clients under way)
+    answers with the end marker alone, as a vLLM publisher answers an extended
+    request. A subscriber that has already seen this publisher's ReplayInfo must
+    take it as a refusal (failed replay, backoff) -- it used to conclude "vLLM
+    publisher" and drop the incarnation check for good."""
+    big = [BlockStored(block_hashes=(1,), parent_block_hash=None,
+                       token_ids=tuple(range(1000, 21000)), block_size=20000)]  # ~60 KB
+    pub = KVEventPublisher(PublisherConfig(max_replay_clients=1, replay_sndhwm=1,
+                                           replay_stall_timeout_s=120.0))
+    greedy = zmq.Context.instance().socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.setsockopt(zmq.RCVHWM, 1)
+    greedy.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        for _ in range(300):  # ~18 MB: more than the socket buffers between the two
+            pub.publish(big)
+        assert pub.flush()
+        assert pub.replay_endpoint is not None
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=299, idle_resync_s=0.05)
+        assert pub.wait_for_subscribers(1)
+        assert [b.seq for b in _collect(sub, 1) if isinstance(b, ReceivedBatch)] == [299]
+        assert sub.publisher_supports_incarnation is True  # it answered with ReplayInfo
+        greedy.connect(pub.replay_endpoint)
+        greedy.send_multipart((b"", encode_seq(0)))  # a reply it never reads: stays under way
+        _wait_for(lambda: pub.stats.replay_clients == 1, "the greedy reply to be under way")
+        refused = pub.stats.refused_replay_requests
+        deadline = time.monotonic() + 60
+        while pub.stats.refused_replay_requests < refused + 2:  # idle resyncs, refused
+            assert time.monotonic() < deadline, "no idle resync was refused"
+            sub.get(0.05)
+        assert pub.stats.replay_clients == 1  # still busy: every resync was refused
+        assert sub.publisher_supports_incarnation is True
+        assert sub.stats.replay_timeouts == 0
+    finally:
+        greedy.close(linger=0)
+        pub.close(timeout_s=1.0)
