@@ -7,8 +7,9 @@ restarts made visible.
 - ``GapDetected``        sequence numbers were skipped; a replay follows;
 - ``GapLost``            part of a gap could not be replayed (evicted from the
                          publisher's ring, dropped by it, no replay endpoint,
-                         replay timed out, the reply overran the pending bound,
-                         replay backing off after failures);
+                         replay timed out or refused by a busy publisher, the
+                         reply overran the pending bound, replay backing off
+                         after failures);
 - ``PublisherRestarted`` a new publisher incarnation; sequence numbers restart;
 - ``MalformedFrame``     a frame or payload that does not parse (also counted
                          and logged; never fatal).
@@ -30,7 +31,9 @@ memory or stall the live stream):
   closed): what arrived in order is delivered, the rest of the gap is reported
   as ``GapLost`` (reason names the bound) and skipped. kvbridge publishers are
   asked for ranges of at most ``max_pending_batches``, chunk after chunk (at most
-  ``max_replay_chunks`` per gap), so an honest large gap never hits the bound;
+  ``max_replay_chunks`` per gap); a reply from a publisher that answered in order
+  (a plain one, or a kvbridge one whose ``ReplayInfo`` matched) and was cut at a
+  bound is a chunk too, so an honest large gap is not lost to the bound;
 - after a replay fails (timeout or overrun) no replay is tried for
   ``replay_backoff_s``, doubling per consecutive failure up to
   ``replay_backoff_max_s``; gaps in that window are reported lost at once and
@@ -631,10 +634,12 @@ class KVEventSubscriber:
                     f"(max_pending_batches={config.max_pending_batches}, "
                     f"max_pending_bytes={config.max_pending_bytes})"
                 )
-                if not use_ext and batches:
-                    # A plain (vLLM) publisher replays up to its newest batch: an
-                    # honest large gap is cut here, then asked for again from the
-                    # next seq (no backoff: this round made progress).
+                if batches and (not use_ext or (info is not None and info.matched)):
+                    # A plain (vLLM) publisher replays up to its newest batch, and a
+                    # kvbridge one (ReplayInfo first) up to max_pending_batches of
+                    # any size: an honest large gap is cut here, then asked for
+                    # again from the next seq (no backoff: this round made progress;
+                    # max_replay_chunks bounds the rounds per gap).
                     self._discard_dealer()
                     return _ReplayResult(info, batches, complete=False, truncated=True)
                 return self._replay_failed(
@@ -654,6 +659,13 @@ class KVEventSubscriber:
                     self.incarnation = info.incarnation
                 continue
             if reply.end:
+                if use_ext and info is None and self.publisher_supports_incarnation:
+                    # This publisher answered with ReplayInfo before: an end marker
+                    # alone is a refusal (too many replays under way), not a vLLM
+                    # publisher. Keep the extended protocol; back off.
+                    return self._replay_failed(_ReplayResult(
+                        None, batches, complete=False,
+                        failure="replay refused by the publisher (busy)"))
                 if use_ext and info is None:
                     # A vLLM publisher read our request as an out-of-range seq.
                     self.publisher_supports_incarnation = False
@@ -665,10 +677,11 @@ class KVEventSubscriber:
                 self._replay_failures = 0
                 # A kvbridge publisher caps each reply (and so do we, by asking for
                 # at most max_pending_batches): more may follow when this reply
-                # stopped short of what was asked and of what the publisher holds.
+                # stopped short of the caller's range (not just of the chunk asked
+                # for) and of what the publisher holds.
                 truncated = False
                 if info is not None and batches:
-                    limit = info.next_seq if asked_end is None else min(asked_end, info.next_seq)
+                    limit = info.next_seq if end is None else min(end, info.next_seq)
                     truncated = batches[-1][0] + 1 < limit
                 return _ReplayResult(info, batches, complete=True, truncated=truncated)
             if reply.seq < start or (end is not None and reply.seq >= end):

@@ -468,3 +468,125 @@ def test_chunked_repair_stops_at_max_replay_chunks(
     lost = [item for item in items if isinstance(item, GapLost)]
     assert [(g.start_seq, g.end_seq) for g in lost] == [(20, 40)]
     assert "max_replay_chunks=2" in lost[0].reason
+
+
+
+def test_subscriber_chunks_a_catch_up_larger_than_its_own_pending_bound(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """The subscriber asks for at most max_pending_batches per reply; when the
+    publisher answers that chunk in full (its own cap, 10,000, is larger) the
+    subscriber asks for the rest instead of stopping after the first chunk."""
+    pub = KVEventPublisher(PublisherConfig())
+    try:
+        for i in range(40):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0, idle_resync_s=None, max_pending_batches=4)
+        assert pub.wait_for_subscribers(1)
+        head = _collect(sub, 40)
+        pub.publish(_kilobyte_step(40))
+        items = head + _collect(sub, 1)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [b.seq for b in items if isinstance(b, ReceivedBatch)] == list(range(41))
+    assert [item for item in items if isinstance(item, (GapDetected, GapLost))] == []
+    assert sub.stats.lost_batches == 0 and sub.stats.replay_requests >= 10
+
+
+def test_subscriber_chunks_a_gap_larger_than_its_own_pending_bound(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """Same for a gap before a live batch: chunk after chunk of max_pending_batches
+    (up to max_replay_chunks), the rest lost with that bound named -- not the
+    batches after the first chunk reported "not in the publisher's replay ring"."""
+    pub = KVEventPublisher(PublisherConfig())
+    try:
+        for i in range(40):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0, idle_resync_s=None, max_pending_batches=4,
+                              max_replay_chunks=3)
+        assert pub.wait_for_subscribers(1)
+        head = _collect(sub, 12)  # the catch-up: three chunks of four
+        assert [b.seq for b in head if isinstance(b, ReceivedBatch)] == list(range(12))
+        pub.publish(_kilobyte_step(40))
+        items = _collect(sub, 13)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [b.seq for b in items if isinstance(b, ReceivedBatch)] == [*range(12, 24), 40]
+    assert [item for item in items if isinstance(item, GapDetected)] == [GapDetected(12, 40)]
+    lost = [item for item in items if isinstance(item, GapLost)]
+    assert [(g.start_seq, g.end_seq) for g in lost] == [(24, 40)]
+    assert "max_replay_chunks=3" in lost[0].reason
+
+
+def test_honest_gap_larger_than_max_pending_bytes_is_chunked_not_lost(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """A kvbridge publisher's reply (ReplayInfo first) cut at max_pending_bytes --
+    honest batches, just large -- is asked for again from where it stopped, with
+    no backoff, like a plain publisher's; before, the rest of the gap was reported
+    lost and replay backed off (the docstring promised an honest gap never hits
+    the bound, but only the batch count was chunked)."""
+    pub = KVEventPublisher(PublisherConfig())
+    try:
+        for i in range(60):
+            pub.publish(_kilobyte_step(i))
+        assert pub.flush()
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=0, idle_resync_s=None, max_pending_bytes=16 << 10)
+        assert pub.wait_for_subscribers(1)
+        items = _collect(sub, 60)
+        pub.publish(_kilobyte_step(60))
+        items += _collect(sub, 1)
+    finally:
+        pub.close(timeout_s=1.0)
+    assert [b.seq for b in items if isinstance(b, ReceivedBatch)] == list(range(61))
+    assert [item for item in items if isinstance(item, (GapDetected, GapLost))] == []
+    assert sub.stats.lost_batches == 0 and sub.stats.replays_skipped == 0
+    assert sub.stats.replay_overruns >= 60 * 1000 // (16 << 10)  # it was cut, and went on
+
+
+def test_a_busy_kvbridge_publishers_refusal_does_not_downgrade_the_protocol(
+    make_subscriber: Callable[..., KVEventSubscriber],
+) -> None:
+    """A kvbridge publisher that refuses a replay (max_replay_clients under way)
+    answers with the end marker alone, as a vLLM publisher answers an extended
+    request. A subscriber that has already seen this publisher's ReplayInfo must
+    take it as a refusal (failed replay, backoff) -- it used to conclude "vLLM
+    publisher" and drop the incarnation check for good."""
+    big = [BlockStored(block_hashes=(1,), parent_block_hash=None,
+                       token_ids=tuple(range(1000, 21000)), block_size=20000)]  # ~60 KB
+    pub = KVEventPublisher(PublisherConfig(max_replay_clients=1, replay_sndhwm=1,
+                                           replay_stall_timeout_s=120.0))
+    greedy = zmq.Context.instance().socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.setsockopt(zmq.RCVHWM, 1)
+    greedy.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        for _ in range(300):  # ~18 MB: more than the socket buffers between the two
+            pub.publish(big)
+        assert pub.flush()
+        assert pub.replay_endpoint is not None
+        sub = make_subscriber(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                              start_seq=299, idle_resync_s=0.05)
+        assert pub.wait_for_subscribers(1)
+        assert [b.seq for b in _collect(sub, 1) if isinstance(b, ReceivedBatch)] == [299]
+        assert sub.publisher_supports_incarnation is True  # it answered with ReplayInfo
+        greedy.connect(pub.replay_endpoint)
+        greedy.send_multipart((b"", encode_seq(0)))  # a reply it never reads: stays under way
+        _wait_for(lambda: pub.stats.replay_clients == 1, "the greedy reply to be under way")
+        refused = pub.stats.refused_replay_requests
+        deadline = time.monotonic() + 60
+        while pub.stats.refused_replay_requests < refused + 2:  # idle resyncs, refused
+            assert time.monotonic() < deadline, "no idle resync was refused"
+            sub.get(0.05)
+        assert pub.stats.replay_clients == 1  # still busy: every resync was refused
+        assert sub.publisher_supports_incarnation is True
+        assert sub.stats.replay_timeouts == 0
+    finally:
+        greedy.close(linger=0)
+        pub.close(timeout_s=1.0)

@@ -29,6 +29,7 @@ deliberate, compatible addition, and say so in the commit message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -376,6 +377,10 @@ VECTORS = [
     # handshake
     Vector("handshake_engine_document.hex", _engine, encode_engine, decode_engine),
     Vector("handshake_agent.hex", lambda: _rank(1), encode_agent, decode_agent),
+    # a rank whose KV is in CUDA memory: the memory type and device a peer prepares with
+    Vector("handshake_agent_vram.hex",
+           lambda: dataclasses.replace(_rank(0), mem_type="VRAM", device_id=3), encode_agent,
+           decode_agent),
     Vector("handshake_request_get.hex",
            lambda: MetadataRequest(17, RequestKind.GET, pp_rank=None, tp_rank=1, pcp_rank=0,
                                    known_incarnation="0123456789abcdef", known_generation=3),

@@ -208,9 +208,7 @@ def run_transfers(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     _wait(t, t.post("WRITE", ldl, idx, rdl, idx, deadline_s=60))
                     write_s.append(time.perf_counter() - t0)
-                write_ok = all(peer.read(off, min(block_bytes, 1 << 20))
-                               == mine[off:off + min(block_bytes, 1 << 20)].cpu().numpy()
-                               .tobytes() for off in range(0, total, block_bytes))
+                write_ok = write_verified(peer.read, mine.cpu().numpy().tobytes())
                 raw_s = _raw_read(api, peer, local, num_blocks, block_bytes, dev, args.iters,
                                   mem_type)
                 copy_s = _d2d_copy(local, args.iters)
@@ -223,6 +221,13 @@ def run_transfers(args: argparse.Namespace) -> dict[str, Any]:
             "raw_nixl_read_gbps": round(gbps(total, raw_s), 3),
             "torch_d2d_copy_gbps": round(gbps(total, copy_s), 3), "leaks": final.live})
     return {"patterns": results}
+
+
+def write_verified(read: Any, want: bytes, chunk: int = 1 << 20) -> bool:
+    """Every byte of the peer's buffer equals ``want``: ``read(offset, length)`` in
+    pieces of at most ``chunk`` bytes (one peer call each), all of the buffer."""
+    return all(read(off, min(chunk, len(want) - off)) == want[off:off + chunk]
+               for off in range(0, len(want), chunk))
 
 
 def _sync(device: Any) -> None:

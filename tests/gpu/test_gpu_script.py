@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,28 @@ def test_ucx_protocol_summary_and_rates() -> None:
             "[1] UCX INFO | tcp/lo : bcopy |\n| rc_mlx5/mlx5_0:1 zcopy |\nnot ucx cuda_ipc\n")
     assert gpu_checks.ucx_protocols(text) == {"cuda_ipc": 1, "tcp": 1, "rc_mlx5": 1}
     assert gpu_checks.gbps(2_000_000_000, [2.0, 1.0, 4.0]) == 1.0
+
+
+def test_write_check_reads_every_byte_of_large_blocks() -> None:
+    """The WRITE verification covers the whole peer buffer, 1 MiB per peer call: it
+    used to read only the first MiB of each block, so with the 2 MiB blocks of
+    the full patterns a wrong second half passed as verified."""
+    want = bytes(range(256)) * (4 << 12)  # 4 MiB: two 2 MiB blocks
+    calls: list[tuple[int, int]] = []
+
+    def read_from(buf: bytes) -> Callable[[int, int], bytes]:
+        def read(offset: int, length: int) -> bytes:
+            calls.append((offset, length))
+            return buf[offset:offset + length]
+        return read
+
+    assert gpu_checks.write_verified(read_from(want), want)
+    assert calls == [(off, 1 << 20) for off in range(0, 4 << 20, 1 << 20)]
+    wrong = bytearray(want)
+    wrong[(2 << 20) - 1] ^= 0xFF  # the last byte of the first block's second MiB
+    assert not gpu_checks.write_verified(read_from(bytes(wrong)), want)
+    assert gpu_checks.write_verified(read_from(want[:3000]), want[:3000], chunk=1024)
+    assert not gpu_checks.write_verified(read_from(want[:2999] + b"x"), want[:3000], chunk=1024)
 
 
 def test_without_cuda_the_checks_say_so(capsys: pytest.CaptureFixture[str]) -> None:
