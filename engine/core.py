@@ -71,6 +71,7 @@ from kvbridge.connectors import (
 )
 from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.content import next_token
+from kvbridge.engine.control import ControlLimits
 from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.request import (
     EngineRequest,
@@ -286,12 +287,32 @@ class Engine:
         if self.config.record_hooks:
             self.hook_log.append(HookCall(self.step_id, side, worker, hook, request_id))
 
-    def add_request(self, spec: RequestSpec) -> None:
-        """Queue a request. Validated first: nothing is queued if it is refused."""
+    @property
+    def max_request_tokens(self) -> int:
+        """Tokens of KV one request can ever hold: what the smallest region's pool holds.
+
+        A request needing more (``len(prompt) + max_tokens - 1``) could never be
+        scheduled, and FIFO scheduling would then starve every request behind it."""
+        return min(pool.num_blocks * t for pool, t in zip(self.pools, self.tokens_per_block,
+                                                          strict=True))
+
+    def control_limits(self) -> ControlLimits:
+        """What one control message to this engine may carry (``kvbridge.engine.control``)."""
+        return ControlLimits.for_pools(self.config.num_blocks, self.tokens_per_block)
+
+    def check_request(self, spec: RequestSpec) -> None:
+        """Raise (naming the field) if :meth:`add_request` would refuse ``spec``; no effect."""
         if self._shut_down:
             raise ContractError("engine", "add_request after shutdown")
         if spec.request_id in self.requests:
             raise ConfigError("request_id", f"duplicate request id {spec.request_id!r}")
+        needed = len(spec.prompt) + spec.max_tokens - 1
+        if needed > self.max_request_tokens:
+            raise ConfigError("prompt" if len(spec.prompt) > self.max_request_tokens
+                              else "max_tokens",
+                              f"request {spec.request_id!r} needs the KV of {needed} tokens; "
+                              f"this engine's block pool holds {self.max_request_tokens} "
+                              f"(num_blocks {self.config.num_blocks}): it could never run")
         if spec.transfer_params is not None:
             if self.scheduler_connector is None:
                 raise RoleError("transfer_params", f"request {spec.request_id!r} carries "
@@ -301,6 +322,10 @@ class Engine:
             raise RoleError("remote_decode", f"request {spec.request_id!r} asks for a remote "
                             f"decode; that needs a connector with role kv_producer "
                             f"(this engine: {self.role.value if self.role else 'none'})")
+
+    def add_request(self, spec: RequestSpec) -> None:
+        """Queue a request. Validated first: nothing is queued if it is refused."""
+        self.check_request(spec)
         request = EngineRequest(spec, self.num_regions)
         request.update_hashes(self.spec, self.dcp_size)
         request.waiting_since = time.monotonic()
