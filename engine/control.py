@@ -144,7 +144,8 @@ class Shutdown:
 ControlMessage = (Info | Submit | Results | Abort | Stats | TransferRecords | ResetPrefixCache
                   | Shutdown)
 
-_NO_FIELDS: dict[str, type[ControlMessage]] = {
+_NO_FIELDS: dict[str, type[Info | Results | Stats | TransferRecords | ResetPrefixCache
+                          | Shutdown]] = {
     "info": Info, "results": Results, "stats": Stats, "transfer_records": TransferRecords,
     "reset_prefix_cache": ResetPrefixCache, "shutdown": Shutdown,
 }

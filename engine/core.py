@@ -42,6 +42,7 @@ lets that happen, which the conformance suite checks.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -124,6 +125,49 @@ class EngineConfig:
         self.spec.validate_topology(self.topology)
 
 
+#: Bytes of bookkeeping per block and region besides its KV (block pool lists, hashes).
+BLOCK_OVERHEAD_BYTES = 256
+#: Share of the host's available memory one engine's KV cache may take.
+HOST_MEMORY_FRACTION = 0.8
+
+
+def kv_cache_bytes(config: EngineConfig) -> int:
+    """Bytes an engine of ``config`` allocates for its KV cache, every rank and region,
+    plus its block pools' bookkeeping (the reference engine keeps every rank in memory)."""
+    per_block = 0
+    for rank in config.topology.sizes().ranks():
+        per_block += sum(shape.block_bytes for shape in config.spec.rank_shapes(rank))
+    return config.num_blocks * (per_block + BLOCK_OVERHEAD_BYTES * len(config.spec.regions))
+
+
+def available_memory_bytes() -> int:
+    """What this host could give a new allocation now: ``MemAvailable`` (Linux), else
+    all physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_memory(config: EngineConfig) -> None:
+    """Refuse (``num_blocks`` named) a KV cache this host could not hold, before any of
+    it is allocated: too many blocks must be a usage error, not an engine that
+    allocates until the machine runs out."""
+    need = kv_cache_bytes(config)
+    have = int(available_memory_bytes() * HOST_MEMORY_FRACTION)
+    if need > have:
+        raise ConfigError("num_blocks", f"{config.num_blocks} blocks of this model on "
+                                        f"{config.topology.sizes().describe()} need "
+                                        f"{need / 2**30:.1f} GiB of KV memory; this host can "
+                                        f"give {have / 2**30:.1f} GiB "
+                                        f"({HOST_MEMORY_FRACTION:.0%} of what is available): "
+                                        f"use fewer blocks, ranks or a smaller model")
+
+
 @dataclass(frozen=True)
 class HookCall:
     step: int
@@ -195,6 +239,7 @@ class Engine:
         self.num_regions = len(self.spec.regions)
         self.tokens_per_block = tuple(r.tokens_per_key(self.dcp_size) for r in self.spec.regions)
         num_blocks = tuple(config.num_blocks for _ in self.spec.regions)
+        check_host_memory(config)  # before any pool or tensor exists
         self.engine_id = (config.connector.engine_id if config.connector is not None
                           else config.engine_id or uuid.uuid4().hex[:16])
         self.role: KVRole | None = config.connector.role if config.connector else None

@@ -31,7 +31,8 @@ Errors are ``{"ok": false, "type": "ProtocolError", "error": "requests[0].prompt
 (``type`` is the kvbridge error's class; ``InternalError`` for a bug, whose traceback
 goes to the log, not to the client); the server keeps serving. A frame larger than
 ``limits.max_message_bytes`` is dropped by libzmq with its connection, unread (no
-reply: the client times out). The process also exits when its parent dies.
+reply: the client times out). An engine process of the harness also exits when its
+parent dies; ``kvbridge serve`` (``exit_with_parent=False``) does not.
 
 What a client may do (a design choice): anyone who reaches the port may submit,
 read and pop every result, abort any request by id, read stats and reset the
@@ -58,7 +59,7 @@ import msgpack
 import zmq
 
 import kvbridge.backends  # noqa: F401  (UCX/NIXL env defaults before any agent exists)
-from kvbridge.connectors import ConnectorConfig
+from kvbridge.connectors import ConfigError, ConnectorConfig
 from kvbridge.connectors.errors import KVBridgeError
 from kvbridge.engine.control import (
     Abort,
@@ -220,8 +221,12 @@ def _run(engine: Engine, message: ControlMessage,
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
           ready_stream: Any = None, events: EngineEventsConfig | None = None,
-          event_sink: EventSink | None = None, allow_shutdown: bool = True) -> None:
+          event_sink: EventSink | None = None, allow_shutdown: bool = True,
+          exit_with_parent: bool = True) -> None:
     """Run the engine and its control socket until a ``shutdown`` op or parent death.
+
+    ``exit_with_parent=False`` (``kvbridge serve``, an operator's process that may
+    outlive the shell that started it): keep serving when the parent exits.
 
     ``allow_shutdown=False``: a ``shutdown`` op gets an error reply (stop the
     process with a signal instead).
@@ -249,10 +254,14 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
     sock.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
     try:
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            raise ConfigError("control_port", f"cannot listen on tcp://{host}:{port or '*'}: "
+                                              f"{exc.strerror}; choose a free port") from None
         endpoint = engine.endpoint()
         line = json.dumps({"ready": True, "port": port, "engine_id": engine.engine_id,
                            "endpoint": list(endpoint) if endpoint else None,
@@ -291,7 +300,7 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
             now = time.monotonic()
             if now - last_parent_check > 0.5:
                 last_parent_check = now
-                if os.getppid() != parent:
+                if exit_with_parent and os.getppid() != parent:
                     logger.error("engine %s: parent process died; shutting down",
                                  engine.engine_id)
                     break
