@@ -42,6 +42,7 @@ lets that happen, which the conformance suite checks.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -71,6 +72,7 @@ from kvbridge.connectors import (
 )
 from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.content import next_token
+from kvbridge.engine.control import ControlLimits
 from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.request import (
     EngineRequest,
@@ -121,6 +123,49 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", "expected >= 1")
         self.spec.validate_topology(self.topology)
+
+
+#: Bytes of bookkeeping per block and region besides its KV (block pool lists, hashes).
+BLOCK_OVERHEAD_BYTES = 256
+#: Share of the host's available memory one engine's KV cache may take.
+HOST_MEMORY_FRACTION = 0.8
+
+
+def kv_cache_bytes(config: EngineConfig) -> int:
+    """Bytes an engine of ``config`` allocates for its KV cache, every rank and region,
+    plus its block pools' bookkeeping (the reference engine keeps every rank in memory)."""
+    per_block = 0
+    for rank in config.topology.sizes().ranks():
+        per_block += sum(shape.block_bytes for shape in config.spec.rank_shapes(rank))
+    return config.num_blocks * (per_block + BLOCK_OVERHEAD_BYTES * len(config.spec.regions))
+
+
+def available_memory_bytes() -> int:
+    """What this host could give a new allocation now: ``MemAvailable`` (Linux), else
+    all physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_memory(config: EngineConfig) -> None:
+    """Refuse (``num_blocks`` named) a KV cache this host could not hold, before any of
+    it is allocated: too many blocks must be a usage error, not an engine that
+    allocates until the machine runs out."""
+    need = kv_cache_bytes(config)
+    have = int(available_memory_bytes() * HOST_MEMORY_FRACTION)
+    if need > have:
+        raise ConfigError("num_blocks", f"{config.num_blocks} blocks of this model on "
+                                        f"{config.topology.sizes().describe()} need "
+                                        f"{need / 2**30:.1f} GiB of KV memory; this host can "
+                                        f"give {have / 2**30:.1f} GiB "
+                                        f"({HOST_MEMORY_FRACTION:.0%} of what is available): "
+                                        f"use fewer blocks, ranks or a smaller model")
 
 
 @dataclass(frozen=True)
@@ -194,6 +239,7 @@ class Engine:
         self.num_regions = len(self.spec.regions)
         self.tokens_per_block = tuple(r.tokens_per_key(self.dcp_size) for r in self.spec.regions)
         num_blocks = tuple(config.num_blocks for _ in self.spec.regions)
+        check_host_memory(config)  # before any pool or tensor exists
         self.engine_id = (config.connector.engine_id if config.connector is not None
                           else config.engine_id or uuid.uuid4().hex[:16])
         self.role: KVRole | None = config.connector.role if config.connector else None
@@ -286,12 +332,32 @@ class Engine:
         if self.config.record_hooks:
             self.hook_log.append(HookCall(self.step_id, side, worker, hook, request_id))
 
-    def add_request(self, spec: RequestSpec) -> None:
-        """Queue a request. Validated first: nothing is queued if it is refused."""
+    @property
+    def max_request_tokens(self) -> int:
+        """Tokens of KV one request can ever hold: what the smallest region's pool holds.
+
+        A request needing more (``len(prompt) + max_tokens - 1``) could never be
+        scheduled, and FIFO scheduling would then starve every request behind it."""
+        return min(pool.num_blocks * t for pool, t in zip(self.pools, self.tokens_per_block,
+                                                          strict=True))
+
+    def control_limits(self) -> ControlLimits:
+        """What one control message to this engine may carry (``kvbridge.engine.control``)."""
+        return ControlLimits.for_pools(self.config.num_blocks, self.tokens_per_block)
+
+    def check_request(self, spec: RequestSpec) -> None:
+        """Raise (naming the field) if :meth:`add_request` would refuse ``spec``; no effect."""
         if self._shut_down:
             raise ContractError("engine", "add_request after shutdown")
         if spec.request_id in self.requests:
             raise ConfigError("request_id", f"duplicate request id {spec.request_id!r}")
+        needed = len(spec.prompt) + spec.max_tokens - 1
+        if needed > self.max_request_tokens:
+            raise ConfigError("prompt" if len(spec.prompt) > self.max_request_tokens
+                              else "max_tokens",
+                              f"request {spec.request_id!r} needs the KV of {needed} tokens; "
+                              f"this engine's block pool holds {self.max_request_tokens} "
+                              f"(num_blocks {self.config.num_blocks}): it could never run")
         if spec.transfer_params is not None:
             if self.scheduler_connector is None:
                 raise RoleError("transfer_params", f"request {spec.request_id!r} carries "
@@ -301,6 +367,10 @@ class Engine:
             raise RoleError("remote_decode", f"request {spec.request_id!r} asks for a remote "
                             f"decode; that needs a connector with role kv_producer "
                             f"(this engine: {self.role.value if self.role else 'none'})")
+
+    def add_request(self, spec: RequestSpec) -> None:
+        """Queue a request. Validated first: nothing is queued if it is refused."""
+        self.check_request(spec)
         request = EngineRequest(spec, self.num_regions)
         request.update_hashes(self.spec, self.dcp_size)
         request.waiting_since = time.monotonic()

@@ -35,6 +35,7 @@ import msgpack
 import zmq
 
 from kvbridge.connectors import TransferMode, TransferParams
+from kvbridge.engine.control import ControlLimits, split_submit
 from kvbridge.engine.core import EngineConfig
 from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
@@ -110,8 +111,19 @@ class ControlCalls:
         """One request/reply with the engine's control socket."""
         raise NotImplementedError
 
+    _limits: ControlLimits | None = None
+
+    def control_limits(self) -> ControlLimits:
+        """What one message to this engine may carry (from its ``info``; asked once)."""
+        if self._limits is None:
+            self._limits = ControlLimits.from_dict(self.call("info").get("limits"))
+        return self._limits
+
     def submit(self, specs: list[RequestSpec]) -> None:
-        self.call("submit", requests=[s.to_dict() for s in specs])
+        """Queue ``specs``, in as many ``submit`` messages as the engine's limits need
+        (each message is all or nothing; an error leaves the earlier ones queued)."""
+        for chunk in split_submit(specs, self.control_limits()):
+            self.call("submit", requests=[s.to_dict() for s in chunk])
 
     def results(self) -> list[RequestResult]:
         return [RequestResult.from_dict(r) for r in self.call("results")["results"]]

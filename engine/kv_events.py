@@ -30,10 +30,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from kvbridge.connectors import ConfigError
 from kvbridge.events import KVEventPublisher, PublisherConfig
 
-_TCP = re.compile(r"^tcp://(?P<host>.+):(?P<port>\*|\d+)$")
+_TCP = re.compile(r"^tcp://(?P<host>.+):(?P<port>\*|\d{1,5})$")
 
 
 def offset_endpoint(endpoint: str, index: int) -> str:
@@ -44,6 +46,8 @@ def offset_endpoint(endpoint: str, index: int) -> str:
     match = _TCP.match(endpoint)
     if match is not None:
         port = match.group("port")
+        if port != "*" and not 0 < int(port) <= 65535:
+            raise ConfigError("events_endpoint", f"{endpoint}: port outside 1..65535")
         if port == "*" or index == 0:
             return endpoint
         new_port = int(port) + index
@@ -106,7 +110,19 @@ class EngineEventsConfig:
                                topic=self.topic)
 
     def make_publisher(self) -> KVEventPublisher:
-        return KVEventPublisher(self.publisher_config())
+        """A publisher bound here; ConfigError naming the endpoint it cannot bind."""
+        try:
+            return KVEventPublisher(self.publisher_config())
+        except zmq.ZMQError as exc:
+            # pyzmq names the address in the message: which of the two binds failed
+            replay = (self.replay_endpoint is not None
+                      and f"addr='{self.replay_endpoint}'" in str(exc))
+            field_name = "events_replay_endpoint" if replay else "events_endpoint"
+            where = self.replay_endpoint if replay else self.endpoint
+            reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+            raise ConfigError(field_name, f"cannot bind {where}: {reason}; "
+                                          f"give an address of this host and a free "
+                                          f"port") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,

@@ -11,6 +11,10 @@ from kvbridge.connectors import ConnectorRequest, TransferParams
 from kvbridge.engine.content import extend_prefix_seeds
 from kvbridge.layouts import BlockHash, KVCacheSpec, hash_block, root_hash
 
+#: Token ids are 64-bit signed in the block hashes (``layouts.hashing``); negative
+#: ids mean nothing, so a prompt holds ids in ``[0, MAX_TOKEN_ID]``.
+MAX_TOKEN_ID = 2**63 - 1
+
 
 class RequestState(str, enum.Enum):
     WAITING = "waiting"
@@ -43,6 +47,10 @@ class RequestSpec:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
         if not self.prompt:
             raise ValueError(f"request {self.request_id!r}: prompt: expected >= 1 token")
+        bad = next((t for t in self.prompt if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise ValueError(f"request {self.request_id!r}: prompt: token id {bad} outside "
+                             f"[0, 2**63)")
         if self.max_tokens < 1:
             raise ValueError(f"request {self.request_id!r}: max_tokens: expected >= 1")
 

@@ -12,11 +12,14 @@ the engine publishes its KV events (block pool and connectors, one batch per
 step) on a ZMQ PUB socket bound there; ``events`` in the ready line says
 where (a ``*`` port resolved). Without it, events are dropped.
 
-Control protocol (each message one msgpack map; never pickle):
+Control protocol (each message one msgpack map in one frame; never pickle), decoded
+and bounded by :mod:`kvbridge.engine.control` before anything else happens:
 
-* ``{"op": "info"}`` -> ``{"ok": true, "engine_id", "endpoint", "topology", "fingerprint"}``
+* ``{"op": "info"}`` -> ``{"ok": true, "engine_id", "endpoint", "topology", "fingerprint",
+  "limits"}`` (``limits``: what one message may carry, :class:`ControlLimits`)
 * ``{"op": "submit", "requests": [RequestSpec.to_dict(), ...]}`` -> ``{"ok": true, "accepted": n}``
-  (all or nothing: every request is validated before any is queued)
+  (all or nothing: every request is validated before any is queued; one that could
+  never fit the block pool is refused)
 * ``{"op": "results"}`` -> ``{"ok": true, "results": [RequestResult.to_dict(), ...]}``
 * ``{"op": "abort", "request_id": id}`` -> ``{"ok": true, "aborted": bool}``
 * ``{"op": "stats"}`` -> ``{"ok": true, "stats": {...}, "idle_problems": [...]}``
@@ -24,8 +27,21 @@ Control protocol (each message one msgpack map; never pickle):
   blocks forgotten; published as ``AllBlocksCleared`` when none is left)
 * ``{"op": "shutdown"}`` -> ``{"ok": true}``, then the engine shuts down and the process exits.
 
-Errors are ``{"ok": false, "type": "ConfigError", "error": "field: reason"}``;
-the server keeps serving. The process also exits when its parent dies.
+Errors are ``{"ok": false, "type": "ProtocolError", "error": "requests[0].prompt: reason"}``
+(``type`` is the kvbridge error's class; ``InternalError`` for a bug, whose traceback
+goes to the log, not to the client); the server keeps serving. A frame larger than
+``limits.max_message_bytes`` is dropped by libzmq with its connection, unread (no
+reply: the client times out). An engine process of the harness also exits when its
+parent dies; ``kvbridge serve`` (``exit_with_parent=False``) does not.
+
+What a client may do (a design choice): anyone who reaches the port may submit,
+read and pop every result, abort any request by id, read stats and reset the
+prefix cache -- the port is a router's, firewall it to the routers you trust.
+Bounds hold per message and per connection (``CONTROL_RCVHWM`` queued messages of
+at most ``max_message_bytes``), not per client population; libzmq also buffers
+the frames of a multipart message until its last one, each frame bounded.
+``shutdown`` is honoured when ``allow_shutdown`` (the default for the engine
+processes a harness starts; ``kvbridge serve`` decides by its listening address).
 """
 
 from __future__ import annotations
@@ -43,12 +59,27 @@ import msgpack
 import zmq
 
 import kvbridge.backends  # noqa: F401  (UCX/NIXL env defaults before any agent exists)
-from kvbridge.connectors import ConnectorConfig
+from kvbridge.connectors import ConfigError, ConnectorConfig
+from kvbridge.connectors.errors import KVBridgeError
+from kvbridge.engine.control import (
+    Abort,
+    ControlLimits,
+    ControlMessage,
+    Info,
+    ProtocolError,
+    ResetPrefixCache,
+    Results,
+    Shutdown,
+    Stats,
+    Submit,
+    TransferRecords,
+    decode_frames,
+    decode_message,
+)
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
-from kvbridge.engine.request import RequestSpec
 from kvbridge.events import EventSink, KVEventPublisher, NullEventSink
-from kvbridge.layouts import KVCacheSpec, ParallelTopology, load_spec
+from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology, load_spec
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +122,9 @@ def config_from_dict(data: dict[str, Any]) -> EngineConfig:
     )
 
 
+#: Complete messages libzmq queues per control client before it stops reading its socket.
+CONTROL_RCVHWM = 4
+
 #: How long the control loop waits between steps that made no progress (see ``serve``).
 IDLE_STEP_WAIT_MS = 1
 
@@ -113,52 +147,89 @@ def _transfer_records(engine: Engine) -> list[dict[str, Any]]:
     return out
 
 
-def _handle(engine: Engine, message: Any) -> tuple[dict[str, Any], bool]:
-    """One control message -> (reply, stop)."""
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        return {"ok": False, "type": "ProtocolError",
-                "error": "op: expected a map with a string 'op'"}, False
-    op = message["op"]
+def _handle(engine: Engine, message: Any,
+            limits: ControlLimits | None = None) -> tuple[dict[str, Any], bool]:
+    """One unpacked control map -> (reply, stop). Never raises for what a client sent."""
     try:
-        if op == "info":
+        decoded = decode_message(message, limits or engine.control_limits())
+    except ProtocolError as exc:
+        return _error("ProtocolError", str(exc)), False
+    return _run(engine, decoded, limits)
+
+
+def _handle_frames(engine: Engine, frames: list[bytes], limits: ControlLimits, *,
+                   allow_shutdown: bool = True) -> tuple[dict[str, Any], bool]:
+    """One ZeroMQ message as received (every frame) -> (reply, stop)."""
+    try:
+        decoded = decode_frames(frames, limits)
+    except ProtocolError as exc:
+        return _error("ProtocolError", str(exc)), False
+    if isinstance(decoded, Shutdown) and not allow_shutdown:
+        return _error("ProtocolError", "op: shutdown is not accepted over this control port "
+                                       "(it listens beyond loopback); stop the engine with "
+                                       "SIGTERM or Ctrl-C, or start `kvbridge serve` with "
+                                       "--allow-remote-shutdown"), False
+    return _run(engine, decoded, limits)
+
+
+def _error(kind: str, text: str) -> dict[str, Any]:
+    return {"ok": False, "type": kind, "error": text}
+
+
+def _run(engine: Engine, message: ControlMessage,
+         limits: ControlLimits | None) -> tuple[dict[str, Any], bool]:
+    """Carry out one decoded message. An error the engine raises names its field (kvbridge
+    errors do); anything else is a bug: logged with its traceback, answered without it."""
+    try:
+        if isinstance(message, Info):
             endpoint = engine.endpoint()
             return {"ok": True, "engine_id": engine.engine_id,
                     "endpoint": list(endpoint) if endpoint else None,
                     "topology": engine.sizes.to_dict(),
-                    "fingerprint": engine.spec.fingerprint()}, False
-        if op == "submit":
-            raw = message.get("requests")
-            if not isinstance(raw, list):
-                raise ValueError("requests: expected a list of request maps")
-            specs = [RequestSpec.from_dict(item) for item in raw]
-            ids = [s.request_id for s in specs]
-            if len(set(ids)) != len(ids) or any(i in engine.requests for i in ids):
-                raise ValueError("requests: duplicate request id")
-            for spec in specs:
+                    "fingerprint": engine.spec.fingerprint(),
+                    "limits": (limits or engine.control_limits()).to_dict()}, False
+        if isinstance(message, Submit):
+            for index, spec in enumerate(message.requests):  # all or nothing
+                try:
+                    engine.check_request(spec)
+                except (KVBridgeError, LayoutError) as exc:
+                    raise type(exc)(f"requests[{index}].{exc.field}", exc.reason) from None
+            for spec in message.requests:
                 engine.add_request(spec)
-            return {"ok": True, "accepted": len(specs)}, False
-        if op == "results":
+            return {"ok": True, "accepted": len(message.requests)}, False
+        if isinstance(message, Results):
             return {"ok": True, "results": [r.to_dict() for r in engine.pop_results()]}, False
-        if op == "abort":
-            return {"ok": True, "aborted": engine.abort(str(message.get("request_id")))}, False
-        if op == "stats":
+        if isinstance(message, Abort):
+            return {"ok": True, "aborted": engine.abort(message.request_id)}, False
+        if isinstance(message, Stats):
             return {"ok": True, "stats": engine.stats(),
                     "idle_problems": engine.idle_problems()}, False
-        if op == "transfer_records":
+        if isinstance(message, TransferRecords):
             return {"ok": True, "records": _transfer_records(engine)}, False
-        if op == "reset_prefix_cache":
+        if isinstance(message, ResetPrefixCache):
             return {"ok": True, "blocks": engine.reset_prefix_cache()}, False
-        if op == "shutdown":
+        if isinstance(message, Shutdown):
             return {"ok": True}, True
-        return {"ok": False, "type": "ProtocolError", "error": f"op: unknown op {op!r}"}, False
+        raise AssertionError(f"unhandled control message {message!r}")
+    except (KVBridgeError, LayoutError) as exc:  # they name the field
+        return _error(type(exc).__name__, str(exc)), False
     except Exception as exc:  # the server keeps serving after a bad request
-        return {"ok": False, "type": type(exc).__name__, "error": str(exc)}, False
+        logger.exception("engine %s: %s failed", engine.engine_id, type(message).__name__)
+        return _error("InternalError", f"{type(message).__name__.lower()}: internal error "
+                                       f"({type(exc).__name__}); see the engine's log"), False
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
           ready_stream: Any = None, events: EngineEventsConfig | None = None,
-          event_sink: EventSink | None = None) -> None:
+          event_sink: EventSink | None = None, allow_shutdown: bool = True,
+          exit_with_parent: bool = True) -> None:
     """Run the engine and its control socket until a ``shutdown`` op or parent death.
+
+    ``exit_with_parent=False`` (``kvbridge serve``, an operator's process that may
+    outlive the shell that started it): keep serving when the parent exits.
+
+    ``allow_shutdown=False``: a ``shutdown`` op gets an error reply (stop the
+    process with a signal instead).
 
     KV events go to ``event_sink`` (the caller closes it; a ``KVEventPublisher``
     given here is announced in the ready line), or to a publisher the engine
@@ -174,14 +245,23 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
     engine = Engine(config, event_sink, events=events, keep_events=False)
     publisher = engine.publisher or (event_sink if isinstance(event_sink, KVEventPublisher)
                                      else None)
+    limits = engine.control_limits()
     context = zmq.Context()
     sock = context.socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
+    # libzmq drops a bigger frame and its connection before buffering it; few queued
+    # messages per client (a REP socket answers one at a time anyway)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+    sock.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
     try:
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            raise ConfigError("control_port", f"cannot listen on tcp://{host}:{port or '*'}: "
+                                              f"{exc.strerror}; choose a free port") from None
         endpoint = engine.endpoint()
         line = json.dumps({"ready": True, "port": port, "engine_id": engine.engine_id,
                            "endpoint": list(endpoint) if endpoint else None,
@@ -205,14 +285,11 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
             busy_wait_ms = IDLE_STEP_WAIT_MS if stalled else 0
             timeout_ms = busy_wait_ms if engine.has_work() else 20
             if poller.poll(timeout_ms):
-                raw = sock.recv()
-                try:
-                    message = msgpack.unpackb(raw, raw=False)
-                except Exception as exc:
-                    reply, stop = {"ok": False, "type": "ProtocolError",
-                                   "error": f"message: not msgpack ({exc})"}, False
-                else:
-                    reply, stop = _handle(engine, message)
+                # every frame of the message: a REP socket that has not read them all
+                # cannot send its reply (EFSM)
+                frames = sock.recv_multipart()
+                reply, stop = _handle_frames(engine, frames, limits,
+                                             allow_shutdown=allow_shutdown)
                 sock.send(msgpack.packb(reply, use_bin_type=True))
                 if stop:
                     break
@@ -223,7 +300,7 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
             now = time.monotonic()
             if now - last_parent_check > 0.5:
                 last_parent_check = now
-                if os.getppid() != parent:
+                if exit_with_parent and os.getppid() != parent:
                     logger.error("engine %s: parent process died; shutting down",
                                  engine.engine_id)
                     break

@@ -199,12 +199,14 @@ def _writer_tp_rank(region: RegionSpec, topology: ParallelTopology) -> int:
         return topology.dcp_rank if region.token_sharded and topology.dcp_size > 1 else 0
     if topology.dcp_size > 1:
         return topology.tp_rank  # no KV-head de-duplication under DCP
-    heads = region.heads_of(topology)
-    for tp_rank in range(topology.tp_rank + 1):
-        if region.heads_of(topology.with_rank(tp_rank=tp_rank, pp_rank=topology.pp_rank,
-                                              pcp_rank=topology.pcp_rank)) == heads:
-            return tp_rank
-    raise AssertionError("unreachable: a rank always shares heads with itself")
+    region.heads_of(topology)  # raises when the heads cannot be sharded
+    groups, heads = topology.num_head_groups, region.num_kv_heads
+    if heads % groups == 0:
+        return topology.tp_rank  # every rank (= head group, no DCP) holds its own heads
+    # replicated: group g holds head g*H//G; the first group holding that head is the
+    # writer (O(1): a topology of many ranks must not cost ranks**2)
+    replicas = groups // heads
+    return topology.tp_rank // replicas * replicas
 
 
 def namespace_for(spec: KVCacheSpec, region: RegionSpec | str,

@@ -44,12 +44,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_ENGINE_SLICES,
+    MAX_HEAD_DIM,
+    MAX_HEAD_TOKENS,
+    MAX_KV_HEADS,
+    MAX_LAYER_RANKS,
+    MAX_LAYERS,
+    MAX_SPEC_FILE_BYTES,
+    check_at_most,
+)
 from kvbridge.layouts.topology import ParallelTopology
 
 #: Bytes per element of every KV dtype kvbridge knows (names as in torch).
@@ -62,6 +75,15 @@ DTYPE_BYTES: dict[str, int] = {
     "int8": 1,
     "uint8": 1,
 }
+
+
+_MAXIMA = {"block_size": MAX_BLOCK_SIZE, "num_kv_heads": MAX_KV_HEADS,
+           "head_dim": MAX_HEAD_DIM}
+
+
+def _short(values: object) -> str:
+    text = repr(values)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 class RegionLayout(str, Enum):
@@ -114,16 +136,20 @@ class RegionSpec:
                                               f"{[m.value for m in MemoryOrder]}, "
                                               f"got {self.memory_order!r}")
         if (not isinstance(self.layer_ids, tuple) or not self.layer_ids
-                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                           for i in self.layer_ids)):
-            raise LayoutError("layer_ids", f"expected a non-empty list of layer indices >= 0, "
-                                           f"got {self.layer_ids!r}")
+                or not all(isinstance(i, int) and not isinstance(i, bool)
+                           and 0 <= i < MAX_LAYERS for i in self.layer_ids)):
+            raise LayoutError("layer_ids", f"expected a non-empty list of layer indices in "
+                                           f"[0, {MAX_LAYERS}), got "
+                                           f"{_short(self.layer_ids)}")
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise LayoutError("layer_ids", f"duplicate layer id in {list(self.layer_ids)}")
         for name in ("block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(name, f"expected an integer >= 1, got {value!r}")
+            check_at_most(name, value, _MAXIMA[name])
+        check_at_most("block_size", self.num_kv_heads * self.block_size, MAX_HEAD_TOKENS,
+                      "(num_kv_heads * block_size)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise LayoutError("dtype", f"unknown KV dtype {self.dtype!r}; expected one of "
                                        f"{sorted(DTYPE_BYTES)}")
@@ -369,6 +395,31 @@ class KVCacheSpec:
                 region.heads_of(topology)
         except LayoutError as exc:
             raise LayoutError(f"{field}.{exc.field}", exc.reason) from None
+        ranks_per_stage = topology.tp_size * topology.pcp_size
+        layer_ranks = self.num_layers * ranks_per_stage
+        if layer_ranks > MAX_LAYER_RANKS:
+            raise LayoutError(field, f"{self.num_layers} layers x {ranks_per_stage} ranks per "
+                                     f"stage (tp_size * pcp_size) = {layer_ranks} exceed "
+                                     f"kvbridge's limit of {MAX_LAYER_RANKS}; use fewer ranks")
+        rows = self.slice_count(topology)
+        if rows > MAX_ENGINE_SLICES:
+            raise LayoutError(field, f"{rows} contiguous KV slices per block index over all "
+                                     f"ranks (layers x K/V x heads, x tokens under NHD) "
+                                     f"exceed kvbridge's limit of {MAX_ENGINE_SLICES}; use "
+                                     f"fewer ranks, or HND order")
+
+    def slice_count(self, topology: ParallelTopology) -> int:
+        """Contiguous slices of one block index over all of ``topology``'s ranks: what a
+        transfer plan to it lists before coalescing (a head's K or V under HND, a token
+        of it under NHD). Bounded by :data:`MAX_ENGINE_SLICES`, so planning stays cheap."""
+        total = 0
+        ranks_per_stage = topology.tp_size * topology.pcp_size
+        for region in self.regions:
+            heads = region.heads_of(topology)[1]  # the same on every rank of a region
+            per_layer = region.num_kv * heads * (
+                region.block_size if region.memory_order is MemoryOrder.NHD else 1)
+            total += per_layer * len(region.layer_ids) * ranks_per_stage
+        return total
 
     def fingerprint(self) -> str:
         """Layout fingerprint: changes whenever the bytes of a block could change meaning.
@@ -412,13 +463,27 @@ class KVCacheSpec:
     @classmethod
     def from_json_file(cls, path: str | Path) -> KVCacheSpec:
         try:
-            text = Path(path).read_text()
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, /dev/zero fill
+                raise LayoutError("model", f"{str(path)!r} is not a regular file")
+            with open(path, "rb") as file:
+                raw = file.read(MAX_SPEC_FILE_BYTES + 1)
         except OSError as exc:
             raise LayoutError("model", f"cannot read spec file {str(path)!r}: "
                                        f"{exc.strerror}") from None
+        if len(raw) > MAX_SPEC_FILE_BYTES:
+            raise LayoutError("model", f"{path}: larger than {MAX_SPEC_FILE_BYTES} bytes; "
+                                       f"a spec file is a few KiB")
         try:
-            data = json.loads(text)
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise LayoutError("model", f"{path}: not UTF-8 text (byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise LayoutError("model", f"{path}: invalid JSON at line {exc.lineno}: "
                                        f"{exc.msg}") from None
+        except RecursionError:
+            raise LayoutError("model", f"{path}: JSON nested deeper than a spec is "
+                                       f"(a map of regions)") from None
+        except ValueError:  # an integer of more digits than Python converts
+            raise LayoutError("model", f"{path}: a number of thousands of digits; a spec's "
+                                       f"sizes are small integers") from None
         return cls.from_dict(data)

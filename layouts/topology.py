@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.limits import MAX_PARALLEL_SIZE, MAX_WORLD_SIZE, check_at_most
 
 _SIZE_FIELDS = ("tp", "pp", "dcp", "pcp")
 
@@ -42,6 +43,9 @@ class ParallelTopology:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(name, f"expected an integer >= 1, got {value!r}")
+            check_at_most(name, value, MAX_PARALLEL_SIZE)
+        check_at_most("tp_size", self.tp_size * self.pp_size * self.pcp_size, MAX_WORLD_SIZE,
+                      "ranks (tp_size * pp_size * pcp_size)")
         for name, size in (("tp_rank", self.tp_size), ("pp_rank", self.pp_size),
                            ("pcp_rank", self.pcp_size)):
             value = getattr(self, name)

@@ -6,22 +6,35 @@ engine control on 5601), on host B ``kvbridge demo --producer-addr A:5600``
 (only the consumer runs there); ``kvbridge probe A:5600`` shows the metadata.
 The control socket accepts the msgpack protocol of :mod:`kvbridge.engine.server`
 from any client: firewall it (and the NIXL/UCX ports) to the peers you trust.
+Its ``shutdown`` op is honoured only on a loopback ``--host`` (or with
+``--allow-remote-shutdown``).
+
+Signals: SIGINT and SIGTERM stop the engine cleanly (exit 0); so does SIGHUP
+(the terminal closed) unless it is ignored, as under ``nohup``: then the engine
+keeps serving. The engine never exits because its parent did (a shell that
+started it in the background may end first).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 import json
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
-from kvbridge.layouts import LayoutError, ParallelTopology, load_spec, preset_names
+from kvbridge.layouts import LayoutError, load_spec, preset_names
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import add_topology_arguments, topology_from_args
 
 if TYPE_CHECKING:
     from kvbridge.engine.core import EngineConfig
+
+SERVE_DIMS = ("tp", "pp")  # the sizes serve takes one per flag (all: --topology)
 
 EPILOG = """\
 examples:
@@ -34,7 +47,11 @@ examples:
 --json prints one ready line {"role", "mode", "model", "engine_id", "side_channel",
 "control"} once the engine listens.
 
-exit codes: 0 stopped by a signal or a shutdown request, 2 usage error
+signals: SIGINT, SIGTERM and SIGHUP stop it cleanly; under `nohup kvbridge serve &`
+SIGHUP is ignored and it keeps serving after the shell exits.
+
+exit codes: 0 stopped by a signal or a shutdown request, 2 usage error (a size this
+host cannot hold, a port that cannot be bound, ...)
 """
 
 
@@ -50,16 +67,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mode", default="pull", choices=["pull", "push"])
     parser.add_argument("--model", default="tiny-gqa", metavar="PRESET|FILE",
                         help=f"model preset ({', '.join(preset_names())}) or spec JSON file")
-    parser.add_argument("--topology", default=None, metavar="tp=..,pp=..",
-                        help="parallel sizes (default tp=1); or use --tp/--pp")
-    parser.add_argument("--tp", type=int, default=None)
-    parser.add_argument("--pp", type=int, default=None)
+    add_topology_arguments(parser, SERVE_DIMS)
     parser.add_argument("--num-blocks", type=int, default=256, metavar="N")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on and to advertise (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=5600, help="side-channel port (default 5600)")
     parser.add_argument("--control-port", type=int, default=None,
                         help="engine control port (default PORT+1)")
+    parser.add_argument("--allow-remote-shutdown", action="store_true",
+                        help="honour the control port's shutdown op on a non-loopback --host "
+                             "(default: only on loopback)")
     parser.add_argument("--engine-id", default=None)
     parser.add_argument("--kv-config", metavar="JSON", help="extra connector settings")
     parser.add_argument("--json", action="store_true", help="print the ready line as JSON")
@@ -72,10 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def build_config(args: argparse.Namespace) -> EngineConfig:
     from kvbridge.engine.core import EngineConfig  # imports torch: only when serving
 
-    if args.topology is not None:
-        topology = ParallelTopology.parse(args.topology)
-    else:
-        topology = ParallelTopology(tp_size=args.tp or 1, pp_size=args.pp or 1)
+    topology = topology_from_args(args, SERVE_DIMS)
     extra: dict[str, Any] = json.loads(args.kv_config) if args.kv_config else {}
     if not isinstance(extra, dict):
         raise ConfigError("kv_config", "expected a JSON object")
@@ -117,20 +131,49 @@ class _Announce:
 def run(args: argparse.Namespace) -> int:
     from kvbridge.engine.server import serve
 
+    control_port = args.port + 1 if args.control_port is None else args.control_port
     try:
+        _check_ports(args.port, control_port)
         config = build_config(args)
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"kvbridge serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    control_port = args.control_port or args.port + 1
 
     def _stop(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
+    # UCX takes SIGHUP for its debug handler (UCX_DEBUG_SIGNO) when the NIXL agent
+    # starts, replacing ours: the hang-up would be swallowed. Unless the user set it.
+    os.environ.setdefault("UCX_DEBUG_SIGNO", "0")
     signal.signal(signal.SIGTERM, _stop)
+    # a closed terminal stops the engine cleanly; nohup's ignored SIGHUP stays ignored
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _stop)
     try:
         serve(config, host=args.host, port=control_port,
-              ready_stream=_Announce(args, control_port))
+              ready_stream=_Announce(args, control_port),
+              allow_shutdown=args.allow_remote_shutdown or _is_loopback(args.host),
+              exit_with_parent=False)
     except KeyboardInterrupt:
-        print("kvbridge serve: stopped", file=sys.stderr)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print("kvbridge serve: stopped", file=sys.stderr)
+    except ConfigError as exc:  # found as the engine starts: memory, a port in use
+        print(f"kvbridge serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
+
+
+def _check_ports(side_port: int, control_port: int) -> None:
+    for field, port in (("port", side_port), ("control_port", control_port)):
+        if not 1 <= port <= 65535:
+            raise ConfigError(field, f"expected a TCP port in 1..65535, got {port}")
+    if side_port == control_port:
+        raise ConfigError("control_port", f"{control_port} is also the side-channel --port; "
+                                          f"give each its own port")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -37,7 +37,8 @@ def topology_from_args(args: argparse.Namespace,
                        dims: Sequence[str] = TOPOLOGY_DIMS) -> ParallelTopology:
     """The topology of :func:`add_topology_arguments`' flags (sizes not given are 1).
 
-    Raises :class:`LayoutError` (field ``topology``) when both forms are given.
+    Raises :class:`LayoutError` (field ``topology``) when both forms are given, and
+    naming the flag (``--tp``) for a size out of range (``--tp 0`` is refused, not 1).
     """
     sizes = {d: getattr(args, d) for d in dims}
     if args.topology is not None:
@@ -45,7 +46,11 @@ def topology_from_args(args: argparse.Namespace,
         if given:
             raise LayoutError("topology", f"give --topology or {', '.join(given)}, not both")
         return ParallelTopology.parse(args.topology, "topology")
-    return ParallelTopology(**{f"{d}_size": v or 1 for d, v in sizes.items()})
+    try:  # a size given as 0 reaches the topology's check (it never becomes 1)
+        return ParallelTopology(**{f"{d}_size": 1 if v is None else v for d, v in sizes.items()})
+    except LayoutError as exc:  # name the flag: tp_size -> --tp
+        flag = exc.field.removesuffix("_size")
+        raise LayoutError(f"--{flag}" if flag in sizes else exc.field, exc.reason) from None
 
 
 def require_subcommand(parser: argparse.ArgumentParser) -> None:

@@ -52,3 +52,24 @@ def test_keys_refused_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit) as info:
         main(["keys", "--model", "tiny-gqa", "--tp", "four"])
     assert info.value.code == EXIT_USAGE
+
+
+def test_keys_absurd_topology_and_zero_sizes_are_usage_errors(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``--topology tp=80000000`` enumerated 80M ranks (for ever, memory rising);
+    ``--tp 0`` was listed as tp=1."""
+    assert main(["keys", "--model", "tiny-gqa", "--topology", "tp=80000000"]) == EXIT_USAGE
+    assert "topology.tp_size: 80000000 exceeds kvbridge's limit of" in capsys.readouterr().err
+    assert main(["keys", "--model", "tiny-gqa", "--tp", "0"]) == EXIT_USAGE
+    assert "kvbridge keys: --tp: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["keys", "--model", "tiny-gqa", "--pp", "-1"]) == EXIT_USAGE
+    assert "--pp: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_keys_of_the_widest_allowed_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """256 ranks: one namespace per head group, each written by its first rank."""
+    assert main(["keys", "--model", "tiny-gqa", "--tp", "256", "--json"]) == EXIT_OK
+    data = json.loads(capsys.readouterr().out)
+    assert data["count"] == 8  # 8 KV heads, each replicated on 32 ranks
+    assert [n["writer_tp_rank"] for n in data["namespaces"]] == list(range(0, 256, 32))
+    assert data["namespaces"][1]["held_by_tp_ranks"] == list(range(32, 64))

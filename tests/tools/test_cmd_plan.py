@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +95,105 @@ def test_help_has_an_example(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", "--help"])
     assert info.value.code == 0
     assert "kvbridge plan --model tiny-gqa --producer tp=4,pp=1" in capsys.readouterr().out
+
+
+# ------------------------------------------------- absurd input: usage errors, never hangs
+
+#: a regression that loops over absurd sizes allocates as it goes: fail, not fill the host
+AS_LIMIT_BYTES = 2 << 30
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT_BYTES, AS_LIMIT_BYTES))
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``kvbridge ARGV`` in its own bounded process (a hang is a failure, not a stuck run)."""
+    try:
+        return subprocess.run([sys.executable, "-m", "kvbridge.tools.cli", *argv],
+                              capture_output=True, text=True, timeout=180,
+                              preexec_fn=_limit_memory)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"kvbridge {' '.join(argv)} did not finish") from exc
+
+
+def _usage_error(*argv: str) -> str:
+    proc = _cli(*argv)
+    assert proc.returncode == EXIT_USAGE, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _spec_file(path: Path, **region: object) -> str:
+    data = {"model": "m", "regions": [{
+        "name": "attn", "layout": "split", "layer_ids": [0, 1, 2, 3], "block_size": 16,
+        "num_kv_heads": 8, "head_dim": 32, "dtype": "float16", **region}]}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _plan(model: str, producer: str = "tp=1", consumer: str = "tp=2") -> tuple[str, ...]:
+    return ("plan", "--model", model, "--producer", producer, "--consumer", consumer)
+
+
+def test_absurd_sizes_are_usage_errors_not_hangs(tmp_path: Path) -> None:
+    """Before: 1e9 heads and 200k layers planned for ever (a Python loop per head, per
+    layer); block_size 1e9 was planned as if real."""
+    err = _usage_error(*_plan(_spec_file(tmp_path / "h.json", num_kv_heads=10**9)))
+    assert "regions[0].num_kv_heads: 1000000000 exceeds kvbridge's limit of" in err
+    err = _usage_error(*_plan(_spec_file(tmp_path / "l.json", layer_ids=list(range(2000)))))
+    assert "regions[0].layer_ids: expected a non-empty list of layer indices in [0, " in err
+    err = _usage_error(*_plan(_spec_file(tmp_path / "big.json",
+                                         layer_ids=list(range(200_000)))))
+    assert "model: " in err and "larger than" in err
+    err = _usage_error(*_plan(_spec_file(tmp_path / "b.json", block_size=10**9)))
+    assert "regions[0].block_size: 1000000000 exceeds" in err
+    err = _usage_error(*_plan("tiny-gqa", producer="tp=80000000"))
+    assert "producer.tp_size: 80000000 exceeds kvbridge's limit of" in err
+
+
+def test_a_pair_past_the_plan_bound_is_refused_and_the_largest_allowed_plans(
+        tmp_path: Path) -> None:
+    """Planning costs one vectorised step per layer and pair of overlapping ranks: the
+    bound on layers x ranks keeps it finite; the largest pair within it plans."""
+    model = _spec_file(tmp_path / "wide.json", layer_ids=list(range(256)), num_kv_heads=256)
+    proc = _cli(*_plan(model, producer="tp=256", consumer="tp=1"))
+    assert proc.returncode == EXIT_FAILURE, proc.stderr[-3000:]  # refused, as any pair
+    err = proc.stderr  # this model cannot run on
+    assert err.startswith("kvbridge plan: refused: producer: 256 layers x 256 ranks per stage")
+    assert "exceed kvbridge's limit of 32768" in err
+    model = _spec_file(tmp_path / "edge.json", layer_ids=list(range(128)), num_kv_heads=256)
+    proc = _cli(*_plan(model, producer="tp=256", consumer="tp=1"), "--json")
+    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["descriptors"] == 128 * 2 * 256  # layers x K|V x heads
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (b"[" * 100_000 + b"]" * 100_000, "JSON nested deeper than a spec is"),
+    (b'{"model": "\xff\xfe", "regions": []}', "not UTF-8 text (byte 11)"),
+    (json.dumps({"model": "m", "regions": [{
+        "name": "attn", "layout": "split", "layer_ids": [0], "block_size": 16,
+        "num_kv_heads": 8, "head_dim": 32, "dtype": "float16"}]}).replace(
+        '"head_dim": 32', '"head_dim": 1' + "0" * 400).encode(),
+     "regions[0].head_dim: an integer of 401 digits exceeds kvbridge's limit of"),
+    (b'{"model": "m", "head_dim": 1' + b"0" * 5000 + b"}",
+     "a number of thousands of digits"),
+])
+def test_a_malformed_spec_file_is_a_usage_error_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes,
+        expected: str) -> None:
+    """Before: RecursionError, UnicodeDecodeError, OverflowError and ValueError tracebacks."""
+    path = tmp_path / "spec.json"
+    path.write_bytes(content)
+    assert main(list(_plan(str(path)))) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("kvbridge plan: ") and expected in err, err
+
+
+def test_a_fifo_spec_is_refused_unread(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO would block the read for ever (no writer)."""
+    path = tmp_path / "spec.json"
+    os.mkfifo(path)
+    assert main(list(_plan(str(path)))) == EXIT_USAGE
+    assert "is not a regular file" in capsys.readouterr().err
