@@ -134,13 +134,20 @@ def describe_mode(mode: int) -> str:
     return f"not a regular file (mode {mode:o})"
 
 
-def remove_entry(io: FsIO, path: str) -> bool:
+def remove_entry(io: FsIO, path: str, *, keep_regular: bool = False) -> bool:
     """Remove whatever is at ``path`` without following it: unlink a file, FIFO or symlink
-    (never its target), rmdir an empty directory. True if nothing is there any more."""
+    (never its target), rmdir an empty directory. True if nothing is there any more.
+
+    ``keep_regular``: the caller found something that is not a regular file there; if a
+    regular file is there now (another writer renamed a block into place meanwhile), it
+    is a block: leave it and return False.
+    """
     try:
         mode = io.lstat_mode(path)
         if mode is None:
             return True
+        if keep_regular and stat.S_ISREG(mode):
+            return False
         if stat.S_ISDIR(mode):
             io.rmdir(path)
         else:
@@ -237,7 +244,7 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
         try:
             fd = io.open_read(path, direct)
         except NotRegularFileError as exc:
-            exc.deleted = remove_entry(io, path)
+            exc.deleted = remove_entry(io, path, keep_regular=True)
             raise
         done = 0
         remaining = views

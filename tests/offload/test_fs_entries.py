@@ -214,3 +214,51 @@ def test_a_symlinked_block_is_never_followed_out_of_the_store(setup, tmp_path) -
     compute(m, "w2", [k(0)])
     assert os.path.isfile(tier.path(k(0))) and not os.path.islink(tier.path(k(0)))
     assert outside.read_bytes() == secret
+
+
+class StoredMeanwhileIO(FsIO):
+    """The real I/O; right after the load's open found a FIFO in ``path``'s place, another
+    writer (a second engine sharing the store) renames a complete block file over it."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.block = b""
+
+    def lstat_mode(self, path: str) -> int | None:
+        if path == self.path:
+            self.path = None
+            tmp = path + ".other-writer.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(self.block)
+            os.rename(tmp, path)
+        return super().lstat_mode(path)
+
+
+def test_a_block_stored_over_a_fifo_during_the_load_is_not_removed(tmp_path) -> None:
+    io = StoredMeanwhileIO()
+    tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
+                  clock=lambda: 0.0)
+    m = OffloadManager(CpuTier(2, BLOCK), [tier], clock=lambda: 0.0)
+    try:
+        compute(m, "w", [k(0)])
+        m.request_finished("w")
+        evict(m)
+        verdict_true(tier, "r1", k(0))
+        os.remove(tier.path(k(0)))
+        os.mkfifo(tier.path(k(0)))
+        io.block, io.path = block_content(k(0), BLOCK), tier.path(k(0))
+        fs_events(m)
+        assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+        assert io.path is None                          # the other writer did run
+        # the FIFO the load saw is gone; the block file that replaced it is kept
+        assert os.path.isfile(tier.path(k(0)))
+        with open(tier.path(k(0)), "rb") as fh:
+            assert fh.read() == block_content(k(0), BLOCK)
+        assert tier.stats.files_deleted == 0
+        assert not [keys for kind, keys in fs_events(m) if kind is EventKind.REMOVED]
+        m.request_finished("r1")
+        evict(m)
+        assert settle(m, "r2", [k(0)]) == LookupResult(LookupStatus.HIT, 1)
+        m.request_finished("r2")
+    finally:
+        m.shutdown()
