@@ -16,8 +16,11 @@ Deletion policy (the only place a block file is deleted on a load):
   FIFO, a device, a symlink) is provably not a block: the tier never makes
   one. Block files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
   ``fstat`` before any read, so a FIFO cannot hang a read thread and a symlink
-  is never followed out of the store; such an entry is removed (a symlink is
-  unlinked, never its target; a directory only if empty). Probes ``lstat`` and
+  is never followed out of the store (its open fails with ELOOP: a failed load,
+  counted towards quarantine). A directory, FIFO or device found by a load is
+  removed (a directory only if empty; and only if a block file has not been
+  renamed into its place meanwhile); a symlink is unlinked, never its target,
+  by a store or by quarantine. Probes ``lstat`` and
   answer "absent" for anything but a regular file, and a store replaces such
   an entry (or fails) instead of taking it for a stored block.
 
