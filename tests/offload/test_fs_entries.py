@@ -262,3 +262,30 @@ def test_a_block_stored_over_a_fifo_during_the_load_is_not_removed(tmp_path) -> 
         m.request_finished("r2")
     finally:
         m.shutdown()
+
+
+def test_failures_of_a_removed_file_do_not_count_against_the_file_stored_after_it(setup) -> None:
+    """Quarantine counts failed loads of one file in a row: a file stored afresh (the old
+    one was removed, e.g. by an operator or fsck) starts from zero, not from the old
+    file's failures."""
+    m, tier, io = setup
+    compute(m, "w", [k(0)])
+    m.request_finished("w")
+    path = tier.path(k(0))
+    for r in range(2):                               # two failed loads of the old file
+        evict(m)
+        io.bad.add(path)
+        assert settle(m, f"r{r}", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+        m.request_finished(f"r{r}")
+    assert tier.stats.loads_failed == 2 and os.path.exists(path)
+    os.remove(path)                                  # an operator removes the bad file
+    io.bad.discard(path)
+    assert settle(m, "r2", [k(0)]) == LookupResult(LookupStatus.MISS, 0)   # absent: no load
+    compute(m, "r2", [k(0)])                         # recomputed: a fresh file is stored
+    m.request_finished("r2")
+    evict(m)
+    io.bad.add(path)                                 # one failed load of the new file
+    assert settle(m, "r3", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+    m.request_finished("r3")
+    assert tier.stats.loads_failed == 3
+    assert tier.stats.files_quarantined == 0 and os.path.exists(path)
