@@ -12,6 +12,9 @@ Deletion policy (the only place a block file is deleted on a load):
 * open errors (ENOENT, ELOOP, EMFILE, ...), read errors (EIO) and close errors
   leave the file: a transient fault must not destroy data;
 * a close error after a full read is not a load failure (logged, counted);
+* a file *longer* than ``block_bytes`` (no correct writer leaves one) fails the
+  load with EFBIG: its bytes are never served; it is kept (counted towards
+  quarantine, like EIO);
 * something that is *not a regular file* in a block's place (a directory, a
   FIFO, a device, a symlink) is provably not a block: the tier never makes
   one. Block files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
@@ -265,6 +268,10 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
             short = ShortReadError(path, block_bytes, done)
             short.deleted = _remove_short(io, path)
             raise short
+        if io.file_size(fd) > block_bytes:
+            # the tier writes exactly block_bytes: a longer file is not this key's block
+            raise OSError(errno.EFBIG, f"{path} is longer than block_bytes={block_bytes}: "
+                          "not a block file (its bytes are not served)")
         loaded = True
         return outcome
     finally:

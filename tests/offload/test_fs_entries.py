@@ -288,3 +288,21 @@ def test_failures_of_a_removed_file_do_not_count_against_the_file_stored_after_i
     m.request_finished("r3")
     assert tier.stats.loads_failed == 3
     assert tier.stats.files_quarantined == 0 and os.path.exists(path)
+
+
+def test_a_block_file_longer_than_a_block_is_never_served(setup) -> None:
+    """The tier writes exactly block_bytes per file (fsck calls anything longer broken):
+    a longer file under a block's name is not that key's block, so its first block_bytes
+    are never served; the failed load counts towards quarantine."""
+    m, tier, _ = setup
+    compute(m, "w", [k(0)])
+    m.request_finished("w")
+    evict(m)
+    path = tier.path(k(0))
+    with open(path, "ab") as fh:                     # the right bytes, then some more
+        fh.write(b"x")
+    assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+    assert m.failed_loads("r1") == (k(0),)
+    assert tier.stats.loads_failed == 1 and tier.stats.loads_ok == 0
+    assert os.path.exists(path)                      # not provably short: kept (quarantine)
+    m.request_finished("r1")
