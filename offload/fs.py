@@ -21,7 +21,8 @@ by every new request forever, and a later store would see it and skip. After
 a failure is never retried while its entry lives), the file is removed
 (``files_quarantined``, a REMOVED event) so a later store writes it again.
 Errors that say nothing about the file (EMFILE, ENFILE, ENOMEM, EAGAIN, EINTR,
-ENOENT) never count. A successful load clears the count. The counts live in
+ENOENT) never count. A successful load clears the count, and so does a store
+that writes a new file (the failures were the old file's). The counts live in
 memory, bounded (``QUARANTINE_TRACKED`` keys, oldest forgotten first).
 """
 
@@ -250,6 +251,10 @@ class FsTier(SecondaryTier):
                                          self.fsync)
                 if not stored:
                     self.count("store_existing")
+                elif self._failures:
+                    # a new file: the failed loads of the one it replaces are not its own
+                    with self._failures_lock:
+                        self._failures.pop(key, None)
             except OSError as exc:
                 raise BatchIOError(i, exc) from exc
 

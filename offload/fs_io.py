@@ -12,12 +12,18 @@ Deletion policy (the only place a block file is deleted on a load):
 * open errors (ENOENT, ELOOP, EMFILE, ...), read errors (EIO) and close errors
   leave the file: a transient fault must not destroy data;
 * a close error after a full read is not a load failure (logged, counted);
+* a file *longer* than ``block_bytes`` (no correct writer leaves one) fails the
+  load with EFBIG: its bytes are never served; it is kept (counted towards
+  quarantine, like EIO);
 * something that is *not a regular file* in a block's place (a directory, a
   FIFO, a device, a symlink) is provably not a block: the tier never makes
   one. Block files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
   ``fstat`` before any read, so a FIFO cannot hang a read thread and a symlink
-  is never followed out of the store; such an entry is removed (a symlink is
-  unlinked, never its target; a directory only if empty). Probes ``lstat`` and
+  is never followed out of the store (its open fails with ELOOP: a failed load,
+  counted towards quarantine). A directory, FIFO or device found by a load is
+  removed (a directory only if empty; and only if a block file has not been
+  renamed into its place meanwhile); a symlink is unlinked, never its target,
+  by a store or by quarantine. Probes ``lstat`` and
   answer "absent" for anything but a regular file, and a store replaces such
   an entry (or fails) instead of taking it for a stored block.
 
@@ -134,13 +140,20 @@ def describe_mode(mode: int) -> str:
     return f"not a regular file (mode {mode:o})"
 
 
-def remove_entry(io: FsIO, path: str) -> bool:
+def remove_entry(io: FsIO, path: str, *, keep_regular: bool = False) -> bool:
     """Remove whatever is at ``path`` without following it: unlink a file, FIFO or symlink
-    (never its target), rmdir an empty directory. True if nothing is there any more."""
+    (never its target), rmdir an empty directory. True if nothing is there any more.
+
+    ``keep_regular``: the caller found something that is not a regular file there; if a
+    regular file is there now (another writer renamed a block into place meanwhile), it
+    is a block: leave it and return False.
+    """
     try:
         mode = io.lstat_mode(path)
         if mode is None:
             return True
+        if keep_regular and stat.S_ISREG(mode):
+            return False
         if stat.S_ISDIR(mode):
             io.rmdir(path)
         else:
@@ -237,7 +250,7 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
         try:
             fd = io.open_read(path, direct)
         except NotRegularFileError as exc:
-            exc.deleted = remove_entry(io, path)
+            exc.deleted = remove_entry(io, path, keep_regular=True)
             raise
         done = 0
         remaining = views
@@ -255,6 +268,10 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
             short = ShortReadError(path, block_bytes, done)
             short.deleted = _remove_short(io, path)
             raise short
+        if io.file_size(fd) > block_bytes:
+            # the tier writes exactly block_bytes: a longer file is not this key's block
+            raise OSError(errno.EFBIG, f"{path} is longer than block_bytes={block_bytes}: "
+                          "not a block file (its bytes are not served)")
         loaded = True
         return outcome
     finally:

@@ -198,8 +198,13 @@ def fsck(root: str, *, repair: bool = False, fingerprint: str | None = None,
         io = FsIO()
         for finding in report.findings:
             if finding.broken:
-                if remove_entry(io, finding.path):
+                # a non-regular entry may have been replaced by a stored block since the
+                # scan: that block is kept
+                not_regular = finding.kind is FindingKind.NOT_REGULAR
+                if remove_entry(io, finding.path, keep_regular=not_regular):
                     finding.repaired = True
+                elif not_regular and stat.S_ISREG(io.lstat_mode(finding.path) or 0):
+                    finding.detail += "; a regular file is there now (kept, not repaired)"
                 else:
                     finding.detail += "; repair failed (see the log)"
     return report

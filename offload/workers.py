@@ -62,6 +62,9 @@ class StuckAwarePool:
                 self._start_thread_locked()
 
     def _start_thread_locked(self) -> None:
+        # forget threads that ended (a replaced thread exits when its stuck call returns):
+        # the list holds live threads only, never every thread ever started
+        self._threads = [t for t in self._threads if t.is_alive()]
         index = self._next_index
         self._next_index += 1
         thread = threading.Thread(target=self._run, args=(index,), daemon=True,

@@ -214,3 +214,33 @@ def test_pool_replaces_a_stuck_thread_and_shrinks_back_when_it_returns() -> None
     finally:
         gate.set()
         assert pool.close(10.0)
+
+
+def test_pool_forgets_threads_that_ended_however_many_replacements_it_made() -> None:
+    """Each stuck call that returns ends its thread; the pool must not keep every thread it
+    ever started (a long-lived tier with a flaky disk would grow that list forever)."""
+    from kvbridge.offload.workers import StuckAwarePool
+
+    clock = ManualClock()
+    pool = StuckAwarePool("kvbridge-test-forget", 1, stuck_after_s=5.0, max_extra_threads=2,
+                          clock=clock)
+
+    def live_threads() -> int:
+        return sum(1 for t in threading.enumerate()
+                   if t.name.startswith("kvbridge-test-forget-") and t.is_alive())
+
+    try:
+        for _ in range(20):
+            gate = threading.Event()
+            pool.submit(lambda gate=gate: gate.wait(60))
+            wait_for(lambda: pool._pending == 0, "the stuck job to start")
+            clock.advance(5.0)
+            pool.submit(lambda: None)           # waits: a replacement is started for it
+            wait_for(lambda: pool._pending == 0, "the queued job to start", pool.check)
+            gate.set()                           # the stuck call returns: one thread ends
+            wait_for(lambda: pool.num_threads_alive == 1 and live_threads() == 1,
+                     "the pool to shrink back to one thread", pool.check)
+        assert pool.replacements == 20
+        assert len(pool._threads) <= pool.num_threads + pool.max_extra_threads
+    finally:
+        assert pool.close(10.0)

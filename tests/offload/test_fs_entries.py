@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -167,8 +166,8 @@ def test_a_fifo_in_place_of_a_block_hangs_neither_the_load_nor_shutdown(setup) -
     m.request_finished("r1")
     m.request_finished("r2")
     tier.shutdown(timeout_s=5.0)                     # returns: no thread is inside a read
-    assert not [t.name for t in threading.enumerate()
-                if t.name.startswith("kvbridge-fs-rd") and t.is_alive()]
+    # this tier's read threads (other tiers' idle threads share the name prefix)
+    assert not [t.name for t in tier._read_pool._threads if t.is_alive()]
 
 
 def test_a_directory_in_place_of_a_block_is_replaced_or_fails_the_store(setup) -> None:
@@ -214,3 +213,96 @@ def test_a_symlinked_block_is_never_followed_out_of_the_store(setup, tmp_path) -
     compute(m, "w2", [k(0)])
     assert os.path.isfile(tier.path(k(0))) and not os.path.islink(tier.path(k(0)))
     assert outside.read_bytes() == secret
+
+
+class StoredMeanwhileIO(FsIO):
+    """The real I/O; right after the load's open found a FIFO in ``path``'s place, another
+    writer (a second engine sharing the store) renames a complete block file over it."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.block = b""
+
+    def lstat_mode(self, path: str) -> int | None:
+        if path == self.path:
+            self.path = None
+            tmp = path + ".other-writer.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(self.block)
+            os.rename(tmp, path)
+        return super().lstat_mode(path)
+
+
+def test_a_block_stored_over_a_fifo_during_the_load_is_not_removed(tmp_path) -> None:
+    io = StoredMeanwhileIO()
+    tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
+                  clock=lambda: 0.0)
+    m = OffloadManager(CpuTier(2, BLOCK), [tier], clock=lambda: 0.0)
+    try:
+        compute(m, "w", [k(0)])
+        m.request_finished("w")
+        evict(m)
+        verdict_true(tier, "r1", k(0))
+        os.remove(tier.path(k(0)))
+        os.mkfifo(tier.path(k(0)))
+        io.block, io.path = block_content(k(0), BLOCK), tier.path(k(0))
+        fs_events(m)
+        assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+        assert io.path is None                          # the other writer did run
+        # the FIFO the load saw is gone; the block file that replaced it is kept
+        assert os.path.isfile(tier.path(k(0)))
+        with open(tier.path(k(0)), "rb") as fh:
+            assert fh.read() == block_content(k(0), BLOCK)
+        assert tier.stats.files_deleted == 0
+        assert not [keys for kind, keys in fs_events(m) if kind is EventKind.REMOVED]
+        m.request_finished("r1")
+        evict(m)
+        assert settle(m, "r2", [k(0)]) == LookupResult(LookupStatus.HIT, 1)
+        m.request_finished("r2")
+    finally:
+        m.shutdown()
+
+
+def test_failures_of_a_removed_file_do_not_count_against_the_file_stored_after_it(setup) -> None:
+    """Quarantine counts failed loads of one file in a row: a file stored afresh (the old
+    one was removed, e.g. by an operator or fsck) starts from zero, not from the old
+    file's failures."""
+    m, tier, io = setup
+    compute(m, "w", [k(0)])
+    m.request_finished("w")
+    path = tier.path(k(0))
+    for r in range(2):                               # two failed loads of the old file
+        evict(m)
+        io.bad.add(path)
+        assert settle(m, f"r{r}", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+        m.request_finished(f"r{r}")
+    assert tier.stats.loads_failed == 2 and os.path.exists(path)
+    os.remove(path)                                  # an operator removes the bad file
+    io.bad.discard(path)
+    assert settle(m, "r2", [k(0)]) == LookupResult(LookupStatus.MISS, 0)   # absent: no load
+    compute(m, "r2", [k(0)])                         # recomputed: a fresh file is stored
+    m.request_finished("r2")
+    evict(m)
+    io.bad.add(path)                                 # one failed load of the new file
+    assert settle(m, "r3", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+    m.request_finished("r3")
+    assert tier.stats.loads_failed == 3
+    assert tier.stats.files_quarantined == 0 and os.path.exists(path)
+
+
+def test_a_block_file_longer_than_a_block_is_never_served(setup) -> None:
+    """The tier writes exactly block_bytes per file (fsck calls anything longer broken):
+    a longer file under a block's name is not that key's block, so its first block_bytes
+    are never served; the failed load counts towards quarantine."""
+    m, tier, _ = setup
+    compute(m, "w", [k(0)])
+    m.request_finished("w")
+    evict(m)
+    path = tier.path(k(0))
+    with open(path, "ab") as fh:                     # the right bytes, then some more
+        fh.write(b"x")
+    assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+    assert m.failed_loads("r1") == (k(0),)
+    assert tier.stats.loads_failed == 1 and tier.stats.loads_ok == 0
+    assert os.path.exists(path)                      # not provably short: kept (quarantine)
+    m.request_finished("r1")

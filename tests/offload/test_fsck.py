@@ -214,3 +214,34 @@ def test_fsck_finds_and_repairs_non_regular_entries_under_block_names(make_fs, s
     assert repaired == {tier.path(k(0)), tier.path(k(1)), tier.path(k(3))}
     assert not os.path.lexists(tier.path(k(3))) and target.read_bytes() == b"t" * BLOCK
     assert os.path.isdir(tier.path(k(2))) and not report.ok
+
+
+def test_fsck_repair_keeps_a_block_stored_over_a_non_regular_entry_after_the_scan(
+        make_fs, store_dir, monkeypatch) -> None:
+    """Between the scan (a FIFO under a block name) and the repair, a running tier stores
+    that block (renames a regular file over the FIFO): repair must not delete the block."""
+    import kvbridge.offload.fsck as fsck_module
+    from kvbridge.offload.fs_io import FsIO
+
+    tier = make_fs()
+    path = tier.path(k(0))
+    os.mkfifo(path)
+    renamed: list[str] = []
+
+    class StoreDuringRepair(FsIO):
+        def lstat_mode(self, p: str) -> int | None:
+            if p == path and not renamed:
+                tmp = path + ".9.9.9.tmp"
+                with open(tmp, "wb") as fh:
+                    fh.write(b"b" * BLOCK)
+                os.rename(tmp, path)
+                renamed.append(p)
+            return super().lstat_mode(p)
+
+    monkeypatch.setattr(fsck_module, "FsIO", StoreDuringRepair)
+    report = fsck(store_dir, repair=True)
+    assert renamed == [path]                         # the store did land between the two
+    assert [f.path for f in report.findings if f.kind is FindingKind.NOT_REGULAR] == [path]
+    assert os.path.isfile(path)
+    with open(path, "rb") as fh:
+        assert fh.read() == b"b" * BLOCK
