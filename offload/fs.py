@@ -73,9 +73,11 @@ BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
 HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
-#: load errors that say nothing about the file itself: never counted towards quarantine
+#: load errors that say nothing about the file itself: never counted towards quarantine.
+#: EINVAL is a configuration fault (O_DIRECT on a file system or buffer that refuses it):
+#: counting it would quarantine, one by one, every good block of a misconfigured store.
 NOT_THE_FILES_FAULT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN,
-                                 errno.EINTR, errno.ENOENT, errno.ENOBUFS})
+                                 errno.EINTR, errno.ENOENT, errno.ENOBUFS, errno.EINVAL})
 
 
 class QuarantinedError(OSError):

@@ -38,6 +38,7 @@ class BadSectorIO(FsIO):
     def __init__(self) -> None:
         self.bad: set[str] = set()
         self._bad_fds: set[int] = set()
+        self.errno = errno.EIO
 
     def open_read(self, path: str, direct: bool) -> int:
         fd = super().open_read(path, direct)
@@ -47,7 +48,7 @@ class BadSectorIO(FsIO):
 
     def readv(self, fd: int, views: list[memoryview]) -> int:
         if fd in self._bad_fds:
-            raise OSError(errno.EIO, "Input/output error (bad sector)")
+            raise OSError(self.errno, os.strerror(self.errno))
         return super().readv(fd, views)
 
     def close(self, fd: int) -> None:
@@ -101,6 +102,23 @@ def verdict_true(tier: FsTier, request_id: str, key: bytes) -> None:
         return tier.cache.peek(key) is not None
     wait_for(known, "a verdict")
     assert tier.cache.peek(key) is True
+
+
+def test_a_configuration_fault_never_quarantines_a_block(setup) -> None:
+    """EINVAL (O_DIRECT refused by the file system, say) is not the file's fault: the
+    load fails and is a miss, but the block is never counted towards quarantine."""
+    m, tier, io = setup
+    compute(m, "w", [k(0)])
+    m.request_finished("w")
+    evict(m)
+    io.bad.add(tier.path(k(0)))
+    io.errno = errno.EINVAL
+    for r in range(5):
+        assert settle(m, f"r{r}", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
+        m.request_finished(f"r{r}")
+    assert tier.stats.loads_failed == 5
+    assert tier.stats.files_quarantined == 0
+    assert os.path.exists(tier.path(k(0)))
 
 
 def test_a_block_failing_every_read_is_quarantined_removed_and_written_again(setup) -> None:
