@@ -35,7 +35,6 @@ from kvbridge.handshake.schema import (
     ErrorReply,
     MetadataReply,
     MetadataRequest,
-    RankKey,
     Reply,
     RequestKind,
     ServerClock,
@@ -106,6 +105,17 @@ class ClientStats:
 _Selection = tuple[int | None, int | None, int | None]
 
 
+def _selected_count(request: MetadataRequest, metadata: EngineMetadata) -> int:
+    """How many ranks of the peer's topology ``request`` selects (arithmetic: never a
+    loop over the ranks a peer claims)."""
+    count = 1
+    sizes = metadata.topology
+    for chosen, size in ((request.pp_rank, sizes.pp_size), (request.tp_rank, sizes.tp_size),
+                         (request.pcp_rank, sizes.pcp_size)):
+        count *= size if chosen is None else int(chosen < size)
+    return count
+
+
 @dataclass
 class _CacheEntry:
     metadata: EngineMetadata
@@ -174,12 +184,13 @@ class HandshakeClient:
             return FetchResult(known, rtt, clock, True, attempts)
         assert isinstance(reply, MetadataReply)
         metadata = decode_engine(reply.engine_doc, expected, self.max_message_bytes)
-        wanted = [RankKey.of(t) for t in metadata.topology.ranks() if request.selects(
-            RankKey.of(t))]
-        got = [m.rank for m in metadata.ranks]
-        if got != wanted:
-            raise HandshakeError("ranks", f"peer sent ranks {[k.describe() for k in got]} for "
-                                          f"a request of {[k.describe() for k in wanted]}")
+        got = [m.rank for m in metadata.ranks]  # distinct and sorted (decode_engine)
+        wanted = _selected_count(request, metadata)
+        if len(got) != wanted or not all(request.selects(k) for k in got):
+            raise HandshakeError("ranks", f"peer sent ranks {[k.describe() for k in got[:8]]} "
+                                          f"({len(got)}) for a request of {wanted} rank(s) "
+                                          f"(pp {request.pp_rank}, tp {request.tp_rank}, "
+                                          f"pcp {request.pcp_rank}; None = all)")
         self._remember(key, known, metadata)
         return FetchResult(metadata, rtt, clock, False, attempts)
 

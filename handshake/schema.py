@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -68,7 +69,12 @@ MAX_DOCUMENT_BYTES = MAX_MESSAGE_BYTES - 4096
 MAX_REQUEST_BYTES = 4096
 MAX_NAME_CHARS = 256
 MAX_BLOB_BYTES = 256 * 1024
+#: Most ranks one engine may claim (tp_size * pp_size * pcp_size, and each size): far
+#: beyond any deployment, small enough that a loop over a peer's ranks stays cheap.
 MAX_RANKS = 4096
+#: Deepest nesting of maps and lists a message may have (the deepest valid record,
+#: an engine body's ``ranks[i].regions[j].base_addrs``, is 6 levels deep).
+MAX_NESTING = 16
 MAX_REGIONS = 64
 MAX_LAYERS = 8192
 MAX_NUM_BLOCKS = (1 << 31) - 1
@@ -116,10 +122,38 @@ def _unpack(data: object, what: str, max_bytes: int) -> object:
     if size == 0:
         raise HandshakeError(what, "empty message")
     try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise HandshakeError(what, f"not a valid msgpack message ({type(exc).__name__}: "
                                    f"{exc})") from None
+    _check_nesting(obj, "" if what == "message" else what)
+    return obj
+
+
+def _check_nesting(obj: object, root: str) -> None:
+    """Refuse maps and lists nested deeper than MAX_NESTING (iteratively: no recursion).
+
+    Everything after decoding (``repr`` in an error message, comparisons) recurses
+    over nested values, so a hostile depth is refused here, once, naming the field
+    that holds it (``"kind"``, ``"body.ranks"``), before any of it is interpreted.
+    """
+    stack: list[tuple[object, int, str]] = [(obj, 0, root)]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, dict):
+            children: Iterable[tuple[object, str]] = (
+                (v, _join(where, str(k)[:64]) if depth < 3 else where)
+                for k, v in value.items())
+        elif isinstance(value, list):
+            children = ((v, where) for v in value)
+        else:
+            continue
+        if depth >= MAX_NESTING:
+            raise HandshakeError(where or "message",
+                                 f"nested deeper than {MAX_NESTING} levels of maps and lists; "
+                                 f"no valid handshake record is")
+        stack.extend((child, depth + 1, path) for child, path in children
+                     if isinstance(child, dict | list))
 
 
 def _join(path: str, key: str) -> str:
@@ -221,8 +255,15 @@ def _kind(value: object) -> str:
     return "nil" if value is None else type(value).__name__
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = 60
+_REPR.maxother = 60
+
+
 def _short(value: object) -> str:
-    text = repr(value)
+    """A bounded ``repr`` for error messages (never recurses deeper than 3 levels)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -586,6 +627,21 @@ def _spec_from(obj: object, path: str) -> KVCacheSpec:
 
 
 def _topology_from(obj: object, path: str) -> ParallelTopology:
+    """A peer's topology, with every size bounded before anything loops over its ranks."""
+    if isinstance(obj, dict):
+        for name in ("tp_size", "pp_size", "dcp_size", "pcp_size"):
+            value = obj.get(name, 1)
+            if not isinstance(value, bool) and isinstance(value, int) \
+                    and not 1 <= value <= MAX_RANKS:
+                raise HandshakeError(_join(path, name), f"expected an integer in "
+                                                        f"[1, {MAX_RANKS}], got {value}")
+        world = 1
+        for name in ("tp_size", "pp_size", "pcp_size"):
+            value = obj.get(name, 1)
+            world *= value if isinstance(value, int) and not isinstance(value, bool) else 1
+        if world > MAX_RANKS:
+            raise HandshakeError(path, f"tp_size * pp_size * pcp_size = {world} ranks exceeds "
+                                       f"the limit of {MAX_RANKS}")
     try:
         return ParallelTopology.from_dict(obj, path)
     except LayoutError as exc:
@@ -683,10 +739,23 @@ class EngineMetadata:
             } for m in self.ranks],
         }
 
-    def missing_ranks(self) -> list[RankKey]:
-        """Ranks of the topology that this document does not hold."""
+    def missing_ranks(self, limit: int | None = None) -> list[RankKey]:
+        """Ranks of the topology that this document does not hold (the first ``limit``).
+
+        Costs nothing for a complete document; otherwise at most one pass over the
+        topology's ranks, which the decoder bounds by MAX_RANKS.
+        """
         have = {m.rank for m in self.ranks}
-        return [RankKey.of(t) for t in self.topology.ranks() if RankKey.of(t) not in have]
+        if len(have) >= self.topology.world_size:
+            return []
+        out: list[RankKey] = []
+        for t in self.topology.ranks():
+            key = RankKey.of(t)
+            if key not in have:
+                out.append(key)
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
 
 
 def _body_to_map(meta: EngineMetadata) -> dict[str, Any]:

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -34,7 +35,6 @@ import zmq
 from kvbridge.handshake.address import format_address, zmq_endpoint
 from kvbridge.handshake.errors import HandshakeError
 from kvbridge.handshake.schema import (
-    MAX_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,
     AgentMetadata,
     CompatHeader,
@@ -59,6 +59,13 @@ from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology
 logger = logging.getLogger(__name__)
 
 _Selection = tuple[int | None, int | None, int | None]
+
+#: Largest frame the ROUTER accepts from a peer (requests are a few dozen bytes;
+#: up to this size an oversized request still gets an error reply naming it).
+MAX_FRAME_BYTES = 4 * MAX_REQUEST_BYTES
+
+#: At most one traceback per this many seconds for requests that hit a bug of ours.
+INTERNAL_ERROR_LOG_INTERVAL_S = 60.0
 
 
 class MetadataStore:
@@ -92,6 +99,9 @@ class MetadataStore:
         self._ranks: dict[RankKey, AgentMetadata] = {}
         self._generation = 0
         self._doc_cache: dict[_Selection, tuple[int, bytes]] = {}
+        #: requests that hit a bug of ours (answered "internal error"; rate-limited log)
+        self.internal_errors = 0
+        self._last_internal_log = -math.inf
 
     @property
     def generation(self) -> int:
@@ -164,7 +174,14 @@ class MetadataStore:
         try:
             return self._reply(data)
         except Exception as exc:  # a bug of ours must not kill the server either
-            logger.exception("handshake: internal error answering a request")
+            self.internal_errors += 1
+            now = self._mono()
+            if now - self._last_internal_log >= INTERNAL_ERROR_LOG_INTERVAL_S:
+                # a peer repeating the request that hits the bug must not flood the log
+                self._last_internal_log = now
+                logger.error("handshake: internal error answering a request (%d so far; "
+                             "logged at most every %.0f s)", self.internal_errors,
+                             INTERNAL_ERROR_LOG_INTERVAL_S, exc_info=True)
             return ErrorReply(peek_request_id(data), self.clock(), "server",
                               f"internal error: {type(exc).__name__}")
 
@@ -266,7 +283,12 @@ class HandshakeServer:
         sock = self._context.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            # libzmq bounds frames, not messages: the frames of an unfinished multipart
+            # message are held until its last frame arrives. Requests are one frame of
+            # at most MAX_REQUEST_BYTES, so a frame of MAX_FRAME_BYTES (room for an
+            # error reply to a slightly oversized one) is the most a peer gets buffered
+            # per frame; a larger frame closes that peer's connection.
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
             if self._requested_port == 0:
