@@ -333,3 +333,93 @@ def test_a_bad_block_id_fails_its_request_only_and_keeps_the_session() -> None:
     finally:
         producer.close()
         _shutdown_clean(consumer)
+
+
+class _SilentSideChannel:
+    """A ROUTER on 127.0.0.1 that takes requests and never answers."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def test_a_silent_peer_delays_only_its_own_handshake() -> None:
+    """While one producer's side channel never answers, a load from another producer
+    handshakes and completes (before: it queued behind the silent one on the only
+    handshake thread and started only after that one had failed)."""
+    silent = _SilentSideChannel()
+    producer = _producer()
+    consumer = _consumer(handshake_timeout_s=5.0, handshake_retries=0)
+    stepper = Stepper(consumer)
+    try:
+        stuck, good = make_requests(2, prompt_tokens=48, max_tokens=2, seed=33, prefix="silent")
+        stuck_params = _prefill(producer, stuck).transfer_params
+        good_params = _prefill(producer, good).transfer_params
+        assert stuck_params is not None
+        consumer.add_request(replace(stuck, transfer_params=_pointing_at(
+            stuck_params, "silent", silent.port)))
+        stepper.step()  # its handshake starts first
+        consumer.add_request(replace(good, transfer_params=good_params))
+        stepper.until(lambda: good.request_id in stepper.results
+                      or stuck.request_id in stepper.failed, 60, "a load settled")
+        assert stuck.request_id not in stepper.failed, \
+            "the silent peer's handshake ended before the other producer's load"
+        loaded = stepper.results[good.request_id]
+        _check_output(loaded, good)
+        assert loaded.num_external_tokens > 0
+        stepper.until(lambda: stuck.request_id in stepper.results, 60, "silent load settled")
+        assert stuck.request_id in stepper.failed
+        _check_output(stepper.results[stuck.request_id], stuck)
+    finally:
+        silent.close()
+        producer.close()
+        _shutdown_clean(consumer)
+
+
+def test_a_handshake_past_its_deadline_fails_its_loads_and_is_abandoned() -> None:
+    """Fault injection: the side-channel fetch of the first handshake blocks until
+    released. Past the handshake deadline its load fails (not after the much longer
+    transfer timeout), the next load to that producer handshakes afresh, and the
+    abandoned handshake's session is closed once it finally completes."""
+    producer = _producer()
+    consumer = _consumer(handshake_timeout_s=1.0, handshake_retries=0,
+                         transfer_timeout_s=120.0)
+    stepper = Stepper(consumer)
+    worker = consumer.workers[0].connector
+    assert worker is not None
+    release = threading.Event()
+    real_fetch = worker._client.fetch
+    calls = iter(range(1000))
+
+    def wedged_fetch(*args: Any, **kwargs: Any) -> Any:
+        if next(calls) == 0:
+            release.wait(120)
+        return real_fetch(*args, **kwargs)
+
+    worker._client.fetch = wedged_fetch  # type: ignore[method-assign]
+    try:
+        first, second = make_requests(2, prompt_tokens=48, max_tokens=2, seed=35,
+                                      prefix="wedge")
+        params = {s.request_id: _prefill(producer, s).transfer_params for s in (first, second)}
+        consumer.add_request(replace(first, transfer_params=params[first.request_id]))
+        stepper.until(lambda: first.request_id in stepper.failed, 60, "wedged load failed")
+        totals = worker.totals()
+        assert totals["handshakes_abandoned"] == 1 and totals["loads_failed"] == 1
+        consumer.add_request(replace(second, transfer_params=params[second.request_id]))
+        stepper.until(lambda: second.request_id in stepper.results, 60, "fresh handshake")
+        loaded = stepper.results[second.request_id]
+        _check_output(loaded, second)
+        assert loaded.num_external_tokens > 0
+        release.set()  # the abandoned handshake now completes: its session is closed
+        stepper.until(lambda: not worker._abandoned, 30, "abandoned handshake settled")
+        assert worker.totals()["sessions"] == 1
+    finally:
+        release.set()
+        producer.close()
+        _shutdown_clean(consumer)
