@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import struct
 import subprocess
@@ -24,6 +23,7 @@ from kvbridge.handshake import (
     ErrorReply,
     HandshakeClient,
     HandshakeError,
+    HandshakeServer,
     MetadataReply,
     MetadataRequest,
     decode_engine,
@@ -33,6 +33,7 @@ from kvbridge.handshake import (
     encode_engine,
     encode_request,
 )
+from kvbridge.handshake import server as server_module
 from kvbridge.handshake.schema import MAX_NESTING, MAX_RANKS, ServerClock, encode_reply
 from kvbridge.layouts import ParallelTopology
 from tests.conftest import free_port, ready_line, stop_process
@@ -197,10 +198,15 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_served_side_channel_holds_no_unfinished_megabyte_frames() -> None:
-    """60 peers each start a multipart message with a 1 MiB frame and never finish
-    it: the served engine's side channel drops them (a frame larger than any
-    request closes that connection) instead of holding 60 MiB+, and keeps serving."""
+@pytest.mark.parametrize("frame_bytes, frames_per_peer", [
+    (1 << 20, 1),  # one 1 MiB frame: past the frame bound
+    (16 << 10, 256),  # 4 MiB in frames of 16 KiB each: past the message bound
+])
+def test_served_side_channel_holds_no_unfinished_multipart_messages(
+        frame_bytes: int, frames_per_peer: int) -> None:
+    """60 peers each start a multipart message and never finish it: the served
+    engine's side channel disconnects each as soon as its message outgrows any
+    request, instead of holding 60 x its size, and keeps serving."""
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "kvbridge.tools.cli", "serve", "--role",
                               "producer", "--port", str(port), "--control-port",
@@ -212,25 +218,52 @@ def test_served_side_channel_holds_no_unfinished_megabyte_frames() -> None:
         client = HandshakeClient(timeout_s=5.0, retries=1)
         before = client.fetch(f"127.0.0.1:{port}")
         rss_before = _rss_kib(serve.pid)
-        frame = b"\x00" * (1 << 20)
+        # MORE | LONG, 8-byte size, then the body; the message is never finished
+        frame = bytes([0x03]) + struct.pack(">Q", frame_bytes) + b"\x00" * frame_bytes
         for _ in range(60):
             peer = _zmtp_dealer(port)
-            # MORE | LONG, 8-byte size, then the body; the message is never finished
             # the server may already have closed this connection: that is the point
             with contextlib.suppress(OSError):
-                peer.sendall(bytes([0x03]) + struct.pack(">Q", len(frame)) + frame)
+                for _ in range(frames_per_peer):
+                    peer.sendall(frame)
             peers.append(peer)
         closed = sum(_closed_by_peer(peer, deadline=time.monotonic() + 5.0) for peer in peers)
         after = client.fetch(f"127.0.0.1:{port}", use_cache=False)
         assert after.metadata.engine_id == before.metadata.engine_id
-        grown_mib = (_rss_kib(serve.pid) - rss_before) / 1024
-        assert grown_mib < 30, f"side channel holds {grown_mib:.0f} MiB of unfinished frames"
         assert closed == len(peers), f"only {closed} of {len(peers)} floods were cut off"
-        assert os.path.exists(f"/proc/{serve.pid}")
+        grown_mib = (_rss_kib(serve.pid) - rss_before) / 1024
+        assert grown_mib < 30, f"side channel holds {grown_mib:.0f} MiB of unfinished messages"
     finally:
         for peer in peers:
             peer.close()
         assert stop_process(serve) == 0
+
+
+def test_connections_past_the_limit_are_closed_and_the_others_served(
+        make_store, monkeypatch) -> None:
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 2)
+    server = HandshakeServer(make_store(), "127.0.0.1", 0).start()
+    peers = [_zmtp_dealer(server.port) for _ in range(2)]
+    try:
+        for peer in peers:  # both greeted: they hold the two places
+            peer.settimeout(5)
+            assert peer.recv(10)[:1] == b"\xff"
+        extra = _zmtp_dealer(server.port)
+        assert _closed_by_peer(extra, deadline=time.monotonic() + 5.0)
+        extra.close()
+        peers.pop().close()  # a place frees up: a client gets served again
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                HandshakeClient(timeout_s=1.0, retries=0).fetch(server.address)
+                break
+            except HandshakeError:
+                assert time.monotonic() < deadline, "never served after a place freed up"
+        assert server.peers_dropped >= 1
+    finally:
+        for peer in peers:
+            peer.close()
+        server.stop()
 
 
 def test_oversized_request_frames_still_get_an_error_reply(make_store, serve) -> None:
