@@ -11,7 +11,9 @@ take the message past ``max_message_bytes`` or ``max_frames``, before its body
 is buffered. What one connection can make the server hold is thus one
 message's bound plus a frame header.
 
-Only what the handshake needs is implemented: ZMTP 3.x greeting with the NULL
+The client (:class:`~kvbridge.handshake.client.HandshakeClient`) frames replies
+the same way, so a hostile server cannot make it buffer more than one reply's
+bound either. Only what the handshake needs is implemented: ZMTP 3.x greeting with the NULL
 mechanism, the READY command (peer socket types DEALER, REQ and ROUTER), data
 frames; other commands (e.g. PING, which needs heartbeats the clients never
 enable) are read and ignored. Spec: https://rfc.zeromq.org/spec/23/ (ZMTP 3.0).
@@ -25,7 +27,7 @@ SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 GREETING_BYTES = 64
 #: Largest command (READY with its metadata) a peer may send, in bytes.
 MAX_COMMAND_BYTES = 4096
-#: Peer socket types a ROUTER-like server talks to.
+#: Peer socket types a ROUTER-like server talks to (a DEALER-like client: ROUTER only).
 PEER_SOCKET_TYPES = (b"DEALER", b"REQ", b"ROUTER")
 
 _MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
@@ -48,10 +50,11 @@ def encode_message(frames: list[bytes]) -> bytes:
     return b"".join(encode_frame(f, more=i < last) for i, f in enumerate(frames))
 
 
-def server_greeting() -> bytes:
-    """Our greeting (ZMTP 3.0, NULL, as-server 0) followed by our READY command."""
+def server_greeting(socket_type: bytes = b"ROUTER") -> bytes:
+    """Our greeting (ZMTP 3.0, NULL, as-server 0) followed by our READY command,
+    announcing ``socket_type`` (ROUTER for the server, DEALER for the client)."""
     greeting = SIGNATURE + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
-    name, value = b"Socket-Type", b"ROUTER"
+    name, value = b"Socket-Type", socket_type
     ready = (b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(value))
              + value)
     return greeting + encode_frame(ready, command=True)
@@ -79,9 +82,11 @@ def _parse_properties(data: bytes) -> dict[bytes, bytes]:
 class ZmtpConnection:
     """One peer connection: bytes in, complete messages (lists of frames) out."""
 
-    def __init__(self, max_message_bytes: int, max_frames: int) -> None:
+    def __init__(self, max_message_bytes: int, max_frames: int,
+                 peer_types: tuple[bytes, ...] = PEER_SOCKET_TYPES) -> None:
         self.max_message_bytes = max_message_bytes
         self.max_frames = max_frames
+        self.peer_types = peer_types
         self.peer_socket_type: bytes | None = None
         self._buf = bytearray()
         self._greeted = False
@@ -169,9 +174,9 @@ class ZmtpConnection:
             if self.peer_socket_type is not None:
                 raise ZmtpError("READY twice")
             socket_type = _parse_properties(data).get(b"socket-type", b"")
-            if socket_type not in PEER_SOCKET_TYPES:
-                raise ZmtpError(f"peer socket type {socket_type[:16]!r} cannot talk to a "
-                                f"ROUTER")
+            if socket_type not in self.peer_types:
+                raise ZmtpError(f"peer socket type {socket_type[:16]!r} is not one of "
+                                f"{[t.decode() for t in self.peer_types]}")
             self.peer_socket_type = socket_type
         elif name == b"ERROR":
             raise ZmtpError("peer sent ERROR")

@@ -280,3 +280,42 @@ def test_oversized_request_frames_still_get_an_error_reply(make_store, serve) ->
         assert "exceeds" in reply.message
     finally:
         dealer.close(linger=0)
+
+
+def test_client_cuts_off_a_server_streaming_an_endless_reply() -> None:
+    """A hostile side channel answers with a multipart reply that never ends: the
+    client refuses it once it outgrows any reply (a DEALER would have buffered its
+    frames until the deadline), naming the message, well before its timeout."""
+    import threading
+
+    from kvbridge.handshake.zmtp import server_greeting
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    sent = {"bytes": 0}
+
+    def hostile() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            conn.sendall(server_greeting(b"ROUTER"))
+            conn.recv(4096)  # the client's greeting, READY and request
+            frame = bytes([0x03]) + struct.pack(">Q", 64 << 10) + b"\x00" * (64 << 10)
+            with contextlib.suppress(OSError):
+                while sent["bytes"] < (256 << 20):
+                    conn.sendall(frame)
+                    sent["bytes"] += len(frame)
+
+    thread = threading.Thread(target=hostile, daemon=True)
+    thread.start()
+    try:
+        client = HandshakeClient(timeout_s=30.0, retries=0)
+        with pytest.raises(HandshakeError) as info:
+            client.fetch(f"127.0.0.1:{port}")
+        assert info.value.field == "message" and "more than" in info.value.reason
+        assert client.stats.timeouts == 0
+        thread.join(30)
+        assert not thread.is_alive()
+        assert sent["bytes"] < (256 << 20), "the client read the endless reply to its end"
+    finally:
+        listener.close()
