@@ -643,6 +643,7 @@ class NixlWorker(WorkerConnector):
             self._drop_session(session.key, now, reason=str(exc))
             return
         session.active += 1
+        recv.counted_active = True
         expected = frozenset(session.rank_plan.sources)
         recv.posted(expected, transfers, params.mode is TransferMode.PULL)
         if recv.read_notifs:
@@ -749,9 +750,7 @@ class NixlWorker(WorkerConnector):
         self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0, recv.num_runs)
         self._record(TransferRecord(recv.request_id, True, recv.nbytes, recv.num_descs,
                                     recv.duration_s or 0.0, recv.started_at, recv.num_runs))
-        session = self._sessions.get(self._session_key(recv.params))
-        if session is not None and session.active > 0:
-            session.active -= 1
+        self._uncount(recv)
 
     def _fail(self, recv: RecvTransfer, reason: str, now: float, *,
               tell_producer: bool = True) -> None:
@@ -780,7 +779,15 @@ class NixlWorker(WorkerConnector):
             self.ctx.engine_id, self.rank_index, recv.request_id, params.producer_engine_id,
             params.producer_request_id, params.mode.value, recv.num_blocks,
             recv.state.value, reason)
-        session = self._sessions.get(self._session_key(params))
+        self._uncount(recv)
+
+    def _uncount(self, recv: RecvTransfer) -> None:
+        """A posted load no longer uses its session (one that was never posted did not
+        count: refused before posting, or failed while bootstrapping)."""
+        if not recv.counted_active:
+            return
+        recv.counted_active = False
+        session = self._sessions.get(self._session_key(recv.params))
         if session is not None and session.active > 0:
             session.active -= 1
 

@@ -302,8 +302,8 @@ def test_a_bad_block_id_fails_its_request_only_and_keeps_the_session() -> None:
     consumer = _consumer()
     stepper = Stepper(consumer)
     try:
-        warm, good, bad = make_requests(3, prompt_tokens=48, max_tokens=2, seed=21,
-                                        prefix="badid")
+        warm, good, bad, again = make_requests(4, prompt_tokens=48, max_tokens=2, seed=21,
+                                               prefix="badid")
         params: dict[str, Any] = {s.request_id: _prefill(producer, s).transfer_params
                                   for s in (warm, good, bad)}
         consumer.add_request(replace(warm, transfer_params=params[warm.request_id]))
@@ -330,6 +330,18 @@ def test_a_bad_block_id_fails_its_request_only_and_keeps_the_session() -> None:
         assert sum(t["loads_done"] for t in totals) == 2
         # the refused request's producer blocks are released at once, not by lease
         stepper.until(lambda: not producer.stats()["idle_problems"], 10, "producer freed")
+        # a refused request never counted as using the session: it must not uncount
+        # another load that does (the session's ``active`` gates its revalidation)
+        worker = consumer.workers[0].connector
+        assert worker is not None
+        (session,) = worker._sessions.values()
+        with worker._state_lock:
+            session.active += 1  # stands for a load in flight
+        params[again.request_id] = _prefill(producer, again).transfer_params
+        consumer.add_request(replace(again, transfer_params=_with_bad_block(
+            params[again.request_id])))
+        stepper.until(lambda: again.request_id in stepper.failed, 30, "second bad load")
+        assert session.active == 1
     finally:
         producer.close()
         _shutdown_clean(consumer)
