@@ -122,10 +122,16 @@ class _ClaimingSideChannel:
         self.sock.close(linger=0)
 
 
-def test_plan_of_one_consumer_rank_equals_that_rank_of_the_whole_plan() -> None:
-    spec = load_spec("tiny-hybrid")
-    producer = ParallelTopology(tp_size=2, pp_size=2)
-    consumer = ParallelTopology(tp_size=4)
+@pytest.mark.parametrize("model, producer, consumer", [
+    ("tiny-hybrid", ParallelTopology(tp_size=2, pp_size=2), ParallelTopology(tp_size=4)),
+    ("tiny-gqa-nhd", ParallelTopology(tp_size=4), ParallelTopology(tp_size=2, pp_size=2)),
+    ("tiny-mla", ParallelTopology(tp_size=4, dcp_size=2), ParallelTopology(tp_size=2,
+                                                                             dcp_size=2)),
+    ("tiny-gqa", ParallelTopology(tp_size=1), ParallelTopology(tp_size=8)),
+])
+def test_plan_of_one_consumer_rank_equals_that_rank_of_the_whole_plan(
+        model: str, producer: ParallelTopology, consumer: ParallelTopology) -> None:
+    spec = load_spec(model)
     whole = plan_transfer(spec, producer, consumer)
     for rank in consumer.ranks():
         alone = plan_consumer_rank(spec, producer, rank)
