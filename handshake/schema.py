@@ -1,7 +1,9 @@
 """Wire schema of the handshake side channel: typed, versioned msgpack records.
 
 Every record has one encode and one decode function. Decoding is strict: the
-message size is bounded before anything is parsed, every map must have exactly
+message size is bounded before anything is parsed, nesting right after
+(``MAX_NESTING``), a peer's topology sizes before anything loops over its ranks
+(``MAX_RANKS``), every map must have exactly
 the known keys, every value is type- and range-checked, and any failure raises
 :class:`HandshakeError` naming the field (``"ranks[3].regions[0].base_addrs[2]"``).
 No pickle, no msgpack extension types: a peer can send us nothing but plain
