@@ -517,7 +517,7 @@ class NixlWorker(WorkerConnector):
         for future in list(self._abandoned):
             if future.done():  # finished after its deadline: nobody wants it any more
                 self._abandoned.remove(future)
-                if future.exception() is None:
+                if not future.cancelled() and future.exception() is None:
                     assert self.transport is not None
                     future.result().close(self.transport)
         for key, pending in list(self._connecting.items()):
