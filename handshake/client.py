@@ -1,8 +1,10 @@
 """The handshake client: bounded, retried requests and a validated result cache.
 
-Every attempt uses a fresh DEALER socket with linger 0 that is closed before
-the attempt returns, so a peer that never answers leaves nothing behind (a
-REQ socket that timed out would be stuck in its send/recv state machine).
+Every attempt uses a fresh socket with linger 0 that is closed before the
+attempt returns, so a peer that never answers leaves nothing behind (a REQ
+socket that timed out would be stuck in its send/recv state machine). It is a
+ZMQ STREAM socket speaking ZMTP as a DEALER (:mod:`kvbridge.handshake.zmtp`),
+so a reply is bounded as a whole message, not only per frame.
 A call takes at most ``(retries + 1) * timeout_s`` plus the backoff sleeps,
 each capped at ``max_backoff_s``.
 
@@ -35,7 +37,6 @@ from kvbridge.handshake.schema import (
     ErrorReply,
     MetadataReply,
     MetadataRequest,
-    RankKey,
     Reply,
     RequestKind,
     ServerClock,
@@ -45,6 +46,7 @@ from kvbridge.handshake.schema import (
     decode_reply,
     encode_request,
 )
+from kvbridge.handshake.zmtp import ZmtpConnection, ZmtpError, encode_message, server_greeting
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,17 @@ class ClientStats:
 
 
 _Selection = tuple[int | None, int | None, int | None]
+
+
+def _selected_count(request: MetadataRequest, metadata: EngineMetadata) -> int:
+    """How many ranks of the peer's topology ``request`` selects (arithmetic: never a
+    loop over the ranks a peer claims)."""
+    count = 1
+    sizes = metadata.topology
+    for chosen, size in ((request.pp_rank, sizes.pp_size), (request.tp_rank, sizes.tp_size),
+                         (request.pcp_rank, sizes.pcp_size)):
+        count *= size if chosen is None else int(chosen < size)
+    return count
 
 
 @dataclass
@@ -174,12 +187,13 @@ class HandshakeClient:
             return FetchResult(known, rtt, clock, True, attempts)
         assert isinstance(reply, MetadataReply)
         metadata = decode_engine(reply.engine_doc, expected, self.max_message_bytes)
-        wanted = [RankKey.of(t) for t in metadata.topology.ranks() if request.selects(
-            RankKey.of(t))]
-        got = [m.rank for m in metadata.ranks]
-        if got != wanted:
-            raise HandshakeError("ranks", f"peer sent ranks {[k.describe() for k in got]} for "
-                                          f"a request of {[k.describe() for k in wanted]}")
+        got = [m.rank for m in metadata.ranks]  # distinct and sorted (decode_engine)
+        wanted = _selected_count(request, metadata)
+        if len(got) != wanted or not all(request.selects(k) for k in got):
+            raise HandshakeError("ranks", f"peer sent ranks {[k.describe() for k in got[:8]]} "
+                                          f"({len(got)}) for a request of {wanted} rank(s) "
+                                          f"(pp {request.pp_rank}, tp {request.tp_rank}, "
+                                          f"pcp {request.pcp_rank}; None = all)")
         self._remember(key, known, metadata)
         return FetchResult(metadata, rtt, clock, False, attempts)
 
@@ -274,33 +288,57 @@ class HandshakeClient:
 
     def _attempt(self, endpoint: str, host: str, payload: bytes, request_id: int
                  ) -> tuple[Reply, float, ClockEstimate] | HandshakeError:
-        sock = self._ctx.socket(zmq.DEALER)
+        # A STREAM socket and our own ZMTP framing (kvbridge.handshake.zmtp), not a
+        # DEALER: libzmq bounds frames but not messages, so a hostile server could
+        # make a DEALER buffer frames of an endless message until the deadline.
+        sock = self._ctx.socket(zmq.STREAM)
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + 4096)
+            sock.setsockopt(zmq.RCVHWM, 64)
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
             sent_wall = time.time()
             sent = time.monotonic()
             deadline = sent + self.timeout_s
-            sock.send(payload)
+            sock.connect(endpoint)
+            conn = ZmtpConnection(self.max_message_bytes + 4096, 4, peer_types=(b"ROUTER",))
+            peer_id: bytes | None = None
+            asked = False
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
                     self.stats.timeouts += 1
                     return HandshakeTimeout(f"no answer from {endpoint} within "
                                             f"{self.timeout_s:g}s")
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-                received = time.monotonic()
-                received_wall = time.time()
-                reply = decode_reply(frames[-1], self.max_message_bytes + 4096)
-                if reply.request_id != request_id:
-                    logger.debug("handshake: ignoring a reply to request %d", reply.request_id)
-                    continue
-                rtt = received - sent
-                return reply, rtt, ClockEstimate.from_exchange(sent_wall, received_wall, rtt,
-                                                               reply.clock)
+                ident, data = sock.recv_multipart(zmq.NOBLOCK)
+                if peer_id is None:  # connected (an empty chunk announces it): greet
+                    peer_id = ident
+                    sock.send_multipart([peer_id, server_greeting(b"DEALER")])
+                    if not data:
+                        continue
+                if not data:  # the server closed the connection
+                    return HandshakeError("address", f"{endpoint} closed the connection")
+                try:
+                    messages = conn.feed(data)
+                except ZmtpError as exc:
+                    return HandshakeError("message", f"{endpoint} broke the protocol: {exc}")
+                if not asked and conn.peer_socket_type is not None:
+                    # libzmq refuses data before its own READY went out: ask only now
+                    asked = True
+                    sent_wall = time.time()
+                    sent = time.monotonic()
+                    sock.send_multipart([peer_id, encode_message([payload])])
+                for frames in messages:
+                    received = time.monotonic()
+                    received_wall = time.time()
+                    reply = decode_reply(frames[-1], self.max_message_bytes + 4096)
+                    if reply.request_id != request_id:
+                        logger.debug("handshake: ignoring a reply to request %d",
+                                     reply.request_id)
+                        continue
+                    rtt = received - sent
+                    return reply, rtt, ClockEstimate.from_exchange(sent_wall, received_wall,
+                                                                   rtt, reply.clock)
         except zmq.ZMQError as exc:
             return HandshakeError("address", f"cannot talk to {endpoint}: {exc}")
         finally:

@@ -173,9 +173,9 @@ def diff_engines(local: EngineMetadata, remote: EngineMetadata,
                          Severity.PLAN))
 
     for side, meta in (("local", local), ("remote", remote)):
-        missing = meta.missing_ranks()
+        missing = meta.missing_ranks(limit=8)
         if missing:
-            add(Mismatch(f"{side}.ranks", [k.describe() for k in missing[:8]], None,
+            add(Mismatch(f"{side}.ranks", [k.describe() for k in missing], None,
                          f"{side} metadata lacks these ranks (not registered, or a partial "
                          f"save): no transfer can touch them", Severity.BLOCKING))
 

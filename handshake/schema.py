@@ -1,7 +1,9 @@
 """Wire schema of the handshake side channel: typed, versioned msgpack records.
 
 Every record has one encode and one decode function. Decoding is strict: the
-message size is bounded before anything is parsed, every map must have exactly
+message size is bounded before anything is parsed, nesting right after
+(``MAX_NESTING``), a peer's topology sizes before anything loops over its ranks
+(``MAX_RANKS``), every map must have exactly
 the known keys, every value is type- and range-checked, and any failure raises
 :class:`HandshakeError` naming the field (``"ranks[3].regions[0].base_addrs[2]"``).
 No pickle, no msgpack extension types: a peer can send us nothing but plain
@@ -41,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -57,6 +60,7 @@ from kvbridge.layouts import (
     ParallelTopology,
     RegionLayout,
 )
+from kvbridge.layouts.limits import MAX_PARALLEL_SIZE, MAX_WORLD_SIZE
 from kvbridge.layouts.plan import LayerMemory, rank_index
 from kvbridge.layouts.spec import MAX_FORMAT_CHARS, MAX_FORMAT_KEYS
 
@@ -70,7 +74,13 @@ MAX_DOCUMENT_BYTES = MAX_MESSAGE_BYTES - 4096
 MAX_REQUEST_BYTES = 4096
 MAX_NAME_CHARS = 256
 MAX_BLOB_BYTES = 256 * 1024
-MAX_RANKS = 4096
+#: Most ranks one engine may claim (tp_size * pp_size * pcp_size): the layouts bound
+#: every ParallelTopology has (kvbridge.layouts.limits), checked here first so that the
+#: error names the document's field and nothing loops over a peer's ranks before it.
+MAX_RANKS = MAX_WORLD_SIZE
+#: Deepest nesting of maps and lists a message may have (the deepest valid record,
+#: an engine body's ``ranks[i].regions[j].base_addrs``, is 6 levels deep).
+MAX_NESTING = 16
 MAX_REGIONS = 64
 MAX_LAYERS = 8192
 MAX_NUM_BLOCKS = (1 << 31) - 1
@@ -122,10 +132,38 @@ def _unpack(data: object, what: str, max_bytes: int) -> object:
     if size == 0:
         raise HandshakeError(what, "empty message")
     try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise HandshakeError(what, f"not a valid msgpack message ({type(exc).__name__}: "
                                    f"{exc})") from None
+    _check_nesting(obj, "" if what == "message" else what)
+    return obj
+
+
+def _check_nesting(obj: object, root: str) -> None:
+    """Refuse maps and lists nested deeper than MAX_NESTING (iteratively: no recursion).
+
+    Everything after decoding (``repr`` in an error message, comparisons) recurses
+    over nested values, so a hostile depth is refused here, once, naming the field
+    that holds it (``"kind"``, ``"body.ranks"``), before any of it is interpreted.
+    """
+    stack: list[tuple[object, int, str]] = [(obj, 0, root)]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, dict):
+            children: Iterable[tuple[object, str]] = (
+                (v, _join(where, str(k)[:64]) if depth < 3 else where)
+                for k, v in value.items())
+        elif isinstance(value, list):
+            children = ((v, where) for v in value)
+        else:
+            continue
+        if depth >= MAX_NESTING:
+            raise HandshakeError(where or "message",
+                                 f"nested deeper than {MAX_NESTING} levels of maps and lists; "
+                                 f"no valid handshake record is")
+        stack.extend((child, depth + 1, path) for child, path in children
+                     if isinstance(child, dict | list))
 
 
 def _join(path: str, key: str) -> str:
@@ -227,8 +265,15 @@ def _kind(value: object) -> str:
     return "nil" if value is None else type(value).__name__
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = 60
+_REPR.maxother = 60
+
+
 def _short(value: object) -> str:
-    text = repr(value)
+    """A bounded ``repr`` for error messages (never recurses deeper than 3 levels)."""
+    text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -677,6 +722,22 @@ def _spec_from(obj: object, path: str) -> KVCacheSpec:
 
 
 def _topology_from(obj: object, path: str) -> ParallelTopology:
+    """A peer's topology, with every size bounded before anything loops over its ranks."""
+    if isinstance(obj, dict):
+        for name in ("tp_size", "pp_size", "dcp_size", "pcp_size"):
+            value = obj.get(name, 1)
+            if not isinstance(value, bool) and isinstance(value, int) \
+                    and not 1 <= value <= MAX_PARALLEL_SIZE:
+                shown = value if abs(value) < 10**12 else f"an integer of {len(str(value))} digits"
+                raise HandshakeError(_join(path, name), f"expected an integer in "
+                                                        f"[1, {MAX_PARALLEL_SIZE}], got {shown}")
+        world = 1
+        for name in ("tp_size", "pp_size", "pcp_size"):
+            value = obj.get(name, 1)
+            world *= value if isinstance(value, int) and not isinstance(value, bool) else 1
+        if world > MAX_RANKS:
+            raise HandshakeError(path, f"tp_size * pp_size * pcp_size = {world} ranks exceeds "
+                                       f"the limit of {MAX_RANKS}")
     try:
         return ParallelTopology.from_dict(obj, path)
     except LayoutError as exc:
@@ -777,10 +838,23 @@ class EngineMetadata:
             } for m in self.ranks],
         }
 
-    def missing_ranks(self) -> list[RankKey]:
-        """Ranks of the topology that this document does not hold."""
+    def missing_ranks(self, limit: int | None = None) -> list[RankKey]:
+        """Ranks of the topology that this document does not hold (the first ``limit``).
+
+        Costs nothing for a complete document; otherwise at most one pass over the
+        topology's ranks, which the decoder bounds by MAX_RANKS.
+        """
         have = {m.rank for m in self.ranks}
-        return [RankKey.of(t) for t in self.topology.ranks() if RankKey.of(t) not in have]
+        if len(have) >= self.topology.world_size:
+            return []
+        out: list[RankKey] = []
+        for t in self.topology.ranks():
+            key = RankKey.of(t)
+            if key not in have:
+                out.append(key)
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
 
 
 def _body_to_map(meta: EngineMetadata) -> dict[str, Any]:

@@ -1,10 +1,11 @@
-"""The handshake server: a sans-I/O metadata store and a thin ZMQ ROUTER around it.
+"""The handshake server: a sans-I/O metadata store and a thin ZMQ socket around it.
 
 :class:`MetadataStore` is the protocol: it holds one engine's per-rank
 metadata, stamps generations, and turns request bytes into reply bytes with
 :meth:`MetadataStore.handle_request`, a pure function of its state and the
-clock that never raises. :class:`HandshakeServer` owns the ROUTER socket and
-only moves frames between the socket and ``handle_request``, either on its own
+clock that never raises. :class:`HandshakeServer` owns a ZMQ STREAM socket (ZMTP
+framing in :mod:`kvbridge.handshake.zmtp`, bounded per message) and only
+moves messages between the socket and ``handle_request``, either on its own
 thread (:meth:`start` / :meth:`stop`) or when its owner calls :meth:`poll`.
 
 Invariants:
@@ -23,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -34,7 +36,6 @@ import zmq
 from kvbridge.handshake.address import format_address, zmq_endpoint
 from kvbridge.handshake.errors import HandshakeError
 from kvbridge.handshake.schema import (
-    MAX_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,
     AgentMetadata,
     CompatHeader,
@@ -54,11 +55,28 @@ from kvbridge.handshake.schema import (
     encode_reply,
     peek_request_id,
 )
+from kvbridge.handshake.zmtp import (
+    ZmtpConnection,
+    ZmtpError,
+    encode_message,
+    server_greeting,
+)
 from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology
 
 logger = logging.getLogger(__name__)
 
 _Selection = tuple[int | None, int | None, int | None]
+
+#: Largest message (all its frames) a peer may send: requests are a few dozen bytes;
+#: up to this size an oversized request still gets an error reply naming it.
+MAX_FRAME_BYTES = 4 * MAX_REQUEST_BYTES
+#: Most frames in one request message (a REQ peer's delimiter, the payload, slack).
+MAX_REQUEST_FRAMES = 4
+#: Most peer connections served at once; one more is disconnected at once.
+MAX_CONNECTIONS = 1024
+
+#: At most one traceback per this many seconds for requests that hit a bug of ours.
+INTERNAL_ERROR_LOG_INTERVAL_S = 60.0
 
 
 class MetadataStore:
@@ -92,6 +110,9 @@ class MetadataStore:
         self._ranks: dict[RankKey, AgentMetadata] = {}
         self._generation = 0
         self._doc_cache: dict[_Selection, tuple[int, bytes]] = {}
+        #: requests that hit a bug of ours (answered "internal error"; rate-limited log)
+        self.internal_errors = 0
+        self._last_internal_log = -math.inf
 
     @property
     def generation(self) -> int:
@@ -164,7 +185,14 @@ class MetadataStore:
         try:
             return self._reply(data)
         except Exception as exc:  # a bug of ours must not kill the server either
-            logger.exception("handshake: internal error answering a request")
+            self.internal_errors += 1
+            now = self._mono()
+            if now - self._last_internal_log >= INTERNAL_ERROR_LOG_INTERVAL_S:
+                # a peer repeating the request that hits the bug must not flood the log
+                self._last_internal_log = now
+                logger.error("handshake: internal error answering a request (%d so far; "
+                             "logged at most every %.0f s)", self.internal_errors,
+                             INTERNAL_ERROR_LOG_INTERVAL_S, exc_info=True)
             return ErrorReply(peek_request_id(data), self.clock(), "server",
                               f"internal error: {type(exc).__name__}")
 
@@ -215,11 +243,16 @@ class MetadataStore:
 
 
 class HandshakeServer:
-    """A ZMQ ROUTER serving one :class:`MetadataStore`.
+    """Serves one :class:`MetadataStore` to DEALER and REQ peers over a ZMQ STREAM socket.
 
-    Accepts requests from DEALER or REQ sockets: the reply goes back with the
-    envelope the request came with. Use either ``start()`` (own thread) or
-    ``bind()`` + ``poll()`` (the owner's loop), not both.
+    libzmq owns TCP; the ZMTP framing is :mod:`kvbridge.handshake.zmtp`, so that a
+    whole message, not only a frame, is bounded (a ROUTER would hold the frames of
+    a message a peer never finishes without limit). Per connection the server holds
+    at most one message in progress of ``MAX_FRAME_BYTES`` in ``MAX_REQUEST_FRAMES``
+    frames; a peer that exceeds it, breaks the protocol or is one connection too
+    many (``MAX_CONNECTIONS``) is disconnected. The reply goes back with the
+    envelope the request came with (a REQ peer's empty delimiter). Use either
+    ``start()`` (own thread) or ``bind()`` + ``poll()`` (the owner's loop), not both.
     """
 
     def __init__(self, store: MetadataStore, host: str = "127.0.0.1", port: int = 0, *,
@@ -239,10 +272,12 @@ class HandshakeServer:
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
+        self._peers: dict[bytes, ZmtpConnection] = {}
         #: counters a test or the CLI can read (only the serving thread writes them)
         self.requests_served = 0
         self.error_replies = 0
         self.replies_dropped = 0
+        self.peers_dropped = 0  # disconnected for a protocol error or an exceeded bound
 
     # ------------------------------------------------------------------ addresses
 
@@ -257,16 +292,23 @@ class HandshakeServer:
         """``HOST:PORT`` that clients connect to."""
         return format_address(self.host, self.port)
 
+    @property
+    def connections(self) -> int:
+        """Peer connections open now."""
+        return len(self._peers)
+
     # ------------------------------------------------------------------ owner-polled mode
 
     def bind(self) -> int:
-        """Create and bind the ROUTER in the calling thread; returns the bound port."""
+        """Create and bind the socket in the calling thread; returns the bound port."""
         if self._socket is not None:
             return self.port
-        sock = self._context.socket(zmq.ROUTER)
+        sock = self._context.socket(zmq.STREAM)
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            # libzmq queues what it read from TCP per connection, in chunks of up to
+            # 8 KiB; a small queue keeps that bounded while this thread is busy
+            sock.setsockopt(zmq.RCVHWM, 64)
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
             if self._requested_port == 0:
@@ -297,29 +339,71 @@ class HandshakeServer:
                 time.sleep(0.02)
 
     def poll(self, timeout_s: float = 0.0, max_requests: int = 256) -> int:
-        """Serve what is pending (waiting up to ``timeout_s`` for the first); returns count."""
+        """Serve what is pending (waiting up to ``timeout_s`` for the first); returns the
+        number of requests answered."""
         sock = self._socket
         if sock is None:
             raise HandshakeError("server", "not bound; call bind() first")
         served = 0
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return 0
-        while served < max_requests:
+        for _ in range(4 * max_requests):  # reads, not requests: bounded either way
+            if served >= max_requests:
+                break
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                peer_id, data = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
-            self._serve(sock, frames)
-            served += 1
+            except ValueError:  # not [id, data]: cannot come from a STREAM socket
+                continue
+            served += self._receive(sock, peer_id, data)
         return served
 
-    def _serve(self, sock: zmq.Socket, frames: list[bytes]) -> None:
-        # frames = identity, [envelope..., b""], payload. A REQ peer adds the empty
-        # delimiter, a DEALER peer usually does not; reply with the same envelope.
+    def _receive(self, sock: zmq.Socket, peer_id: bytes, data: bytes) -> int:
+        conn = self._peers.get(peer_id)
+        if conn is None:
+            if not data:  # a new connection (an empty chunk announces it)
+                if len(self._peers) >= MAX_CONNECTIONS:
+                    self._disconnect(sock, peer_id, "too many connections")
+                    return 0
+                self._peers[peer_id] = ZmtpConnection(MAX_FRAME_BYTES, MAX_REQUEST_FRAMES)
+                self._send(sock, peer_id, server_greeting())
+            return 0
+        if not data:  # the peer disconnected
+            del self._peers[peer_id]
+            return 0
         try:
-            split = frames.index(b"", 1) + 1
+            messages = conn.feed(data)
+        except ZmtpError as exc:
+            self._disconnect(sock, peer_id, str(exc))
+            return 0
+        for frames in messages:
+            self._serve(sock, peer_id, frames)
+        return len(messages)
+
+    def _disconnect(self, sock: zmq.Socket, peer_id: bytes, reason: str) -> None:
+        self._peers.pop(peer_id, None)
+        self.peers_dropped += 1
+        logger.debug("handshake: disconnecting a peer: %s", reason)
+        self._send(sock, peer_id, b"")  # an empty send closes a STREAM connection
+
+    def _send(self, sock: zmq.Socket, peer_id: bytes, data: bytes) -> bool:
+        try:
+            sock.send_multipart([peer_id, data], zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # peer not reading (high-water mark): drop, never block
+            return False
+        except zmq.ZMQError as exc:
+            logger.debug("handshake: send to a peer failed: %s", exc)
+            return False
+
+    def _serve(self, sock: zmq.Socket, peer_id: bytes, frames: list[bytes]) -> None:
+        # frames = [envelope..., b""], payload. A REQ peer adds the empty delimiter,
+        # a DEALER peer usually does not; reply with the same envelope.
+        try:
+            split = frames.index(b"") + 1
         except ValueError:
-            split = 1
+            split = 0
         envelope, body = frames[:split], frames[split:]
         reply: Reply
         if len(body) == 1:
@@ -331,13 +415,8 @@ class HandshakeServer:
         if isinstance(reply, ErrorReply):
             self.error_replies += 1
             logger.debug("handshake: rejected a request: %s: %s", reply.field, reply.message)
-        try:
-            sock.send_multipart([*envelope, encode_reply(reply)], zmq.NOBLOCK)
-        except zmq.Again:  # peer not reading (high-water mark): drop, never block
+        if not self._send(sock, peer_id, encode_message([*envelope, encode_reply(reply)])):
             self.replies_dropped += 1
-        except zmq.ZMQError as exc:
-            self.replies_dropped += 1
-            logger.debug("handshake: reply dropped: %s", exc)
 
     # ------------------------------------------------------------------ thread mode
 
@@ -390,6 +469,7 @@ class HandshakeServer:
 
     def _close_socket(self) -> None:
         sock, self._socket = self._socket, None
+        self._peers.clear()
         if sock is not None:
             sock.close(linger=0)
 

@@ -272,6 +272,27 @@ def plan_transfer(spec: KVCacheSpec, producer: ParallelTopology,
     the pair cannot be served (unshardable heads, too many stages, unequal DCP
     or PCP).
     """
+    producer, consumer = _check_pair(spec, producer, consumer)
+    stage_of = _stage_of_layer(spec, producer.pp_size)
+    ranks = tuple(_plan_rank(spec, producer, c, stage_of) for c in consumer.ranks())
+    return TransferPlan(spec, producer, consumer, ranks)
+
+
+def plan_consumer_rank(spec: KVCacheSpec, producer: ParallelTopology,
+                       consumer_rank: ParallelTopology) -> RankPlan:
+    """The plan of one consumer rank alone: ``plan_transfer(...).for_consumer(rank)``.
+
+    Costs one rank's planning whatever the consumer's world size, so a producer
+    answering one consumer rank's ``hello`` never plans the ranks a peer merely
+    claims to have. Raises LayoutError as :func:`plan_transfer` does.
+    """
+    producer, _ = _check_pair(spec, producer, consumer_rank)
+    return _plan_rank(spec, producer, consumer_rank, _stage_of_layer(spec, producer.pp_size))
+
+
+def _check_pair(spec: KVCacheSpec, producer: ParallelTopology, consumer: ParallelTopology
+                ) -> tuple[ParallelTopology, ParallelTopology]:
+    """Both engines' sizes, checked: each runs the model, and their DCP and PCP agree."""
     producer = producer.sizes()
     consumer = consumer.sizes()
     spec.validate_topology(producer, "producer")
@@ -290,9 +311,7 @@ def plan_transfer(spec: KVCacheSpec, producer: ParallelTopology,
             f"{producer.pcp_size}; kvbridge maps pcp rank p to pcp rank p only, so run "
             f"both engines with the same pcp_size",
         )
-    stage_of = _stage_of_layer(spec, producer.pp_size)
-    ranks = tuple(_plan_rank(spec, producer, c, stage_of) for c in consumer.ranks())
-    return TransferPlan(spec, producer, consumer, ranks)
+    return producer, consumer
 
 
 def _stage_of_layer(spec: KVCacheSpec, pp_size: int) -> dict[int, int]:

@@ -155,3 +155,17 @@ def mooncake_setups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(mooncake, "import_store_class", counted)
     return entered
+
+
+# ---- forged peer claims (hostile-input tests) ----------------------------------------
+def forged_topology(**sizes: int) -> Any:
+    """A ParallelTopology past kvbridge's bounds (kvbridge.layouts.limits), built without
+    its checks: what a hostile peer can put on the wire. Only tests forge one."""
+    import dataclasses
+
+    from kvbridge.layouts import ParallelTopology
+
+    topology = object.__new__(ParallelTopology)
+    for field in dataclasses.fields(ParallelTopology):
+        object.__setattr__(topology, field.name, sizes.get(field.name, field.default))
+    return topology

@@ -7,8 +7,11 @@ rank it reads from or notifies, a ``hello`` to each (our own agent metadata, so
 they can answer and, in push mode, write to us), and the remote descriptor
 lists prepared right away, so the first request posts indices only.
 
-A session is built off the engine thread (:func:`open_session` runs in the
-worker's single handshake thread) and is immutable once READY; a failure
+A session is built off the engine thread (:func:`open_session` runs on one of
+the worker's handshake threads, bounded by the worker's handshake deadline) and
+is immutable once READY; nothing proportional to a peer's advertised block count
+is built before NIXL accepted that its registration covers those blocks
+(:func:`check_remote_coverage`); a failure
 anywhere drops it as a whole (:meth:`PeerSession.close`) and the next request
 to that address handshakes again.
 """
@@ -16,10 +19,14 @@ to that address handshakes again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvbridge.backends.nixl import DescList, NixlTransport, PeerHandle
+import numpy as np
+
+from kvbridge.backends.nixl import DescList, NixlTransport, NixlTransportError, PeerHandle
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.routing import (
     DescTable,
@@ -28,13 +35,21 @@ from kvbridge.connectors.nixl.routing import (
     notify_targets,
     producer_table,
 )
-from kvbridge.handshake import CompatHeader, EngineMetadata, HandshakeClient, format_address
+from kvbridge.handshake import (
+    CompatHeader,
+    EngineMetadata,
+    HandshakeClient,
+    HandshakeError,
+    format_address,
+)
 from kvbridge.layouts import KVCacheSpec, LayerMemory, ParallelTopology, RankPlan, plan_transfer
 from kvbridge.layouts.plan import rank_index
 
 logger = logging.getLogger(__name__)
 
 SessionKey = tuple[str, str, int]  # (producer engine id, host, port)
+
+_LOCAL_CACHE_LOCK = threading.Lock()
 
 
 @dataclass
@@ -76,6 +91,41 @@ class PeerSession:
         self.remote_lists.clear()
 
 
+def check_remote_coverage(transport: NixlTransport, peer: PeerHandle,
+                          memory: Mapping[int, LayerMemory], layers: Iterable[int],
+                          who: str, mem_type: str = "DRAM", device_id: int = 0) -> None:
+    """Refuse a peer whose NIXL registration does not cover the blocks it advertises.
+
+    A peer's handshake says how many blocks each layer tensor holds; the rows of a
+    prepared list are one per descriptor *per block*, so they are built only after
+    NIXL accepted one descriptor per layer spanning every advertised block (what
+    the peer's registration, carried in its agent blob, really covers). Costs one
+    row per layer: nothing here grows with a claimed ``num_blocks``. ``mem_type`` and
+    ``device_id`` are the peer's (its handshake document's), as for its real lists.
+    """
+    chosen = sorted({int(layer) for layer in layers})
+    missing = [layer for layer in chosen if layer not in memory]
+    if missing:
+        raise HandshakeError("regions", f"{who} advertises no memory for layer(s) "
+                                        f"{missing[:8]}")
+    if not chosen:
+        return
+    spans = np.array([(memory[layer].base_addr,
+                       memory[layer].num_blocks * memory[layer].block_stride, device_id)
+                      for layer in chosen], dtype=np.uint64)
+    try:
+        dlist = transport.prepare_remote(peer, spans, mem_type)
+    except NixlTransportError as exc:
+        first = memory[chosen[0]]
+        raise HandshakeError(
+            "regions.num_blocks",
+            f"{who} advertises {first.num_blocks} blocks of {first.block_stride} bytes per "
+            f"layer (layers {chosen[:8]}), but its NIXL registration does not cover that "
+            f"memory; refusing it before preparing any per-block descriptor ({exc})"
+        ) from None
+    transport.release_dlist(dlist)
+
+
 def open_session(key: SessionKey, transport: NixlTransport, client: HandshakeClient,
                  expected_header: CompatHeader, spec: KVCacheSpec, sizes: ParallelTopology,
                  rank: ParallelTopology, memory: dict[int, LayerMemory], hello: bytes,
@@ -89,7 +139,6 @@ def open_session(key: SessionKey, transport: NixlTransport, client: HandshakeCli
     result = client.fetch(format_address(host, port), expected=expected_header)
     meta = result.metadata
     if meta.engine_id != key[0]:
-        from kvbridge.handshake import HandshakeError
         raise HandshakeError("engine_id", f"{format_address(host, port)} serves engine "
                                           f"{meta.engine_id!r}, the request names {key[0]!r}")
     plan = plan_transfer(spec, meta.topology, sizes)
@@ -109,17 +158,23 @@ def open_session(key: SessionKey, transport: NixlTransport, client: HandshakeCli
             session.peers[p] = peer
             transport.send_notif(peer, hello_msg)
             if p in rank_plan.sources:
-                table = producer_table(rank_plan.for_producer(p), agent.layer_memory())
+                sub = rank_plan.for_producer(p)
+                remote_memory = agent.layer_memory()
+                check_remote_coverage(transport, peer, remote_memory, sub.layers.tolist(),
+                                      f"producer rank {p} ({agent.agent_name})",
+                                      agent.mem_type, agent.device_id)
+                table = producer_table(sub, remote_memory)
                 session.remote_tables[p] = table
                 session.remote_lists[p] = transport.prepare_remote(  # peer's memory type
                     peer, table.strided(agent.device_id), agent.mem_type)
         sizes_key = meta.topology.sizes()
-        local = local_cache.get(sizes_key)
-        if local is None and rank_plan.num_descriptors:
-            table = consumer_table(rank_plan, memory)
-            local = LocalLists(table, transport.prepare_local_descs(
-                table.strided(transport.memory_type[1])))
-            local_cache[sizes_key] = local
+        with _LOCAL_CACHE_LOCK:  # handshakes with several producers run concurrently
+            local = local_cache.get(sizes_key)
+            if local is None and rank_plan.num_descriptors:
+                table = consumer_table(rank_plan, memory)
+                local = LocalLists(table, transport.prepare_local_descs(
+                    table.strided(transport.memory_type[1])))
+                local_cache[sizes_key] = local
         session.local = local
     except BaseException:
         session.close(transport)

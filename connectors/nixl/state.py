@@ -73,6 +73,7 @@ class RecvTransfer:
     nbytes: int = 0
     num_descs: int = 0
     num_runs: int = 0  # contiguous runs NIXL posts after merging (<= num_descs)
+    counted_active: bool = False  # counted in its session's ``active`` (set by the worker)
 
     @property
     def local_blocks(self) -> frozenset[tuple[int, int]]:

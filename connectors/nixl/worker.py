@@ -7,7 +7,7 @@ tensor is one registered region). Descriptor lists are prepared once per plan
 
 Every engine step the worker *progresses*: it drains NIXL notifications (which
 also progresses the UCX worker, as the passive side of a READ must), settles
-handshakes run on its one background thread, posts what became postable,
+handshakes run on its handshake threads (each bounded by a deadline), posts what became postable,
 polls transfers, enforces deadlines and leases, and sends heartbeats. A rank
 never blocks on the network inside a hook.
 
@@ -33,11 +33,15 @@ then sends ``pushed``.
 Failures (handshake, transfer error or deadline, dead or restarted peer, late
 read) fail exactly the affected requests with their local block ids as load
 errors, drop the remote session (re-handshaken on next use), and log one line
-each with the engine ids, request id and block count.
+each with the engine ids, request id and block count. A request whose own data
+is bad (a block id outside the registered blocks) fails alone, before anything
+is posted: the session and the other loads on it go on. A handshake that runs
+past :attr:`NixlWorker.handshake_deadline_s` fails its requests and is abandoned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -45,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -65,7 +70,13 @@ from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind
 from kvbridge.connectors.nixl.routing import DescTable, build_table, pair_indices, pull_indices
 from kvbridge.connectors.nixl.scheduler import LoadOrder, NixlMetadata, PushOrder, ReleaseOrder
-from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey, open_session
+from kvbridge.connectors.nixl.session import (
+    LocalLists,
+    PeerSession,
+    SessionKey,
+    check_remote_coverage,
+    open_session,
+)
 from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
 from kvbridge.connectors.params import TransferMode, TransferParams
@@ -77,8 +88,8 @@ from kvbridge.handshake import (
     encode_agent,
 )
 from kvbridge.handshake import TransferMode as WireMode
-from kvbridge.layouts import LayerMemory, ParallelTopology, plan_transfer
-from kvbridge.layouts.plan import rank_index
+from kvbridge.layouts import LayerMemory, LayoutError, ParallelTopology
+from kvbridge.layouts.plan import plan_consumer_rank, rank_index
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +113,13 @@ def keep_alive(tensors: list[Any], until: float) -> None:
         if until > now and tensors:
             _KEPT_ALIVE.append((until, tensors))
 
+
+#: Handshake threads per rank: a peer that is slow to answer delays only its own
+#: handshake, not those of other producers.
+HANDSHAKE_THREADS = 4
+#: Allowance (s) for NIXL's local steps of a handshake (loading the peer's metadata,
+#: preparing lists) on top of the side channel's timeouts and backoff.
+HANDSHAKE_SLACK_S = 5.0
 
 #: Transfer latency samples kept per rank (for percentiles in the demo and bench).
 MAX_SAMPLES = 100_000
@@ -248,6 +266,7 @@ class NixlWorker(WorkerConnector):
                                        expected=self.header)
         self._sessions: dict[SessionKey, PeerSession] = {}
         self._connecting: dict[SessionKey, _Connecting] = {}
+        self._abandoned: list[Future[PeerSession]] = []  # handshakes past their deadline
         self._revalidating: dict[SessionKey, Future[Any]] = {}
         self._local_cache: dict[ParallelTopology, LocalLists] = {}
         self._recv: dict[str, RecvTransfer] = {}
@@ -275,7 +294,7 @@ class NixlWorker(WorkerConnector):
             "transfer_failures": 0, "lease_expiries": 0, "late_notifs": 0,
             "unknown_notifs": 0, "bad_notifs": 0, "heartbeats_sent": 0, "releases_sent": 0,
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
-            "peer_restarts": 0,
+            "peer_restarts": 0, "requests_refused": 0, "handshakes_abandoned": 0,
         }
         self._closed = False
         self._state_lock = threading.RLock()
@@ -530,12 +549,38 @@ class NixlWorker(WorkerConnector):
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"kvb-nixl-hs-r{self.rank_index}")
+                max_workers=HANDSHAKE_THREADS,
+                thread_name_prefix=f"kvb-nixl-hs-r{self.rank_index}")
         return self._executor
 
+    @property
+    def handshake_deadline_s(self) -> float:
+        """Longest one handshake may take before its requests fail and it is abandoned:
+        every attempt's timeout, the backoff between them, and NIXL's local steps."""
+        s = self.settings
+        return (s.handshake_timeout_s * (s.handshake_retries + 1)
+                + self._client.max_backoff_s * s.handshake_retries + HANDSHAKE_SLACK_S)
+
     def _settle_sessions(self, now: float) -> None:
+        for future in list(self._abandoned):
+            if future.done():  # finished after its deadline: nobody wants it any more
+                self._abandoned.remove(future)
+                if not future.cancelled() and future.exception() is None:
+                    assert self.transport is not None
+                    future.result().close(self.transport)
         for key, pending in list(self._connecting.items()):
             if not pending.future.done():
+                if now - pending.started_at > self.handshake_deadline_s:
+                    # a peer that keeps one handshake busy fails its own requests only;
+                    # the next request to it starts a fresh handshake
+                    del self._connecting[key]
+                    self._abandoned.append(pending.future)
+                    self._counters["handshake_failures"] += 1
+                    self._counters["handshakes_abandoned"] += 1
+                    self._fail_key(key, f"handshake with {key[1]}:{key[2]} took longer than "
+                                        f"{self.handshake_deadline_s:.1f} s", now)
+                    self._releases = [r for r in self._releases
+                                      if self._session_key(r.params) != key]
                 continue
             del self._connecting[key]
             try:
@@ -586,6 +631,22 @@ class NixlWorker(WorkerConnector):
             self._faulty.discard(recv.request_id)
             for peer in list(session.peers.values()):
                 self.transport.remove_peer(peer)  # the real NIXL call: the peer vanishes
+        indices: dict[int, tuple[Any, Any, int]] = {}
+        if params.mode is TransferMode.PULL:
+            # This request's own data (its block ids) is checked before any I/O: a bad
+            # id fails this request alone; the session and every other load on it stay.
+            try:
+                for p in session.targets:
+                    if p in session.rank_plan.sources:
+                        assert session.local is not None
+                        indices[p] = pull_indices(session.rank_plan, session.local.table,
+                                                  session.remote_tables[p], p,
+                                                  recv.consumer_block_ids,
+                                                  recv.producer_block_ids)
+            except LayoutError as exc:
+                self._counters["requests_refused"] += 1
+                self._fail(recv, f"refused: {exc}", now)
+                return
         try:
             if params.mode is TransferMode.PULL:
                 local = session.local
@@ -596,10 +657,7 @@ class NixlWorker(WorkerConnector):
                             rid, self.rank_index, session.expected[p], read=False)))
                         continue
                     assert local is not None
-                    lidx, ridx, runs = pull_indices(session.rank_plan, local.table,
-                                                    session.remote_tables[p], p,
-                                                    recv.consumer_block_ids,
-                                                    recv.producer_block_ids)
+                    lidx, ridx, runs = indices[p]
                     notif = messages.encode(messages.ReadDone(rid, self.rank_index,
                                                               session.expected[p]))
                     if lidx.size == 0:
@@ -633,6 +691,7 @@ class NixlWorker(WorkerConnector):
             self._drop_session(session.key, now, reason=str(exc))
             return
         session.active += 1
+        recv.counted_active = True
         expected = frozenset(session.rank_plan.sources)
         recv.posted(expected, transfers, params.mode is TransferMode.PULL)
         if recv.read_notifs:
@@ -739,9 +798,7 @@ class NixlWorker(WorkerConnector):
         self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0, recv.num_runs)
         self._record(TransferRecord(recv.request_id, True, recv.nbytes, recv.num_descs,
                                     recv.duration_s or 0.0, recv.started_at, recv.num_runs))
-        session = self._sessions.get(self._session_key(recv.params))
-        if session is not None and session.active > 0:
-            session.active -= 1
+        self._uncount(recv)
 
     def _fail(self, recv: RecvTransfer, reason: str, now: float, *,
               tell_producer: bool = True) -> None:
@@ -770,7 +827,15 @@ class NixlWorker(WorkerConnector):
             self.ctx.engine_id, self.rank_index, recv.request_id, params.producer_engine_id,
             params.producer_request_id, params.mode.value, recv.num_blocks,
             recv.state.value, reason)
-        session = self._sessions.get(self._session_key(params))
+        self._uncount(recv)
+
+    def _uncount(self, recv: RecvTransfer) -> None:
+        """A posted load no longer uses its session (one that was never posted did not
+        count: refused before posting, or failed while bootstrapping)."""
+        if not recv.counted_active:
+            return
+        recv.counted_active = False
+        session = self._sessions.get(self._session_key(recv.params))
         if session is not None and session.active > 0:
             session.active -= 1
 
@@ -943,23 +1008,34 @@ class NixlWorker(WorkerConnector):
         if known is not None and known.push is not None:
             self.transport.release_dlist(known.push.local_list)
         consumer = _ConsumerPeer(peer, meta)
-        self._consumers[sender] = consumer
         if self.settings.mode is TransferMode.PUSH and self.ctx.role.is_producer:
-            consumer.push = self._prepare_push(consumer)
+            try:
+                consumer.push = self._prepare_push(consumer)
+            except BaseException:
+                # refused (e.g. memory its registration does not cover): forget it whole
+                self._consumers.pop(sender, None)
+                self.transport.remove_peer(peer)
+                raise
+        self._consumers[sender] = consumer
         for pending in self._pending_acks.pop(sender, []):
             self._send_to(sender, pending)
 
     def _prepare_push(self, consumer: _ConsumerPeer) -> _PushLists | None:
         """Lists for writing to ``consumer``'s rank, prepared right after its hello."""
         assert self.transport is not None
-        plan = plan_transfer(self.ctx.spec, self.sizes, consumer.meta.topology.sizes())
-        sub = plan.for_consumer(consumer.meta.rank_index).for_producer(self.rank_index)
+        # one consumer rank's plan: never the whole engine it claims to belong to
+        sub = plan_consumer_rank(self.ctx.spec, self.sizes,
+                                 consumer.meta.topology).for_producer(self.rank_index)
         if not sub.num_descriptors:
             return None
+        remote_memory = consumer.meta.layer_memory()
+        check_remote_coverage(self.transport, consumer.peer, remote_memory,
+                              sub.layers.tolist(), f"consumer {consumer.meta.agent_name}",
+                              consumer.meta.mem_type, consumer.meta.device_id)
         local = build_table(sub.regions, sub.layers, sub.producer_offsets, sub.lengths,
                             self.memory, "producer")
         remote = build_table(sub.regions, sub.layers, sub.consumer_offsets, sub.lengths,
-                             consumer.meta.layer_memory(), "consumer")
+                             remote_memory, "consumer")
         local_list = self.transport.prepare_local_descs(
             local.strided(self.transport.memory_type[1]))
         try:
@@ -1247,19 +1323,21 @@ class NixlWorker(WorkerConnector):
             self._pump.join(timeout=5)
             self._pump = None
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            # bounded: a handshake still running past this gives up on the closed transport
+            running = [p.future for p in self._connecting.values()] + self._abandoned
+            running += list(self._revalidating.values())
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            wait_futures(running, timeout=self.handshake_deadline_s)
             self._executor = None
         transport = self.transport
         if transport is None:
             return
         now = time.monotonic()
-        for key, pending in list(self._connecting.items()):
-            try:
-                session = pending.future.result(timeout=0)
-                session.close(transport)
-            except Exception:
-                pass
-            del self._connecting[key]
+        for future in [p.future for p in self._connecting.values()] + self._abandoned:
+            with contextlib.suppress(Exception):  # failed or still running: nothing to close
+                future.result(timeout=0).close(transport)
+        self._connecting.clear()
+        self._abandoned.clear()
         for recv in list(self._recv.values()):
             self._fail(recv, "connector shut down", now)
         for key in list(self._sessions):
