@@ -222,6 +222,9 @@ class KVEventPublisher:
         self._replay: zmq.Socket[Any] | None = None
         self._subscriptions = 0
         self._subscribed = threading.Condition()
+        #: Notified after each burst while a flush() waits (no sleep-polling).
+        self._progress = threading.Condition()
+        self._flush_waiters = 0
         try:
             # Every subscription message, also a second one for a known topic.
             self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
@@ -332,13 +335,22 @@ class KVEventPublisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued batch has been sent (True) or the timeout passed."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                target = self._next_seq
-            if self._published_batches + self._dropped_batches >= target:
-                return True
-            time.sleep(0.001)
-        return False
+        with self._progress:
+            self._flush_waiters += 1
+            try:
+                while True:
+                    with self._lock:
+                        target = self._next_seq
+                    if self._published_batches + self._dropped_batches >= target:
+                        return True
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._thread.is_alive():
+                        return False
+                    # Woken after each burst the thread sends; the cap re-checks a
+                    # thread that died (or batches dropped by publish) meanwhile.
+                    self._progress.wait(min(remaining, 0.05))
+            finally:
+                self._flush_waiters -= 1
 
     def close(self, timeout_s: float = 2.0) -> int:
         """Stop accepting batches, drain the queue until ``timeout_s``, close the
@@ -416,6 +428,9 @@ class KVEventPublisher:
                 if self._abort.is_set():
                     self._requeue(burst[index + 1 :])
                     return
+            if self._flush_waiters:
+                with self._progress:
+                    self._progress.notify_all()
 
     def _take_queued(self, limit: int) -> list[Any]:
         """Up to ``limit`` queued items at once (frees their slots for ``publish``)."""
