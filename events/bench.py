@@ -8,7 +8,10 @@ step batches them):
   decoding, no sequencing), receiver in another process;
 - ``kvbridge``: ``KVEventPublisher.publish`` -> ``KVEventSubscriber`` (encode,
   ring, sequence tracking, decode), receiver in another process;
-- ``ratio``: kvbridge end-to-end events/s divided by raw's, in the same run.
+- ``ratio``: kvbridge end-to-end events/s divided by raw's, in the same run;
+- ``cpu_ratio``: raw's CPU time per batch (sender + receiver process, IO threads
+  included) divided by kvbridge's. On a loaded machine the wall-clock ratio
+  swings with the scheduler; CPU per batch is what the two sides cost.
 
 End-to-end rates are events / (last receive - first send), both read from
 CLOCK_MONOTONIC, which Linux shares between processes. The receiver runs as
@@ -135,11 +138,13 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
             raise RuntimeError("raw bench subscriber never subscribed")
         xpub.recv()
         topic = _TOPIC.encode()
+        raw_cpu = time.process_time()
         raw_start = time.monotonic()
         for seq, payload in enumerate(payloads):
             xpub.send_multipart((topic, encode_seq(seq), payload), copy=False)
         raw_send_s = time.monotonic() - raw_start
         raw = _finish_receiver(proc, timeout_s)
+        raw_send_cpu_s = time.process_time() - raw_cpu
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -158,6 +163,7 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
             # Readiness handshake: the receiver's subscription reached the publisher.
             if not pub.wait_for_subscribers(1, timeout_s):
                 raise RuntimeError("kvbridge bench subscriber never subscribed")
+            kvb_cpu = time.process_time()
             kvb_start = time.monotonic()
             for batch in batches:
                 pub.publish(batch)
@@ -165,6 +171,7 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
             pub.flush(timeout_s)
             kvb_sent_s = time.monotonic() - kvb_start
             kvb = _finish_receiver(proc, timeout_s)
+            kvb_send_cpu_s = time.process_time() - kvb_cpu
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -175,6 +182,9 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
 
     raw_rate = _rate(raw["events"], raw_e2e_s)
     kvb_rate = _rate(kvb["events"], kvb_e2e_s)
+    per_batch = 1e6 / max(1, len(batches))
+    raw_cpu_us = (raw_send_cpu_s + raw["cpu_s"]) * per_batch
+    kvb_cpu_us = (kvb_send_cpu_s + kvb["cpu_s"]) * per_batch
     return {
         "batches": len(batches),
         "events": num_events,
@@ -186,6 +196,8 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
             "events_per_s": raw_rate,
             "received_events": raw["events"],
             "received_batches": raw["batches"],
+            "sender_cpu_us_per_batch": raw_send_cpu_s * per_batch,
+            "receiver_cpu_us_per_batch": raw["cpu_s"] * per_batch,
         },
         "kvbridge": {
             "publish_call_events_per_s": _rate(num_events, publish_call_s),
@@ -196,8 +208,11 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
             "gaps": kvb["gaps"],
             "lost_batches": kvb["lost"],
             "replayed_batches": kvb["replayed"],
+            "sender_cpu_us_per_batch": kvb_send_cpu_s * per_batch,
+            "receiver_cpu_us_per_batch": kvb["cpu_s"] * per_batch,
         },
         "ratio": kvb_rate / raw_rate if raw_rate > 0 else 0.0,
+        "cpu_ratio": raw_cpu_us / kvb_cpu_us if kvb_cpu_us > 0 else 0.0,
     }
 
 
@@ -235,6 +250,7 @@ def _receive_raw(endpoint: str, expect_batches: int) -> dict[str, Any]:
     sub.setsockopt(zmq.SUBSCRIBE, _TOPIC.encode())
     sub.connect(endpoint)
     print("ready", flush=True)
+    cpu = time.process_time()
     batches = 0
     last = time.monotonic()
     while batches < expect_batches and sub.poll(5000):
@@ -242,9 +258,10 @@ def _receive_raw(endpoint: str, expect_batches: int) -> dict[str, Any]:
         batches += 1
         last = time.monotonic()
         del frames
+    cpu_s = time.process_time() - cpu
     sub.close(linger=0)
     # The raw path does not decode; every batch but the last is full.
-    return {"batches": batches, "last_recv": last}
+    return {"batches": batches, "last_recv": last, "cpu_s": cpu_s}
 
 
 def _receive_kvbridge(endpoint: str, replay: str, expect_events: int) -> dict[str, Any]:
@@ -252,6 +269,7 @@ def _receive_kvbridge(endpoint: str, replay: str, expect_events: int) -> dict[st
         SubscriberConfig(endpoint, replay, topic=_TOPIC, start_seq=0, rcvhwm=0, replay_timeout_s=10)
     )
     print("ready", flush=True)
+    cpu = time.process_time()
     events = batches = 0
     last = time.monotonic()
     try:
@@ -263,9 +281,11 @@ def _receive_kvbridge(endpoint: str, replay: str, expect_events: int) -> dict[st
                 if events >= expect_events:
                     break
         stats = sub.stats
+        cpu_s = time.process_time() - cpu
     finally:
         sub.close()
     return {
+        "cpu_s": cpu_s,
         "events": events,
         "batches": batches,
         "last_recv": last,

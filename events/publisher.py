@@ -150,6 +150,8 @@ class PublisherStats:
 
 
 _SENTINEL: Any = object()
+#: Most batches sent between two looks at subscriptions and replay requests.
+_BURST = 256
 
 _Message = tuple[Any, ...]
 
@@ -220,6 +222,9 @@ class KVEventPublisher:
         self._replay: zmq.Socket[Any] | None = None
         self._subscriptions = 0
         self._subscribed = threading.Condition()
+        #: Notified after each burst while a flush() waits (no sleep-polling).
+        self._progress = threading.Condition()
+        self._flush_waiters = 0
         try:
             # Every subscription message, also a second one for a known topic.
             self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
@@ -330,13 +335,22 @@ class KVEventPublisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued batch has been sent (True) or the timeout passed."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                target = self._next_seq
-            if self._published_batches + self._dropped_batches >= target:
-                return True
-            time.sleep(0.001)
-        return False
+        with self._progress:
+            self._flush_waiters += 1
+            try:
+                while True:
+                    with self._lock:
+                        target = self._next_seq
+                    if self._published_batches + self._dropped_batches >= target:
+                        return True
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._thread.is_alive():
+                        return False
+                    # Woken after each burst the thread sends; the cap re-checks a
+                    # thread that died (or batches dropped by publish) meanwhile.
+                    self._progress.wait(min(remaining, 0.05))
+            finally:
+                self._flush_waiters -= 1
 
     def close(self, timeout_s: float = 2.0) -> int:
         """Stop accepting batches, drain the queue until ``timeout_s``, close the
@@ -384,6 +398,10 @@ class KVEventPublisher:
         wire_format = self.config.wire_format
         dp_rank = self.config.data_parallel_rank
         topic = self._topic
+        # One send per frame with plain int flags: send_multipart's per-frame checks
+        # and flag arithmetic cost more than the sends of a small batch.
+        send = self._pub.send
+        more = int(zmq.SNDMORE)
         while not self._abort.is_set():
             self._read_subscriptions()
             self._serve_replays()
@@ -391,26 +409,45 @@ class KVEventPublisher:
                 item = self._queue.get(timeout=0.002)
             except queue.Empty:
                 continue
-            # Drain a burst before looking at replay requests again.
-            burst = 0
-            while True:
+            # Drain a burst before looking at replay requests again: the rest of it
+            # is taken from the queue under one lock, not one get() per batch.
+            burst = [item, *self._take_queued(_BURST - 1)]
+            for index, item in enumerate(burst):
                 if item is _SENTINEL:
                     return
                 seq, ts, events = item
                 payload = encode_events(ts, events, dp_rank, wire_format)
-                self._pub.send_multipart((topic, encode_seq(seq), payload), copy=False)
+                send(topic, more)
+                send(encode_seq(seq), more)
+                send(payload)
                 self._ring.append((seq, payload))
                 self._ring_appended += 1
                 self._sent_next = seq + 1
                 self._published_batches += 1
                 self._published_events += len(events)
-                burst += 1
-                if self._abort.is_set() or burst >= 256:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
+                if self._abort.is_set():
+                    self._requeue(burst[index + 1 :])
+                    return
+            if self._flush_waiters:
+                with self._progress:
+                    self._progress.notify_all()
+
+    def _take_queued(self, limit: int) -> list[Any]:
+        """Up to ``limit`` queued items at once (frees their slots for ``publish``)."""
+        q = self._queue
+        with q.mutex:
+            items = q.queue
+            count = min(limit, len(items))
+            taken = [items.popleft() for _ in range(count)]
+            if count:
+                q.not_full.notify(count)
+        return taken
+
+    def _requeue(self, items: list[Any]) -> None:
+        """Put taken but unsent items back in front (``close`` counts them abandoned)."""
+        q = self._queue
+        with q.mutex:
+            q.queue.extendleft(reversed(items))
 
     def _read_subscriptions(self) -> None:
         """Count subscribe messages (byte 1, then the topic) from the XPUB socket.

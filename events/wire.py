@@ -32,7 +32,13 @@ Encoding (MAP, the default)::
     AllBlocksCleared {"type": "AllBlocksCleared"}
 
 Keys appear in declaration order, so the bytes equal msgspec's encoding of
-vLLM's own structs (tests check this against msgspec when it is installed).
+vLLM's own structs (tests check this against msgspec).
+
+Speed: MAP batches are encoded by msgspec, and decoded and type-checked by
+msgspec into typed structs (C, no per-field Python); anything that typed decoder
+rejects, every batch with ``extra_keys`` and the ARRAY encoding go through the
+Python checks below, which stay the reference: they produce every error message,
+and tests check that both paths accept the same batches with the same values.
 Block hashes are ints (uint64) or bytes (msgpack bin). ``extra_keys`` may nest
 arrays/maps at most ``MAX_EXTRA_KEYS_DEPTH`` (32) levels deep; deeper is a decode
 error naming the field (the whole batch is rejected). Reference bytes of every
@@ -57,11 +63,13 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
+import msgspec
 
 from .errors import EventDecodeError
 from .schema import (
@@ -200,6 +208,69 @@ def event_to_wire(event: KVEvent, wire_format: EventWireFormat = EventWireFormat
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
+# The MAP encoding is produced by msgspec from these structs: they declare vLLM's
+# fields in vLLM's order with vLLM's defaults (the first seven BlockStored fields
+# and BlockRemoved's medium have none, so they are always written; the rest are
+# omitted when None), which is exactly ``event_to_wire``'s map, encoded in C.
+
+
+class _EncStored(msgspec.Struct, tag_field=TAG_KEY, tag="BlockStored", omit_defaults=True,
+                 gc=False):
+    block_hashes: Any
+    parent_block_hash: Any
+    token_ids: Any
+    block_size: Any
+    lora_id: Any
+    medium: Any
+    lora_name: Any
+    extra_keys: Any = None
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _EncRemoved(msgspec.Struct, tag_field=TAG_KEY, tag="BlockRemoved", omit_defaults=True,
+                  gc=False):
+    block_hashes: Any
+    medium: Any
+    group_idx: Any = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _EncCleared(msgspec.Struct, tag_field=TAG_KEY, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+_ENC_CLEARED = _EncCleared()
+_MSGSPEC_ENCODER = msgspec.msgpack.Encoder()
+_STORED_ATTRS = operator.attrgetter(
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window", "locality", "ownership",
+)
+_REMOVED_ATTRS = operator.attrgetter("block_hashes", "medium", "group_idx", "locality",
+                                     "ownership")
+
+
+def _enc_structs(events: Sequence[KVEvent]) -> list[Any]:
+    out: list[Any] = []
+    append = out.append
+    for event in events:
+        kind = type(event)
+        if kind is BlockStored:
+            append(_EncStored(*_STORED_ATTRS(event)))
+        elif kind is BlockRemoved:
+            append(_EncRemoved(*_REMOVED_ATTRS(event)))
+        elif kind is AllBlocksCleared:
+            append(_ENC_CLEARED)
+        else:
+            append(event_to_wire(event))  # a subclass: the generic path (or its TypeError)
+    return out
+
+
 def encode_events(
     ts: float,
     events: Sequence[KVEvent],
@@ -207,6 +278,10 @@ def encode_events(
     wire_format: EventWireFormat = EventWireFormat.MAP,
 ) -> bytes:
     """The msgpack payload ``[ts, [event...], data_parallel_rank]``."""
+    if wire_format is EventWireFormat.MAP:
+        return _MSGSPEC_ENCODER.encode(
+            (float(ts), _enc_structs(events), data_parallel_rank)
+        )
     return msgpack.packb(
         [float(ts), [event_to_wire(e, wire_format) for e in events], data_parallel_rank],
         use_bin_type=True,
@@ -424,12 +499,102 @@ def decode_event(raw: object, where: str = "event") -> KVEvent:
     raise EventDecodeError(_path(where, TAG_KEY), f"unknown event type {tag!r}")
 
 
+# ---------------------------------------------------------------- typed fast path
+#
+# msgspec decodes and type-checks a MAP batch in C, into these structs. They accept
+# a subset of what the checks above accept (same exact types: no bool for int, no
+# str for bytes, finite ts checked below; unknown keys ignored; the same required
+# fields), and yield the same values. Anything else -- a msgspec error, a
+# non-finite ts, any extra_keys (frozen and depth-checked by the Python path),
+# array-form events, a map-form batch -- is decoded by the Python path, which
+# accepts or names the offending field exactly as it always did.
+
+
+class _DecStored(msgspec.Struct, tag_field=TAG_KEY, tag="BlockStored", gc=False):
+    block_hashes: tuple[int | bytes, ...]
+    parent_block_hash: int | bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _DecRemoved(msgspec.Struct, tag_field=TAG_KEY, tag="BlockRemoved", gc=False):
+    block_hashes: tuple[int | bytes, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _DecCleared(msgspec.Struct, tag_field=TAG_KEY, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _DecBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: tuple[_DecStored | _DecRemoved | _DecCleared, ...]
+    data_parallel_rank: int | None = None
+
+
+_MSGSPEC_DECODER = msgspec.msgpack.Decoder(_DecBatch)
+_struct_asdict = msgspec.structs.asdict
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _decode_typed(payload: bytes) -> EventBatch | None:
+    """The batch via msgspec, or None when the Python path must decide."""
+    try:
+        typed = _MSGSPEC_DECODER.decode(payload)
+    except Exception:  # DecodeError, ValidationError, RecursionError: Python path
+        return None
+    if not math.isfinite(typed.ts):
+        return None
+    events: list[KVEvent] = []
+    append = events.append
+    for struct in typed.events:
+        record: KVEvent
+        if type(struct) is _DecStored:
+            if struct.extra_keys is not None:
+                return None
+            record = _new(BlockStored)
+        elif type(struct) is _DecRemoved:
+            record = _new(BlockRemoved)
+        else:
+            append(AllBlocksCleared())
+            continue
+        # Same fields, validated values (tuples, plain str): no dataclass __init__.
+        _set(record, "__dict__", _struct_asdict(struct))
+        append(record)
+    batch = _new(EventBatch)
+    _set(batch, "__dict__", {"ts": typed.ts, "events": tuple(events),
+                             "data_parallel_rank": typed.data_parallel_rank})
+    return batch
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Parse and validate one payload (either event encoding).
 
     Raises ``EventDecodeError`` naming the first offending field; never returns a
-    partially decoded batch.
+    partially decoded batch. MAP batches without ``extra_keys`` are decoded and
+    checked by msgspec; the rest (and every error) by the Python checks.
     """
+    batch = _decode_typed(payload)
+    if batch is not None:
+        return batch
+    return _decode_batch_checked(payload)
+
+
+def _decode_batch_checked(payload: bytes) -> EventBatch:
+    """``decode_batch`` by the Python checks alone (the reference behaviour)."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
     except Exception as exc:  # msgpack raises several unrelated types

@@ -98,6 +98,11 @@ def test_bench_reports_both_paths_and_their_ratio() -> None:
     assert row["ratio"] == pytest.approx(
         row["kvbridge"]["events_per_s"] / row["raw"]["events_per_s"]
     )
+    # CPU per batch of both sides (sender + receiver process), and its ratio.
+    cpu = {side: row[side]["sender_cpu_us_per_batch"] + row[side]["receiver_cpu_us_per_batch"]
+           for side in ("raw", "kvbridge")}
+    assert cpu["raw"] > 0 and cpu["kvbridge"] > 0
+    assert row["cpu_ratio"] == pytest.approx(cpu["raw"] / cpu["kvbridge"])
 
 
 def test_engine_like_batches_shape() -> None:

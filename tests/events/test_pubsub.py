@@ -541,6 +541,20 @@ def test_close_drains_the_queue_and_refuses_more(
     assert sub.stats.gaps == 0
 
 
+def test_close_past_its_deadline_counts_every_unsent_batch_abandoned(
+    make_publisher: Callable[..., KVEventPublisher],
+) -> None:
+    """The thread takes queued batches in bursts; when close() gives up mid-burst,
+    the batches it had taken but not sent are counted abandoned, not lost silently."""
+    pub = make_publisher()
+    total = 5000
+    for i in range(total):
+        pub.publish(step_events(i))
+    abandoned = pub.close(timeout_s=0.0)
+    assert pub.stats.published_batches + abandoned == total
+    assert pub.stats.dropped_batches == 0
+
+
 def _soak(make_publisher: Callable[..., KVEventPublisher],
           make_subscriber: Callable[..., KVEventSubscriber], num_events: int) -> None:
     batch_size = 32
