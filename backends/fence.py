@@ -24,6 +24,11 @@ Which paths need it, and why:
   rule explicit for the day the copy moves to a side stream or goes
   ``non_blocking``; for today's copy it passes no later than the copy's own
   synchronisation would, and on host memory it is :data:`DONE`.
+* **Not fenced**: a NIXL *pull* READ of the producer's blocks starts only after
+  the producer's scheduler saw the step's output, which the engine obtained by
+  synchronising with the step's stream (sampled tokens copied to the host);
+  the offload tiers (fs files, Mooncake ``obj``) read the CPU slots, host memory
+  a finished store already wrote.
 
 Nothing else of kvbridge is imported here (dependency rule of ``backends``).
 """
