@@ -7,7 +7,8 @@ Keys (all optional except the two addresses)::
     global_segment_size   bytes each worker client lends to the store (default 64 MiB)
     local_buffer_size     bytes of each client's staging buffer (default 16 MiB)
     protocol              "tcp" (default) or "rdma"; device_name for rdma
-    op_timeout_s          bound of each Mooncake batch call (default 5.0)
+    op_timeout_s          bound of each Mooncake batch call (default 5.0), and of the
+                          wait for the step's KV kernels (GPU fence) before a put
     lookup_timeout_s      a lookup unanswered this long is a miss (default op_timeout_s + 1)
     load_async            loads run on a worker thread across steps (default true)
     lookup                this engine looks blocks up and loads them (default true;

@@ -13,6 +13,11 @@ contiguous slice, so each store object (one layer of one block, see
   store. A put that timed out may still be reading the tensor: the step waits
   at most ``abandon_grace_s`` for it; if it is still running then, its keys are
   removed once the client is idle again (they could hold later bytes).
+  The put reads device memory outside every CUDA stream, so it is issued only
+  once the kernels that wrote the step's KV finished: a fence per device
+  (:mod:`kvbridge.backends.fence`), waited on at most ``op_timeout_s``; if it
+  has not passed then, the step's puts are dropped (``put_fence_timeouts``).
+  On host memory the fence has passed already.
 * **Loads** run on this rank's load thread (``load_async``, the default) or
   inside ``start_load_kv``. Every key a block needs must arrive in full, or
   the block is reported in ``get_block_ids_with_load_errors`` (and the
@@ -32,9 +37,11 @@ import operator
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from kvbridge.backends.fence import Fence, record_fence, wait_fence
 from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
@@ -170,6 +177,10 @@ class MooncakeStoreWorker(WorkerConnector):
         self.client: MooncakeStoreClient | None = None
         self.plans: tuple[RegionPlan, ...] = ()
         self._registered: list[int] = []
+        #: one KV tensor per device: the fences of a step's puts are recorded on them
+        self._fence_tensors: list[Any] = []
+        #: records the fence of a step's puts (issue 15); a test may stand in for it
+        self.record_fence: Callable[[Any], Fence] = record_fence
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[str, tuple[LoadBlock, ...]] | None] = (
             queue.SimpleQueue())
@@ -179,6 +190,7 @@ class MooncakeStoreWorker(WorkerConnector):
         self._stats: dict[str, int | float] = {
             "put_calls": 0, "put_keys": 0, "put_bytes": 0, "put_time_s": 0.0,
             "blocks_saved": 0, "put_failures": 0, "put_timeouts": 0, "orphans_removed": 0,
+            "put_fence_timeouts": 0,
             "get_calls": 0, "get_keys": 0, "get_bytes": 0, "get_time_s": 0.0,
             "blocks_loaded": 0, "load_errors": 0, "load_not_found": 0, "get_timeouts": 0,
             "abandoned_gets": 0,
@@ -201,6 +213,10 @@ class MooncakeStoreWorker(WorkerConnector):
             self._release_client()
             raise
         self.plans = plans
+        devices: dict[str, Any] = {}
+        for tensor in caches.layers.values():
+            devices.setdefault(str(getattr(tensor, "device", "cpu")), tensor)
+        self._fence_tensors = list(devices.values())
         if self.settings.load_async:
             self._thread = threading.Thread(
                 target=self._run_loads, daemon=True,
@@ -320,7 +336,15 @@ class MooncakeStoreWorker(WorkerConnector):
                                                   f" blocks")
         keys, ptrs, sizes, owners = batch.keys, batch.ptrs, batch.sizes, batch.owners
         failed: set[int] = set()
-        if keys:
+        if keys and not self._kv_written():
+            failed = set(owners)
+            with self._lock:
+                self._stats["put_fence_timeouts"] += 1
+                self._stats["put_failures"] += len(failed)
+            logger.error("mooncake store rank %s: the kernels writing this step's KV did not "
+                         "finish within %.1f s (op_timeout_s); %d block puts dropped",
+                         self.ctx.worker_index, self.settings.op_timeout_s, len(failed))
+        elif keys:
             client = self.client
             assert client is not None, "register_kv_caches runs before any step"
             started = time.perf_counter()
@@ -360,6 +384,14 @@ class MooncakeStoreWorker(WorkerConnector):
                                     if i not in failed])
         else:
             self.ctx.events.extend([save.event for save in saves])
+
+    def _kv_written(self) -> bool:
+        """Wait (bounded) until the kernels queued so far on every KV device finished."""
+        fences = [self.record_fence(tensor) for tensor in self._fence_tensors]
+        if all(fence.done() for fence in fences):  # host memory: no clock read, no wait
+            return True
+        deadline = time.monotonic() + self.settings.op_timeout_s
+        return all(wait_fence(fence, max(0.0, deadline - time.monotonic())) for fence in fences)
 
     def _remove_orphans(self) -> None:
         client = self.client

@@ -13,15 +13,27 @@ process; otherwise (setting ``shm_dir``) the worker maps the tier's backing
 files named in the metadata (``SlotMemory.attach``). A load that cannot copy (no slot memory, an injected copy fault)
 reports its blocks in ``get_block_ids_with_load_errors``; the engine then
 recomputes from the first bad token.
+
+Stores are issued only after the kernels that wrote the KV finished (issue
+15): ``wait_for_save`` records a fence (:mod:`kvbridge.backends.fence`) and
+waits for it, at most ``FENCE_TIMEOUT_S``, before copying; if it has not
+passed, the step's stores count as copy errors (the scheduler then fails
+them). The copy itself is a blocking torch copy on the current stream, which
+CUDA already orders after that stream's work: the fence costs nothing there
+(and nothing at all on host memory) and keeps the rule for a copy on a side
+stream or a ``non_blocking`` one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from kvbridge.backends.fence import FENCE_TIMEOUT_S, Fence, record_fence, wait_fence
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
 from kvbridge.connectors.offloading.parts import build_part_table
@@ -45,17 +57,25 @@ class OffloadingWorker(WorkerConnector):
         self.read_parts = {part.index: r for r, (part, _) in parts.items()}
         self.write_parts = {part.index: r for r, (part, writer) in parts.items() if writer}
         self.caches: KVCaches | None = None
+        self._fence_tensors: list[torch.Tensor] = []
         self._slots: dict[str, list[torch.Tensor]] = {}
         self._memories: list[SlotMemory] = []
         self._invalid: set[BlockRef] = set()
         self._fail_loads = 0
         self._fail_step = False
         self._lock = threading.Lock()
+        #: records the fence of a step's stores (issue 15); a test may stand in for it
+        self.record_fence: Callable[[Any], Fence] = record_fence
         self._stats = {"load_copies": 0, "store_copies": 0, "load_bytes": 0, "store_bytes": 0,
-                       "load_copy_errors": 0, "store_copy_errors": 0}
+                       "load_copy_errors": 0, "store_copy_errors": 0,
+                       "store_fence_timeouts": 0}
 
     def register_kv_caches(self, caches: KVCaches) -> None:
         self.caches = caches
+        devices: dict[str, Any] = {}
+        for tensor in caches.layers.values():
+            devices.setdefault(str(tensor.device), tensor)
+        self._fence_tensors = list(devices.values())  # one KV tensor per device
 
     def fail_next_loads(self, count: int) -> None:
         """Fault injection: the next ``count`` block loads fail as a failed DMA would
@@ -216,6 +236,13 @@ class OffloadingWorker(WorkerConnector):
         mine = [item for item in meta.stores if item[0] in self.write_parts]
         if not mine:
             return
+        if not self._kv_written():
+            logger.error("offloading worker %s: the kernels writing this step's KV did not "
+                         "finish within %.1f s; %d block stores dropped",
+                         self.ctx.worker_index, FENCE_TIMEOUT_S, len(mine))
+            self._stats["store_fence_timeouts"] += 1
+            self._stats["store_copy_errors"] += len(mine)
+            return
         try:
             self._stats["store_bytes"] += self._copy_batch(mine, pools, False)
             self._stats["store_copies"] += len(mine)
@@ -233,6 +260,11 @@ class OffloadingWorker(WorkerConnector):
                 continue
             self._stats["store_copies"] += 1
             self._stats["store_bytes"] += nbytes
+
+    def _kv_written(self) -> bool:
+        """Wait (bounded) until the kernels queued so far on every KV device finished."""
+        fences = [self.record_fence(tensor) for tensor in self._fence_tensors]
+        return all(wait_fence(fence, FENCE_TIMEOUT_S) for fence in fences)
 
     def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
         return set(), set()  # loads and stores finish inside the step
