@@ -800,6 +800,8 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
                         f"KV tensor for it")
                 tensor = kv_caches[name]
                 count = int(tensor.shape[0])
+                if count != self._desc.num_blocks and count % self._desc.num_blocks == 0:
+                    count = self._desc.num_blocks  # kernel blocks, regrouped by kvbridge_view
                 view = kvbridge_view(tensor, shape.region, shape.tensor_shape(count), name,
                                      self._desc.adapter.fmt.kv_cache_layout,
                                      manager_blocks=self._desc.num_blocks)

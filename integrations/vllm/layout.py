@@ -27,8 +27,11 @@ LHBNC      refused: heads outside the blocks
 Block strides come from the tensors themselves, so padded pages (a block
 stride larger than a block's bytes, as vLLM pads hybrid and MLA pages) are
 described as they are. A view at kernel-block granularity (a backend kernel
-block smaller than the manager block) is refused at start-up with the
-``--block-size`` that avoids it. Hybrid models: one region per KV cache group;
+block smaller than the manager block: R kernel blocks per manager block) is
+regrouped into manager blocks where that is the same bytes (LBNHC, or one KV
+head per rank), so block ids stay vLLM's manager ids; LBHNC with several heads
+per rank, or padded kernel pages, are refused at start-up naming the settings
+that avoid it (:func:`manager_block_view`). Hybrid models: one region per KV cache group;
 groups alias the same bytes (layer i of each group), which the transports
 register once.
 """
@@ -237,6 +240,47 @@ def build_spec(model: str, groups: Sequence[GroupInfo], fmt: VllmFormat,
     return AdapterSpec(spec, fmt, layer_ids, tuple(g.index for g in groups))
 
 
+def manager_block_view(tensor: Any, ratio: int, region: RegionSpec, layer_name: str,
+                       kv_cache_layout: str) -> Any:
+    """vLLM's kernel-block view ``(B * R, H, k, C)`` as manager blocks ``(B, H, R * k, C)``.
+
+    vLLM splits manager block ``b`` into kernel blocks ``b*R .. b*R+R-1`` (the
+    block table the attention reads, and vLLM's NixlConnector, expand ids the
+    same way). Where those R kernel pages are adjacent and each is token-major
+    (NHD, or one KV head per rank: MLA, or HND with one local head), their bytes
+    are exactly one manager page of ``R * k`` tokens in the same order, whatever
+    R is: this returns that view (no copy), so block ids, transfer params and the
+    handshake stay at manager granularity and two engines with different kernel
+    splits of the same manager block exchange byte for byte. Under HND with
+    several heads per rank a manager block is R head-major kernel pages (head
+    h's tokens are not one run), and with padded kernel pages the R pages are
+    not adjacent: refused naming the settings that avoid it.
+    """
+    blocks, heads, tokens, content = (int(x) for x in tensor.shape)
+    stride = tuple(int(x) for x in tensor.stride())
+    manager_tokens = tokens * ratio
+    where = (f"layer {layer_name}: vLLM split each {manager_tokens}-token block into {ratio} "
+             f"kernel blocks of {tokens} tokens (the attention backend's kernel block size)")
+    token_major = heads == 1 or region.memory_order is MemoryOrder.NHD
+    if not token_major:
+        raise AdapterConfigError(
+            "block_size", f"{where}; under {kv_cache_layout} with {heads} KV heads per rank a "
+                          f"manager block is {ratio} head-major kernel pages, not one "
+                          f"{kv_cache_layout} page kvbridge can describe: set "
+                          f"VLLM_KV_CACHE_LAYOUT=LBNHC (the same bytes at any split) or run "
+                          f"with --block-size {tokens}")
+    token_stride = content if heads == 1 else heads * content
+    page = tokens * token_stride
+    dense = stride[3] == 1 and (tokens == 1 or stride[2] == token_stride) and stride[0] == page
+    if not dense:
+        raise AdapterConfigError(
+            "block_size", f"{where}; its kernel pages are not adjacent (strides {stride} for "
+                          f"shape {tuple(tensor.shape)}, padded pages), so a manager block is "
+                          f"not one run of bytes: run with --block-size {tokens}")
+    return tensor.as_strided((blocks // ratio, heads, manager_tokens, content),
+                             (page * ratio, stride[1], token_stride, 1))
+
+
 def kvbridge_view(tensor: Any, region: RegionSpec, expected_shape: Sequence[int],
                   layer_name: str, kv_cache_layout: str, manager_blocks: int | None = None,
                   ) -> Any:
@@ -246,8 +290,10 @@ def kvbridge_view(tensor: Any, region: RegionSpec, expected_shape: Sequence[int]
     strides are the ones ``kv_cache_layout`` promises (a head's cells, a token's
     row, the content contiguous; any block stride at least a block's bytes) and
     raises :class:`AdapterConfigError` naming ``kv_cache_layout`` (or
-    ``block_size`` for kernel-block views) otherwise. Checked at start-up, in
-    ``register_kv_caches``.
+    ``block_size`` for kernel-block views kvbridge cannot regroup) otherwise.
+    A view at kernel-block granularity (``manager_blocks * R`` blocks) is first
+    regrouped into manager blocks (:func:`manager_block_view`). Checked at
+    start-up, in ``register_kv_caches``.
     """
     shape = tuple(int(x) for x in tensor.shape)
     expected = tuple(int(x) for x in expected_shape)
@@ -257,12 +303,10 @@ def kvbridge_view(tensor: Any, region: RegionSpec, expected_shape: Sequence[int]
                                                     f"got shape {shape}")
     blocks, heads, tokens, content = shape
     if manager_blocks is not None and blocks != manager_blocks and blocks % manager_blocks == 0:
-        ratio = blocks // manager_blocks
-        raise AdapterConfigError(
-            "block_size", f"layer {layer_name}: vLLM split each {tokens * ratio}-token block "
-                          f"into {ratio} kernel blocks of {tokens} tokens (the attention "
-                          f"backend's kernel block size); kvbridge moves manager blocks whole "
-                          f"only when they are one page: run with --block-size {tokens}")
+        tensor = manager_block_view(tensor, blocks // manager_blocks, region, layer_name,
+                                    kv_cache_layout)
+        shape = tuple(int(x) for x in tensor.shape)
+        blocks, heads, tokens, content = shape
     stride = tuple(int(x) for x in tensor.stride())
     order = region.memory_order
     want_token = content

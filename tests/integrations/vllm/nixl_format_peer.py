@@ -8,6 +8,7 @@ then progresses its agents (the passive side of a READ must) until stdin says
 ``done`` or closes, or a 120 s deadline passes.
 
 Usage: ``python nixl_format_peer.py '{"device": "cuda", "layout": "LBNHC", "tp": 2}'``
+(optional ``"block"``: manager block tokens; ``"kernel"``: vLLM's kernel block size).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ DEADLINE_S = 120.0
 def main(argv: list[str]) -> int:
     args = json.loads(argv[1])
     v = formats.load_vllm()
-    ranks = formats.dense_engine(v, args["device"], args["layout"], int(args["tp"]))
-    formats.fill_dense(v, ranks, args["device"], args["layout"])
+    block = int(args.get("block") or formats.TOKENS)
+    kernel = None if args.get("kernel") is None else int(args["kernel"])
+    ranks = formats.dense_engine(v, args["device"], args["layout"], int(args["tp"]),
+                                 block=block, kernel=kernel)
+    formats.fill_dense(v, ranks, args["device"], args["layout"], block=block)
     transports = []
     out = []
     try:

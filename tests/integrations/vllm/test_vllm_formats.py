@@ -74,8 +74,8 @@ def _config(v: Any, specs: dict[str, Any], layout: Any, groups: list[list[str]],
                              kv_cache_groups=group_specs)
 
 
-def _full(v: Any, heads: int, dtype: Any = None, **kw: Any) -> Any:
-    return v.kvi.FullAttentionSpec(block_size=TOKENS, num_kv_heads=heads, head_size=HEAD,
+def _full(v: Any, heads: int, dtype: Any = None, block: int = TOKENS, **kw: Any) -> Any:
+    return v.kvi.FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=HEAD,
                                    dtype=dtype or v.torch.float16, **kw)
 
 
@@ -87,8 +87,12 @@ def _adapter(v: Any, config: Any, device: str, layout: str, tp: int, cache_dtype
     return build_spec("m", groups, VllmFormat(device, layout, cache_dtype), tp)
 
 
-def _engine(v: Any, device: str, layout_name: str, tp: int, make_specs, cache_dtype="auto"):
-    """Per TP rank: vLLM's allocated caches, the adapter's views and LayerMemory."""
+def _engine(v: Any, device: str, layout_name: str, tp: int, make_specs, cache_dtype="auto",
+            kernel: int | None = None):
+    """Per TP rank: vLLM's allocated caches, the adapter's views and LayerMemory.
+
+    ``kernel``: the attention backend's kernel block size; vLLM then views every
+    manager block as kernel blocks (``allocate_kv_cache(kernel_block_sizes=...)``)."""
     from kvbridge.connectors.api import KVCaches
     from kvbridge.integrations.vllm.layout import kvbridge_view
     from kvbridge.layouts import ParallelTopology
@@ -99,7 +103,8 @@ def _engine(v: Any, device: str, layout_name: str, tp: int, make_specs, cache_dt
     for rank in range(tp):
         specs, groups = make_specs(HEADS // tp)
         config = _config(v, specs, layout, groups)
-        caches = v.allocate(config, v.torch.device("cpu"), layout)
+        kernels = None if kernel is None else [kernel] * len(groups)
+        caches = v.allocate(config, v.torch.device("cpu"), layout, kernel_block_sizes=kernels)
         adapter = _adapter(v, config, device, layout_name, tp, cache_dtype)
         topology = ParallelTopology(tp_size=tp, tp_rank=rank)
         shapes = adapter.spec.rank_shapes(topology)
@@ -144,10 +149,11 @@ def _kv_of(tensor: Any, device: str, layout: str) -> tuple[Any, Any]:
     return k.transpose(1, 2), val.transpose(1, 2)
 
 
-def _dense(heads: int, dtype_name: str = "float16"):
+def _dense(heads: int, dtype_name: str = "float16", block: int = TOKENS):
     def make(v: Any, local: int):
         dtype = getattr(v.torch, dtype_name)
-        specs = {f"model.layers.{i}.attn": _full(v, local, dtype) for i in range(LAYERS)}
+        specs = {f"model.layers.{i}.attn": _full(v, local, dtype, block)
+                 for i in range(LAYERS)}
         return specs, [list(specs)]
     return make
 
@@ -158,39 +164,55 @@ CASES = [("cuda", "LBNHC"), ("cuda", "LBHNC"), ("cpu", "LBHNC")]
 P_IDS, C_IDS = [5, 1, 3], [2, 4, 1]
 
 
-def dense_engine(v: Any, device: str, layout: str, tp: int) -> list[dict]:
-    make = _dense(HEADS)
-    return _engine(v, device, layout, tp, lambda n: make(v, n))
+def dense_engine(v: Any, device: str, layout: str, tp: int, block: int = TOKENS,
+                 kernel: int | None = None) -> list[dict]:
+    make = _dense(HEADS, block=block)
+    return _engine(v, device, layout, tp, lambda n: make(v, n), kernel=kernel)
 
 
-def fill_dense(v: Any, producer: list[dict], device: str, layout: str) -> Any:
+def _as_kernel_blocks(x: Any, ratio: int) -> Any:
+    """Manager blocks ``(B, H, M, D)`` as the attention reads them through a kernel-block
+    table: manager block b is kernel blocks ``b*R .. b*R+R-1`` of ``M / R`` tokens each."""
+    b, h, m, d = x.shape
+    return x.reshape(b, h, ratio, m // ratio, d).transpose(1, 2).reshape(b * ratio, h,
+                                                                         m // ratio, d)
+
+
+def fill_dense(v: Any, producer: list[dict], device: str, layout: str,
+               block: int = TOKENS) -> Any:
     """Write one seeded logical K/V (global heads) into every producer rank through vLLM's
-    own reading of the view; returns it (the same in every process)."""
+    own reading of the view (kernel blocks, where vLLM split the blocks); returns it (the
+    same in every process)."""
     torch = v.torch
     tp = len(producer)
     gen = torch.Generator().manual_seed(3)
-    logical = torch.randn(LAYERS, 2, BLOCKS, HEADS, TOKENS, HEAD, generator=gen).half()
+    logical = torch.randn(LAYERS, 2, BLOCKS, HEADS, block, HEAD, generator=gen).half()
     for r, rank in enumerate(producer):
         lo, n = r * HEADS // tp, HEADS // tp
         for lay in range(LAYERS):
             k, val = _kv_of(rank["caches"][f"model.layers.{lay}.attn"], device, layout)
-            k.copy_(logical[lay, 0, :, lo:lo + n])
-            val.copy_(logical[lay, 1, :, lo:lo + n])
+            ratio = k.shape[0] // BLOCKS
+            k.copy_(_as_kernel_blocks(logical[lay, 0, :, lo:lo + n], ratio))
+            val.copy_(_as_kernel_blocks(logical[lay, 1, :, lo:lo + n], ratio))
     return logical
 
 
 def check_dense(v: Any, consumer: list[dict], device: str, layout: str, logical: Any) -> None:
-    """Each consumer rank's heads, read the way vLLM's attention reads them, are the
-    producer's blocks ``P_IDS`` in blocks ``C_IDS``."""
+    """Each consumer rank's heads, read the way vLLM's attention reads them (through the
+    kernel-block table where vLLM split the blocks), are the producer's blocks ``P_IDS``
+    in blocks ``C_IDS``."""
     torch = v.torch
     tp = len(consumer)
     for r, rank in enumerate(consumer):
         lo, n = r * HEADS // tp, HEADS // tp
         for lay in range(LAYERS):
             k, val = _kv_of(rank["caches"][f"model.layers.{lay}.attn"], device, layout)
+            ratio = k.shape[0] // BLOCKS
             for p, c in zip(P_IDS, C_IDS, strict=True):
-                assert torch.equal(k[c], logical[lay, 0, p, lo:lo + n]), (r, lay, p, c)
-                assert torch.equal(val[c], logical[lay, 1, p, lo:lo + n]), (r, lay, p, c)
+                got_k, got_v = k[c * ratio:(c + 1) * ratio], val[c * ratio:(c + 1) * ratio]
+                want = logical[lay, :, p:p + 1, lo:lo + n]
+                assert torch.equal(got_k, _as_kernel_blocks(want[0], ratio)), (r, lay, p, c)
+                assert torch.equal(got_v, _as_kernel_blocks(want[1], ratio)), (r, lay, p, c)
 
 
 @pytest.mark.parametrize(("device", "layout"), CASES, ids=[f"{d}-{lay}" for d, lay in CASES])
@@ -315,27 +337,67 @@ def test_block_outermost_and_head_outer_layouts_are_refused_naming_the_setting(
     assert layout in info.value.reason and "VLLM_KV_CACHE_LAYOUT=LBHNC" in info.value.reason
 
 
-def test_kernel_block_split_views_are_refused_with_the_block_size_to_use(v) -> None:
-    """A 64-token manager block viewed as 4 kernel blocks of 16 (vLLM's kernel block
-    splitting): refused at start-up naming --block-size 16."""
-    from kvbridge.integrations.vllm.layout import AdapterConfigError, kvbridge_view
+#: (producer kernel block, consumer kernel block) for 64-token manager blocks; 64 = no split.
+SPLITS = [(16, 32), (16, 64), (64, 16)]
 
+
+@pytest.mark.parametrize(("p_kernel", "c_kernel"), SPLITS, ids=[f"k{p}to{c}" for p, c in SPLITS])
+@pytest.mark.parametrize(("p_tp", "c_tp"), [(2, 1), (1, 2)])
+def test_kernel_block_split_views_move_manager_blocks_to_the_byte(
+        v, p_kernel: int, c_kernel: int, p_tp: int, c_tp: int) -> None:
+    """64-token manager blocks viewed by vLLM as 64 / kernel kernel blocks (LBNHC): kvbridge
+    regroups them into manager blocks, so manager block ids move, engines with different
+    splits (or none) pair, and each kernel block reads what the attention expects."""
+    producer = dense_engine(v, "cuda", "LBNHC", p_tp, block=64, kernel=p_kernel)
+    consumer = dense_engine(v, "cuda", "LBNHC", c_tp, block=64, kernel=c_kernel)
+    view = producer[0]["caches"]["model.layers.0.attn"]
+    assert view.shape[0] == BLOCKS * 64 // p_kernel and view.shape[2] == p_kernel
+    assert producer[0]["kv"].num_blocks == (BLOCKS,)
+    assert producer[0]["kv"].block_stride(0) == 64 * (HEADS // p_tp) * 2 * HEAD * 2
+    logical = fill_dense(v, producer, "cuda", "LBNHC", block=64)
+    _move(producer, consumer, P_IDS, C_IDS)
+    check_dense(v, consumer, "cuda", "LBNHC", logical)
+
+
+def test_kernel_block_split_mla_latent_moves_to_the_byte(v) -> None:
+    """MLA (one latent row per token) split 64 -> 4 x 16: one head, so the kernel pages are
+    one manager page; a consumer without the split reads the same bytes."""
     torch = v.torch
-    spec = v.kvi.FullAttentionSpec(block_size=64, num_kv_heads=HEADS, head_size=HEAD,
-                                   dtype=torch.float16)
-    names = ["model.layers.0.attn"]
-    config = _config(v, {names[0]: spec}, v.Layout.LBHNC, [names])
-    caches = v.allocate(config, torch.device("cpu"), v.Layout.LBHNC, kernel_block_sizes=[16])
-    view = caches[names[0]]
-    assert tuple(view.shape) == (BLOCKS * 4, HEADS, 16, 2 * HEAD)
-    adapter = _adapter(v, config, "cuda", "LBHNC", 1)
-    from kvbridge.layouts import ParallelTopology
+    latent = 576
 
-    shape = adapter.spec.rank_shapes(ParallelTopology())[0]
+    def make(local: int):
+        specs = {f"model.layers.{i}.self_attn.attn": v.kvi.MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=latent, dtype=torch.float16)
+            for i in range(LAYERS)}
+        return specs, [list(specs)]
+
+    producer = _engine(v, "cuda", "LBHNC", 1, make, kernel=16)
+    consumer = _engine(v, "cuda", "LBHNC", 2, make)
+    gen = torch.Generator().manual_seed(9)
+    for lay in range(LAYERS):
+        t = producer[0]["caches"][f"model.layers.{lay}.self_attn.attn"]
+        assert tuple(t.shape) == (BLOCKS * 4, 1, 16, latent)
+        t.copy_(torch.randn(t.shape, generator=gen).half())
+    _move(producer, consumer, [1, 5], [4, 0])
+    for lay in range(LAYERS):
+        src = producer[0]["caches"][f"model.layers.{lay}.self_attn.attn"]  # kernel blocks
+        for rank in consumer:  # REPLICATE: every consumer rank gets the latent
+            got = rank["caches"][f"model.layers.{lay}.self_attn.attn"]  # (B, 1, 64, latent)
+            for p, c in ((1, 4), (5, 0)):
+                want = src[p * 4:(p + 1) * 4].transpose(0, 1).reshape(1, 64, latent)
+                assert torch.equal(got[c], want), (lay, p, c)
+
+
+def test_kernel_block_split_head_major_pages_are_refused_naming_the_settings(v) -> None:
+    """LBHNC with several heads per rank: a split manager block is 4 head-major kernel
+    pages, not one LBHNC page; refused at start-up naming LBNHC and --block-size 16."""
+    from kvbridge.integrations.vllm.layout import AdapterConfigError
+
     with pytest.raises(AdapterConfigError) as info:
-        kvbridge_view(view, shape.region, shape.tensor_shape(BLOCKS), names[0], "LBHNC",
-                      manager_blocks=BLOCKS)
-    assert info.value.field == "block_size" and "--block-size 16" in info.value.reason
+        dense_engine(v, "cuda", "LBHNC", 1, block=64, kernel=16)
+    assert info.value.field == "block_size"
+    assert "VLLM_KV_CACHE_LAYOUT=LBNHC" in info.value.reason
+    assert "--block-size 16" in info.value.reason and "4 kernel blocks" in info.value.reason
 
 
 def test_mamba_groups_are_refused_naming_the_layer_kind(v) -> None:
@@ -385,18 +447,41 @@ def test_nixl_reads_vllm_allocated_blocks_from_another_process(v, device: str, l
     allocator and the adapter's views, registered with NIXL as the worker does (each backing
     storage once); this process READs the plan's descriptors over NIXL (UCX) and checks
     every head as vLLM's attention reads it."""
+    _nixl_read_case(v, device, layout, p_tp, c_tp)
+
+
+KERNEL_NIXL_CASES = [(2, 1, 16, 32), (1, 2, 16, None)]
+
+
+@pytest.mark.parametrize(("p_tp", "c_tp", "p_kernel", "c_kernel"), KERNEL_NIXL_CASES,
+                         ids=[f"tp{p}to{c}-k{pk}to{ck or 64}"
+                              for p, c, pk, ck in KERNEL_NIXL_CASES])
+def test_nixl_reads_kernel_split_blocks_from_another_process(
+        v, p_tp: int, c_tp: int, p_kernel: int, c_kernel: int | None) -> None:
+    """Kernel block splitting over real NIXL: the producer process's vLLM split its 64-token
+    manager blocks into kernel blocks of ``p_kernel`` tokens (LBNHC), the consumer's into
+    ``c_kernel`` (or not at all); manager block ids are read and every kernel block holds
+    what the consumer's attention reads through its kernel-block table."""
+    _nixl_read_case(v, "cuda", "LBNHC", p_tp, c_tp, block=64, p_kernel=p_kernel,
+                    c_kernel=c_kernel)
+
+
+def _nixl_read_case(v: Any, device: str, layout: str, p_tp: int, c_tp: int,
+                    block: int = TOKENS, p_kernel: int | None = None,
+                    c_kernel: int | None = None) -> None:
     from kvbridge.backends.nixl import NixlTransport, XferState
     from kvbridge.layouts import ParallelTopology
     from kvbridge.layouts.plan import LayerMemory, absolute_descriptors, plan_transfer
 
     env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"))
-    args = json.dumps({"device": device, "layout": layout, "tp": p_tp})
+    args = json.dumps({"device": device, "layout": layout, "tp": p_tp, "block": block,
+                       "kernel": p_kernel})
     proc = subprocess.Popen([sys.executable, str(PEER), args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     transports: list[Any] = []
     try:
         peers_info = json.loads(_read_line(proc, 180.0))
-        consumer = dense_engine(v, device, layout, c_tp)
+        consumer = dense_engine(v, device, layout, c_tp, block=block, kernel=c_kernel)
         spec = consumer[0]["adapter"].spec
         assert peers_info["fingerprint"] == spec.fingerprint()
         producer_memory = {int(i): {int(lid): LayerMemory(*m) for lid, m in info["memory"].items()}
@@ -415,7 +500,8 @@ def test_nixl_reads_vllm_allocated_blocks_from_another_process(v, device: str, l
                 rows = list(range(d.consumer.shape[0]))
                 xfer = transport.post("READ", local, rows, remote, rows, deadline_s=60.0)
                 assert transport.wait(xfer) is XferState.DONE
-        logical = fill_dense(v, dense_engine(v, device, layout, p_tp), device, layout)
+        logical = fill_dense(v, dense_engine(v, device, layout, p_tp, block=block,
+                                             kernel=p_kernel), device, layout, block=block)
         check_dense(v, consumer, device, layout, logical)
     finally:
         if proc.stdin is not None:
