@@ -57,7 +57,10 @@ def freeze_value(value: object) -> object:
     if isinstance(value, list | tuple):
         return tuple(freeze_value(item) for item in value)
     if isinstance(value, dict):
-        return tuple(sorted((str(k), freeze_value(v)) for k, v in value.items()))
+        # sorted by key alone: keys 0 and "0" both become "0", and their values need not
+        # be comparable (a hostile map must not raise TypeError here); ties keep wire order
+        return tuple(sorted(((str(k), freeze_value(v)) for k, v in value.items()),
+                            key=lambda item: item[0]))
     return value
 
 

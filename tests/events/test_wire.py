@@ -442,3 +442,14 @@ def test_replay_reply_forms() -> None:
     assert parse_replay_reply([encode_seq(END_SEQ), b""]).end
     with pytest.raises(EventDecodeError):
         parse_replay_reply([b"a", b"b", b"c", b"d"])
+
+
+def test_extra_keys_maps_whose_keys_collide_as_strings_decode() -> None:
+    # keys 0 and "0" both freeze to "0"; their values (True, None) do not compare: the
+    # decoder sorted (key, value) pairs and raised TypeError on one hostile batch
+    payload = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1],
+                                    "parent_block_hash": None, "token_ids": [1],
+                                    "block_size": 1, "extra_keys": [{"0": True, 0: None}]}],
+                             0])
+    (event,) = decode_batch(payload).events
+    assert event.extra_keys == ((("0", True), ("0", None)),)
