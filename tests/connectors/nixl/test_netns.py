@@ -124,9 +124,11 @@ def test_link_down_mid_transfer_then_back(veth_pair: dict[str, str]) -> None:
         consumer.stdin.flush()
         cut = lines.next(60)
         assert cut["event"] == "cut" and cut["failed"], cut
-        # its deadline (3 s), plus the step and scheduling slack of a loaded 2-core box
         # failed by its own deadline (3 s), as the worker logged it: not by a clock here
-        assert len(cut["reasons"]) == 1 and cut["reasons"][0].startswith("deadline passed"), cut
+        # (the request's deadline in the worker, or the same deadline on the posted READ in
+        # the transport, whichever looks first: both are kvbridge's own 3 s deadline)
+        assert len(cut["reasons"]) == 1, cut
+        assert cut["reasons"][0].startswith(("deadline passed", "READ TIMED_OUT")), cut
         assert cut["state"] == "finished_length" and cut["recomputed"] > 0
         assert cut["mismatched"] == 0
         _ip("-n", net["ns_p"], "link", "set", net["vp"], "up")
