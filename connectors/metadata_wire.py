@@ -99,7 +99,11 @@ def _encode(value: Any, tp: Any, path: str) -> Any:
     if origin in (frozenset, set):
         if not isinstance(value, (set, frozenset)):
             raise MetadataWireError(path, f"expected a set, got {type(value).__name__}")
-        return [_encode(v, args[0], f"{path}[]") for v in value]
+        # a set has no order: one canonical order on the wire (by each element's msgpack
+        # bytes), so equal metadata encodes to equal bytes whatever PYTHONHASHSEED or
+        # insertion order made the set iterate in
+        items = [_encode(v, args[0], f"{path}[]") for v in value]
+        return sorted(items, key=lambda item: msgpack.packb(item, use_bin_type=True))
     if origin in (dict, Mapping) or tp in (dict, Mapping):
         if not isinstance(value, Mapping):
             raise MetadataWireError(path, f"expected a mapping, got {type(value).__name__}")

@@ -154,3 +154,20 @@ def test_encode_refuses_a_wrong_value_and_a_non_dataclass() -> None:
 
     with pytest.raises(MetadataWireError, match="dataclass"):
         encode_metadata(Opaque())
+
+
+def test_sets_encode_in_one_order_whatever_the_hash_seed() -> None:
+    # a set's iteration order follows PYTHONHASHSEED and insertion history: the wire
+    # sorts its elements, so equal metadata gives equal bytes in every process
+    import subprocess
+    import sys
+
+    script = ("from kvbridge.connectors.metadata_wire import encode_metadata\n"
+              "from kvbridge.connectors.shared_storage import StorageMetadata\n"
+              "names = frozenset(f'req-{i}' for i in range(40))\n"
+              "print(encode_metadata(StorageMetadata(delayed=names)).hex())\n")
+    outputs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              check=True, timeout=120,
+                              env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout
+               for seed in ("0", "1", "12345")}
+    assert len(outputs) == 1 and outputs != {""}
