@@ -76,20 +76,6 @@ def xpub() -> Iterator[zmq.Socket[Any]]:
     sock.close(linger=0)
 
 
-@pytest.fixture
-def make_subscriber() -> Iterator[Callable[..., KVEventSubscriber]]:
-    made: list[KVEventSubscriber] = []
-
-    def make(**kwargs: Any) -> KVEventSubscriber:
-        sub = KVEventSubscriber(SubscriberConfig(**kwargs))
-        made.append(sub)
-        return sub
-
-    yield make
-    for sub in made:
-        sub.close()
-
-
 def _endpoint(sock: zmq.Socket[Any]) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 

@@ -32,7 +32,6 @@ from kvbridge.events import (
     PublisherRestarted,
     ReceivedBatch,
     StreamItem,
-    SubscriberConfig,
     encode_batch,
 )
 from kvbridge.events.wire import END_SEQ, encode_seq
@@ -73,20 +72,6 @@ def make_publisher() -> Iterator[Callable[..., KVEventPublisher]]:
     yield make
     for pub in made:
         pub.close(timeout_s=1.0)
-
-
-@pytest.fixture
-def make_subscriber() -> Iterator[Callable[..., KVEventSubscriber]]:
-    made: list[KVEventSubscriber] = []
-
-    def make(**kwargs: Any) -> KVEventSubscriber:
-        sub = KVEventSubscriber(SubscriberConfig(**kwargs))
-        made.append(sub)
-        return sub
-
-    yield make
-    for sub in made:
-        sub.close()
 
 
 def collect(sub: KVEventSubscriber, num_batches: int, timeout_s: float = 10.0) -> list[StreamItem]:
