@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -245,7 +246,10 @@ class VllmServer:
 
     def complete(self, prompt_token_ids: Sequence[int], max_tokens: int,
                  kv_transfer_params: Mapping[str, Any] | None = None,
-                 timeout_s: float = 120.0) -> Completion:
+                 timeout_s: float = 120.0, *, logprobs: int | None = None) -> Completion:
+        """Greedy completion of token ids; with ``logprobs``, the top-``logprobs``
+        distribution of each generated token comes back in
+        ``Completion.top_logprobs``, keyed by token id."""
         body: dict[str, Any] = {
             "model": "tiny",
             "prompt": list(prompt_token_ids),
@@ -256,13 +260,17 @@ class VllmServer:
         }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = dict(kv_transfer_params)
+        if logprobs is not None:
+            body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
         start = time.perf_counter()
         out = self.post("/v1/completions", body, timeout_s)
         elapsed = time.perf_counter() - start
         choice = out["choices"][0]
+        tops = (choice.get("logprobs") or {}).get("top_logprobs") or ()
         return Completion(token_ids=tuple(int(t) for t in choice.get("token_ids") or ()),
                           kv_transfer_params=out.get("kv_transfer_params"),
-                          latency_s=elapsed)
+                          latency_s=elapsed,
+                          top_logprobs=tuple(_token_id_keys(t) for t in tops))
 
     def reset_prefix_cache(self, reset_external: bool = False, timeout_s: float = 30.0) -> None:
         """Drop the engine's prefix cache (and the connector's, with ``reset_external``).
@@ -292,6 +300,63 @@ class Completion:
     token_ids: tuple[int, ...]
     kv_transfer_params: dict[str, Any] | None
     latency_s: float
+    #: per generated token, token id -> logprob of the top tokens and of the
+    #: token picked; empty unless ``logprobs`` was asked for
+    top_logprobs: tuple[dict[int, float] | None, ...] = ()
+
+
+def _token_id_keys(top: Mapping[str, float] | None) -> dict[int, float] | None:
+    """``{"token_id:17": -0.3}`` (``return_tokens_as_token_ids``) -> ``{17: -0.3}``."""
+    if top is None:
+        return None
+    return {int(key.rpartition(":")[2]): float(value) for key, value in top.items()}
+
+
+@dataclass(frozen=True)
+class GreedyComparison:
+    """How two greedy runs of one prompt compare (``compare_greedy``)."""
+
+    #: the largest logprob difference, in nats, over the tokens both runs list,
+    #: at every position up to and including the first divergence
+    max_apart: float
+    #: first position where the tokens differ (at a near tie), None if none
+    diverged_at: int | None
+
+    def within(self, tolerance: float) -> bool:
+        return self.max_apart <= tolerance
+
+
+def compare_greedy(run: Completion, reference: Completion, tolerance: float) -> GreedyComparison:
+    """Compare two greedy runs of one prompt by their distributions, not only tokens.
+
+    Position by position while the tokens agree, the two top-k distributions
+    must agree within ``tolerance`` (a run on wrong KV differs at once, by far
+    more). Where the tokens differ, both runs must list both tokens and see
+    them within ``tolerance`` of each other (a near tie that kernel rounding
+    flipped); a divergence that is not such a tie counts as infinitely apart.
+    After a divergence the runs condition on different tokens, so the
+    comparison stops there.
+    """
+    if len(run.top_logprobs) != len(run.token_ids) or \
+            len(reference.top_logprobs) != len(reference.token_ids):
+        raise HarnessError("compare_greedy: both runs need logprobs (complete(logprobs=k))")
+    worst = 0.0
+    pairs = zip(run.top_logprobs, reference.top_logprobs, strict=False)
+    for pos, (mine, ref) in enumerate(pairs):
+        if mine is None or ref is None:
+            return GreedyComparison(math.inf, None)
+        shared = mine.keys() & ref.keys()
+        if not shared:
+            return GreedyComparison(math.inf, pos)
+        worst = max(worst, *(abs(mine[t] - ref[t]) for t in shared))
+        a, b = run.token_ids[pos], reference.token_ids[pos]
+        if a != b:
+            tie = all(t in d for d in (mine, ref) for t in (a, b)) and \
+                abs(mine[a] - mine[b]) <= tolerance and abs(ref[a] - ref[b]) <= tolerance
+            return GreedyComparison(worst if tie else math.inf, pos)
+    if len(run.token_ids) != len(reference.token_ids):
+        return GreedyComparison(math.inf, min(len(run.token_ids), len(reference.token_ids)))
+    return GreedyComparison(worst, None)
 
 
 _METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)')
@@ -356,12 +421,15 @@ def producer_params() -> dict[str, Any]:
 
 
 def disaggregated(producer: VllmServer, consumer: VllmServer, prompt: Sequence[int],
-                  max_tokens: int, timeout_s: float = 120.0) -> tuple[Completion, Completion]:
-    """Prefill on ``producer`` (one token), decode on ``consumer`` with its params."""
+                  max_tokens: int, timeout_s: float = 120.0, *,
+                  logprobs: int | None = None) -> tuple[Completion, Completion]:
+    """Prefill on ``producer`` (one token), decode on ``consumer`` with its params
+    (``logprobs``: the decode's, see ``VllmServer.complete``)."""
     first = producer.complete(prompt, 1, producer_params(), timeout_s)
     if not first.kv_transfer_params:
         raise HarnessError(f"{producer.spec.name} returned no kv_transfer_params")
-    second = consumer.complete(prompt, max_tokens, first.kv_transfer_params, timeout_s)
+    second = consumer.complete(prompt, max_tokens, first.kv_transfer_params, timeout_s,
+                               logprobs=logprobs)
     return first, second
 
 
@@ -399,14 +467,15 @@ def kvbridge_push_params(*, producer_engine_id: str, producer_port: int,
 
 def disaggregated_push(producer: VllmServer, consumer: VllmServer, prompt: Sequence[int],
                        max_tokens: int, params: Mapping[str, Any],
-                       timeout_s: float = 120.0) -> tuple[Completion, Completion]:
+                       timeout_s: float = 120.0, *,
+                       logprobs: int | None = None) -> tuple[Completion, Completion]:
     """Push: the consumer gets the request first (it allocates and registers), the
     producer prefills and writes; both run concurrently, each bounded."""
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         decode = pool.submit(consumer.complete, prompt, max_tokens, {"kvbridge": dict(params)},
-                             timeout_s)
+                             timeout_s, logprobs=logprobs)
         first = producer.complete(prompt, 1, {"do_remote_decode": True,
                                               "kvbridge": dict(params)}, timeout_s)
         second = decode.result(timeout=timeout_s)

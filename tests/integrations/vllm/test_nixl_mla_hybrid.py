@@ -12,17 +12,23 @@ Two locally built models with seeded random weights (``tiny_model.py``):
   layers, float32: vLLM's hybrid allocator makes two KV cache groups whose layer
   i alias the same bytes (registered once), each with its own block ids.
 
-For each model, pull and push: the consumer's greedy tokens equal the reference
-token for token, every prompt token arrives by transfer (vLLM's
+For each model, pull and push: the consumer's greedy run equals the reference
+(``harness.compare_greedy``: at every position the top-5 logprobs agree within
+``TOLERANCE`` nats, and tokens may differ only at a near tie of both runs, after
+which the comparison stops), every prompt token arrives by transfer (vLLM's
 ``local_compute`` counter stays put), and a negative control (prompt A decoded
-on prompt B's KV) changes the output. The reference is a colocated run for the
-hybrid model. For MLA it is vLLM's own NixlConnector doing the same P/D on the
-same prompts: on vLLM CPU, a P/D consumer recomputes the last prompt token with
-the CPU_MLA decode kernel where a colocated run used the SDPA prefill, and the
-two disagree enough to change greedy tokens of this random model (measured:
-vLLM's own NixlConnector differs from colocated on 4 of 8 prompt lengths, with
-the very tokens kvbridge produces), so "equal to colocated" is not what vLLM
-itself delivers there; "equal to vLLM's own connector" is. Sliding-window groups move every block
+on prompt B's KV) is far outside the tolerance. The reference is a colocated
+run for the hybrid model (measured: equal to the bit, logprobs included). For
+MLA it is vLLM's own NixlConnector doing the same P/D on the same prompts: vLLM
+CPU's MLA decode kernel, which a P/D consumer uses to recompute the last prompt
+token, differs from the prefill kernel a colocated run uses by up to 0.7 nats
+per token on this random model (measured colocated against a prefill of the
+same tokens), so "equal to colocated" is not what vLLM itself delivers there.
+Why distributions and not only tokens: this model has near ties, and which of
+them rounding flips differs between CPUs (a CI machine saw vLLM's connector and
+kvbridge part at the fifth token of one prompt where this machine saw equal
+runs); a run on wrong KV is apart at the first token by nats, not hundredths.
+Sliding-window groups move every block
 the producer still holds for the request (blocks the window already dropped
 are vLLM's null block on both sides): simpler than trimming to the consumer's
 window, and correct because the consumer's window never reads older blocks.
@@ -45,6 +51,10 @@ from tests.integrations.conftest import require_vllm_env
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 8
+TOP = 5
+#: nats; measured here: 0 for right KV against the reference (bit-equal runs),
+#: and wrong KV apart by more than the top-5 lists share (infinite)
+TOLERANCE = 0.05
 PROMPT_LENGTHS = (100, 64, 150, 33)
 LOCAL = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
@@ -110,29 +120,41 @@ def _disaggregated(pairs: dict[str, Any], mode: str, prompt: list[int],
                    ) -> tuple[h.Completion, h.Completion]:
     producer, consumer = pairs[mode]
     if mode == "pull":
-        return h.disaggregated(producer, consumer, prompt, MAX_TOKENS)
+        return h.disaggregated(producer, consumer, prompt, MAX_TOKENS, logprobs=TOP)
     return h.disaggregated_push(producer, consumer, prompt, MAX_TOKENS,
-                                _push_params(pairs, prompt))
+                                _push_params(pairs, prompt), logprobs=TOP)
+
+
+def _reference(pairs: dict[str, Any], prompt: list[int]) -> h.Completion:
+    """The run to compare with, from empty prefix caches (each test asks for the
+    same prompts again)."""
+    if pairs["kind"] == "mla":
+        for server in pairs["vllm"]:
+            server.reset_prefix_cache()
+        return h.disaggregated(*pairs["vllm"], prompt, MAX_TOKENS, logprobs=TOP)[1]
+    producer = pairs["pull"][0]
+    producer.reset_prefix_cache()
+    return producer.complete(prompt, MAX_TOKENS, logprobs=TOP)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_pd_matches_colocated_and_transfers_every_prompt_token(pairs, mode: str) -> None:
-    producer, consumer = pairs[mode]
+def test_pd_matches_the_reference_and_transfers_every_prompt_token(pairs, mode: str) -> None:
+    _, consumer = pairs[mode]
     prompts = [h.make_prompts(1, n, seed=900 + i)[0] for i, n in enumerate(PROMPT_LENGTHS)]
     before = consumer.metrics()
     disagg = [_disaggregated(pairs, mode, p) for p in prompts]
     after = consumer.metrics()
 
-    if pairs["kind"] == "mla":
-        reference = [h.disaggregated(*pairs["vllm"], p, MAX_TOKENS)[1] for p in prompts]
-    else:
-        producer.reset_prefix_cache()
-        reference = [producer.complete(p, MAX_TOKENS) for p in prompts]
-    for prompt, (first, got), want in zip(prompts, disagg, reference, strict=True):
+    for prompt, (first, got) in zip(prompts, disagg, strict=True):
         assert len(got.token_ids) == MAX_TOKENS
-        assert got.token_ids == want.token_ids, (
-            f"{pairs['kind']}/{mode}: prompt of {len(prompt)} tokens diverged")
-        assert got.token_ids[0] == first.token_ids[0]
+        want = _reference(pairs, prompt)
+        result = h.compare_greedy(got, want, TOLERANCE)
+        print(f"{pairs['kind']}/{mode} prompt {len(prompt)}: {result.max_apart:.2e} nats apart, "
+              f"diverged at {result.diverged_at}, tokens {got.token_ids}")
+        assert result.within(TOLERANCE), (
+            f"{pairs['kind']}/{mode}: prompt of {len(prompt)} tokens: {result.max_apart:.3g} "
+            f"nats from the reference (diverged at {result.diverged_at}; tokens "
+            f"{got.token_ids}, reference {want.token_ids})")
         if mode == "pull":
             assert first.kv_transfer_params and "kvbridge" in first.kv_transfer_params
     assert after.get(LOCAL, 0) - before.get(LOCAL, 0) == 0
@@ -148,13 +170,14 @@ def test_negative_control_other_prompts_kv_changes_output(pairs, mode: str) -> N
     if mode == "pull":
         params_b = producer.complete(prompt_b, 1, h.producer_params()).kv_transfer_params
         assert params_b
-        wrong = consumer.complete(prompt_a, MAX_TOKENS, params_b)
+        wrong = consumer.complete(prompt_a, MAX_TOKENS, params_b, logprobs=TOP)
     else:
         params = _push_params(pairs, prompt_a)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             decode = pool.submit(consumer.complete, prompt_a, MAX_TOKENS,
-                                 {"kvbridge": params}, 120)
+                                 {"kvbridge": params}, 120, logprobs=TOP)
             producer.complete(prompt_b, 1, {"do_remote_decode": True, "kvbridge": params}, 120)
             wrong = decode.result(timeout=120)
-    right = producer.complete(prompt_a, MAX_TOKENS)
-    assert wrong.token_ids != right.token_ids
+    result = h.compare_greedy(wrong, _reference(pairs, prompt_a), TOLERANCE)
+    print(f"{pairs['kind']}/{mode} wrong KV: {result.max_apart:.3g} nats apart")
+    assert result.max_apart > 10 * TOLERANCE
