@@ -130,13 +130,13 @@ def _reference(pairs: dict[str, Any], prompt: list[int]) -> h.Completion:
     same prompts again). For MLA, a P/D run of vLLM's own connector that really
     transferred: one that fell back to computing the prompt on the consumer
     (seen on a loaded CI machine: its tokens were the colocated run's) is no
-    reference; it is retried, and a second fallback fails the test naming it."""
+    reference; it is asked again, and a third fallback fails the test naming it."""
     if pairs["kind"] != "mla":
         producer = pairs["pull"][0]
         producer.reset_prefix_cache()
         return producer.complete(prompt, MAX_TOKENS, logprobs=TOP)
     vllm_producer, vllm_consumer = pairs["vllm"]
-    for _attempt in range(2):
+    for _attempt in range(3):
         for server in pairs["vllm"]:
             server.reset_prefix_cache()
         before = vllm_consumer.metrics().get(LOCAL, 0)
@@ -148,8 +148,8 @@ def _reference(pairs: dict[str, Any], prompt: list[int]) -> h.Completion:
         print(f"vLLM's NixlConnector recomputed {recomputed:.0f} of {len(prompt)} prompt "
               f"tokens (tokens {run.token_ids}); asking again")
     raise AssertionError(f"vLLM's own NixlConnector fell back to recomputing a prompt of "
-                         f"{len(prompt)} tokens twice: no P/D reference (its log: "
-                         f"{vllm_consumer.log_path})")
+                         f"{len(prompt)} tokens three times: no P/D reference (its log: "
+                         f"{vllm_consumer.log_path}):\n{vllm_consumer.log_tail()}")
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
