@@ -171,6 +171,24 @@ def split_submit(specs: Sequence[RequestSpec],
     return chunks
 
 
+# ---------------------------------------------------------------------------- encoding
+
+def encode_message(message: ControlMessage) -> bytes:
+    """The one frame of ``message`` (what :func:`decode_frames` reads back)."""
+    body: dict[str, Any]
+    if isinstance(message, Submit):
+        body = {"op": "submit", "requests": [r.to_dict() for r in message.requests]}
+        if message.token is not None:
+            body["token"] = message.token
+    elif isinstance(message, Results):
+        body = {"op": "results", "token": message.token}
+    elif isinstance(message, Abort):
+        body = {"op": "abort", "request_id": message.request_id, "token": message.token}
+    else:
+        body = {"op": next(op for op, kind in _NO_FIELDS.items() if isinstance(message, kind))}
+    return msgpack.packb(body, use_bin_type=True)
+
+
 # ---------------------------------------------------------------------------- decoding
 
 def decode_frames(frames: Sequence[bytes], limits: ControlLimits) -> ControlMessage:
