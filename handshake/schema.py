@@ -596,6 +596,11 @@ class AgentMetadata:
         """Flat rank index as the transfer planner numbers ranks."""
         return rank_index(self.topology)
 
+    def exposed_bytes(self) -> int:
+        """Bytes of KV this rank advertises to its peers: every block of every layer it
+        holds (what a peer with its agent metadata may READ or WRITE over NIXL)."""
+        return sum(len(r.base_addrs) * r.num_blocks * r.stride for r in self.regions)
+
     def layer_memory(self) -> dict[int, LayerMemory]:
         """Layer id -> where that layer's tensor sits (the planner's LayerMemory)."""
         out: dict[int, LayerMemory] = {}
@@ -833,6 +838,8 @@ class EngineMetadata:
                 "agent_name": m.agent_name, "generation": m.generation,
                 "agent_blob_bytes": len(m.agent_blob),
                 "agent_blob_sha256": hashlib.sha256(m.agent_blob).hexdigest()[:16],
+                "mem_type": m.mem_type, "device_id": m.device_id,
+                "exposed_bytes": m.exposed_bytes(),
                 "regions": [{**r.to_map(), "base_addrs": [hex(a) for a in r.base_addrs]}
                             for r in m.regions],
             } for m in self.ranks],
