@@ -623,6 +623,12 @@ def _stride_field(strides: Sequence[int], index: int, block_bytes: int) -> int:
     return 0 if stride == block_bytes else stride
 
 
+def _mem_type_or_dram(value: str | None) -> str:
+    """Absent: DRAM (documents from before memory types existed); present, it is
+    checked as given (an empty string is refused, never read as DRAM)."""
+    return "DRAM" if value is None else value
+
+
 def check_agent(meta: AgentMetadata) -> None:
     """Raise a HandshakeError (field relative to the rank) unless ``meta`` is consistent.
 
@@ -764,7 +770,7 @@ def _agent_from_map(obj: object, path: str, spec: KVCacheSpec | None) -> AgentMe
         agent_blob=r.get_bytes("agent_blob", MAX_BLOB_BYTES, allow_empty=True),
         topology=_topology_from(r.raw("topology"), r.where("topology")),
         regions=regions, spec=spec, generation=r.get_int("generation"),
-        mem_type=r.opt_str("mem_type", 8) or "DRAM",
+        mem_type=_mem_type_or_dram(r.opt_str("mem_type", 8)),
         device_id=r.opt_int("device_id", 0, MAX_DEVICE_ID) or 0)
     try:
         check_agent(meta)
