@@ -20,6 +20,7 @@ import torch
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.worker import MAX_DEFERRED_PER_AGENT
+from kvbridge.connectors.params import TransferParams
 from kvbridge.engine.harness import EngineProcess
 from kvbridge.engine.request import RequestSpec
 from kvbridge.engine.workload import make_requests
@@ -44,6 +45,17 @@ GRACE_S = 1.0
 def _producer_doc(producer: EngineProcess) -> EngineMetadata:
     assert producer.endpoint is not None
     return HandshakeClient(timeout_s=5.0).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
+
+
+def _held_request(producer: EngineProcess, rogue: NixlTransport, seed: int, prefix: str
+                  ) -> tuple[RequestSpec, TransferParams, list[str]]:
+    """A request the producer prefilled and holds, and the rogue's peers of its ranks."""
+    (spec,) = make_requests(1, prompt_tokens=48, max_tokens=2, seed=seed, prefix=prefix)
+    params = _prefill(producer, spec).transfer_params
+    assert params is not None
+    peers = [rogue.add_peer(rank.agent_name, rank.agent_blob)
+             for rank in _producer_doc(producer).ranks]
+    return spec, params, peers
 
 
 def _send_all(rogue: NixlTransport, peers: list[str], notifs: list[messages.Notif]) -> None:
@@ -71,7 +83,8 @@ def _wait_rejected(producer: EngineProcess, rogue: NixlTransport, at_least: int,
     return int(got)
 
 
-def _load_and_check(consumer_stepper: Stepper, spec, params) -> None:
+def _load_and_check(consumer_stepper: Stepper, spec: RequestSpec,
+                    params: TransferParams) -> None:
     consumer_stepper.engine.add_request(replace(spec, transfer_params=params))
     consumer_stepper.until(lambda: spec.request_id in consumer_stepper.results, 60,
                            "the real consumer's load")
@@ -88,12 +101,8 @@ def test_a_strangers_notifications_release_nothing_and_queue_nothing() -> None:
     stepper = Stepper(consumer)
     rogue = NixlTransport(f"kvb-stranger-{uuid.uuid4().hex[:8]}")
     try:
-        (spec,) = make_requests(1, prompt_tokens=48, max_tokens=2, seed=31, prefix="stranger")
-        params = _prefill(producer, spec).transfer_params
-        assert params is not None
+        spec, params, peers = _held_request(producer, rogue, 31, "stranger")
         rid = params.producer_request_id
-        doc = _producer_doc(producer)
-        peers = [rogue.add_peer(rank.agent_name, rank.agent_blob) for rank in doc.ranks]
         flood = 500
         _send_all(rogue, peers, [messages.ReadDone(rid, 7, 1), messages.ReadDone(rid, 0, 1),
                                  messages.Heartbeat((rid,))]
@@ -122,12 +131,8 @@ def test_a_peer_cannot_speak_for_another_consumer_rank_or_miscount_the_ranks() -
     memory = torch.zeros(1 << 20, dtype=torch.uint8)
     rogue.register_regions([memory])
     try:
-        (spec,) = make_requests(1, prompt_tokens=48, max_tokens=2, seed=32, prefix="claims")
-        params = _prefill(producer, spec).transfer_params
-        assert params is not None
+        spec, params, peers = _held_request(producer, rogue, 32, "claims")
         rid = params.producer_request_id
-        doc = _producer_doc(producer)
-        peers = [rogue.add_peer(rank.agent_name, rank.agent_blob) for rank in doc.ranks]
         # a well-formed hello: consumer rank 0 of a TP 1 engine, as the real consumer is
         me = ParallelTopology(tp_size=1)
         shape = spec_model.rank_shapes(me)[0]
