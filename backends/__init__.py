@@ -15,6 +15,8 @@ and they never switch a fast path off on a real fleet:
   CUDA IPC without NVLink otherwise may fall back to TCP), and ``cuda_copy``
   added to a ``UCX_TLS`` the user restricted without it (UCX cannot move VRAM
   without it). ``UCX_RCACHE_MAX_UNRELEASED=1024`` as vLLM's NixlConnector sets.
+* everywhere: ``UCX_DEBUG_SIGNO=0`` (UCX would take SIGHUP for its debug
+  handler), ``NIXL_LOG_LEVEL=WARN``, ``MC_LOG_LEVEL=WARNING``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ logger = logging.getLogger(__name__)
 _ENV_DEFAULTS = {
     "NIXL_LOG_LEVEL": "WARN",
     "MC_LOG_LEVEL": "WARNING",
+    # UCX installs a debug handler on SIGHUP when an agent starts, replacing the
+    # process's own: a hang-up would be swallowed (an engine under a closed terminal
+    # would keep running, one that handles SIGHUP would never see it)
+    "UCX_DEBUG_SIGNO": "0",
 }
 
 #: UCX transport names that move CUDA memory (any one of them in UCX_TLS is enough)

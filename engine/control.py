@@ -33,6 +33,7 @@ import msgpack
 
 from kvbridge.connectors import TransferParams
 from kvbridge.connectors.errors import KVBridgeError
+from kvbridge.engine.owners import TOKEN_CHARS
 from kvbridge.engine.request import MAX_TOKEN_ID, RequestSpec
 from kvbridge.layouts import LayoutError
 
@@ -109,16 +110,18 @@ class Info:
 @dataclass(frozen=True)
 class Submit:
     requests: tuple[RequestSpec, ...]
+    token: str | None = None  # None: a new owner (the reply carries its token)
 
 
 @dataclass(frozen=True)
 class Results:
-    pass
+    token: str  # the submitter's (kvbridge.engine.owners)
 
 
 @dataclass(frozen=True)
 class Abort:
     request_id: str
+    token: str
 
 
 @dataclass(frozen=True)
@@ -144,12 +147,11 @@ class Shutdown:
 ControlMessage = (Info | Submit | Results | Abort | Stats | TransferRecords | ResetPrefixCache
                   | Shutdown)
 
-_NO_FIELDS: dict[str, type[Info | Results | Stats | TransferRecords | ResetPrefixCache
-                          | Shutdown]] = {
-    "info": Info, "results": Results, "stats": Stats, "transfer_records": TransferRecords,
+_NO_FIELDS: dict[str, type[Info | Stats | TransferRecords | ResetPrefixCache | Shutdown]] = {
+    "info": Info, "stats": Stats, "transfer_records": TransferRecords,
     "reset_prefix_cache": ResetPrefixCache, "shutdown": Shutdown,
 }
-OPS = tuple(sorted((*_NO_FIELDS, "submit", "abort")))
+OPS = tuple(sorted((*_NO_FIELDS, "submit", "results", "abort")))
 _REQUEST_FIELDS = ("request_id", "prompt", "max_tokens", "transfer_params", "remote_decode",
                    "cache_salt")
 
@@ -167,6 +169,24 @@ def split_submit(specs: Sequence[RequestSpec],
         chunks[-1].append(spec)
         tokens += len(spec.prompt)
     return chunks
+
+
+# ---------------------------------------------------------------------------- encoding
+
+def encode_message(message: ControlMessage) -> bytes:
+    """The one frame of ``message`` (what :func:`decode_frames` reads back)."""
+    body: dict[str, Any]
+    if isinstance(message, Submit):
+        body = {"op": "submit", "requests": [r.to_dict() for r in message.requests]}
+        if message.token is not None:
+            body["token"] = message.token
+    elif isinstance(message, Results):
+        body = {"op": "results", "token": message.token}
+    elif isinstance(message, Abort):
+        body = {"op": "abort", "request_id": message.request_id, "token": message.token}
+    else:
+        body = {"op": next(op for op, kind in _NO_FIELDS.items() if isinstance(message, kind))}
+    return msgpack.packb(body, use_bin_type=True)
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -202,12 +222,28 @@ def decode_message(message: object, limits: ControlLimits) -> ControlMessage:
         _known(message, "message", ("op",))
         return _NO_FIELDS[op]()
     if op == "abort":
-        _known(message, "message", ("op", "request_id"))
-        return Abort(_str(message.get("request_id"), "request_id"))
+        _known(message, "message", ("op", "request_id", "token"))
+        return Abort(_str(message.get("request_id"), "request_id"),
+                     _token(message.get("token")))
+    if op == "results":
+        _known(message, "message", ("op", "token"))
+        return Results(_token(message.get("token")))
     if op == "submit":
-        _known(message, "message", ("op", "requests"))
-        return Submit(_requests(message.get("requests"), limits))
+        _known(message, "message", ("op", "requests", "token"))
+        token = message.get("token")
+        return Submit(_requests(message.get("requests"), limits),
+                      None if token is None else _token(token))
     raise ProtocolError("op", f"unknown op {op[:64]!r}; expected one of {list(OPS)}")
+
+
+def _token(value: object) -> str:
+    """A control client's token, by form (whether this engine issued it is the server's
+    check): 64 lower-case hex characters, from the reply of its first ``submit``."""
+    if not isinstance(value, str) or len(value) != TOKEN_CHARS or \
+            value.strip("0123456789abcdef"):
+        raise ProtocolError("token", f"expected the {TOKEN_CHARS} hex characters of the "
+                                     f"token a submit reply gave, got {_show(value)}")
+    return value
 
 
 def _requests(raw: object, limits: ControlLimits) -> tuple[RequestSpec, ...]:

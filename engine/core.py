@@ -140,17 +140,64 @@ def kv_cache_bytes(config: EngineConfig) -> int:
     return config.num_blocks * (per_block + BLOCK_OVERHEAD_BYTES * len(config.spec.regions))
 
 
-def available_memory_bytes() -> int:
+def available_memory_bytes(root: str = "/") -> int:
     """What this host could give a new allocation now: ``MemAvailable`` (Linux), else
-    all physical memory."""
+    all physical memory; at most what this process's cgroup still allows (its memory
+    limit less its usage, cgroup v2 or v1: a container's limit is often far below the
+    host's memory). ``root``: where ``proc`` and ``sys`` are looked up (tests)."""
+    have: int | None = None
     try:
-        with open("/proc/meminfo") as meminfo:
+        with open(os.path.join(root, "proc/meminfo")) as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    have = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if have is None:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    room = cgroup_memory_room(root)
+    return have if room is None else min(have, room)
+
+
+def cgroup_memory_room(root: str = "/") -> int | None:
+    """Bytes this process's memory cgroup still allows (limit - usage), None if unlimited
+    or unknown. Reads the cgroup of ``/proc/self/cgroup`` under ``/sys/fs/cgroup``."""
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            entries = [line.strip().split(":", 2) for line in f if line.strip()]
+    except OSError:
+        return None
+    base = os.path.join(root, "sys/fs/cgroup")
+    for entry in entries:
+        if len(entry) != 3:
+            continue
+        _hierarchy, controllers, path = entry
+        if controllers == "":  # v2: one unified hierarchy
+            pairs = [(os.path.join(base, path.lstrip("/")), "memory.max", "memory.current")]
+        elif "memory" in controllers.split(","):
+            pairs = [(os.path.join(base, "memory", path.lstrip("/")),
+                      "memory.limit_in_bytes", "memory.usage_in_bytes")]
+        else:
+            continue
+        for directory, limit_file, usage_file in pairs:
+            try:
+                with open(os.path.join(directory, limit_file)) as f:
+                    limit_text = f.read().strip()
+                with open(os.path.join(directory, usage_file)) as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit_text == "max":
+                return None
+            try:
+                limit = int(limit_text)
+            except ValueError:
+                continue
+            if limit >= 1 << 60:  # v1's "unlimited" (a page-rounded LONG_MAX)
+                return None
+            return max(0, limit - usage)
+    return None
 
 
 def check_host_memory(config: EngineConfig) -> None:

@@ -112,6 +112,8 @@ class ControlCalls:
         raise NotImplementedError
 
     _limits: ControlLimits | None = None
+    #: this client's capability to its requests, from its first submit's reply
+    token: str | None = None
 
     def control_limits(self) -> ControlLimits:
         """What one message to this engine may carry (from its ``info``; asked once)."""
@@ -123,10 +125,23 @@ class ControlCalls:
         """Queue ``specs``, in as many ``submit`` messages as the engine's limits need
         (each message is all or nothing; an error leaves the earlier ones queued)."""
         for chunk in split_submit(specs, self.control_limits()):
-            self.call("submit", requests=[s.to_dict() for s in chunk])
+            fields: dict[str, Any] = {"requests": [s.to_dict() for s in chunk]}
+            if self.token is not None:
+                fields["token"] = self.token
+            self.token = str(self.call("submit", **fields)["token"])
 
     def results(self) -> list[RequestResult]:
-        return [RequestResult.from_dict(r) for r in self.call("results")["results"]]
+        """Finished results of the requests this client submitted (each once)."""
+        if self.token is None:
+            return []
+        return [RequestResult.from_dict(r)
+                for r in self.call("results", token=self.token)["results"]]
+
+    def abort(self, request_id: str) -> bool:
+        """Abort one of this client's requests; False if it already finished."""
+        if self.token is None:
+            return False
+        return bool(self.call("abort", request_id=request_id, token=self.token)["aborted"])
 
     def stats(self) -> dict[str, Any]:
         return self.call("stats")

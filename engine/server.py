@@ -17,11 +17,16 @@ and bounded by :mod:`kvbridge.engine.control` before anything else happens:
 
 * ``{"op": "info"}`` -> ``{"ok": true, "engine_id", "endpoint", "topology", "fingerprint",
   "limits"}`` (``limits``: what one message may carry, :class:`ControlLimits`)
-* ``{"op": "submit", "requests": [RequestSpec.to_dict(), ...]}`` -> ``{"ok": true, "accepted": n}``
-  (all or nothing: every request is validated before any is queued; one that could
-  never fit the block pool is refused)
-* ``{"op": "results"}`` -> ``{"ok": true, "results": [RequestResult.to_dict(), ...]}``
-* ``{"op": "abort", "request_id": id}`` -> ``{"ok": true, "aborted": bool}``
+* ``{"op": "submit", "requests": [RequestSpec.to_dict(), ...], "token"?: T}`` ->
+  ``{"ok": true, "accepted": n, "token": T}`` (all or nothing: every request is
+  validated before any is queued; one that could never fit the block pool is
+  refused). Without ``token`` the reply carries a new one: the client's
+  capability to its requests (:mod:`kvbridge.engine.owners`); with it, the
+  requests join that client's.
+* ``{"op": "results", "token": T}`` -> ``{"ok": true, "results": [RequestResult.to_dict(), ...]}``:
+  the finished results of ``T``'s requests, each given once, to nobody else
+* ``{"op": "abort", "request_id": id, "token": T}`` -> ``{"ok": true, "aborted": bool}``
+  (a request of another client is an error)
 * ``{"op": "stats"}`` -> ``{"ok": true, "stats": {...}, "idle_problems": [...]}``
 * ``{"op": "reset_prefix_cache"}`` -> ``{"ok": true, "blocks": n}`` (unreferenced cached
   blocks forgotten; published as ``AllBlocksCleared`` when none is left)
@@ -35,8 +40,9 @@ reply: the client times out). An engine process of the harness also exits when i
 parent dies; ``kvbridge serve`` (``exit_with_parent=False``) does not.
 
 What a client may do (a design choice): anyone who reaches the port may submit,
-read and pop every result, abort any request by id, read stats and reset the
-prefix cache -- the port is a router's, firewall it to the routers you trust.
+read and abort its own requests (by the token of its submits), read stats and
+reset the prefix cache -- the port is a router's, firewall it to the routers you
+trust; the port does not authenticate its clients.
 Bounds hold per message and per connection (``CONTROL_RCVHWM`` queued messages of
 at most ``max_message_bytes``), not per client population; libzmq also buffers
 the frames of a multipart message until its last one, each frame bounded.
@@ -52,6 +58,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -78,6 +85,7 @@ from kvbridge.engine.control import (
 )
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
+from kvbridge.engine.owners import ResultOwners
 from kvbridge.events import EventSink, KVEventPublisher, NullEventSink
 from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology, load_spec
 
@@ -147,6 +155,17 @@ def _transfer_records(engine: Engine) -> list[dict[str, Any]]:
     return out
 
 
+_OWNERS: weakref.WeakKeyDictionary[Engine, ResultOwners] = weakref.WeakKeyDictionary()
+
+
+def owners_of(engine: Engine) -> ResultOwners:
+    """The control clients' ownership of ``engine``'s requests (one per engine)."""
+    owners = _OWNERS.get(engine)
+    if owners is None:
+        owners = _OWNERS[engine] = ResultOwners()
+    return owners
+
+
 def _handle(engine: Engine, message: Any,
             limits: ControlLimits | None = None) -> tuple[dict[str, Any], bool]:
     """One unpacked control map -> (reply, stop). Never raises for what a client sent."""
@@ -188,19 +207,33 @@ def _run(engine: Engine, message: ControlMessage,
                     "topology": engine.sizes.to_dict(),
                     "fingerprint": engine.spec.fingerprint(),
                     "limits": (limits or engine.control_limits()).to_dict()}, False
+        owners = owners_of(engine)
+        if isinstance(message, Submit | Results | Abort) and message.token is not None \
+                and not owners.valid(message.token):
+            return _error("ProtocolError", "token: not issued by this engine (a submit "
+                                           "without a token gets one)"), False
         if isinstance(message, Submit):
             for index, spec in enumerate(message.requests):  # all or nothing
                 try:
                     engine.check_request(spec)
                 except (KVBridgeError, LayoutError) as exc:
                     raise type(exc)(f"requests[{index}].{exc.field}", exc.reason) from None
+            token = message.token or owners.issue()
             for spec in message.requests:
                 engine.add_request(spec)
-            return {"ok": True, "accepted": len(message.requests)}, False
+            owners.submitted(token, (spec.request_id for spec in message.requests))
+            return {"ok": True, "accepted": len(message.requests), "token": token}, False
         if isinstance(message, Results):
-            return {"ok": True, "results": [r.to_dict() for r in engine.pop_results()]}, False
+            owners.collect(engine.pop_results())
+            return {"ok": True, "results": [r.to_dict() for r in owners.take(message.token)]
+                    }, False
         if isinstance(message, Abort):
-            return {"ok": True, "aborted": engine.abort(message.request_id)}, False
+            owner = owners.owner(message.request_id)
+            if owner is not None and owner != message.token:
+                return _error("ProtocolError", f"request_id: {message.request_id[:64]!r} "
+                                               f"was submitted by another client"), False
+            return {"ok": True, "aborted": owner is not None
+                    and engine.abort(message.request_id)}, False
         if isinstance(message, Stats):
             return {"ok": True, "stats": engine.stats(),
                     "idle_problems": engine.idle_problems()}, False

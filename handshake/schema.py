@@ -596,6 +596,11 @@ class AgentMetadata:
         """Flat rank index as the transfer planner numbers ranks."""
         return rank_index(self.topology)
 
+    def exposed_bytes(self) -> int:
+        """Bytes of KV this rank advertises to its peers: every block of every layer it
+        holds (what a peer with its agent metadata may READ or WRITE over NIXL)."""
+        return sum(len(r.base_addrs) * r.num_blocks * r.stride for r in self.regions)
+
     def layer_memory(self) -> dict[int, LayerMemory]:
         """Layer id -> where that layer's tensor sits (the planner's LayerMemory)."""
         out: dict[int, LayerMemory] = {}
@@ -616,6 +621,12 @@ def _stride_field(strides: Sequence[int], index: int, block_bytes: int) -> int:
     """``RegionMemory.block_stride`` for a given stride: 0 when dense (the default)."""
     stride = int(strides[index]) if index < len(strides) else 0
     return 0 if stride == block_bytes else stride
+
+
+def _mem_type_or_dram(value: str | None) -> str:
+    """Absent: DRAM (documents from before memory types existed); present, it is
+    checked as given (an empty string is refused, never read as DRAM)."""
+    return "DRAM" if value is None else value
 
 
 def check_agent(meta: AgentMetadata) -> None:
@@ -759,7 +770,7 @@ def _agent_from_map(obj: object, path: str, spec: KVCacheSpec | None) -> AgentMe
         agent_blob=r.get_bytes("agent_blob", MAX_BLOB_BYTES, allow_empty=True),
         topology=_topology_from(r.raw("topology"), r.where("topology")),
         regions=regions, spec=spec, generation=r.get_int("generation"),
-        mem_type=r.opt_str("mem_type", 8) or "DRAM",
+        mem_type=_mem_type_or_dram(r.opt_str("mem_type", 8)),
         device_id=r.opt_int("device_id", 0, MAX_DEVICE_ID) or 0)
     try:
         check_agent(meta)
@@ -833,6 +844,8 @@ class EngineMetadata:
                 "agent_name": m.agent_name, "generation": m.generation,
                 "agent_blob_bytes": len(m.agent_blob),
                 "agent_blob_sha256": hashlib.sha256(m.agent_blob).hexdigest()[:16],
+                "mem_type": m.mem_type, "device_id": m.device_id,
+                "exposed_bytes": m.exposed_bytes(),
                 "regions": [{**r.to_map(), "base_addrs": [hex(a) for a in r.base_addrs]}
                             for r in m.regions],
             } for m in self.ranks],

@@ -26,7 +26,9 @@ examples:
 
 --json prints {"address", "rtt_s", "clock_offset_s", "clock_uncertainty_s",
 "attempts", "engine": {engine_id, incarnation, generation, spec, topology,
-ranks: [...], ...}}.
+ranks: [{..., mem_type, device_id, exposed_bytes, regions}], ...}}.
+exposed_bytes: the KV blocks a rank advertises, which is all a peer holding
+its metadata can read or write over NIXL.
 
 exit codes: 0 fetched, 1 unreachable / refused / malformed reply, 2 usage error
 """
@@ -70,6 +72,13 @@ def result_to_json(address: str, result: FetchResult) -> dict[str, object]:
             "attempts": result.attempts, "engine": result.metadata.to_json()}
 
 
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def format_result(address: str, result: FetchResult) -> str:
     meta = result.metadata
     lines = [
@@ -86,14 +95,18 @@ def format_result(address: str, result: FetchResult) -> str:
             f"head_dim={r.head_dim} block={r.block_size} {r.memory_order.value}"
             f"{' key-only' if r.key_only else ''}" for r in meta.spec.regions),
         "",
-        f"{'RANK':<16} {'AGENT':<28} {'GEN':>4} {'BLOB':>6}  MEMORY",
+        f"{'RANK':<16} {'AGENT':<28} {'GEN':>4} {'BLOB':>6}  EXPOSED  MEMORY",
     ]
     for rank in meta.ranks:
         memory = "; ".join(
             f"{r.name}: {len(r.base_addrs)} layers x {r.num_blocks} blocks x "
             f"{r.block_bytes_per_layer} B" for r in rank.regions if r.base_addrs)
+        where = rank.mem_type + (f":{rank.device_id}" if rank.mem_type == "VRAM" else "")
         lines.append(f"{rank.rank.describe():<16} {rank.agent_name[:28]:<28} "
-                     f"{rank.generation:>4} {len(rank.agent_blob):>6}  {memory}")
+                     f"{rank.generation:>4} {len(rank.agent_blob):>6}  "
+                     f"{_size(rank.exposed_bytes())} {where}  {memory}")
+    lines.append("exposed: the KV blocks each rank advertises, all a peer holding its "
+                 "metadata can read or write over NIXL")
     missing = meta.missing_ranks()
     if missing:
         lines.append(f"missing ranks: {', '.join(k.describe() for k in missing)}")

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import ipaddress
 import json
-import os
 import signal
 import sys
 from typing import TYPE_CHECKING, Any
@@ -142,9 +141,8 @@ def run(args: argparse.Namespace) -> int:
     def _stop(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    # UCX takes SIGHUP for its debug handler (UCX_DEBUG_SIGNO) when the NIXL agent
-    # starts, replacing ours: the hang-up would be swallowed. Unless the user set it.
-    os.environ.setdefault("UCX_DEBUG_SIGNO", "0")
+    # UCX would take SIGHUP for its debug handler when the NIXL agent starts, replacing
+    # ours: kvbridge.backends sets UCX_DEBUG_SIGNO=0 on import, unless the user set it.
     signal.signal(signal.SIGTERM, _stop)
     # a closed terminal stops the engine cleanly; nohup's ignored SIGHUP stays ignored
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:

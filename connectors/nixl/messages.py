@@ -32,6 +32,12 @@ Kinds (``C`` = consumer rank, ``P`` = producer rank):
   block index ``start[r]`` of each region on.
 * ``pushed`` P->C (push): every write of this producer rank for the request is
   done (``ok``), or it will not come (``ok=False``).
+
+Who may send what (checked by the worker, not here): a producer acts on the
+C->P kinds only from an agent that said ``hello``, naming that hello's rank
+as ``consumer_rank``, with the ``expected`` count the producer computes for the
+consumer's topology; a consumer acts on P->C kinds only from the agent of
+the producer rank its session handshook with.
 """
 
 from __future__ import annotations

@@ -68,7 +68,14 @@ from kvbridge.backends.nixl import (
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind
-from kvbridge.connectors.nixl.routing import DescTable, build_table, pair_indices, pull_indices
+from kvbridge.connectors.nixl.routing import (
+    DescTable,
+    build_table,
+    expected_notifs,
+    notify_targets,
+    pair_indices,
+    pull_indices,
+)
 from kvbridge.connectors.nixl.scheduler import LoadOrder, NixlMetadata, PushOrder, ReleaseOrder
 from kvbridge.connectors.nixl.session import (
     LocalLists,
@@ -89,7 +96,7 @@ from kvbridge.handshake import (
 )
 from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import LayerMemory, LayoutError, ParallelTopology
-from kvbridge.layouts.plan import plan_consumer_rank, rank_index
+from kvbridge.layouts.plan import plan_consumer_rank, plan_transfer, rank_index
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +130,20 @@ HANDSHAKE_SLACK_S = 5.0
 
 #: Transfer latency samples kept per rank (for percentiles in the demo and bench).
 MAX_SAMPLES = 100_000
+
+#: NIXL may deliver a consumer rank's READ notification before its hello, so a
+#: producer keeps what an agent it does not know yet sends, without acting on
+#: it, for ``NixlSettings.early_grace_s`` and up to these bounds (per agent, and
+#: agents at once); what does not fit, and what its hello never follows, is
+#: rejected (``notifs_rejected``)
+MAX_DEFERRED_PER_AGENT = 64
+MAX_DEFERRED_AGENTS = 64
+#: consumer agents a producer rank keeps as NIXL peers at once (a hello past it is refused)
+MAX_CONSUMER_PEERS = 1024
+#: push registrations kept for requests this rank does not hold yet
+MAX_EARLY_REGISTERS = 4096
+#: senders whose rejected notifications were logged (each once), remembered
+MAX_LOGGED_SENDERS = 1024
 
 #: Upper bounds (ms) of the latency histogram reported in stats as ``latency_ms_le_<bound>``
 #: counters: counts add up across ranks (percentiles would not), so the engine-wide
@@ -278,7 +299,8 @@ class NixlWorker(WorkerConnector):
         self._load_errors: set[BlockRef] = set()
         self._leases = LeaseTable(self.settings.lease_s, self.settings.early_grace_s)
         self._consumers: dict[str, _ConsumerPeer] = {}
-        self._pending_acks: dict[str, list[messages.Notif]] = {}
+        #: answers to agents that are not (or no more) peers: (queued at, answer)
+        self._pending_acks: dict[str, list[tuple[float, messages.Notif]]] = {}
         self._push_jobs: dict[str, _PushJob] = {}
         #: records the push fence of a saved layer (issue 15); a test may stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
@@ -295,7 +317,12 @@ class NixlWorker(WorkerConnector):
             "unknown_notifs": 0, "bad_notifs": 0, "heartbeats_sent": 0, "releases_sent": 0,
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
             "peer_restarts": 0, "requests_refused": 0, "handshakes_abandoned": 0,
+            "notifs_rejected": 0,
         }
+        #: producer: notifications of agents that have not said hello, (received at, msg)
+        self._deferred: dict[str, list[tuple[float, messages.Notif]]] = {}
+        self._rejected_senders: dict[str, None] = {}  # insertion-ordered, bounded
+        self._expected_by_sizes: dict[ParallelTopology, int] = {}
         self._closed = False
         self._state_lock = threading.RLock()
         self._last_progress = time.monotonic()
@@ -976,8 +1003,41 @@ class NixlWorker(WorkerConnector):
 
     def _on_notif(self, sender: str, msg: messages.Notif, now: float) -> None:
         if isinstance(msg, messages.Hello):
-            self._on_hello(sender, msg)
-        elif isinstance(msg, messages.ReadDone):
+            self._on_hello(sender, msg, now)
+        elif isinstance(msg, messages.Ack | messages.Pushed):
+            self._on_answer(sender, msg, now)  # bound to the session's producer agent
+        elif isinstance(msg, messages.Held):
+            self._on_held(sender, msg)
+        else:
+            self._on_consumer_notif(sender, msg, now)
+
+    def _on_consumer_notif(self, sender: str, msg: messages.Notif, now: float) -> None:
+        """What consumer ranks send a producer rank, acted on only from a session.
+
+        The sender must be an agent that said hello (an unknown one's messages
+        wait for its hello, bounded, see ``MAX_DEFERRED_PER_AGENT``), and a
+        message naming a consumer rank must name the rank that agent's hello
+        described, with the count of notifying ranks this producer rank
+        computes for that consumer's topology itself. Anything else is
+        rejected: counted, logged once per sender, never acted on.
+        """
+        consumer = self._consumers.get(sender)
+        if consumer is None:
+            self._defer(sender, msg, now)
+            return
+        if isinstance(msg, messages.ReadDone | messages.Register | messages.Begin):
+            mine = consumer.meta.rank_index
+            if msg.consumer_rank != mine:
+                self._reject(sender, f"{type(msg).__name__} names consumer rank "
+                                     f"{msg.consumer_rank}, its hello said {mine}")
+                return
+        if isinstance(msg, messages.ReadDone | messages.Register):
+            expected = self._expected_from(consumer)
+            if msg.expected != expected:
+                self._reject(sender, f"{type(msg).__name__} expects {msg.expected} notifying "
+                                     f"consumer ranks; its topology gives {expected}")
+                return
+        if isinstance(msg, messages.ReadDone):
             verdict = self._leases.notify(msg.request_id, msg.consumer_rank, msg.expected,
                                           sender, now)
             if verdict is not None and msg.read:
@@ -987,21 +1047,64 @@ class NixlWorker(WorkerConnector):
                 self._leases.renew(rid, now)
         elif isinstance(msg, messages.Register):
             self._on_register(sender, msg, now)
-        elif isinstance(msg, messages.Ack | messages.Pushed):
-            self._on_answer(sender, msg, now)
         elif isinstance(msg, messages.Begin):
             lease_s, reason = self._leases.guarantee(msg.request_id, now)
             self._send_to(sender, messages.Held(msg.request_id, self.rank_index,
                                                 lease_s is not None, lease_s or 0.0, reason))
-        elif isinstance(msg, messages.Held):
-            self._on_held(sender, msg)
 
-    def _on_hello(self, sender: str, msg: messages.Hello) -> None:
+    def _expected_from(self, consumer: _ConsumerPeer) -> int:
+        """How many ranks of ``consumer``'s engine notify this producer rank per request."""
+        sizes = consumer.meta.topology.sizes()
+        expected = self._expected_by_sizes.get(sizes)
+        if expected is None:
+            plan = plan_transfer(self.ctx.spec, self.sizes, sizes)
+            expected = expected_notifs(notify_targets(plan), self.rank_index)
+            self._expected_by_sizes[sizes] = expected
+        return expected
+
+    def _defer(self, sender: str, msg: messages.Notif, now: float) -> None:
+        waiting = self._deferred.get(sender)
+        if waiting is None:
+            if len(self._deferred) >= MAX_DEFERRED_AGENTS:
+                self._reject(sender, "no hello from it, and too many such agents at once")
+                return
+            waiting = self._deferred[sender] = []
+        if len(waiting) >= MAX_DEFERRED_PER_AGENT:
+            self._reject(sender, f"no hello from it after {MAX_DEFERRED_PER_AGENT} messages")
+            return
+        waiting.append((now, msg))
+
+    def _expire_deferred(self, now: float) -> None:
+        for agent, answers in list(self._pending_acks.items()):
+            if now - answers[0][0] >= self.settings.lease_s:  # no hello again: it is gone
+                del self._pending_acks[agent]
+        for sender, waiting in list(self._deferred.items()):
+            if now - waiting[0][0] >= self.settings.early_grace_s:
+                del self._deferred[sender]
+                for _ in waiting:
+                    self._reject(sender, f"no hello from it within "
+                                         f"{self.settings.early_grace_s:g} s")
+
+    def _reject(self, sender: str, reason: str) -> None:
+        self._counters["notifs_rejected"] += 1
+        if sender in self._rejected_senders:
+            return
+        if len(self._rejected_senders) >= MAX_LOGGED_SENDERS:
+            self._rejected_senders.pop(next(iter(self._rejected_senders)))
+        self._rejected_senders[sender] = None
+        logger.warning("nixl: producer engine=%s rank=%d: rejecting notifications of agent %s "
+                       "(%s; logged once per agent, counted in notifs_rejected)",
+                       self.ctx.engine_id, self.rank_index, sender[:128], reason)
+
+    def _on_hello(self, sender: str, msg: messages.Hello, now: float) -> None:
         assert self.transport is not None
         meta = decode_agent(msg.agent)
         if meta.agent_name != sender:
             raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")
         known = self._consumers.get(sender)
+        if known is None and len(self._consumers) >= MAX_CONSUMER_PEERS:
+            raise NixlTransportError(f"hello from {sender}: already {MAX_CONSUMER_PEERS} "
+                                     f"consumer agents; refused")
         peer = self.transport.add_peer(sender, meta.agent_blob)
         if known is not None and known.peer == peer:
             return  # a repeated hello (the consumer re-handshook): everything is in place
@@ -1017,8 +1120,15 @@ class NixlWorker(WorkerConnector):
                 self.transport.remove_peer(peer)
                 raise
         self._consumers[sender] = consumer
-        for pending in self._pending_acks.pop(sender, []):
+        for _at, pending in self._pending_acks.pop(sender, []):
             self._send_to(sender, pending)
+        for _at, waiting in self._deferred.pop(sender, []):
+            try:
+                self._on_consumer_notif(sender, waiting, now)
+            except Exception as exc:  # as in _handle_batch: one message, not the rank
+                self._counters["bad_notifs"] += 1
+                logger.warning("nixl: notification %s from %s refused: %s",
+                               type(waiting).__name__, sender, exc)
 
     def _prepare_push(self, consumer: _ConsumerPeer) -> _PushLists | None:
         """Lists for writing to ``consumer``'s rank, prepared right after its hello."""
@@ -1062,8 +1172,15 @@ class NixlWorker(WorkerConnector):
 
     def _send_to(self, agent: str, msg: messages.Notif) -> None:
         consumer = self._consumers.get(agent)
-        if consumer is None:
-            self._pending_acks.setdefault(agent, []).append(msg)
+        if consumer is None:  # answered once it says hello (again), within bounds
+            pending = self._pending_acks.get(agent)
+            if pending is None and len(self._pending_acks) < MAX_DEFERRED_AGENTS:
+                pending = self._pending_acks[agent] = []
+            if pending is not None and len(pending) < MAX_DEFERRED_PER_AGENT:
+                pending.append((time.monotonic(), msg))
+            else:
+                logger.info("nixl: no hello from %s; dropping the answer %s",
+                            agent[:128], type(msg).__name__)
             return
         assert self.transport is not None
         try:
@@ -1137,6 +1254,11 @@ class NixlWorker(WorkerConnector):
                 self._counters["pushes_failed"] += 1
                 self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
                                                       "lease expired before registration"))
+                return
+            if rid not in self._early_registers and \
+                    len(self._early_registers) >= MAX_EARLY_REGISTERS:
+                self._reject(sender, f"register for {rid[:64]!r}, not held, past "
+                                     f"{MAX_EARLY_REGISTERS} such requests")
                 return
             self._early_registers.setdefault(rid, []).append((sender, reg))
             return
@@ -1280,6 +1402,7 @@ class NixlWorker(WorkerConnector):
         self._progress_pushes(now)
         for verdict in self._leases.expire(now):
             self._answer(verdict)
+        self._expire_deferred(now)
         for rid, at in list(self._cancelled.items()):
             if now - at > self.settings.lease_s:
                 del self._cancelled[rid]

@@ -89,6 +89,7 @@ from kvbridge.integrations.vllm.layout import (
     build_spec,
     kvbridge_dtype,
     kvbridge_view,
+    required_layout,
 )
 from kvbridge.layouts import ParallelTopology, hash_block, rank_index, root_hash
 
@@ -344,7 +345,9 @@ def _vllm_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vll
     if layout is None:
         # Not resolved yet (an older vLLM, or a profiling run): what vLLM will use for
         # kvbridge's request; register_kv_caches checks the tensors' strides against it.
-        layout = REQUIRED_LAYOUT
+        layout = required_layout(vllm_config.cache_config.block_size,
+                                 bool(getattr(vllm_config.model_config, "use_mla", False))
+                                 ) or REQUIRED_LAYOUT
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     backend_name = getattr(backend, "name", None) or (str(backend) if backend else "auto")
     return VllmFormat(device=str(current_platform.device_type), kv_cache_layout=str(layout),
@@ -503,14 +506,16 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """LBHNC (HND) for head-split models, as vLLM's NixlConnector asks: a head's slice
-        of a block is one run, so heterogeneous TP moves whole runs. None for MLA (one
-        head: every layout is the same bytes). vLLM may drop the request (a backend that
-        cannot run it); the adapter then describes the layout vLLM resolved, or refuses
-        it at start-up naming it (see :mod:`kvbridge.integrations.vllm.layout`)."""
+        of a block is one run, so heterogeneous TP moves whole runs; LBNHC where the
+        block size may be split into kernel blocks; None for MLA (see
+        :func:`kvbridge.integrations.vllm.layout.required_layout`). vLLM may drop the
+        request (a backend that cannot run it); the adapter then describes the layout
+        vLLM resolved, or refuses it at start-up naming it."""
         model_config = getattr(vllm_config, "model_config", None)
-        if model_config is None or getattr(model_config, "use_mla", False):
+        if model_config is None:
             return None
-        return REQUIRED_LAYOUT
+        block_size = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
+        return required_layout(block_size, bool(getattr(model_config, "use_mla", False)))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -16,8 +16,9 @@ on the attention backend (the *interior*, :class:`kvbridge.layouts.Interior`):
 Memory orders (``kv_cache_layout``, ``VLLM_KV_CACHE_LAYOUT``):
 
 =========  ===============================================================
-LBHNC/HND  supported: kvbridge ``HND`` (what :meth:`required_layout` asks for)
-LBNHC/NHD  supported: kvbridge ``NHD`` (vLLM's view transposed, no copy)
+LBHNC/HND  supported: kvbridge ``HND`` (what :func:`required_layout` asks for)
+LBNHC/NHD  supported: kvbridge ``NHD`` (vLLM's view transposed, no copy; asked
+           for at block sizes a backend may split into kernel blocks)
 BLHNC      refused: block-outermost (every layer's page inside one block)
 BLNHC      refused: block-outermost
 BHLNC      refused: block-outermost, heads outside the layer
@@ -74,6 +75,31 @@ REFUSED_LAYOUTS = {
 #: What kvbridge asks vLLM for (``get_required_kvcache_layout``) for head-split models:
 #: a head's slice of a block is contiguous, as vLLM's NixlConnector asks.
 REQUIRED_LAYOUT = "LBHNC"
+#: Manager block sizes every vLLM GPU attention backend runs as they are (FlashInfer
+#: and TRT-LLM kernels take 16, 32 or 64 tokens; FlashAttention and Triton any multiple
+#: of 16); another size may be split into kernel blocks, whose head-major (LBHNC) pages
+#: kvbridge cannot regroup into one manager page (:func:`manager_block_view`).
+SPLIT_FREE_BLOCK_SIZES = (16, 32, 64)
+#: What kvbridge asks for where a split may happen: the same bytes at any split.
+SPLIT_SAFE_LAYOUT = "LBNHC"
+
+
+def required_layout(block_size: object, use_mla: bool) -> str | None:
+    """The ``kv_cache_layout`` kvbridge asks vLLM for (``get_required_kvcache_layout``).
+
+    None for MLA (one head: every layout is the same bytes). LBHNC for head-split
+    models, whose head slices are then one run for heterogeneous TP, unless the
+    manager block size may be split into kernel blocks (a size not in
+    ``SPLIT_FREE_BLOCK_SIZES`` above 16): then LBNHC, which kvbridge moves at any
+    split (equal TP still coalesces to one descriptor per layer; heterogeneous TP
+    costs a descriptor per token), instead of refusing at start-up.
+    """
+    if use_mla:
+        return None
+    if isinstance(block_size, int) and block_size > 16 and \
+            block_size not in SPLIT_FREE_BLOCK_SIZES:
+        return SPLIT_SAFE_LAYOUT
+    return REQUIRED_LAYOUT
 
 
 def memory_order_of(layout_name: str | None, num_kv_heads_local: int = 2) -> MemoryOrder:

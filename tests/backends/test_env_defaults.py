@@ -50,6 +50,8 @@ def test_user_settings_win(tmp_path: Path) -> None:
     root = _host(tmp_path)
     out = env_defaults({"UCX_MODULES": "", "NIXL_LOG_LEVEL": "DEBUG"}, root)
     assert "UCX_MODULES" not in out and "NIXL_LOG_LEVEL" not in out
+    assert out["UCX_DEBUG_SIGNO"] == "0"  # UCX would take SIGHUP
+    assert "UCX_DEBUG_SIGNO" not in env_defaults({"UCX_DEBUG_SIGNO": "SIGUSR2"}, root)
 
 
 @pytest.mark.parametrize("dev_only", [False, True])

@@ -74,10 +74,11 @@ class Served:
         request_id = f"ok-{uuid.uuid4().hex[:8]}"
         reply = self.call({"op": "submit", "requests": [
             {"request_id": request_id, "prompt": list(range(1, 40)), "max_tokens": 3}]})
-        assert reply == {"ok": True, "accepted": 1}, reply
+        assert _accepted(reply) == 1, reply
+        token = reply["token"]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            reply = self.call({"op": "results"})
+            reply = self.call({"op": "results", "token": token})
             assert reply is not None and reply["ok"], reply
             done = [r for r in reply["results"] if r["request_id"] == request_id]
             if done:
@@ -113,6 +114,63 @@ def _error(reply: Any) -> str:
     return str(reply["error"])
 
 
+def _accepted(reply: Any) -> int:
+    """How many requests a submit reply accepted; it carries the submitter's token."""
+    assert isinstance(reply, dict) and reply["ok"] is True, reply
+    assert isinstance(reply["token"], str) and len(reply["token"]) == 64, reply
+    return int(reply["accepted"])
+
+
+def _submit(served: Served, request_id: str, token: str | None = None) -> str:
+    message: dict[str, Any] = {"op": "submit", "requests": [
+        {"request_id": request_id, "prompt": list(range(1, 40)), "max_tokens": 3}]}
+    if token is not None:
+        message["token"] = token
+    reply = served.call(message)
+    assert _accepted(reply) == 1
+    return str(reply["token"])
+
+
+def _results(served: Served, token: str, want: set[str]) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + 60
+    while not want <= set(got):
+        assert time.monotonic() < deadline, f"only {sorted(got)} of {sorted(want)}"
+        reply = served.call({"op": "results", "token": token})
+        assert reply["ok"], reply
+        got.update((r["request_id"], r) for r in reply["results"])
+        time.sleep(0.05)
+    return got
+
+
+def test_results_and_aborts_belong_to_the_client_that_submitted(served: Served) -> None:
+    """Before: ``results`` popped every finished result for whoever asked first (a
+    second router got ``[]``), and anyone could abort any request by id."""
+    router_a = _submit(served, "a-1")
+    assert _submit(served, "a-2", router_a) == router_a  # the same client's requests
+    router_b = _submit(served, "b-1")
+    assert router_b != router_a
+    got_b = _results(served, router_b, {"b-1"})
+    assert set(got_b) == {"b-1"}  # a's results wait for a
+    got_a = _results(served, router_a, {"a-1", "a-2"})
+    assert set(got_a) == {"a-1", "a-2"}
+    assert served.call({"op": "results", "token": router_a})["results"] == []  # each once
+    # b cannot abort a's request; a can (a long one, so that it is still running)
+    long_request = {"request_id": "a-long", "prompt": list(range(1, 40)), "max_tokens": 200}
+    assert _accepted(served.call({"op": "submit", "token": router_a,
+                                  "requests": [long_request]})) == 1
+    reply = served.call({"op": "abort", "request_id": "a-long", "token": router_b})
+    assert _error(reply).startswith("request_id: 'a-long' was submitted by another client")
+    assert served.call({"op": "abort", "request_id": "a-long", "token": router_a}) == {
+        "ok": True, "aborted": True}
+    assert _results(served, router_a, {"a-long"})["a-long"]["state"] == "finished_aborted"
+    # a token this engine did not issue, of the right form, gets nothing
+    forged = router_a[:-1] + ("0" if router_a[-1] != "0" else "1")
+    assert _error(served.call({"op": "results", "token": forged})).startswith(
+        "token: not issued by this engine")
+    served.assert_serving()
+
+
 def test_a_two_frame_message_gets_an_error_reply(served: Served) -> None:
     """Before: recv() took frame 1, the reply raised EFSM and killed serve."""
     reply = served.send_frames([msgpack.packb({"op": "info"}), b"second frame"])
@@ -145,7 +203,7 @@ def test_a_request_bigger_than_the_block_pool_is_refused(served: Served) -> None
     # exactly the pool: accepted and run
     reply = served.call({"op": "submit", "requests": [
         {"request_id": "full", "prompt": [7] * POOL_TOKENS, "max_tokens": 1}]})
-    assert reply == {"ok": True, "accepted": 1}
+    assert _accepted(reply) == 1
     served.assert_serving()
 
 
@@ -166,6 +224,10 @@ def test_error_replies_name_the_field_not_a_raw_exception(served: Served) -> Non
          "requests: duplicate request id 'a'"),
         ({"op": "abort"}, "request_id: "),
         ({"op": "abort", "request_id": ["x"]}, "request_id: "),
+        ({"op": "abort", "request_id": "x"}, "token: expected the 64 hex characters"),
+        ({"op": "results"}, "token: expected the 64 hex characters"),
+        ({"op": "results", "token": "ab" * 32}, "token: not issued by this engine"),
+        ({"op": "submit", "token": "x", "requests": []}, "token: "),
         ({"op": "explode"}, "op: unknown op 'explode'"),
         ({"op": "stats", "extra": 1}, "message.extra: unknown field"),
         ([1, 2], "message: expected a map"),
@@ -182,8 +244,10 @@ def test_error_replies_name_the_field_not_a_raw_exception(served: Served) -> Non
             "producer_port": 1, "producer_request_id": "r", "block_ids": [[0], [1]],
             "producer_topology": {"tp_size": 1}, "num_tokens": 2}}]})
     assert _error(reply).startswith("requests[1]."), reply
-    assert served.call({"op": "abort", "request_id": "first"}) == {"ok": True,
-                                                                    "aborted": False}
+    token = served.call({"op": "submit", "requests": [
+        {"request_id": "other", "prompt": [1, 2], "max_tokens": 1}]})["token"]
+    assert served.call({"op": "abort", "request_id": "first", "token": token}) == {
+        "ok": True, "aborted": False}
     served.assert_serving()
 
 

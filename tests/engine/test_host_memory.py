@@ -77,3 +77,39 @@ def test_shutdown_is_refused_where_the_port_is_not_loopback() -> None:
     assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
     assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.5")
     assert not _is_loopback("host-a.example")
+
+
+def _tree(tmp_path, cgroup: str, files: dict[str, str], available_kib: int = 8 << 20):
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text(f"MemTotal: 99 kB\nMemAvailable: {available_kib} kB\n")
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        path = tmp_path / "sys/fs/cgroup" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path)
+
+
+def test_a_cgroup_limit_below_the_hosts_memory_bounds_what_is_available(tmp_path) -> None:
+    """Before: a container limited to 1 GiB on an 8 GiB host was told 8 GiB were free."""
+    gib = 1 << 30
+    v2 = _tree(tmp_path / "v2", "0::/job\n", {"job/memory.max": str(gib),
+                                               "job/memory.current": str(gib // 4)})
+    assert available_memory_bytes(v2) == gib - gib // 4
+    v1 = _tree(tmp_path / "v1", "4:memory:/box\n3:cpu:/\n",
+               {"memory/box/memory.limit_in_bytes": str(2 * gib),
+                "memory/box/memory.usage_in_bytes": str(gib)})
+    assert available_memory_bytes(v1) == gib
+    unlimited = _tree(tmp_path / "max", "0::/\n", {"memory.max": "max",
+                                                    "memory.current": "5"})
+    assert available_memory_bytes(unlimited) == 8 << 30
+    v1_unlimited = _tree(tmp_path / "v1max", "4:memory:/\n",
+                         {"memory/memory.limit_in_bytes": str(9223372036854771712),
+                          "memory/memory.usage_in_bytes": "5"})
+    assert available_memory_bytes(v1_unlimited) == 8 << 30
+    # the host's MemAvailable stays the bound when it is the smaller
+    small_host = _tree(tmp_path / "small", "0::/job\n", {"job/memory.max": str(64 * gib),
+                                                         "job/memory.current": "0"},
+                       available_kib=1 << 20)
+    assert available_memory_bytes(small_host) == gib
+    assert available_memory_bytes(str(tmp_path / "nothing-here")) > 0  # physical memory

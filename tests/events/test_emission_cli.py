@@ -107,12 +107,12 @@ def test_serve_publishes_its_engine_events(tmp_path: Path) -> None:
         assert ready["control"].endswith(f":{control}")
         with KVEventSubscriber(SubscriberConfig(endpoint, replay, start_seq=0)) as sub:
             sock.connect(f"tcp://127.0.0.1:{control}")
-            call("submit", requests=[r.to_dict() for r in requests])
+            token = call("submit", requests=[r.to_dict() for r in requests])["token"]
             done: list[Any] = []
             deadline = time.monotonic() + 60
             while len(done) < len(requests):
                 assert time.monotonic() < deadline, "requests did not finish"
-                done += call("results")["results"]
+                done += call("results", token=token)["results"]
                 time.sleep(0.05)
             events: list[KVEvent] = []
             expected = sorted(h for r in requests for h in hash_blocks(r.prompt, 16))
@@ -174,12 +174,12 @@ def test_serve_replay_router_stays_bounded_under_unread_requests(tmp_path: Path)
     try:
         _ready_line(proc, 120)
         sock.connect(f"tcp://127.0.0.1:{control}")
-        call("submit", requests=[r.to_dict() for r in requests])
+        token = call("submit", requests=[r.to_dict() for r in requests])["token"]
         done: list[Any] = []
         deadline = time.monotonic() + 120
         while len(done) < len(requests):
             assert time.monotonic() < deadline, "requests did not finish"
-            done += call("results")["results"]
+            done += call("results", token=token)["results"]
             time.sleep(0.05)
         with KVEventSubscriber(SubscriberConfig(endpoint, replay, start_seq=0,
                                                 idle_resync_s=None)) as sub:

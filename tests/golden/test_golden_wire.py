@@ -11,7 +11,9 @@ checks, for each:
 3. re-encoding the decoded value gives the same bytes again.
 
 Formats covered: handshake documents (engine document, one rank's agent
-record, requests and replies), connector metadata (``connectors.metadata_wire``),
+record, requests and replies), NIXL notifications (``connectors.nixl.messages``,
+every kind), the engine control protocol (``engine.control``: submit, results,
+abort, the ops without fields), connector metadata (``connectors.metadata_wire``),
 transfer params (JSON and msgpack of ``to_dict()``), KV events (both event wire
 forms, the live frames, the replay extension), store key strings
 (``layouts.namespaces``) and chained block hashes (``layouts.hashing``).
@@ -23,7 +25,8 @@ every vector file from the current encoders (off by default). A regenerated
 file is a wire-format change: peers on the previous kvbridge version no longer
 read it (or read it differently). Regenerate only together with a version bump
 of that format (``PROTOCOL_VERSION``, ``METADATA_WIRE_VERSION``,
-``TRANSFER_PARAMS_VERSION``, ``NAMESPACE_VERSION``, ``HASH_VERSION``) or a
+``TRANSFER_PARAMS_VERSION``, ``NAMESPACE_VERSION``, ``HASH_VERSION``,
+``NOTIF_VERSION``) or a
 deliberate, compatible addition, and say so in the commit message.
 """
 
@@ -44,6 +47,7 @@ from kvbridge.connectors import ConnectorMetadata, TransferMode, TransferParams
 from kvbridge.connectors.metadata_wire import decode_metadata, encode_metadata
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
 from kvbridge.connectors.multi import MultiMetadata
+from kvbridge.connectors.nixl import messages as notifs
 from kvbridge.connectors.nixl.scheduler import (
     HoldOrder,
     LoadOrder,
@@ -53,6 +57,8 @@ from kvbridge.connectors.nixl.scheduler import (
 )
 from kvbridge.connectors.offloading.scheduler import OffloadMetadata
 from kvbridge.connectors.shared_storage import StorageMetadata
+from kvbridge.engine import control
+from kvbridge.engine.request import RequestSpec
 from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -442,6 +448,57 @@ VECTORS = [
            lambda ks: _pack([k.to_bytes() for k in ks]),
            lambda data: [BlockKey.from_bytes(b) for b in msgpack.unpackb(data)]),
     Vector("block_hash_chain.txt", _hash_chain, _hash_chain_encode, _hash_chain_decode),
+]
+_BY_NAME = {v.name: v for v in VECTORS}
+
+
+# ---------------------------------------------------------------- notifications, control
+
+
+def _notifs() -> list[notifs.Notif]:
+    return [
+        notifs.Hello(b"golden-agent-record"),
+        notifs.ReadDone("req-1", 1, 2),
+        notifs.ReadDone("req-1", 0, 2, read=False),
+        notifs.Ack("req-1", 3, True),
+        notifs.Ack("req-1", 3, False, "lease expired on producer rank 3"),
+        notifs.Heartbeat(("req-1", "req-2")),
+        notifs.Register("req-2", 1, 2, (0, 4), ((7, 8, 9), (10,))),
+        notifs.Register("req-2", 1, 2, (0, 0), ((), ()), cancel=True),
+        notifs.Pushed("req-2", 0, True),
+        notifs.Begin("req-1", 1),
+        notifs.Held("req-1", 3, True, 29.5),
+        notifs.Held("req-1", 3, False, 0.0, "not held (yet)"),
+    ]
+
+
+_TOKEN = "0123456789abcdef" * 4
+_CONTROL_LIMITS = control.ControlLimits.for_pools(1024, [16])
+
+
+def _control() -> list[control.ControlMessage]:
+    params = _params_pull()
+    return [
+        control.Submit((RequestSpec("r-1", (1, 2, 3), max_tokens=2),
+                        RequestSpec("r-2", (5, 6), max_tokens=1, transfer_params=params,
+                                    cache_salt="tenant-a"))),
+        control.Submit((RequestSpec("r-3", (2**63 - 1,), max_tokens=1,
+                                    remote_decode=True),), _TOKEN),
+        control.Results(_TOKEN),
+        control.Abort("r-1", _TOKEN),
+        control.Info(), control.Stats(), control.TransferRecords(),
+        control.ResetPrefixCache(), control.Shutdown(),
+    ]
+
+
+VECTORS += [
+    Vector("nixl_notifications.hex", _notifs,
+           lambda ms: _pack([notifs.encode(m) for m in ms]),
+           lambda data: [notifs.decode(b) for b in msgpack.unpackb(data)]),
+    Vector("control_messages.hex", _control,
+           lambda ms: _pack([control.encode_message(m) for m in ms]),
+           lambda data: [control.decode_frames([b], _CONTROL_LIMITS)
+                         for b in msgpack.unpackb(data)]),
 ]
 _BY_NAME = {v.name: v for v in VECTORS}
 

@@ -19,9 +19,15 @@ def test_probe_prints_every_rank_and_saves_a_document(make_store, serve, capsys,
         "pp0/pcp0/tp0", "pp0/pcp0/tp1", "pp1/pcp0/tp0", "pp1/pcp0/tp1"]
     assert out["rtt_s"] > 0 and "clock_offset_s" in out
     assert decode_engine(saved.read_bytes()).engine_id == "prefill-0"
+    # what each rank exposes to a peer: every block of every layer it advertises
+    for rank, meta in zip(out["engine"]["ranks"], store.snapshot().ranks, strict=True):
+        want = sum(len(r.base_addrs) * r.num_blocks * r.stride for r in meta.regions)
+        assert rank["exposed_bytes"] == want > 0
+        assert (rank["mem_type"], rank["device_id"]) == ("DRAM", 0)
     assert main(["probe", server.address]) == EXIT_OK
     text = capsys.readouterr().out
     assert "round trip" in text and "pp1/pcp0/tp1" in text
+    assert "EXPOSED" in text and " DRAM " in text
 
 
 def test_probe_exit_codes(capsys):

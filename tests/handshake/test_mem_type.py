@@ -57,6 +57,7 @@ def test_engine_document_carries_each_ranks_memory_type() -> None:
     ({"mem_type": "VRAM", "device_id": 1 << 20}, "device_id"),
     ({"mem_type": "VRAM", "device_id": "0"}, "device_id"),
     ({"mem_type": 7}, "mem_type"),
+    ({"mem_type": ""}, "mem_type"),  # before: read as DRAM
     ({"device_id": 2}, "device_id"),  # a device for host memory
 ])
 def test_hostile_memory_type_is_refused_with_its_field(fields: dict[str, object],

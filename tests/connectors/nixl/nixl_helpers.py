@@ -14,8 +14,7 @@ import zmq
 
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode
 from kvbridge.engine.core import EngineConfig
-from kvbridge.engine.harness import connect_control, read_ready_line
-from kvbridge.engine.request import RequestResult, RequestSpec
+from kvbridge.engine.harness import ControlCalls, connect_control, read_ready_line
 from kvbridge.engine.server import config_to_dict
 from kvbridge.layouts import ParallelTopology, load_spec
 
@@ -91,7 +90,7 @@ class EngineHost:
         return self.proc.returncode
 
 
-class HostedEngine:
+class HostedEngine(ControlCalls):
     """One engine of an :class:`EngineHost` (the interface ``tools.demo_nixl.Router`` uses)."""
 
     def __init__(self, host: EngineHost, name: str) -> None:
@@ -101,18 +100,8 @@ class HostedEngine:
         ep = info.get("endpoint") or []
         self.endpoint = (str(ep[0]), int(ep[1])) if ep else None
 
-    def submit(self, specs: list[RequestSpec]) -> None:
-        self.host.call(self.name, "submit", requests=[s.to_dict() for s in specs])
-
-    def results(self) -> list[RequestResult]:
-        return [RequestResult.from_dict(r)
-                for r in self.host.call(self.name, "results")["results"]]
-
-    def stats(self) -> dict[str, Any]:
-        return self.host.call(self.name, "stats")
-
-    def abort(self, request_id: str) -> bool:
-        return bool(self.host.call(self.name, "abort", request_id=request_id)["aborted"])
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        return self.host.call(self.name, op, **fields)
 
     def close(self, timeout_s: float = 15.0) -> int | None:
         return None

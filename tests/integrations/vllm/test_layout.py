@@ -110,10 +110,18 @@ def test_connector_asks_vllm_for_hnd_except_for_mla_and_piecewise_only_for_push(
 
     connector = require("kvbridge.integrations.vllm.connector")
     cls = connector.KVBridgeNixlConnector
-    dense = SimpleNamespace(model_config=SimpleNamespace(use_mla=False))
-    mla = SimpleNamespace(model_config=SimpleNamespace(use_mla=True))
-    assert cls.get_required_kvcache_layout(dense) == "LBHNC"
-    assert cls.get_required_kvcache_layout(mla) is None
+    def config(use_mla: bool, block_size: int = 16) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(use_mla=use_mla),
+                               cache_config=SimpleNamespace(block_size=block_size))
+
+    for block in (16, 32, 64, 8):
+        assert cls.get_required_kvcache_layout(config(False, block)) == "LBHNC"
+    # a block size some GPU backend splits into kernel blocks: LBNHC, which kvbridge
+    # regroups at any split (LBHNC with several heads it would refuse at start-up)
+    for block in (128, 48, 256):
+        assert cls.get_required_kvcache_layout(config(False, block)) == "LBNHC"
+    assert cls.get_required_kvcache_layout(config(True)) is None
+    assert cls.get_required_kvcache_layout(config(True, 128)) is None
     assert cls.requires_piecewise_for_cudagraph({"mode": "push"})
     assert not cls.requires_piecewise_for_cudagraph({"mode": "pull"})
     assert not cls.requires_piecewise_for_cudagraph({})
