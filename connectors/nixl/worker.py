@@ -743,10 +743,11 @@ class NixlWorker(WorkerConnector):
             self._fail(recv, "cancelled before registration", now)
             return
         assert self.transport is not None
-        msg = messages.encode(messages.Register(
-            recv.params.producer_request_id, self.rank_index, 1, recv.start,
-            recv.consumer_block_ids, cancel=True))
         for p in session.targets:
+            # the count of notifying ranks the producer rank computes too (else refused)
+            msg = messages.encode(messages.Register(
+                recv.params.producer_request_id, self.rank_index, session.expected[p],
+                recv.start, recv.consumer_block_ids, cancel=True))
             try:
                 self.transport.send_notif(session.peers[p], msg)
             except NixlTransportError as exc:

@@ -41,6 +41,7 @@ class EngineHost:
         self.context = zmq.Context()
         self.call_timeout_s = call_timeout_s
         self.sock: zmq.Socket[bytes] | None = None
+        self._clients: dict[str, HostedEngine] = {}
         try:
             ready = read_ready_line(self.proc, start_timeout_s, "engine host")
             self.port = int(ready["port"])
@@ -70,7 +71,12 @@ class EngineHost:
         return dict(reply)
 
     def engine(self, name: str) -> HostedEngine:
-        return HostedEngine(self, name)
+        """The client of one hosted engine: one per name, so that every caller shares
+        its control token (results go to the client that submitted)."""
+        client = self._clients.get(name)
+        if client is None:
+            client = self._clients[name] = HostedEngine(self, name)
+        return client
 
     def close(self) -> int | None:
         if self.sock is not None and self.proc.poll() is None:
