@@ -44,4 +44,8 @@ def cases() -> tuple[ConformanceCase, ...]:
         ConformanceCase("nixl-push-hybrid-tp2-tp1", CaseKind.PD, _setup(TransferMode.PUSH),
                         model="tiny-hybrid", producer_topology=ParallelTopology(tp_size=2),
                         mode=TransferMode.PUSH, backends=("nixl_cu12",), num_blocks=64),
+        # two consumer ranks notify the one producer rank: every count they send is 2
+        ConformanceCase("nixl-push-gqa-tp1-tp2", CaseKind.PD, _setup(TransferMode.PUSH),
+                        model="tiny-gqa", consumer_topology=ParallelTopology(tp_size=2),
+                        mode=TransferMode.PUSH, backends=("nixl_cu12",), num_blocks=64),
     )
