@@ -133,9 +133,15 @@ def test_sighup_stops_serve_cleanly() -> None:
     """Before: SIGHUP (the terminal closed) killed serve with the default action."""
     require("nixl_cu12", "NIXL (nixl-cu12)")
     control = free_port()
+    def terminal_child() -> None:
+        # as from a terminal: SIGHUP not ignored, even when this test runs under nohup
+        # (serve keeps an inherited SIG_IGN by design: the nohup test below)
+        _limit_memory()
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
     proc = subprocess.Popen([*CLI, "serve", "--port", str(free_port()), "--control-port",
                              str(control), "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_limit_memory)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=terminal_child)
     try:
         assert ready_line(proc)["control"] == f"127.0.0.1:{control}"
         proc.send_signal(signal.SIGHUP)
