@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -161,6 +162,7 @@ class VllmServer:
         self._python = python or vllm_python()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
+        self._rpc_dir: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -175,8 +177,14 @@ class VllmServer:
             raise HarnessError(f"{self.spec.name}: already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        env = self.spec.environ()
+        if "VLLM_RPC_BASE_PATH" not in self.spec.env:
+            # vLLM's ZMQ ipc sockets (one file per socket, /tmp by default) are not
+            # removed when the server is stopped: give each server a directory of its
+            # own (short: a socket path has at most 107 bytes), removed in stop()
+            self._rpc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="kvb-vllm-")
         self._proc = subprocess.Popen(
-            self.spec.argv(self._python), env=self.spec.environ(), stdin=subprocess.DEVNULL,
+            self.spec.argv(self._python), env=env, stdin=subprocess.DEVNULL,
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         logger.info("started %s (pid %d, port %d)", self.spec.name, self._proc.pid,
@@ -230,6 +238,9 @@ class VllmServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
     # -- HTTP -----------------------------------------------------------------
 
