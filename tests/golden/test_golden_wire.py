@@ -16,7 +16,8 @@ every kind), the engine control protocol (``engine.control``: submit, results,
 abort, the ops without fields), connector metadata (``connectors.metadata_wire``),
 transfer params (JSON and msgpack of ``to_dict()``), KV events (both event wire
 forms, the live frames, the replay extension), store key strings
-(``layouts.namespaces``) and chained block hashes (``layouts.hashing``).
+(``layouts.namespaces``) and chained block hashes (``layouts.hashing``). Block digests
+(``layouts.digests``) have their own vectors, checked by ``tests/layouts/test_digests.py``.
 
 Regenerating (deliberately)
 ---------------------------
