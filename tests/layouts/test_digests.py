@@ -65,9 +65,9 @@ def test_digests_match_the_golden_vectors() -> None:
 
 
 def test_digests_are_the_same_in_another_process_with_another_hash_seed() -> None:
-    code = ("import sys; sys.path.insert(0, %r); import test_digests as t; "
-            "sys.stdout.write(t.render(t.digester(t.reference_layers())))"
-            % str(Path(__file__).parent))
+    here = str(Path(__file__).parent)
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_digests as t; "
+            "sys.stdout.write(t.render(t.digester(t.reference_layers())))")
     for seed in ("0", "12345"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**os.environ, "PYTHONHASHSEED": seed}, timeout=120, check=True)
