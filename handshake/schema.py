@@ -88,6 +88,7 @@ MAX_NUM_BLOCKS = (1 << 31) - 1
 #: NIXL memory types a rank's KV may be in (host memory, pinned or not; CUDA memory)
 MEM_TYPES = ("DRAM", "VRAM")
 MAX_DEVICE_ID = 1 << 16
+MAX_DIGEST_ALGORITHMS = 8
 MAX_BLOCK_BYTES = 1 << 40
 U64_MAX = (1 << 64) - 1
 
@@ -553,12 +554,15 @@ class AgentMetadata:
     # where the rank's KV lives: a peer prepares this rank's descriptors with it
     mem_type: str = "DRAM"  # one of MEM_TYPES
     device_id: int = 0  # CUDA device of VRAM (0 for DRAM)
+    #: block digest algorithms this rank computes for a consumer that asks (issue 18;
+    #: ``layouts.digests``), preferred first; empty: none (an older kvbridge, GPU memory)
+    digests: tuple[str, ...] = ()
 
     @classmethod
     def build(cls, engine_id: str, agent_name: str, agent_blob: bytes, spec: KVCacheSpec,
               topology: ParallelTopology, layer_addrs: Mapping[int, int],
               num_blocks: int, block_strides: Sequence[int] = (), mem_type: str = "DRAM",
-              device_id: int = 0) -> AgentMetadata:
+              device_id: int = 0, digests: Sequence[str] = ()) -> AgentMetadata:
         """Metadata of one rank from its layer tensors' addresses, checked.
 
         ``layer_addrs`` maps every layer id on this rank's stage to the data
@@ -583,7 +587,7 @@ class AgentMetadata:
                 shape.region.memory_order, shape.region.block_size,
                 _stride_field(block_strides, len(regions), shape.block_bytes_per_layer)))
         meta = cls(engine_id, agent_name, agent_blob, topology, tuple(regions), spec,
-                   mem_type=mem_type, device_id=device_id)
+                   mem_type=mem_type, device_id=device_id, digests=tuple(digests))
         check_agent(meta)
         return meta
 
@@ -645,6 +649,11 @@ def check_agent(meta: AgentMetadata) -> None:
         raise HandshakeError("mem_type", f"expected one of {list(MEM_TYPES)}, got "
                                          f"{_short(meta.mem_type)}")
     _check_int(meta.device_id, "device_id", 0, MAX_DEVICE_ID if meta.mem_type == "VRAM" else 0)
+    if len(meta.digests) > MAX_DIGEST_ALGORITHMS:
+        raise HandshakeError("digests", f"{len(meta.digests)} algorithms exceed the limit of "
+                                        f"{MAX_DIGEST_ALGORITHMS}")
+    for i, name in enumerate(meta.digests):
+        _check_str(name, f"digests[{i}]", 32, False)
     try:
         meta.spec.validate_topology(meta.topology)
         shapes = meta.spec.rank_shapes(meta.topology)
@@ -718,6 +727,8 @@ def _agent_to_map(meta: AgentMetadata, include_spec: bool) -> dict[str, Any]:
     }
     if meta.mem_type != "DRAM":  # memory type (issue 15); absent = DRAM, as before it existed
         out["mem_type"], out["device_id"] = meta.mem_type, meta.device_id
+    if meta.digests:  # absent = none, as before digests existed
+        out["digests"] = list(meta.digests)
     if include_spec:
         out["spec"] = meta.spec.to_dict()
     return out
@@ -760,7 +771,7 @@ def _topology_from(obj: object, path: str) -> ParallelTopology:
 def _agent_from_map(obj: object, path: str, spec: KVCacheSpec | None) -> AgentMetadata:
     keys = ("engine_id", "agent_name", "agent_blob", "topology", "regions", "generation")
     r = _Reader(obj, path, keys + (("spec",) if spec is None else ()),
-                optional=("mem_type", "device_id"))
+                optional=("mem_type", "device_id", "digests"))
     if spec is None:
         spec = _spec_from(r.raw("spec"), r.where("spec"))
     regions = tuple(RegionMemory.from_map(item, r.where(f"regions[{i}]"))
@@ -771,7 +782,10 @@ def _agent_from_map(obj: object, path: str, spec: KVCacheSpec | None) -> AgentMe
         topology=_topology_from(r.raw("topology"), r.where("topology")),
         regions=regions, spec=spec, generation=r.get_int("generation"),
         mem_type=_mem_type_or_dram(r.opt_str("mem_type", 8)),
-        device_id=r.opt_int("device_id", 0, MAX_DEVICE_ID) or 0)
+        device_id=r.opt_int("device_id", 0, MAX_DEVICE_ID) or 0,
+        digests=tuple(_check_str(name, r.where(f"digests[{i}]"), 32, False) for i, name in
+                      enumerate(r.get_list("digests", MAX_DIGEST_ALGORITHMS, 0)
+                                if r.has("digests") else ())))
     try:
         check_agent(meta)
     except HandshakeError as exc:
@@ -845,6 +859,7 @@ class EngineMetadata:
                 "agent_blob_bytes": len(m.agent_blob),
                 "agent_blob_sha256": hashlib.sha256(m.agent_blob).hexdigest()[:16],
                 "mem_type": m.mem_type, "device_id": m.device_id,
+                "digests": list(m.digests),
                 "exposed_bytes": m.exposed_bytes(),
                 "regions": [{**r.to_map(), "base_addrs": [hex(a) for a in r.base_addrs]}
                             for r in m.regions],

@@ -16,14 +16,19 @@ Kinds (``C`` = consumer rank, ``P`` = producer rank):
 * ``begin`` C->P (pull): sent just before a READ is posted: "confirm the
   hold and keep it ``lease_s`` more". The answer lets the consumer finish the
   request as soon as the READ is done, without waiting for the ``ack`` of its
-  ``read`` (see ``held``).
+  ``read`` (see ``held``). Optional ``dig``/``alg``: the producer block ids,
+  per region, whose digests (``layouts.digests``, algorithm ``alg``) the
+  consumer asks for; sent only to a producer whose handshake advertised ``alg``.
 * ``held`` P->C (pull): the answer to ``begin``. ``ok=True`` promises that the
   blocks stay held (not freed, not reused) for at least ``lease_s`` seconds
   after the producer got the ``begin``, whatever else happens short of the
   producer process dying; so a READ the consumer saw complete within
   ``lease_s`` of *sending* the ``begin`` read good bytes. ``ok=False`` (lease
   expired, not held yet, unknown) promises nothing: the consumer waits for the
-  ``ack`` of its ``read``, which decides.
+  ``ack`` of its ``read``, which decides. Optional ``dig``/``alg``: the
+  digests asked for in the ``begin``, per region in the order asked, packed
+  (8 bytes each); absent when the producer could not take them (not held, a
+  block id it does not hold), which the consumer counts as unverified.
 * ``ack`` P->C: the producer's verdict on one ``read`` or ``register``:
   ``ok=False`` means the lease had expired or the request is unknown, so the
   bytes read may be stale and the consumer must fail the request closed.
@@ -31,7 +36,9 @@ Kinds (``C`` = consumer rank, ``P`` = producer rank):
 * ``register`` C->P (push): the consumer's block ids to write into, from
   block index ``start[r]`` of each region on.
 * ``pushed`` P->C (push): every write of this producer rank for the request is
-  done (``ok``), or it will not come (``ok=False``).
+  done (``ok``), or it will not come (``ok=False``). Optional ``dig``/``alg``:
+  when the ``register`` named a digest algorithm (``alg``), the digests of the
+  producer blocks written, per region, one for each registered block in order.
 
 Who may send what (checked by the worker, not here): a producer acts on the
 C->P kinds only from an agent that said ``hello``, naming that hello's rank
@@ -107,6 +114,7 @@ class Register:
     start: tuple[int, ...]  # first block index per region
     block_ids: tuple[tuple[int, ...], ...]  # consumer block ids from ``start`` on, per region
     cancel: bool = False  # the consumer will not take the KV (prefix hit, abort)
+    algorithm: str = ""  # ask for digests of the written blocks in ``pushed`` (issue 18)
 
 
 @dataclass(frozen=True)
@@ -115,12 +123,18 @@ class Pushed:
     producer_rank: int
     ok: bool
     reason: str = ""
+    #: packed digests per region of every block written, in registered order (issue 18)
+    digests: tuple[bytes, ...] = ()
+    algorithm: str = ""
 
 
 @dataclass(frozen=True)
 class Begin:
     request_id: str  # the producer's request id
     consumer_rank: int
+    #: producer block ids per region whose digests the consumer asks for (empty: none)
+    digest_ids: tuple[tuple[int, ...], ...] = ()
+    algorithm: str = ""  # the digest algorithm asked for (with ``digest_ids``)
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,9 @@ class Held:
     ok: bool
     lease_s: float  # ok: held at least this long after the producer got the ``begin``
     reason: str = ""
+    #: packed digests per region, in the order the ``begin`` asked (empty: none taken)
+    digests: tuple[bytes, ...] = ()
+    algorithm: str = ""
 
 
 Notif = Hello | ReadDone | Ack | Heartbeat | Register | Pushed | Begin | Held
@@ -151,19 +168,35 @@ def encode(msg: Notif) -> bytes:
         body = {"t": NotifKind.REGISTER.value, "rid": msg.request_id, "cr": msg.consumer_rank,
                 "n": msg.expected, "start": list(msg.start),
                 "ids": [list(g) for g in msg.block_ids], "cancel": msg.cancel}
+        if msg.algorithm:
+            body["alg"] = msg.algorithm
     elif isinstance(msg, Pushed):
         body = {"t": NotifKind.PUSHED.value, "rid": msg.request_id, "pr": msg.producer_rank,
                 "ok": msg.ok, "why": msg.reason}
+        if msg.digests:
+            body["dig"] = [bytes(d) for d in msg.digests]
+            body["alg"] = msg.algorithm
     elif isinstance(msg, Begin):
         body = {"t": NotifKind.BEGIN.value, "rid": msg.request_id, "cr": msg.consumer_rank}
+        if msg.digest_ids:  # absent unless asked: a producer before digests reads it as ever
+            body["dig"] = [list(g) for g in msg.digest_ids]
+            body["alg"] = msg.algorithm
     elif isinstance(msg, Held):
         body = {"t": NotifKind.HELD.value, "rid": msg.request_id, "pr": msg.producer_rank,
                 "ok": msg.ok, "for": float(msg.lease_s), "why": msg.reason}
+        if msg.digests:
+            body["dig"] = [bytes(d) for d in msg.digests]
+            body["alg"] = msg.algorithm
     else:  # pragma: no cover - the union is closed
         raise TypeError(f"not a notification: {msg!r}")
     body["v"] = NOTIF_VERSION
     return msgpack.packb(body, use_bin_type=True)
 
+
+#: keys a kind may carry besides its own (digests, issue 18): both or neither
+_OPTIONAL = {NotifKind.BEGIN: {"dig", "alg"}, NotifKind.HELD: {"dig", "alg"},
+             NotifKind.PUSHED: {"dig", "alg"}, NotifKind.REGISTER: {"alg"}}
+MAX_REGIONS = 64
 
 _KEYS = {
     NotifKind.HELLO: {"agent"},
@@ -215,6 +248,17 @@ def _int_list(value: object, field: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _digest_lists(obj: dict[str, Any]) -> tuple[tuple[bytes, ...], str]:
+    """The optional ``dig``/``alg`` of an answer: packed digests per region."""
+    if "dig" not in obj:
+        return (), ""
+    packed = obj["dig"]
+    if not isinstance(packed, list) or not 0 < len(packed) <= MAX_REGIONS or any(
+            not isinstance(d, bytes) or len(d) % 8 for d in packed):
+        raise NotifError("dig", f"expected 1..{MAX_REGIONS} byte strings of 8-byte digests")
+    return tuple(packed), _str(obj, "alg")
+
+
 def decode(data: bytes) -> Notif:
     """Parse one notification; raises :class:`NotifError` naming the field."""
     if len(data) > MAX_NOTIF_BYTES:
@@ -232,9 +276,10 @@ def decode(data: bytes) -> Notif:
     except ValueError:
         raise NotifError("t", f"unknown kind {obj.get('t')!r}") from None
     keys = set(obj) - {"v", "t"}
-    if keys != _KEYS[kind]:
-        missing = sorted(_KEYS[kind] - keys)
-        extra = sorted(keys - _KEYS[kind])
+    optional = _OPTIONAL.get(kind, set())
+    if keys - optional != _KEYS[kind] or 0 < len(keys & optional) < len(optional):
+        missing = sorted((_KEYS[kind] | (optional if keys & optional else set())) - keys)
+        extra = sorted(keys - _KEYS[kind] - optional)
         name = (missing or extra)[0]
         raise NotifError(name, "missing" if missing else f"unknown key for kind {kind.value}")
     if kind is NotifKind.HELLO:
@@ -249,12 +294,20 @@ def decode(data: bytes) -> Notif:
                    _str(obj, "why", allow_empty=True))
     if kind is NotifKind.PUSHED:
         return Pushed(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"),
-                      _str(obj, "why", allow_empty=True))
+                      _str(obj, "why", allow_empty=True), *_digest_lists(obj))
     if kind is NotifKind.BEGIN:
-        return Begin(_str(obj, "rid"), _int(obj, "cr"))
+        ids: tuple[tuple[int, ...], ...] = ()
+        if "dig" in obj:
+            groups = obj["dig"]
+            if not isinstance(groups, list) or not 0 < len(groups) <= MAX_REGIONS:
+                raise NotifError("dig", f"expected 1..{MAX_REGIONS} block-id lists")
+            ids = tuple(_int_list(g, f"dig[{i}]") for i, g in enumerate(groups))
+            if sum(len(g) for g in ids) > MAX_IDS:
+                raise NotifError("dig", f"more than {MAX_IDS} block ids")
+        return Begin(_str(obj, "rid"), _int(obj, "cr"), ids, _str(obj, "alg") if ids else "")
     if kind is NotifKind.HELD:
         held = Held(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"), _seconds(obj, "for"),
-                    _str(obj, "why", allow_empty=True))
+                    _str(obj, "why", allow_empty=True), *_digest_lists(obj))
         if held.ok and held.lease_s <= 0:
             raise NotifError("for", "an ok answer must promise a positive time")
         return held
@@ -272,4 +325,4 @@ def decode(data: bytes) -> Notif:
         raise NotifError("ids", f"expected {len(start)} block-id lists (one per region)")
     ids = tuple(_int_list(g, f"ids[{i}]") for i, g in enumerate(groups))
     return Register(_str(obj, "rid"), _int(obj, "cr"), _int(obj, "n", 1), start, ids,
-                    _bool(obj, "cancel"))
+                    _bool(obj, "cancel"), _str(obj, "alg") if "alg" in obj else "")

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
+from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class NixlSettings:
     under a lease, loads, pushes); a producer answers a consumer's ``begin`` and
     acks its read within about this much (one idle progress costs ~7 us, so
     0.2 ms is ~4% of a core).
+    ``verify``: how a pull consumer checks the blocks it read against the
+    producer's digests (``layouts.digests``): ``full`` (default), ``sample``
+    (``verify_sample`` of each request's blocks, chosen deterministically) or
+    ``off``. ``allow_unverified``: a load that cannot be checked (a producer
+    that offers no digests, head slices at heterogeneous TP) is still served,
+    counted as ``blocks_unverified``; False fails it instead.
     """
 
     mode: TransferMode = TransferMode.PULL
@@ -45,6 +52,13 @@ class NixlSettings:
     revalidate_s: float = 5.0
     idle_progress_ms: float = 5.0
     busy_progress_ms: float = 0.2
+    verify: DigestMode = DigestMode.FULL
+    verify_sample: float = 0.125
+    allow_unverified: bool = True
+
+    @property
+    def verify_policy(self) -> VerifyPolicy:
+        return VerifyPolicy(self.verify, self.verify_sample, self.allow_unverified)
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -70,6 +84,21 @@ class NixlSettings:
                     values[key] = TransferMode(value)
                 except ValueError:
                     raise ConfigError(where, f"expected 'pull' or 'push', got {value!r}") from None
+            elif key == "verify":
+                try:
+                    values[key] = DigestMode(value)
+                except ValueError:
+                    raise ConfigError(where, f"expected one of {[m.value for m in DigestMode]}, "
+                                             f"got {value!r}") from None
+            elif key == "verify_sample":
+                if (not isinstance(value, int | float) or isinstance(value, bool)
+                        or not 0 < value <= 1):
+                    raise ConfigError(where, f"expected a fraction in (0, 1], got {value!r}")
+                values[key] = float(value)
+            elif key == "allow_unverified":
+                if not isinstance(value, bool):
+                    raise ConfigError(where, f"expected true or false, got {value!r}")
+                values[key] = value
             elif key in ("host", "advertise_host"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ConfigError(where, f"expected a host name or address, got {value!r}")

@@ -10,6 +10,9 @@ states", and a test can drive the machine without NIXL::
     WAITING       --(every expected ack / "pushed" is ok)----> DONE
     WAITING       --(pull: each READ without an ack yet ended
                      within its producer's ``held`` promise)--> DONE
+    (pull, verifying: DONE also waits for the ``held`` answer carrying the
+    digests asked of each producer rank; the worker then checks the blocks
+    and may turn DONE into FAILED: :meth:`RecvTransfer.corrupt`)
     any non-terminal --(error, ack not ok, deadline)---------> FAILED
 
 Invariants: DONE and FAILED are terminal and reached once; a FAILED request
@@ -23,6 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvbridge.connectors.nixl.verify import DigestAsk
 from kvbridge.connectors.params import TransferParams
 
 
@@ -74,6 +78,11 @@ class RecvTransfer:
     num_descs: int = 0
     num_runs: int = 0  # contiguous runs NIXL posts after merging (<= num_descs)
     counted_active: bool = False  # counted in its session's ``active`` (set by the worker)
+    #: pull, verifying: producer rank -> the digests asked of it in the ``begin``
+    digest_asks: dict[int, DigestAsk] = field(default_factory=dict)
+    #: producer rank -> its ``held`` answer's packed digests (None: it sent none)
+    digests: dict[int, tuple[bytes, ...] | None] = field(default_factory=dict)
+    unverified: int = 0  # blocks of this load that are not checked (counted, see verify)
 
     @property
     def local_blocks(self) -> frozenset[tuple[int, int]]:
@@ -95,6 +104,13 @@ class RecvTransfer:
         self.error = reason
         self.finished_at = now
         return True
+
+    def corrupt(self, reason: str) -> None:
+        """DONE -> FAILED: the bytes landed but some failed their digest check."""
+        if self.state is not RecvState.DONE:
+            raise RuntimeError(f"request {self.request_id}: corrupt() in state {self.state.value}")
+        self.state = RecvState.FAILED
+        self.error = reason
 
     def posted(self, expected_from: frozenset[int], transfers: list[object], pull: bool) -> None:
         """Pull: READs posted (TRANSFERRING). Push: block ids registered (WAITING)."""
@@ -137,7 +153,7 @@ class RecvTransfer:
         """Advance on time alone: complete when every answer is in, fail past the deadline."""
         if self.state.terminal:
             return self.state
-        if self.state is RecvState.WAITING:
+        if self.state is RecvState.WAITING and self.digest_asks.keys() <= self.digests.keys():
             missing = self.expected_from - self.answered
             if not missing or all(self._covered(p) for p in missing):
                 self.state = RecvState.DONE

@@ -86,6 +86,14 @@ from kvbridge.connectors.nixl.session import (
 )
 from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
+from kvbridge.connectors.nixl.verify import (
+    DigestAsk,
+    answer_ask,
+    check_answer,
+    plan_ask,
+    take_hold_digests,
+    whole_block_regions,
+)
 from kvbridge.connectors.params import TransferMode, TransferParams
 from kvbridge.handshake import (
     AgentMetadata,
@@ -96,6 +104,7 @@ from kvbridge.handshake import (
 )
 from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import LayerMemory, LayoutError, ParallelTopology
+from kvbridge.layouts.digests import ALGORITHM, BlockDigester, LayerSpan
 from kvbridge.layouts.plan import plan_consumer_rank, plan_transfer, rank_index
 
 logger = logging.getLogger(__name__)
@@ -229,6 +238,8 @@ class _PushJob:
     fenced: list[tuple[Fence, frozenset[int]]] = field(default_factory=list)
     targets: dict[int, _PushTarget] = field(default_factory=dict)
     started_at: float = 0.0
+    #: block id -> digest per region, taken once every layer is final (issue 18)
+    digests: tuple[dict[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -318,6 +329,10 @@ class NixlWorker(WorkerConnector):
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
             "peer_restarts": 0, "requests_refused": 0, "handshakes_abandoned": 0,
             "notifs_rejected": 0,
+            # verified KV (issue 18): blocks checked against the producer's digests, found
+            # different (each a failed load of that block), and loaded without a check
+            "blocks_verified": 0, "digest_mismatches": 0, "blocks_unverified": 0,
+            "loads_corrupt": 0, "digests_served": 0,
         }
         #: producer: notifications of agents that have not said hello, (received at, msg)
         self._deferred: dict[str, list[tuple[float, messages.Notif]]] = {}
@@ -336,6 +351,16 @@ class NixlWorker(WorkerConnector):
         #: consumer: loads finished on the producers' ``held`` promises before their acks
         #: came, (producer engine id, producer request id) -> (request id, forget at)
         self._done_on_promise: dict[tuple[str, str], tuple[str, float]] = {}
+        #: digests of this rank's blocks in host memory (None: GPU memory, not taken here)
+        self._digester: BlockDigester | None = None
+        #: producer: block id -> digest per region of each request held (taken when the
+        #: hold starts), to answer the digest asks of consumers
+        self._hold_digests: dict[str, tuple[dict[int, int], ...]] = {}
+        self._unverified_logged: set[str] = set()  # reasons logged once
+        #: producer: digest-asking ``begin``s that came before the hold started (the
+        #: router can be faster than the next step), answered when it starts or after
+        #: ``early_grace_s``; bounded like early registrations
+        self._early_begins: dict[str, list[tuple[float, str, messages.Begin]]] = {}
 
     # ------------------------------------------------------------------ registration
 
@@ -367,10 +392,18 @@ class NixlWorker(WorkerConnector):
                                           name=f"kvb-nixl-pump-r{self.rank_index}")
             self._pump.start()
         mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
+        if mem_type == "DRAM" and self.settings.verify_policy.enabled:
+            spans = {layer: LayerSpan(mem.base_addr, mem.block_stride,
+                                      caches.shapes[caches.region_index_of_layer(layer)]
+                                      .block_bytes_per_layer, mem.num_blocks)
+                     for layer, mem in self.memory.items()}
+            self._digester = BlockDigester(spans, [s.layer_ids for s in caches.shapes],
+                                           owner=tensors)
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
                                    max(num_blocks) if num_blocks else 0, strides,
-                                   mem_type=mem_type, device_id=device_id)
+                                   mem_type=mem_type, device_id=device_id,
+                                   digests=(ALGORITHM,) if self._digester is not None else ())
         self._agent_doc = encode_agent(meta)
 
     def get_handshake_metadata(self) -> bytes | None:
@@ -388,8 +421,12 @@ class NixlWorker(WorkerConnector):
                 self._push_jobs.setdefault(hold.request_id, _PushJob(hold.request_id,
                                                                      hold.block_ids,
                                                                      started_at=now))
+            if not hold.push:
+                self._take_hold_digests(hold.request_id, hold.block_ids)
             for verdict in self._leases.hold(hold.request_id, now):
                 self._answer(verdict)
+            for _at, sender, begin in self._early_begins.pop(hold.request_id, []):
+                self._on_consumer_notif(sender, begin, now)
         for order in meta.loads:
             self._start_load(order, now)
             if self._fault_next_loads:
@@ -485,6 +522,7 @@ class NixlWorker(WorkerConnector):
         for rid in completed + expired:
             done_sending.add(rid)
             self._drop_push_job(rid)
+            self._hold_digests.pop(rid, None)
         self._counters["finished_sending"] += len(done_sending)
         done_recving, self._done_recving = self._done_recving, set()
         # failures reported with *these* finished ids only: the pump may fail more
@@ -693,9 +731,9 @@ class NixlWorker(WorkerConnector):
                     # ``begin`` first: its ``held`` answer (while the READ runs) lets the
                     # load finish when the READ is done, not one ack round trip later;
                     # the time is taken before sending, so the promise is conservative
+                    begin = self._begin_for(recv, session, p)
                     recv.begun_at[p] = time.monotonic()
-                    self.transport.send_notif(peer, messages.encode(
-                        messages.Begin(rid, self.rank_index)))
+                    self.transport.send_notif(peer, messages.encode(begin))
                     xfer = self.transport.post(XferOp.READ, local.dlist, lidx,
                                                session.remote_lists[p], ridx, b"",
                                                deadline_s=max(0.001, recv.deadline - now))
@@ -710,8 +748,11 @@ class NixlWorker(WorkerConnector):
                     recv.num_runs += runs
             else:
                 for p in session.targets:
+                    ask = self._ask_for(recv, session, p) \
+                        if p in session.rank_plan.sources else None
                     reg = messages.Register(rid, self.rank_index, session.expected[p],
-                                            recv.start, recv.consumer_block_ids)
+                                            recv.start, recv.consumer_block_ids,
+                                            algorithm=ALGORITHM if ask else "")
                     self.transport.send_notif(session.peers[p], messages.encode(reg))
         except Exception as exc:
             self._fail(recv, f"posting failed: {exc}", now)
@@ -776,7 +817,17 @@ class NixlWorker(WorkerConnector):
                     self._drop_session(self._session_key(recv.params), now,
                                        reason=f"request {recv.request_id} timed out")
             elif state is RecvState.DONE:
-                self._complete(recv)
+                bad = self._verify(recv)
+                if bad:
+                    shown = ", ".join(f"region {r} block {b}" for r, b in sorted(bad)[:8])
+                    recv.corrupt(f"digest mismatch in {len(bad)} of {recv.num_blocks} blocks "
+                                 f"({shown}{', ...' if len(bad) > 8 else ''}; the digest "
+                                 f"covers every layer of a block)")
+                    self._counters["loads_corrupt"] += 1
+                    self._fail(recv, recv.error or "digest mismatch", now,
+                               tell_producer=False, blocks=frozenset(bad))
+                else:
+                    self._complete(recv)
 
     def _poll_reads(self, recv: RecvTransfer, now: float) -> None:
         """Advance a pull load's READs: tell each producer rank its READ is done (the
@@ -829,12 +880,15 @@ class NixlWorker(WorkerConnector):
         self._uncount(recv)
 
     def _fail(self, recv: RecvTransfer, reason: str, now: float, *,
-              tell_producer: bool = True) -> None:
+              tell_producer: bool = True,
+              blocks: frozenset[tuple[int, int]] | None = None) -> None:
         """Finish ``recv`` as failed: exact local blocks as load errors, one log line.
 
         ``tell_producer``: queue a release for the producer (it holds the blocks
         under a lease; without a word it would wait for the lease to run out).
-        False when the failure *is* the producer's answer."""
+        False when the failure *is* the producer's answer (or the READs are done
+        and the producer was told). ``blocks``: the local blocks that failed
+        (default: every block of the load), e.g. those whose digests differ."""
         recv.fail(reason, now)
         if recv.request_id not in self._recv:
             return
@@ -844,7 +898,7 @@ class NixlWorker(WorkerConnector):
         self._unindex(recv)
         self._done_recving.add(recv.request_id)
         self._failed_recving.add(recv.request_id)
-        self._load_errors |= recv.local_blocks
+        self._load_errors |= recv.local_blocks if blocks is None else blocks
         self._counters["loads_failed"] += 1
         self._record(TransferRecord(recv.request_id, False, recv.nbytes, recv.num_descs,
                                     now - recv.started_at, recv.started_at, recv.num_runs))
@@ -1049,9 +1103,21 @@ class NixlWorker(WorkerConnector):
         elif isinstance(msg, messages.Register):
             self._on_register(sender, msg, now)
         elif isinstance(msg, messages.Begin):
+            if (msg.digest_ids and self._digester is not None
+                    and not self._leases.is_held(msg.request_id)
+                    and self._leases.ended(msg.request_id) is None
+                    and sum(len(v) for v in self._early_begins.values()) < MAX_EARLY_REGISTERS):
+                # not held yet: answer with the digests once the hold starts
+                self._early_begins.setdefault(msg.request_id, []).append((now, sender, msg))
+                return
             lease_s, reason = self._leases.guarantee(msg.request_id, now)
+            digests: tuple[bytes, ...] = ()
+            if msg.digest_ids and lease_s is not None:
+                digests, why = self._digests_for(msg)
+                reason = reason or why
             self._send_to(sender, messages.Held(msg.request_id, self.rank_index,
-                                                lease_s is not None, lease_s or 0.0, reason))
+                                                lease_s is not None, lease_s or 0.0, reason,
+                                                digests, ALGORITHM if digests else ""))
 
     def _expected_from(self, consumer: _ConsumerPeer) -> int:
         """How many ranks of ``consumer``'s engine notify this producer rank per request."""
@@ -1076,6 +1142,12 @@ class NixlWorker(WorkerConnector):
         waiting.append((now, msg))
 
     def _expire_deferred(self, now: float) -> None:
+        for rid, begins in list(self._early_begins.items()):
+            if now - begins[0][0] >= self.settings.early_grace_s:
+                del self._early_begins[rid]
+                for _at, sender, _begin in begins:  # no promise, no digests: the ack decides
+                    self._send_to(sender, messages.Held(rid, self.rank_index, False, 0.0,
+                                                        "not held (yet)"))
         for agent, answers in list(self._pending_acks.items()):
             if now - answers[0][0] >= self.settings.lease_s:  # no hello again: it is gone
                 del self._pending_acks[agent]
@@ -1210,6 +1282,8 @@ class NixlWorker(WorkerConnector):
 
     def _on_answer(self, sender: str, msg: messages.Ack | messages.Pushed, now: float) -> None:
         engine_id, recv = self._find_recv(sender, msg.producer_rank, msg.request_id)
+        if recv is not None and isinstance(msg, messages.Pushed):
+            self._take_digests(recv, msg.producer_rank, msg.digests, msg.algorithm, msg.reason)
         if recv is not None:
             recv.answer(msg.producer_rank, msg.ok, msg.reason, now)
             return
@@ -1226,10 +1300,120 @@ class NixlWorker(WorkerConnector):
 
     def _on_held(self, sender: str, msg: messages.Held) -> None:
         _engine_id, recv = self._find_recv(sender, msg.producer_rank, msg.request_id)
-        if recv is None or not msg.ok:
+        if recv is None:
+            return
+        self._take_digests(recv, msg.producer_rank, msg.digests, msg.algorithm, msg.reason)
+        if not msg.ok:
             return  # no promise: the ack of the read decides
         recv.promised(msg.producer_rank,
                       msg.lease_s * (1.0 - GUARANTEE_RATE_MARGIN) - GUARANTEE_SLACK_S)
+
+    # ------------------------------------------------------------------ verified KV
+
+    def _begin_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> messages.Begin:
+        """The ``begin`` of a pull READ from producer rank ``p``, asking for the digests
+        of the blocks this rank will check (issue 18; see ``connectors.nixl.verify``)."""
+        rid = recv.params.producer_request_id
+        ask = self._ask_for(recv, session, p)
+        if ask is None:
+            return messages.Begin(rid, self.rank_index)
+        return messages.Begin(rid, self.rank_index, ask.producer_ids, ALGORITHM)
+
+    def _ask_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> DigestAsk | None:
+        """The blocks of ``recv`` this rank checks against producer rank ``p``'s digests
+        (None: none); blocks it cannot check are counted unverified, said once."""
+        policy = self.settings.verify_policy
+        if not policy.enabled:
+            return None
+        remote = next((m for m in session.metadata.ranks if m.rank_index == p), None)
+        regions: frozenset[int] = frozenset()
+        why = ""
+        if self._digester is None:
+            why = "this rank's KV is not in host memory"
+        elif remote is None or ALGORITHM not in remote.digests:
+            why = f"producer rank {p} offers no {ALGORITHM} digests (an older kvbridge, or GPU memory)"
+        else:
+            regions = whole_block_regions(
+                session.rank_plan, p, [s.block_bytes_per_layer
+                                       for s in self.ctx.spec.rank_shapes(self.rank)],
+                [r.block_bytes_per_layer for r in remote.regions],
+                [s.layer_ids for s in self.ctx.spec.rank_shapes(remote.topology)])
+        # push: the producer maps registered blocks to its own (ids unused here)
+        pull = recv.params.mode is TransferMode.PULL
+        ask = plan_ask(policy, recv.request_id, regions, recv.consumer_block_ids,
+                       recv.producer_block_ids if pull else recv.consumer_block_ids)
+        if ask.unverified:
+            self._unverified(recv, ask.unverified, why or "blocks not copied whole from one "
+                             "producer rank (head slices at another TP)")
+        if not ask.num_blocks:
+            return None
+        recv.digest_asks[p] = ask
+        return ask
+
+    def _take_digests(self, recv: RecvTransfer, producer_rank: int, digests: tuple[bytes, ...],
+                      algorithm: str, reason: str) -> None:
+        """The first answer of ``producer_rank`` to this load's digest ask (held, pushed)."""
+        if producer_rank not in recv.digest_asks or producer_rank in recv.digests:
+            return
+        ok = bool(digests) and algorithm == ALGORITHM
+        recv.digests[producer_rank] = digests if ok else None
+        if not ok:
+            self._unverified(recv, recv.digest_asks[producer_rank].num_blocks,
+                             f"producer rank {producer_rank} sent no digests "
+                             f"({reason or 'no reason given'})")
+
+    def _unverified(self, recv: RecvTransfer, num_blocks: int, why: str) -> None:
+        recv.unverified += num_blocks
+        self._counters["blocks_unverified"] += num_blocks
+        if why not in self._unverified_logged and len(self._unverified_logged) < 64:
+            self._unverified_logged.add(why)
+            logger.warning("nixl: engine=%s rank=%d: loads from producer engine %s are not "
+                           "verified: %s (counted in blocks_unverified; logged once)",
+                           self.ctx.engine_id, self.rank_index,
+                           recv.params.producer_engine_id, why)
+
+    def _verify(self, recv: RecvTransfer) -> set[tuple[int, int]]:
+        """A finished pull load's blocks whose digests differ (checked against the
+        answers of its producer ranks). Unchecked blocks fail too when the policy
+        does not allow them."""
+        bad: set[tuple[int, int]] = set()
+        for p, ask in recv.digest_asks.items():
+            packed = recv.digests.get(p)
+            if packed is None:
+                continue  # counted unverified when the answer came
+            assert self._digester is not None
+            verified, mismatched = check_answer(ask, packed, self._digester,
+                                                whole_load=recv.params.mode is TransferMode.PUSH)
+            self._counters["blocks_verified"] += verified
+            self._counters["digest_mismatches"] += len(mismatched)
+            bad.update(mismatched)
+        if recv.unverified and not self.settings.allow_unverified:
+            bad |= set(recv.local_blocks)
+        return bad
+
+    def _take_hold_digests(self, request_id: str,
+                           block_ids: Sequence[Sequence[int]]) -> None:
+        """Producer: digests of a request's blocks as its hold starts (the KV is final)."""
+        if self._digester is None:
+            return
+        try:
+            self._hold_digests[request_id] = take_hold_digests(self._digester, block_ids)
+        except LayoutError as exc:  # a block id outside the tensors: no digests, said why
+            logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
+                           self.ctx.engine_id, self.rank_index, request_id, exc)
+
+    def _digests_for(self, begin: messages.Begin) -> tuple[tuple[bytes, ...], str]:
+        """Producer: digests of the blocks a ``begin`` asks for, or () and why not."""
+        held = self._hold_digests.get(begin.request_id)
+        if self._digester is None or begin.algorithm != ALGORITHM:
+            return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
+        if held is None:
+            return (), f"no digests of request {begin.request_id} (not held)"
+        answer = answer_ask(held, begin.digest_ids)
+        if isinstance(answer, str):
+            return (), answer
+        self._counters["digests_served"] += sum(len(g) for g in begin.digest_ids)
+        return answer, ""
 
     # ------------------------------------------------------------------ producer: push
 
@@ -1290,6 +1474,14 @@ class NixlWorker(WorkerConnector):
         now = time.monotonic()
         if job.dropped:
             return
+        if (job.digests is None and self._digester is not None and job.final
+                and job.layers_ready >= self.memory.keys()):
+            try:  # every layer is final: what the consumer must find after the writes
+                job.digests = take_hold_digests(self._digester, job.block_ids)
+            except LayoutError as exc:
+                logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
+                               self.ctx.engine_id, self.rank_index, job.request_id, exc)
+                job.digests = ()
         for target in job.targets.values():
             if (target.finished or target.cancelled or target.local is None
                     or target.remote is None):
@@ -1371,11 +1563,30 @@ class NixlWorker(WorkerConnector):
                            sum(len(g) for g in target.register.block_ids), reason)
         self._record(TransferRecord(job.request_id, ok, nbytes, ndescs, now - job.started_at,
                                     job.started_at, target.runs))
-        self._send_to(target.peer.name, messages.Pushed(job.request_id, self.rank_index, ok,
-                                                        reason))
+        digests: tuple[bytes, ...] = ()
         reg = target.register
+        if ok and reg.algorithm:
+            answer = self._push_digests(job, reg)
+            if isinstance(answer, str):
+                reason = answer
+            else:
+                digests = answer
+        self._send_to(target.peer.name, messages.Pushed(job.request_id, self.rank_index, ok,
+                                                        reason, digests,
+                                                        ALGORITHM if digests else ""))
         self._leases.notify(job.request_id, reg.consumer_rank, reg.expected, target.peer.name,
                             now)
+
+    def _push_digests(self, job: _PushJob, reg: messages.Register) -> tuple[bytes, ...] | str:
+        """Producer: digests of every block written for ``reg``, or why there are none."""
+        if reg.algorithm != ALGORITHM or not job.digests:
+            return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
+        asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
+                 for r, start in enumerate(reg.start)]
+        answer = answer_ask(job.digests, asked)
+        if not isinstance(answer, str):
+            self._counters["digests_served"] += sum(len(g) for g in asked)
+        return answer
 
     def _drop_push_job(self, rid: str) -> None:
         """Forget a push request (its lists belong to the consumer peer and stay)."""

@@ -388,6 +388,10 @@ VECTORS = [
     Vector("handshake_agent_vram.hex",
            lambda: dataclasses.replace(_rank(0), mem_type="VRAM", device_id=3), encode_agent,
            decode_agent),
+    # a rank that computes block digests for consumers that ask (issue 18)
+    Vector("handshake_agent_digests.hex",
+           lambda: dataclasses.replace(_rank(1), digests=("xxh3-64",)), encode_agent,
+           decode_agent),
     Vector("handshake_request_get.hex",
            lambda: MetadataRequest(17, RequestKind.GET, pp_rank=None, tp_rank=1, pcp_rank=0,
                                    known_incarnation="0123456789abcdef", known_generation=3),
@@ -492,8 +496,21 @@ def _control() -> list[control.ControlMessage]:
     ]
 
 
+def _digest_notifs() -> list[notifs.Notif]:
+    """The digest fields of ``begin``/``held`` (issue 18): optional, so the kinds
+    without them (``nixl_notifications.hex``) are the bytes they always were."""
+    return [
+        notifs.Begin("req-1", 1, ((3, 4, 5), ()), "xxh3-64"),
+        notifs.Held("req-1", 3, True, 29.5, "",
+                    (bytes(range(24)), b""), "xxh3-64"),
+    ]
+
+
 VECTORS += [
     Vector("nixl_notifications.hex", _notifs,
+           lambda ms: _pack([notifs.encode(m) for m in ms]),
+           lambda data: [notifs.decode(b) for b in msgpack.unpackb(data)]),
+    Vector("nixl_notifications_digests.hex", _digest_notifs,
            lambda ms: _pack([notifs.encode(m) for m in ms]),
            lambda data: [notifs.decode(b) for b in msgpack.unpackb(data)]),
     Vector("control_messages.hex", _control,
@@ -553,7 +570,8 @@ def test_every_vector_file_is_checked() -> None:
     names = {v.name for v in VECTORS}
     assert len(names) == len(VECTORS)
     on_disk = {p.name for p in VECTORS_DIR.iterdir() if p.is_file()}
-    assert on_disk == names
+    # block digests are not a message: tests/layouts/test_digests.py checks their file
+    assert on_disk - {"block_digests.txt"} == names
 
 
 def test_events_vectors_are_the_formats_vllm_reads() -> None:
