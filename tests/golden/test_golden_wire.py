@@ -503,6 +503,8 @@ def _digest_notifs() -> list[notifs.Notif]:
         notifs.Begin("req-1", 1, ((3, 4, 5), ()), "xxh3-64"),
         notifs.Held("req-1", 3, True, 29.5, "",
                     (bytes(range(24)), b""), "xxh3-64"),
+        notifs.Register("req-2", 1, 2, (0, 4), ((7, 8, 9), (10,)), algorithm="xxh3-64"),
+        notifs.Pushed("req-2", 0, True, "", (bytes(range(8, 32)), bytes(8)), "xxh3-64"),
     ]
 
 
