@@ -161,24 +161,43 @@ class BlockDigester:
             missing = [layer for layer in ids if layer not in self._views]
             if missing:
                 raise LayoutError(f"regions[{index}]", f"no span for layers {missing}")
+        # per region: its layers' spans, the fewest blocks of any of them, and the packer
+        # of its layer digests (the hot loop below does nothing else per block)
+        self._regions = tuple(
+            (tuple((v[0], v[1], v[2]) for v in (self._views[layer] for layer in ids)),
+             min((self._views[layer][3] for layer in ids), default=0),
+             struct.Struct(f"<{len(ids)}Q").pack)
+            for ids in self.regions)
+
+    def block_bytes(self, region: int) -> int:
+        """Bytes one block of ``region`` spans over all its layers (what one digest reads)."""
+        return sum(self._views[layer][2] for layer in self.regions[region])
+
+    def _check(self, region: int, block_ids: Sequence[int]) -> None:
+        num_blocks = self._regions[region][1]
+        if block_ids and not (0 <= min(block_ids) and max(block_ids) < num_blocks):
+            bad = next(b for b in block_ids if not 0 <= b < num_blocks)
+            raise LayoutError("block_id", f"block {bad} outside [0, {num_blocks}) of region "
+                                          f"{region}")
 
     def layer_digests(self, region: int, block_id: int) -> tuple[int, ...]:
         """XXH3-64 of ``block_id``'s span in each layer of ``region``, in layer order."""
-        out = []
-        for layer in self.regions[region]:
-            view, stride, nbytes, num_blocks = self._views[layer]
-            if not 0 <= block_id < num_blocks:
-                raise LayoutError("block_id", f"block {block_id} outside [0, {num_blocks}) "
-                                              f"of layer {layer}")
-            start = block_id * stride
-            out.append(xxhash.xxh3_64_intdigest(view[start:start + nbytes]))
-        return tuple(out)
+        self._check(region, (block_id,))
+        digest = xxhash.xxh3_64_intdigest
+        return tuple(digest(view[block_id * stride:block_id * stride + nbytes])
+                     for view, stride, nbytes in self._regions[region][0])
 
     def block_digest(self, region: int, block_id: int) -> int:
         return combine(self.layer_digests(region, block_id))
 
     def block_digests(self, region: int, block_ids: Sequence[int]) -> list[int]:
-        return [self.block_digest(region, b) for b in block_ids]
+        """The block digest of each of ``block_ids`` (the same as :meth:`block_digest`)."""
+        self._check(region, block_ids)
+        spans, _num_blocks, pack = self._regions[region]
+        digest = xxhash.xxh3_64_intdigest
+        return [digest(pack(*[digest(view[b * stride:b * stride + nbytes])
+                              for view, stride, nbytes in spans]))
+                for b in block_ids]
 
 
 def mismatched(expected: Sequence[int], actual: Sequence[int]) -> list[int]:

@@ -17,6 +17,13 @@ The same held producer blocks are moved four ways, interleaved, in one run:
 * **torch copy** of the same number of bytes in one process: the memory
   bandwidth limit.
 
+The connector's load runs three times per iteration, each on its own held
+request: with verification ``full`` (the default: every block checked against
+the producer's digests), ``sample`` and ``off``; the ratios of the first two to
+``off`` are the cost of verified KV on the consumer. The producer takes its
+digests when a hold starts, off the consumer's clock: its rate is reported
+from its own counters (``producer_digest_gbps``).
+
 Block order matters with many small blocks: NIXL merges descriptors that are
 contiguous on both sides into one, and merged 16 KiB blocks move about twice
 as fast as unmerged ones. ``block_order="sorted"`` (the reference engine's
@@ -45,6 +52,7 @@ from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.harness import EngineProcess
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.layouts import KVCacheSpec, ParallelTopology, RegionLayout, RegionSpec
+from kvbridge.layouts.digests import DigestMode
 
 DEFAULT_PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
 BLOCK_ORDERS = ("sorted", "vllm")
@@ -176,7 +184,8 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
     prompt = tuple(rng.randrange(VOCAB_SIZE) for _ in range(tokens))
     pool = num_blocks + 4
     total = num_blocks * block_bytes
-    times: dict[str, list[float]] = {"raw": [], "raw_kv": [], "kvbridge": [], "copy": []}
+    times: dict[str, list[float]] = {"raw": [], "raw_kv": [], "kvbridge": [], "copy": [],
+                                     "kvbridge_off": [], "kvbridge_sample": []}
     verified = mismatched = 0
     nbytes = descs = runs = 0
     raw_ok = True
@@ -198,9 +207,16 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
         raw = _RawReader(address, total)
         kv_tensor = consumer.workers[0].caches.layers[0]
         raw_kv = _RawReader(address, total, into=kv_tensor)
+        full_settings = worker.settings  # type: ignore[attr-defined]
+        verify_settings = {
+            "kvbridge": full_settings,
+            "kvbridge_off": replace(full_settings, verify=DigestMode.OFF),
+            "kvbridge_sample": replace(full_settings, verify=DigestMode.SAMPLE)}
         for i in range(iters + 1):
             rid = f"bench-{i}"
-            result = _prefill(producer, RequestSpec(rid, prompt, max_tokens=1), timeout_s)
+            held = {way: _prefill(producer, RequestSpec(f"{rid}-{way}", prompt, max_tokens=1),
+                                  timeout_s) for way in verify_settings}
+            result = held["kvbridge"]
             assert result.transfer_params is not None
             raw.prepare(result.transfer_params.block_ids[0], block_bytes)
             # the very blocks the engine will give the connector's load (its free queue):
@@ -210,7 +226,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             if i == 1:  # verified once (the warm-up); not while timing
                 consumer.config = replace(consumer.config, verify_loads=False)
 
-            def load(rid: str = rid, result: RequestResult = result) -> RequestResult:
+            def load(rid: str, result: RequestResult) -> RequestResult:
                 assert consumer is not None
                 consumer.add_request(RequestSpec(rid, prompt, max_tokens=1,
                                                  transfer_params=result.transfer_params))
@@ -223,8 +239,8 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
                     if done:
                         return done[0]
 
-            order = ["raw", "copy", "raw_kv", "kvbridge"]
-            k = i % 4
+            order = ["raw", "copy", "raw_kv", "kvbridge", "kvbridge_off", "kvbridge_sample"]
+            k = i % len(order)
             for way in order[k:] + order[:k]:
                 t0 = time.perf_counter()
                 if way == "raw":
@@ -237,14 +253,16 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
                     dst.copy_(src)
                     elapsed = time.perf_counter() - t0
                 else:
-                    final = load()
+                    worker.settings = verify_settings[way]  # type: ignore[attr-defined]
+                    final = load(f"{rid}-{way}", held[way])
                     if final.num_recomputed_tokens or \
                             final.state is not RequestState.FINISHED_LENGTH:
                         raise RuntimeError(f"connector load {rid} failed: {final}")
                     record = worker.records()[-1]  # type: ignore[attr-defined]
                     elapsed = record.duration_s
-                    nbytes, descs, runs = record.nbytes, record.num_descs, record.num_runs
-                    if i == 0:
+                    if way == "kvbridge":
+                        nbytes, descs, runs = record.nbytes, record.num_descs, record.num_runs
+                    if i == 0 and way == "kvbridge":
                         verified, mismatched = final.verified_bytes, final.mismatched_bytes
                 if i > 0:
                     times[way].append(elapsed)
@@ -252,6 +270,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
                 raw_ok = bool(torch.equal(raw.buf, _consumer_bytes(consumer, num_blocks,
                                                                    block_bytes)))
         totals = worker.totals()  # type: ignore[attr-defined]
+        producer_stats = dict(producer.stats()["stats"]["worker_stats"])
     finally:
         if raw_kv is not None:
             raw_kv.close()
@@ -266,6 +285,9 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
     paired = statistics.median(r / k for r, k in zip(times["raw"], times["kvbridge"],
                                                       strict=True))
     gbps = {k: total / v / 1e9 for k, v in med.items()}
+    produced_s = float(producer_stats.get("digest_time_s", 0.0))
+    produced_gbps = (float(producer_stats.get("digest_bytes", 0)) / produced_s / 1e9
+                     if produced_s > 0 else None)
     return {"num_blocks": num_blocks, "block_bytes": block_bytes, "total_bytes": total,
             "iters": iters, "block_order": block_order,
             "raw_nixl_gbps": round(gbps["raw"], 3),
@@ -276,6 +298,15 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             "kvbridge_over_raw_paired": round(paired, 3),
             "raw_over_memcpy": round(gbps["raw"] / gbps["copy"], 3),
             "kvbridge_over_raw_same_destination": round(gbps["kvbridge"] / gbps["raw_kv"], 3),
+            # verified KV: the connector's load with verification full / sample, over off
+            "kvbridge_verify_off_gbps": round(gbps["kvbridge_off"], 3),
+            "kvbridge_verify_sample_gbps": round(gbps["kvbridge_sample"], 3),
+            "verify_full_over_off": round(gbps["kvbridge"] / gbps["kvbridge_off"], 3),
+            "verify_sample_over_off": round(gbps["kvbridge_sample"] / gbps["kvbridge_off"], 3),
+            "blocks_verified": int(totals.get("blocks_verified", 0)),
+            "consumer_digest_gbps": (round(totals["digest_bytes"] / totals["digest_time_s"] / 1e9,
+                                           3) if totals.get("digest_time_s") else None),
+            "producer_digest_gbps": (round(produced_gbps, 3) if produced_gbps else None),
             "median_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
             "kvbridge_bytes": nbytes, "kvbridge_descriptors": descs,
             "kvbridge_descriptor_runs": runs,

@@ -564,6 +564,19 @@ def format_nixl_detail(detail: dict[str, Any]) -> str:
     lines.append(f"block order: {detail.get('block_order', 'sorted')}; paired: median of the "
                  f"per-iteration kvb/raw ratios; runs: the descriptors NIXL merged the "
                  f"connector's into")
+    lines.append("")
+    lines.append(f"{'pattern':>16} {'verify off':>10} {'sample':>9} {'full':>9} "
+                 f"{'sample/off':>10} {'full/off':>9} {'checked':>8} {'check':>8} {'take':>8}"
+                 f"  (GB/s, READ; check/take: digest GB/s on consumer/producer)")
+    for p in detail["patterns"]:
+        if "verify_full_over_off" not in p:
+            continue
+        label = f"{p['num_blocks']}x{size_label(p['block_bytes'])}"
+        lines.append(f"{label:>16} {p['kvbridge_verify_off_gbps']:10.3f} "
+                     f"{p['kvbridge_verify_sample_gbps']:9.3f} {p['kvbridge_gbps']:9.3f} "
+                     f"{p['verify_sample_over_off']:10.3f} {p['verify_full_over_off']:9.3f} "
+                     f"{p['blocks_verified']:8d} {_num(p['consumer_digest_gbps']):>8} "
+                     f"{_num(p['producer_digest_gbps']):>8}")
     return "\n".join(lines)
 
 

@@ -333,6 +333,8 @@ class NixlWorker(WorkerConnector):
             # different (each a failed load of that block), and loaded without a check
             "blocks_verified": 0, "digest_mismatches": 0, "blocks_unverified": 0,
             "loads_corrupt": 0, "digests_served": 0,
+            # time and bytes this rank spent taking (producer) and checking (consumer) them
+            "digest_time_s": 0.0, "digest_bytes": 0,
         }
         #: producer: notifications of agents that have not said hello, (received at, msg)
         self._deferred: dict[str, list[tuple[float, messages.Notif]]] = {}
@@ -818,6 +820,8 @@ class NixlWorker(WorkerConnector):
                                        reason=f"request {recv.request_id} timed out")
             elif state is RecvState.DONE:
                 bad = self._verify(recv)
+                if recv.digest_asks:  # the load ends when its blocks are checked
+                    recv.finished_at = time.monotonic()
                 if bad:
                     shown = ", ".join(f"region {r} block {b}" for r, b in sorted(bad)[:8])
                     recv.corrupt(f"digest mismatch in {len(bad)} of {recv.num_blocks} blocks "
@@ -1350,6 +1354,12 @@ class NixlWorker(WorkerConnector):
         recv.digest_asks[p] = ask
         return ask
 
+    def _count_digests(self, started: float, block_ids: Sequence[Sequence[int]]) -> None:
+        assert self._digester is not None
+        self._counters["digest_time_s"] += time.perf_counter() - started
+        self._counters["digest_bytes"] += sum(len(ids) * self._digester.block_bytes(r)
+                                              for r, ids in enumerate(block_ids))
+
     def _take_digests(self, recv: RecvTransfer, producer_rank: int, digests: tuple[bytes, ...],
                       algorithm: str, reason: str) -> None:
         """The first answer of ``producer_rank`` to this load's digest ask (held, pushed)."""
@@ -1382,8 +1392,10 @@ class NixlWorker(WorkerConnector):
             if packed is None:
                 continue  # counted unverified when the answer came
             assert self._digester is not None
+            started = time.perf_counter()
             verified, mismatched = check_answer(ask, packed, self._digester,
                                                 whole_load=recv.params.mode is TransferMode.PUSH)
+            self._count_digests(started, ask.consumer_ids)
             self._counters["blocks_verified"] += verified
             self._counters["digest_mismatches"] += len(mismatched)
             bad.update(mismatched)
@@ -1397,7 +1409,9 @@ class NixlWorker(WorkerConnector):
         if self._digester is None:
             return
         try:
+            started = time.perf_counter()
             self._hold_digests[request_id] = take_hold_digests(self._digester, block_ids)
+            self._count_digests(started, block_ids)
         except LayoutError as exc:  # a block id outside the tensors: no digests, said why
             logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                            self.ctx.engine_id, self.rank_index, request_id, exc)
@@ -1477,7 +1491,9 @@ class NixlWorker(WorkerConnector):
         if (job.digests is None and self._digester is not None and job.final
                 and job.layers_ready >= self.memory.keys()):
             try:  # every layer is final: what the consumer must find after the writes
+                started = time.perf_counter()
                 job.digests = take_hold_digests(self._digester, job.block_ids)
+                self._count_digests(started, job.block_ids)
             except LayoutError as exc:
                 logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                                self.ctx.engine_id, self.rank_index, job.request_id, exc)
