@@ -24,6 +24,22 @@ contiguous slice, so each store object (one layer of one block, see
   request in ``failed_recving`` for async loads); the engine recomputes it.
   Every request the scheduler told this rank to load is reported finished,
   also when this rank holds none of its layers.
+* **Digests** (issue 18): every block put goes with a digest record of this
+  rank's part of it (:mod:`.records`: XXH3-64 of the block's bytes in each
+  layer, taken from the tensor right before the zero-copy put, so from the
+  bytes put), under a companion key in the same batch. A load gets the
+  records of the blocks its policy checks (``verify``: every block, a
+  deterministic sample, or none) in the same batch as the KV, and once the
+  bytes landed digests them in place and compares before it reports a block
+  loaded. A mismatch or a record that is not this key's is a load error of
+  exactly that block (the engine recomputes it; blocks before it stay
+  loaded), counted (``digest_mismatches``, ``digest_records_invalid``),
+  logged once per load with the engine, request, block and key, and the
+  block's keys on this rank are removed (force) so the recomputed block can
+  be stored again (a put keeps an existing key's value). A block stored
+  without a record (an older version, or KV in device memory, which is not
+  digested here) is loaded unverified and counted (``blocks_unverified``) or,
+  with ``verify_allow_unverified`` false, is a load error.
 * **Bounded**: each Mooncake call is bounded by the client (reachability
   check first, then ``op_timeout_s``). After a *timed-out* get the rank waits
   at most ``abandon_grace_s`` for the abandoned call before reporting, so a
@@ -38,7 +54,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.backends.fence import Fence, record_fence, wait_fence
@@ -49,9 +65,16 @@ from kvbridge.connectors.load_outcomes import LoadOutcomes
 from kvbridge.connectors.mooncake_store import clients
 from kvbridge.connectors.mooncake_store.keys import layer_key_prefix
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
+from kvbridge.connectors.mooncake_store.records import (
+    RecordVerdict,
+    digest_key_prefix,
+    key_digest,
+)
 from kvbridge.connectors.mooncake_store.scheduler import pool_key
 from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
+from kvbridge.connectors.mooncake_store.verify import RankDigests
 from kvbridge.layouts import ParallelTopology, namespace_for, write_targets
+from kvbridge.layouts.digests import DigestMode
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +104,7 @@ class RegionPlan:
     num_blocks: int
     is_writer: bool
     layers: tuple[LayerSlot, ...]
+    digest_prefix: str = ""  # key prefix of this namespace's digest records (see .records)
 
 
 def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
@@ -90,8 +114,10 @@ def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
     plans = []
     for index, shape in enumerate(caches.shapes):
         slots = []
+        digest_prefix = ""
         if shape.layer_ids:
             namespace = namespace_for(ctx.spec, shape.region, rank)
+            digest_prefix = digest_key_prefix(namespace)
             for layer_id in shape.layer_ids:
                 tensor = caches.layers[layer_id]
                 if not tensor.is_contiguous():
@@ -106,7 +132,8 @@ def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
                                        int(tensor.data_ptr()), stride,
                                        shape.block_bytes_per_layer))
         plans.append(RegionPlan(index, caches.num_blocks[index],
-                                writers.get(shape.region.name, False), tuple(slots)))
+                                writers.get(shape.region.name, False), tuple(slots),
+                                digest_prefix))
     return tuple(plans)
 
 
@@ -118,6 +145,24 @@ class Batch:
     ptrs: list[int]
     sizes: list[int]
     owners: list[int]
+
+
+@dataclass
+class _Verified:
+    """What the digest check of one load found (counts of blocks; ``failed``: refs)."""
+
+    verified: int = 0
+    unverified: int = 0
+    missing: int = 0
+    mismatches: int = 0
+    invalid: int = 0
+    failed: set[BlockRef] = field(default_factory=set)
+    corrupt_keys: list[str] = field(default_factory=list)
+    first: tuple[LoadBlock, str, str] | None = None  # (block, key, what): logged once
+
+    def note(self, block: LoadBlock, key: str, what: str) -> None:
+        if self.first is None:
+            self.first = (block, key, what)
 
 
 def gather(plans: Sequence[RegionPlan], blocks: Sequence[LoadBlock | SaveBlock], *,
@@ -187,6 +232,9 @@ class MooncakeStoreWorker(WorkerConnector):
         self._thread: threading.Thread | None = None
         self._outcomes = LoadOutcomes()
         self._orphans: list[str] = []  # keys of timed-out puts, removed once idle
+        self._policy = settings.verify_policy
+        #: record tables and in-place digests; None when the KV is not in host memory
+        self.digests: RankDigests | None = None
         self._stats: dict[str, int | float] = {
             "put_calls": 0, "put_keys": 0, "put_bytes": 0, "put_time_s": 0.0,
             "blocks_saved": 0, "put_failures": 0, "put_timeouts": 0, "orphans_removed": 0,
@@ -194,6 +242,10 @@ class MooncakeStoreWorker(WorkerConnector):
             "get_calls": 0, "get_keys": 0, "get_bytes": 0, "get_time_s": 0.0,
             "blocks_loaded": 0, "load_errors": 0, "load_not_found": 0, "get_timeouts": 0,
             "abandoned_gets": 0,
+            "blocks_digested": 0, "digest_time_s": 0.0,
+            "blocks_verified": 0, "blocks_unverified": 0, "blocks_unchecked": 0,
+            "digest_mismatches": 0, "digest_records_invalid": 0, "digests_missing": 0,
+            "verify_time_s": 0.0, "corrupt_keys_removed": 0,
             **{f"load_ms_le_{b}": 0 for b in LATENCY_BUCKETS_MS}, "load_ms_le_inf": 0,
         }
         self._closed = False
@@ -202,6 +254,15 @@ class MooncakeStoreWorker(WorkerConnector):
 
     def register_kv_caches(self, caches: KVCaches) -> None:
         plans = build_plans(caches, self.ctx, self.rank)
+        on_host = all(str(getattr(t, "device", "cpu")) == "cpu" for t in caches.layers.values())
+        digests = RankDigests(plans, owner=caches) if on_host else None
+        if not on_host:
+            logger.warning("mooncake store rank %s: KV in device memory is not digested; "
+                           "blocks are stored without digest records and loaded %s",
+                           self.ctx.worker_index,
+                           "unverified" if self._policy.allow_unverified or
+                           not self._policy.enabled else "as load errors "
+                           "(verify_allow_unverified is false)")
         client = clients.acquire(self._pool_key, self.settings.client_config())
         self.client = client
         try:
@@ -209,10 +270,14 @@ class MooncakeStoreWorker(WorkerConnector):
                 ptr = int(tensor.data_ptr())
                 client.register_buffer(ptr, tensor.numel() * tensor.element_size())
                 self._registered.append(ptr)
+            if digests is not None:
+                client.register_buffer(digests.buffer_ptr, digests.buffer.nbytes)
+                self._registered.append(digests.buffer_ptr)
         except BaseException:
             self._release_client()
             raise
         self.plans = plans
+        self.digests = digests
         devices: dict[str, Any] = {}
         for tensor in caches.layers.values():
             devices.setdefault(str(getattr(tensor, "device", "cpu")), tensor)
@@ -263,7 +328,8 @@ class MooncakeStoreWorker(WorkerConnector):
             self._outcomes.finish(request_id, failed)
 
     def _load(self, request_id: str, blocks: Sequence[LoadBlock]) -> set[BlockRef]:
-        """Get every key of ``blocks`` into its tensor slot; the blocks that failed."""
+        """Get every key of ``blocks`` into its tensor slot (and the digest records the
+        policy checks into their slots), verify; the blocks that failed."""
         batch, out_of_range = gather(self.plans, blocks, writers_only=False)
         failed: set[BlockRef] = {(blocks[i].region_index, blocks[i].block_id)
                                  for i in out_of_range}
@@ -276,14 +342,26 @@ class MooncakeStoreWorker(WorkerConnector):
         client = self.client
         if client is None:
             return failed | {(b.region_index, b.block_id) for b in blocks}
+        num_kv_keys = len(keys)
+        checked, unchecked = self._checked_blocks(request_id, blocks, set(owners))
+        digests = self.digests
+        if checked and digests is not None:  # records: same batch, after the KV keys
+            for i in checked:
+                block = blocks[i]
+                plan = self.plans[block.region_index]
+                table = digests.load[block.region_index]
+                keys.append(plan.digest_prefix + block.block_hash.hex())
+                ptrs.append(table.slot_ptr(block.block_id))
+                sizes.append(table.record_bytes)
         started = time.perf_counter()
         results = client.batch_get_into(keys, ptrs, sizes)
         elapsed = time.perf_counter() - started
         not_found = 0
         timed_out = False
         ok_status = KeyStatus.OK
-        if list(map(_STATUS, results)).count(ok_status) != len(results):  # else: all ok
-            for index, result in enumerate(results):
+        kv_results = results[:num_kv_keys] if len(results) > num_kv_keys else results
+        if list(map(_STATUS, kv_results)).count(ok_status) != len(kv_results):  # else: all ok
+            for index, result in enumerate(kv_results):
                 if result.status is ok_status:
                     continue
                 block = blocks[owners[index]]
@@ -298,23 +376,150 @@ class MooncakeStoreWorker(WorkerConnector):
                          "its blocks are reported failed anyway", request_id,
                          self.settings.abandon_grace_s)
         if failed:
-            first = next(r for r in results if not r.ok)
+            first = next(r for r in kv_results if not r.ok)
             logger.warning("mooncake store rank %s: load for %s: %d of %d blocks failed "
                            "(first: %s)", self.ctx.worker_index, request_id, len(failed),
                            len(blocks), first)
+        verify_started = time.perf_counter()
+        outcome = self._verify(request_id, blocks, checked, results[num_kv_keys:], failed)
+        verify_s = time.perf_counter() - verify_started if checked else 0.0
+        failed |= outcome.failed
+        loaded = len({(blocks[i].region_index, blocks[i].block_id) for i in owners} - failed)
         with self._lock:
             s = self._stats
             s["get_calls"] += 1
             s["get_keys"] += len(keys)
             s["get_bytes"] += nbytes
             s["get_time_s"] += elapsed
-            s["blocks_loaded"] += len(set(owners)) - len(failed)
+            s["blocks_loaded"] += loaded
             s["load_errors"] += len(failed)
             s["load_not_found"] += not_found
             s["get_timeouts"] += int(timed_out)
             s["abandoned_gets"] += int(abandoned)
             s[_bucket(elapsed * 1000.0)] += 1
+            s["blocks_verified"] += outcome.verified
+            s["blocks_unverified"] += outcome.unverified
+            s["blocks_unchecked"] += unchecked
+            s["digest_mismatches"] += outcome.mismatches
+            s["digest_records_invalid"] += outcome.invalid
+            s["digests_missing"] += outcome.missing
+            s["verify_time_s"] += verify_s
+        if outcome.corrupt_keys:
+            self._remove_corrupt(request_id, outcome.corrupt_keys)
         return failed
+
+    def _checked_blocks(self, request_id: str, blocks: Sequence[LoadBlock],
+                        addressed: set[int]) -> tuple[list[int], int]:
+        """Indices (into ``blocks``) of the addressed blocks the policy checks, and how many
+        addressed blocks it does not check.
+
+        The policy's block index is the block's position among this load's blocks of
+        its region: every rank gets the same load, so the ranks check the same blocks.
+        """
+        policy = self._policy
+        if policy.mode is DigestMode.OFF:
+            return [], len(addressed)
+        ordered = sorted(addressed)
+        if policy.mode is DigestMode.FULL:
+            return ordered, 0
+        position: dict[int, int] = {}
+        chosen = []
+        for i, block in enumerate(blocks):
+            index = position.get(block.region_index, 0)
+            position[block.region_index] = index + 1
+            if i in addressed and policy.wants(request_id, block.region_index, index):
+                chosen.append(i)
+        return chosen, len(addressed) - len(chosen)
+
+    def _verify(self, request_id: str, blocks: Sequence[LoadBlock], checked: Sequence[int],
+                record_results: Sequence[Any], failed: set[BlockRef]) -> _Verified:
+        """Check the blocks ``checked`` that loaded against the records that landed."""
+        out = _Verified()
+        allow = self._policy.allow_unverified
+        digests = self.digests
+        if digests is None:  # no host view of the KV: nothing can be checked here
+            for i in checked:
+                ref = (blocks[i].region_index, blocks[i].block_id)
+                if ref in failed:
+                    continue
+                out.missing += 1
+                if allow:
+                    out.unverified += 1
+                else:
+                    out.failed.add(ref)
+            return out
+        by_region: dict[int, list[tuple[int, str]]] = {}
+        for i, result in zip(checked, record_results, strict=True):
+            block = blocks[i]
+            ref = (block.region_index, block.block_id)
+            if ref in failed:
+                continue  # its KV did not arrive: already a load error
+            key = self.plans[block.region_index].digest_prefix + block.block_hash.hex()
+            if result.ok:
+                by_region.setdefault(block.region_index, []).append((i, key))
+            elif result.not_found:  # stored by an older version, or the record was evicted
+                out.missing += 1
+                if allow:
+                    out.unverified += 1
+                else:
+                    out.failed.add(ref)
+                    out.note(block, key, "no digest record (verify_allow_unverified is false)")
+            else:  # a record of another size, or the get of the record failed
+                out.invalid += 1
+                out.failed.add(ref)
+                out.note(block, key, f"digest record get: {result}")
+                out.corrupt_keys.extend(self._block_keys(block, key))
+        for region_index, items in by_region.items():
+            ids = [blocks[i].block_id for i, _ in items]
+            actual = digests.layer_digests(region_index, ids)
+            table = digests.load[region_index]
+            verdicts = table.check(ids, [key_digest(k) for _, k in items], actual)
+            for (i, key), block_id, row, check in zip(items, ids, actual, verdicts,
+                                                      strict=True):
+                block = blocks[i]
+                if check.verdict is RecordVerdict.MATCH:
+                    out.verified += 1
+                    continue
+                out.failed.add((region_index, block_id))
+                if check.verdict is RecordVerdict.MISMATCH:
+                    out.mismatches += 1
+                    slot = self.plans[region_index].layers[check.layer_position]
+                    out.note(block, slot.prefix + block.block_hash.hex(),
+                             f"layer {slot.layer_id}: stored digest "
+                             f"{table.stored_digest(block_id, check.layer_position):#018x}, "
+                             f"loaded bytes {int(row[check.layer_position]):#018x}")
+                else:
+                    out.invalid += 1
+                    out.note(block, key, f"digest record: {check.reason}")
+                out.corrupt_keys.extend(self._block_keys(block, key))
+        if out.first is not None:
+            block, key, what = out.first
+            logger.error("mooncake store engine %s rank %s: request %s: %d of %d checked "
+                         "blocks failed digest verification and are recomputed (first: region "
+                         "%d block %d, key %s: %s)", self.ctx.engine_id, self.ctx.worker_index,
+                         request_id, len(out.failed), len(checked), block.region_index,
+                         block.block_id, key, what)
+        return out
+
+    def _block_keys(self, block: LoadBlock, digest_key: str) -> list[str]:
+        """Every key of ``block`` on this rank: its layer objects and its digest record."""
+        suffix = block.block_hash.hex()
+        return [slot.prefix + suffix for slot in self.plans[block.region_index].layers] + [
+            digest_key]
+
+    def _remove_corrupt(self, request_id: str, keys: list[str]) -> None:
+        """Delete the keys of blocks that failed verification: a put keeps an existing
+        key's value, so until they are gone the block could never be stored right again."""
+        client = self.client
+        if client is None:
+            return
+        results = client.remove(keys, force=True)
+        removed = sum(1 for r in results if r.ok)
+        if removed != len(keys):
+            logger.warning("mooncake store: %s: removed %d of %d keys of blocks that failed "
+                           "verification", request_id, removed, len(keys))
+        with self._lock:
+            self._stats["corrupt_keys_removed"] += removed
 
     # ------------------------------------------------------------------ saves
 
@@ -347,6 +552,8 @@ class MooncakeStoreWorker(WorkerConnector):
         elif keys:
             client = self.client
             assert client is not None, "register_kv_caches runs before any step"
+            if self.digests is not None:  # after the fence: digests of the bytes put
+                self._add_records(saves, batch)
             started = time.perf_counter()
             results = client.batch_put_from(keys, ptrs, sizes)
             elapsed = time.perf_counter() - started
@@ -384,6 +591,29 @@ class MooncakeStoreWorker(WorkerConnector):
                                     if i not in failed])
         else:
             self.ctx.events.extend([save.event for save in saves])
+
+    def _add_records(self, saves: Sequence[SaveBlock], batch: Batch) -> None:
+        """Digest the blocks of ``batch`` in place and append their records to it."""
+        digests = self.digests
+        assert digests is not None
+        started = time.perf_counter()
+        by_region: dict[int, list[int]] = {}
+        for i in sorted(set(batch.owners)):
+            by_region.setdefault(saves[i].region_index, []).append(i)
+        for region_index, indices in by_region.items():
+            prefix = self.plans[region_index].digest_prefix
+            table = digests.save[region_index]
+            ids = [saves[i].block_id for i in indices]
+            record_keys = [prefix + saves[i].block_hash.hex() for i in indices]
+            table.write(ids, [key_digest(k) for k in record_keys],
+                        digests.layer_digests(region_index, ids))
+            batch.keys.extend(record_keys)
+            batch.ptrs.extend([table.slot_ptr(b) for b in ids])
+            batch.sizes.extend([table.record_bytes] * len(ids))
+            batch.owners.extend(indices)
+        with self._lock:
+            self._stats["blocks_digested"] += sum(map(len, by_region.values()))
+            self._stats["digest_time_s"] += time.perf_counter() - started
 
     def _kv_written(self) -> bool:
         """Wait (bounded) until the kernels queued so far on every KV device finished."""
