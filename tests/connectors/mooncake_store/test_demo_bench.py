@@ -50,4 +50,11 @@ def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> N
         for side in ("raw", "connector"):  # well-formed figures, no claim about their size
             assert_figures(pattern[side], ("put_gbps", "get_gbps"))
         assert_figures(pattern["ratio"], ("put", "get"))
-    assert "64x16KiB" in format_report(report)
+        # the connector's get with each verification mode, and its ratio to verify off
+        assert set(pattern["verify"]) == {"off", "sample", "full"}
+        for mode in ("off", "sample", "full"):
+            assert_figures(pattern["verify"][mode], ("put_gbps", "get_gbps"))
+            assert_figures(pattern["verify_ratio"][mode], ("put", "get"))
+        assert pattern["connector"] == pattern["verify"]["full"]
+    text = format_report(report)
+    assert "64x16KiB" in text and "v:sample" in text and "/ verify off" in text
