@@ -74,9 +74,8 @@ def key_digest(key: str) -> int:
 
 
 class RecordVerdict(enum.Enum):
-    """What a reader makes of the record it got for one block."""
+    """Why a reader does not trust the record it got for one block."""
 
-    MATCH = "match"              # every layer digest equals the bytes that landed
     MISMATCH = "mismatch"        # a well-formed record for this key; some layer differs
     INVALID = "invalid"          # not a record of this key and geometry: fail the block
 
@@ -131,10 +130,11 @@ class RecordTable:
         self.records["key_digest"][ids] = np.asarray(key_digests, dtype="<u8")
         self.records["layer_digests"][ids] = layer_digests
 
-    def check(self, block_ids: Sequence[int], key_digests: Sequence[int],
-              layer_digests: np.ndarray) -> list[RecordCheck]:
-        """Verdicts for the records that landed in the slots of ``block_ids``, against the
-        digests of the bytes that landed in KV memory (``layer_digests`` as in :meth:`write`)."""
+    def failures(self, block_ids: Sequence[int], key_digests: Sequence[int],
+                 layer_digests: np.ndarray) -> list[tuple[int, RecordCheck]]:
+        """``(position, check)`` of every record among the slots of ``block_ids`` that does not
+        vouch for the bytes that landed in KV memory (``layer_digests`` as in :meth:`write`,
+        ``key_digests`` of the keys the records were got from); empty when all match."""
         ids = np.asarray(block_ids, dtype=np.intp)
         got = self.records[ids]
         header_ok = ((got["magic"] == MAGIC) & (got["record_version"] == RECORD_VERSION)
@@ -144,29 +144,23 @@ class RecordTable:
                      & (got["block_bytes"] == self.block_bytes))
         key_ok = got["key_digest"] == np.asarray(key_digests, dtype="<u8")
         equal = got["layer_digests"] == layer_digests
-        layers_ok = equal.all(axis=1)
-        if bool(header_ok.all() and key_ok.all() and layers_ok.all()):  # the usual load
-            return [_MATCH] * len(ids)
+        good = header_ok & key_ok & equal.all(axis=1)
         out = []
-        for i in range(len(ids)):
+        for i in np.flatnonzero(~good).tolist():  # none in the usual load
             if not header_ok[i]:
-                out.append(RecordCheck(RecordVerdict.INVALID, reason=_header_reason(
-                    got[i], self.num_layers, self.block_bytes)))
+                out.append((i, RecordCheck(RecordVerdict.INVALID, reason=_header_reason(
+                    got[i], self.num_layers, self.block_bytes))))
             elif not key_ok[i]:
-                out.append(RecordCheck(RecordVerdict.INVALID, reason=(
-                    f"key_digest {int(got['key_digest'][i]):#018x}: a record of another key")))
-            elif not layers_ok[i]:
-                out.append(RecordCheck(RecordVerdict.MISMATCH,
-                                       layer_position=int(np.argmin(equal[i]))))
+                out.append((i, RecordCheck(RecordVerdict.INVALID, reason=(
+                    f"key_digest {int(got['key_digest'][i]):#018x}: a record of another "
+                    f"key"))))
             else:
-                out.append(_MATCH)
+                out.append((i, RecordCheck(RecordVerdict.MISMATCH,
+                                           layer_position=int(np.argmin(equal[i])))))
         return out
 
     def stored_digest(self, block_id: int, layer_position: int) -> int:
         return int(self.records["layer_digests"][block_id][layer_position])
-
-
-_MATCH = RecordCheck(RecordVerdict.MATCH)
 
 
 def _header_reason(record: np.void, num_layers: int, block_bytes: int) -> str:

@@ -345,14 +345,15 @@ class MooncakeStoreWorker(WorkerConnector):
         num_kv_keys = len(keys)
         checked, unchecked = self._checked_blocks(request_id, blocks, set(owners))
         digests = self.digests
+        record_keys: list[str] = []
         if checked and digests is not None:  # records: same batch, after the KV keys
-            for i in checked:
-                block = blocks[i]
-                plan = self.plans[block.region_index]
-                table = digests.load[block.region_index]
-                keys.append(plan.digest_prefix + block.block_hash.hex())
-                ptrs.append(table.slot_ptr(block.block_id))
-                sizes.append(table.record_bytes)
+            plans, tables = self.plans, digests.load
+            record_keys = [plans[blocks[i].region_index].digest_prefix
+                           + blocks[i].block_hash.hex() for i in checked]
+            keys.extend(record_keys)
+            ptrs.extend([tables[blocks[i].region_index].slot_ptr(blocks[i].block_id)
+                         for i in checked])
+            sizes.extend([tables[blocks[i].region_index].record_bytes for i in checked])
         started = time.perf_counter()
         results = client.batch_get_into(keys, ptrs, sizes)
         elapsed = time.perf_counter() - started
@@ -381,10 +382,12 @@ class MooncakeStoreWorker(WorkerConnector):
                            "(first: %s)", self.ctx.worker_index, request_id, len(failed),
                            len(blocks), first)
         verify_started = time.perf_counter()
-        outcome = self._verify(request_id, blocks, checked, results[num_kv_keys:], failed)
+        outcome = self._verify(request_id, blocks, checked, record_keys,
+                               results[num_kv_keys:], failed)
         verify_s = time.perf_counter() - verify_started if checked else 0.0
         failed |= outcome.failed
-        loaded = len({(blocks[i].region_index, blocks[i].block_id) for i in owners} - failed)
+        loaded = (len(set(owners)) if not failed else
+                  len({(blocks[i].region_index, blocks[i].block_id) for i in owners} - failed))
         with self._lock:
             s = self._stats
             s["get_calls"] += 1
@@ -432,8 +435,11 @@ class MooncakeStoreWorker(WorkerConnector):
         return chosen, len(addressed) - len(chosen)
 
     def _verify(self, request_id: str, blocks: Sequence[LoadBlock], checked: Sequence[int],
-                record_results: Sequence[Any], failed: set[BlockRef]) -> _Verified:
-        """Check the blocks ``checked`` that loaded against the records that landed."""
+                record_keys: Sequence[str], record_results: Sequence[Any],
+                failed: set[BlockRef]) -> _Verified:
+        """Check the blocks ``checked`` whose KV arrived against the records that landed
+        (``record_keys``/``record_results``: one per checked block, empty without
+        host digests)."""
         out = _Verified()
         allow = self._policy.allow_unverified
         digests = self.digests
@@ -448,50 +454,57 @@ class MooncakeStoreWorker(WorkerConnector):
                 else:
                     out.failed.add(ref)
             return out
-        by_region: dict[int, list[tuple[int, str]]] = {}
-        for i, result in zip(checked, record_results, strict=True):
-            block = blocks[i]
-            ref = (block.region_index, block.block_id)
-            if ref in failed:
-                continue  # its KV did not arrive: already a load error
-            key = self.plans[block.region_index].digest_prefix + block.block_hash.hex()
-            if result.ok:
-                by_region.setdefault(block.region_index, []).append((i, key))
-            elif result.not_found:  # stored by an older version, or the record was evicted
-                out.missing += 1
-                if allow:
-                    out.unverified += 1
-                else:
+        by_region: dict[int, list[int]] = {}  # region -> positions in ``checked``
+        if (not failed and list(map(_STATUS, record_results)).count(KeyStatus.OK)
+                == len(record_results)):  # the usual load: every KV key and record arrived
+            if len({blocks[i].region_index for i in checked}) == 1:
+                by_region[blocks[checked[0]].region_index] = list(range(len(checked)))
+            else:
+                for n, i in enumerate(checked):
+                    by_region.setdefault(blocks[i].region_index, []).append(n)
+        else:
+            for n, (i, result) in enumerate(zip(checked, record_results, strict=True)):
+                block = blocks[i]
+                ref = (block.region_index, block.block_id)
+                if ref in failed:
+                    continue  # its KV did not arrive: already a load error
+                if result.ok:
+                    by_region.setdefault(block.region_index, []).append(n)
+                elif result.not_found:  # stored by an older version, or the record evicted
+                    out.missing += 1
+                    if allow:
+                        out.unverified += 1
+                    else:
+                        out.failed.add(ref)
+                        out.note(block, record_keys[n],
+                                 "no digest record (verify_allow_unverified is false)")
+                else:  # a record of another size, or its get failed
+                    out.invalid += 1
                     out.failed.add(ref)
-                    out.note(block, key, "no digest record (verify_allow_unverified is false)")
-            else:  # a record of another size, or the get of the record failed
-                out.invalid += 1
-                out.failed.add(ref)
-                out.note(block, key, f"digest record get: {result}")
-                out.corrupt_keys.extend(self._block_keys(block, key))
-        for region_index, items in by_region.items():
-            ids = [blocks[i].block_id for i, _ in items]
+                    out.note(block, record_keys[n], f"digest record get: {result}")
+                    out.corrupt_keys.extend(self._block_keys(block, record_keys[n]))
+        for region_index, positions in by_region.items():
+            ids = [blocks[checked[n]].block_id for n in positions]
             actual = digests.layer_digests(region_index, ids)
             table = digests.load[region_index]
-            verdicts = table.check(ids, [key_digest(k) for _, k in items], actual)
-            for (i, key), block_id, row, check in zip(items, ids, actual, verdicts,
-                                                      strict=True):
-                block = blocks[i]
-                if check.verdict is RecordVerdict.MATCH:
-                    out.verified += 1
-                    continue
+            bad = table.failures(ids, [key_digest(record_keys[n]) for n in positions], actual)
+            out.verified += len(ids) - len(bad)
+            for position, check in bad:
+                n = positions[position]
+                block, block_id = blocks[checked[n]], ids[position]
                 out.failed.add((region_index, block_id))
                 if check.verdict is RecordVerdict.MISMATCH:
                     out.mismatches += 1
-                    slot = self.plans[region_index].layers[check.layer_position]
+                    layer = check.layer_position
+                    slot = self.plans[region_index].layers[layer]
                     out.note(block, slot.prefix + block.block_hash.hex(),
                              f"layer {slot.layer_id}: stored digest "
-                             f"{table.stored_digest(block_id, check.layer_position):#018x}, "
-                             f"loaded bytes {int(row[check.layer_position]):#018x}")
+                             f"{table.stored_digest(block_id, layer):#018x}, loaded bytes "
+                             f"{int(actual[position][layer]):#018x}")
                 else:
                     out.invalid += 1
-                    out.note(block, key, f"digest record: {check.reason}")
-                out.corrupt_keys.extend(self._block_keys(block, key))
+                    out.note(block, record_keys[n], f"digest record: {check.reason}")
+                out.corrupt_keys.extend(self._block_keys(block, record_keys[n]))
         if out.first is not None:
             block, key, what = out.first
             logger.error("mooncake store engine %s rank %s: request %s: %d of %d checked "

@@ -87,19 +87,18 @@ def test_check_names_the_layer_that_differs_and_rejects_foreign_records() -> Non
     keys = [key_digest(f"d:{i}") for i in ids]
     save.write(ids, keys, digests.layer_digests(0, ids))
     load.records[:] = save.records  # what a get of every record would land
-    assert [c.verdict for c in load.check(ids, keys, digests.layer_digests(0, ids))] == [
-        RecordVerdict.MATCH] * 4
+    assert load.failures(ids, keys, digests.layer_digests(0, ids)) == []
     memory[1][2 * 128 + 7] ^= 0xFF          # a flipped byte in layer 1 of block 2
     load.records["num_layers"][1] = 3        # block 1: a record of another geometry
-    checks = load.check(ids, [keys[0], keys[1], keys[2], keys[0]],  # block 3: another key's
-                        digests.layer_digests(0, ids))
-    assert checks[0].verdict is RecordVerdict.MATCH
-    assert checks[1].verdict is RecordVerdict.INVALID and "num_layers 3" in checks[1].reason
-    assert checks[2].verdict is RecordVerdict.MISMATCH and checks[2].layer_position == 1
-    assert checks[3].verdict is RecordVerdict.INVALID and "another key" in checks[3].reason
+    bad = dict(load.failures(ids, [keys[0], keys[1], keys[2], keys[0]],  # 3: another key's
+                             digests.layer_digests(0, ids)))
+    assert sorted(bad) == [1, 2, 3]
+    assert bad[1].verdict is RecordVerdict.INVALID and "num_layers 3" in bad[1].reason
+    assert bad[2].verdict is RecordVerdict.MISMATCH and bad[2].layer_position == 1
+    assert bad[3].verdict is RecordVerdict.INVALID and "another key" in bad[3].reason
     load.records["magic"][0] = b"XXXX"
-    (bad,) = load.check([0], [keys[0]], digests.layer_digests(0, [0]))
-    assert bad.verdict is RecordVerdict.INVALID and "magic" in bad.reason
+    ((_, check),) = load.failures([0], [keys[0]], digests.layer_digests(0, [0]))
+    assert check.verdict is RecordVerdict.INVALID and "magic" in check.reason
 
 
 def test_verify_settings_parse_once_with_clear_errors() -> None:
