@@ -1,7 +1,7 @@
 """``kvbridge bench mooncake``: the connector's put/get against Mooncake's own batch calls.
 
-Same run, same bytes, same store: a one-layer model whose block (of one
-layer) is exactly ``block_bytes``, a producer-side worker half whose KV tensor
+Same run, same bytes, same store: a one-layer model (``layers`` to change it)
+whose block (of one layer) is exactly ``block_bytes``, a producer-side worker half whose KV tensor
 is the source and a consumer-side worker half whose KV tensor is the
 destination, both registered with one pooled client. Per round:
 
@@ -20,7 +20,9 @@ mode with its own destination tensor): ``off`` (no record fetched, nothing
 checked), ``sample`` (the default fraction), ``full`` (every block checked).
 ``connector`` in the report is ``full``, the default; ``verify`` has every
 mode and ``verify_ratio`` each mode's throughput over ``off``'s (paired per
-round like the headline ratio), i.e. what verification costs.
+round like the headline ratio), i.e. what verification costs. With
+``layers`` > 1 every block is one object per layer (as in a real model), so a
+record adds one key per ``layers`` objects instead of doubling the keys.
 
 Every side uses fresh keys each round (a put on an existing key is a no-op)
 and the order of the sides rotates each round; every get is verified byte for
@@ -60,33 +62,37 @@ _ELEM = 2  # float16
 VERIFY_MODES = tuple(m.value for m in DigestMode)  # off, sample, full
 
 
-def bench_spec(block_bytes: int) -> KVCacheSpec:
-    """A one-layer key+value float16 model whose per-layer block is ``block_bytes``."""
+def bench_spec(block_bytes: int, layers: int = 1) -> KVCacheSpec:
+    """A ``layers``-layer key+value float16 model whose per-layer block is ``block_bytes``."""
     unit = 2 * _BLOCK_TOKENS * _HEAD_DIM * _ELEM
     if block_bytes % unit:
         raise ValueError(f"block_bytes must be a multiple of {unit} bytes, got {block_bytes}")
-    region = RegionSpec(name="attn", layout=RegionLayout.SPLIT, layer_ids=(0,),
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    region = RegionSpec(name="attn", layout=RegionLayout.SPLIT, layer_ids=tuple(range(layers)),
                         block_size=_BLOCK_TOKENS, num_kv_heads=block_bytes // unit,
                         head_dim=_HEAD_DIM, dtype="float16")
-    return KVCacheSpec(model=f"kvbridge-bench-{block_bytes}", regions=(region,))
+    return KVCacheSpec(model=f"kvbridge-bench-{block_bytes}-{layers}", regions=(region,))
 
 
 def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds: int = 7,
               master_address: str | None = None, metadata_server: str | None = None,
-              verify_modes: Sequence[str] = VERIFY_MODES) -> dict[str, Any]:
+              verify_modes: Sequence[str] = VERIFY_MODES, layers: int = 1) -> dict[str, Any]:
     """Measure connector and raw put/get GB/s per ``(num_blocks, block_bytes)`` pattern.
 
     Starts a local ``mooncake_master`` unless an address is given. Returns a
     JSON-ready dict (see the module doc); ``target_ratio`` is 0.9.
     ``verify_modes``: the connector's get is measured in each (``full`` always).
+    ``layers``: layers of the model, each block one object per layer (a pattern's
+    bytes are per layer; a block's digest record is one more key per block).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     modes = tuple(dict.fromkeys((*(DigestMode(m).value for m in verify_modes), "full")))
-    max_bytes = max(n * b for n, b in patterns)
+    max_bytes = max(n * b for n, b in patterns) * layers
     segment = max(64 * MiB, 3 * max_bytes)
     report: dict[str, Any] = {"rounds": rounds, "segment_bytes": segment, "target_ratio": 0.9,
-                              "patterns": []}
+                              "layers": layers, "patterns": []}
     with master_endpoint(master_address, metadata_server) as (rpc, metadata, local):
         report["master"] = rpc
         report["local_master"] = local
@@ -96,7 +102,7 @@ def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds:
                  "client_scope": "engine"}
         for num_blocks, block_bytes in patterns:
             report["patterns"].append(_bench_pattern(extra, num_blocks, block_bytes, rounds,
-                                                     modes))
+                                                     modes, layers))
     return report
 
 
@@ -110,20 +116,24 @@ def _worker(spec: KVCacheSpec, extra: dict[str, Any], role: KVRole, num_blocks: 
                            num_blocks=(num_blocks,), extra=parse_settings(extra),
                            rank=topology, worker_index=0)
     shape = spec.rank_shapes(topology)[0]
-    tensor = torch.zeros(shape.tensor_shape(num_blocks), dtype=torch.float16)
+    # every layer in one allocation (layer-major): one tensor to fill, compare and copy
+    tensor = torch.zeros((len(shape.layer_ids), *shape.tensor_shape(num_blocks)),
+                         dtype=torch.float16)
     if fill:
         tensor.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
     worker = MooncakeStoreWorker(ctx)
-    worker.register_kv_caches(KVCaches((shape,), (num_blocks,), {0: tensor}))
+    worker.register_kv_caches(KVCaches((shape,), (num_blocks,),
+                                       {layer: tensor[i]
+                                        for i, layer in enumerate(shape.layer_ids)}))
     return worker, tensor
 
 
 def _bench_pattern(extra: dict[str, Any], num_blocks: int, block_bytes: int,
-                   rounds: int, modes: Sequence[str]) -> dict[str, Any]:
+                   rounds: int, modes: Sequence[str], layers: int) -> dict[str, Any]:
     import torch
 
-    spec = bench_spec(block_bytes)
-    total = num_blocks * block_bytes
+    spec = bench_spec(block_bytes, layers)
+    total = num_blocks * block_bytes * layers
     producer, src = _worker(spec, extra, KVRole.PRODUCER, num_blocks, fill=True)
     consumers: dict[str, tuple[MooncakeStoreWorker, Any]] = {}
     try:
@@ -144,12 +154,16 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
     client = producer.client
     assert client is not None and all(c.client is client for c, _ in consumers.values())
     raw = client.raw_store
-    prefix = producer.plans[0].layers[0].prefix
+    prefixes = [slot.prefix for slot in producer.plans[0].layers]
     record_prefix = producer.plans[0].digest_prefix
     raw_dst = consumers["full"][1]
-    src_ptrs = [src.data_ptr() + i * block_bytes for i in range(num_blocks)]
-    dst_ptrs = [raw_dst.data_ptr() + i * block_bytes for i in range(num_blocks)]
-    sizes = [block_bytes] * num_blocks
+    layers = len(prefixes)
+    layer_bytes = num_blocks * block_bytes
+    src_ptrs = [src.data_ptr() + layer * layer_bytes + i * block_bytes
+                for layer in range(layers) for i in range(num_blocks)]
+    dst_ptrs = [raw_dst.data_ptr() + layer * layer_bytes + i * block_bytes
+                for layer in range(layers) for i in range(num_blocks)]
+    sizes = [block_bytes] * (num_blocks * layers)
     names = ("raw", *(f"connector:{m}" for m in consumers))
     times: dict[str, dict[str, list[float]]] = {s: {"put": [], "get": []} for s in names}
     failures = dict.fromkeys(names, 0)
@@ -184,11 +198,12 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
         checked = consumer.get_stats()
         ok = (not errors and after["put_failures"] == before["put_failures"]
               and checked["digest_mismatches"] == checked_before["digest_mismatches"])
-        keys = [p + h.hex() for h in hashes for p in (prefix, record_prefix)]
+        keys = [p + h.hex() for h in hashes for p in (*prefixes, record_prefix)]
         return t1 - t0, t3 - t2, ok, keys
 
     def raw_round() -> tuple[float, float, bool, list[str]]:
-        keys = [prefix + os.urandom(32).hex() for _ in range(num_blocks)]
+        suffixes = [os.urandom(32).hex() for _ in range(num_blocks)]
+        keys = [p + h for p in prefixes for h in suffixes]
         t0 = time.perf_counter()
         put_ok = all(c == 0 for c in raw.batch_put_from(keys, src_ptrs, sizes))
         t1 = time.perf_counter()
@@ -231,7 +246,8 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
                                 for op in ("put", "get")}
         for name in names if name.startswith("connector:")}
     return {
-        "num_blocks": num_blocks, "block_bytes": block_bytes, "total_bytes": total,
+        "num_blocks": num_blocks, "block_bytes": block_bytes, "layers": layers,
+        "total_bytes": total,
         "raw": side("raw"), "connector": side(full),
         "ratio": {"put": paired_ratio(times["raw"]["put"], times[full]["put"]),
                   "get": paired_ratio(times["raw"]["get"], times[full]["get"]),
@@ -264,6 +280,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{'pattern':>14} {'side':>10} {'put GB/s':>9} {'get GB/s':>9}"]
     for p in report["patterns"]:
         pattern = f"{p['num_blocks']}x{_size(p['block_bytes'])}"
+        if p.get("layers", 1) > 1:
+            pattern += f"x{p['layers']}L"
         for name in ("raw", "connector"):
             lines.append(f"{pattern:>14} {name:>10} {p[name]['put_gbps']:9.2f} "
                          f"{p[name]['get_gbps']:9.2f}")
