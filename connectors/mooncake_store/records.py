@@ -31,6 +31,14 @@ The reader knows its own geometry (layers, bytes per layer), so it gets the
 record into a slot of exactly :func:`record_bytes` (a bigger or smaller object
 is a size mismatch, never a read past the slot) and checks every header field
 before it trusts a digest.
+
+Consistency: a record and its block's layer objects are separate keys, put in
+one batch but not atomically, and a put keeps an existing key's value. If the
+store evicts some of a block's objects and another writer stores them again
+from KV that is not bitwise the same, the old record no longer vouches for the
+new bytes: the reader reports a mismatch, the block is recomputed, and the
+reader removes that block's keys so the next put stores a consistent set. A
+false alarm costs a recompute, never wrong bytes.
 """
 
 from __future__ import annotations

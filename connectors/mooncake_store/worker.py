@@ -80,6 +80,9 @@ logger = logging.getLogger(__name__)
 
 _STATUS = operator.attrgetter("status")
 _NBYTES = operator.attrgetter("nbytes")
+#: a get into a slot of the wrong size: smaller objects read short (SIZE_MISMATCH), bigger
+#: ones are refused by Mooncake ("buffer too small": INVALID_PARAMS) without a write
+_WRONG_SIZE = frozenset((McStatus.SIZE_MISMATCH, McStatus.INVALID_PARAMS))
 
 #: Upper bounds (ms) of the load-latency histogram in the worker stats (``load_ms_le_<b>``).
 LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
@@ -478,11 +481,15 @@ class MooncakeStoreWorker(WorkerConnector):
                         out.failed.add(ref)
                         out.note(block, record_keys[n],
                                  "no digest record (verify_allow_unverified is false)")
-                else:  # a record of another size, or its get failed
+                elif result.code in _WRONG_SIZE:  # an object of another size: not a record
+                    # of this key's geometry (a bigger one is refused, nothing written)
                     out.invalid += 1
                     out.failed.add(ref)
                     out.note(block, record_keys[n], f"digest record get: {result}")
                     out.corrupt_keys.extend(self._block_keys(block, record_keys[n]))
+                else:  # the record's get failed (transient): unchecked, so not loaded
+                    out.failed.add(ref)
+                    out.note(block, record_keys[n], f"digest record get: {result}")
         for region_index, positions in by_region.items():
             ids = [blocks[checked[n]].block_id for n in positions]
             actual = digests.layer_digests(region_index, ids)

@@ -369,3 +369,36 @@ def test_missing_record_is_served_unverified_or_failed(
             assert result.num_external_tokens == 1 * _BLOCK_TOKENS
             assert stats["blocks_unverified"] == 0 and stats["load_errors"] == 1
             assert stats["corrupt_keys_removed"] == 0  # a missing record is not corruption
+
+
+def test_foreign_or_malformed_record_is_a_failed_load(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """A record moved from another block (right size, wrong key) and a record replaced by a
+    layer object's bytes (wrong size) both fail their blocks; neither is trusted."""
+    extra, client = held_store
+    _scratch_registered(client)
+    (request,) = make_requests(1, prompt_tokens=3 * _BLOCK_TOKENS + 3, max_tokens=1, seed=59,
+                               prefix="digest-foreign")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    engine = _both(extra)
+    try:
+        engine.add_request(request)
+        engine.run_until_done(timeout_s=60)
+        rank0, rank1 = (digest_key_prefix(_namespace(r)) for r in range(2))
+        _overwrite(client, rank0 + hashes[1].hex(), rank0 + hashes[0].hex())
+        malformed = rank1 + hashes[2].hex()
+        (gone,) = client.remove([malformed], force=True)
+        assert gone.ok, gone
+        (size,) = [r.nbytes for r in client.batch_get_into(
+            [store_key(_namespace(1), 0, hashes[2])], [_SCRATCH.data_ptr()],
+            [_SCRATCH.numel()], exact_size=False)]
+        (put,) = client.batch_put_from([malformed], [_SCRATCH.data_ptr()], [size])
+        assert put.ok, put
+        result = _load_again(engine, request, "digest-foreign-again")
+        stats = _worker_stats(engine)
+    finally:
+        engine.shutdown()
+    assert result.num_external_tokens == _BLOCK_TOKENS and result.mismatched_bytes == 0
+    assert stats["digest_records_invalid"] == 2 and stats["digest_mismatches"] == 0
+    assert stats["load_errors"] == 2
+    assert stats["corrupt_keys_removed"] == 2 * (4 + 1)
