@@ -13,10 +13,9 @@ loaded (``verify``: full, sample or off): wrong bytes are a load error too.
 Modules: :mod:`.settings` (extra config), :mod:`.keys` (pure key and lookup
 arithmetic), :mod:`.records` (the digest record format, pure), :mod:`.verify`
 (a rank's record tables and in-place digests), :mod:`.clients` (process-wide
-client pool), :mod:`.lookup` (the
-scheduler half's existence-check thread), :mod:`.metadata`,
-:mod:`.scheduler` and :mod:`.worker` (the two halves), :mod:`.plugin`,
-:mod:`.bench` (``kvbridge bench mooncake``).
+client pool), :mod:`.lookup` (the scheduler half's existence-check thread),
+:mod:`.metadata`, :mod:`.scheduler` and :mod:`.worker` (the two halves),
+:mod:`.plugin`, :mod:`.bench` (``kvbridge bench mooncake``).
 """
 
 from kvbridge.connectors.mooncake_store.keys import (
