@@ -402,3 +402,33 @@ def test_foreign_or_malformed_record_is_a_failed_load(
     assert stats["digest_records_invalid"] == 2 and stats["digest_mismatches"] == 0
     assert stats["load_errors"] == 2
     assert stats["corrupt_keys_removed"] == 2 * (4 + 1)
+
+
+def test_kv_without_host_digests_is_stored_without_records_and_loaded_unverified(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """KV the worker cannot digest (device memory: no host view) is put without records and
+    loaded unverified, counted; here the workers' digest tables are dropped as they are
+    for device memory."""
+    from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
+
+    extra, client = held_store
+    (request,) = make_requests(1, prompt_tokens=2 * _BLOCK_TOKENS + 3, max_tokens=1, seed=61,
+                               prefix="digest-device")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    engine = _both(extra)
+    try:
+        for w in engine.workers:
+            assert isinstance(w.connector, MooncakeStoreWorker)
+            assert w.connector.digests is not None  # host KV: digested
+            w.connector.digests = None
+        engine.add_request(request)
+        engine.run_until_done(timeout_s=60)
+        records = [digest_key_prefix(_namespace(r)) + h.hex() for r in range(2) for h in hashes]
+        assert client.batch_exists(records) == [False] * len(records)
+        result = _load_again(engine, request, "digest-device-again")
+        stats = _worker_stats(engine)
+    finally:
+        engine.shutdown()
+    assert result.num_external_tokens == 2 * _BLOCK_TOKENS and result.mismatched_bytes == 0
+    assert stats["blocks_digested"] == stats["blocks_verified"] == 0
+    assert stats["blocks_unverified"] == stats["digests_missing"] == 2 * 2
