@@ -5,13 +5,17 @@ see :mod:`.keys`) zero-copy from the registered KV tensors; any engine (a
 consumer, or another instance reusing a prefix) looks blocks up asynchronously
 and loads them zero-copy. Failures are misses: a failed lookup matches
 nothing, a failed get is a load error the engine recomputes, a failed put is
-counted and dropped, and every Mooncake call is bounded.
+counted and dropped, and every Mooncake call is bounded. Every block put goes
+with a digest record of its bytes (a companion key in the same batch), and a
+reader checks the bytes that landed against it before it calls the block
+loaded (``verify``: full, sample or off): wrong bytes are a load error too.
 
 Modules: :mod:`.settings` (extra config), :mod:`.keys` (pure key and lookup
-arithmetic), :mod:`.clients` (process-wide client pool), :mod:`.lookup` (the
-scheduler half's existence-check thread), :mod:`.metadata`,
-:mod:`.scheduler` and :mod:`.worker` (the two halves), :mod:`.plugin`,
-:mod:`.bench` (``kvbridge bench mooncake``).
+arithmetic), :mod:`.records` (the digest record format, pure), :mod:`.verify`
+(a rank's record tables and in-place digests), :mod:`.clients` (process-wide
+client pool), :mod:`.lookup` (the scheduler half's existence-check thread),
+:mod:`.metadata`, :mod:`.scheduler` and :mod:`.worker` (the two halves),
+:mod:`.plugin`, :mod:`.bench` (``kvbridge bench mooncake``).
 """
 
 from kvbridge.connectors.mooncake_store.keys import (

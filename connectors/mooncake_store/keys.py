@@ -15,6 +15,13 @@ namespace of :func:`kvbridge.layouts.lookup_namespaces` for the block's region
 (DCP ranks ``1..n-1`` and every pipeline stage included) times every layer of
 the region on that namespace's stage. Partial objects (a put that stored some
 layers, an eviction of one) are therefore misses, never a partial load.
+
+Next to a block's layer objects each namespace holds one small **digest
+record** (``<namespace>:D1:<hash>``, see :mod:`.records`) that readers check
+the bytes against. A lookup does not ask for it: a block without a record
+(stored by an older version, or its record evicted) is still a hit, and the
+reader's policy decides whether it is loaded unverified. Removal deletes it
+with the block's layer objects.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbridge.connectors.mooncake_store.records import digest_key_prefix
 from kvbridge.layouts import (
     BlockHash,
     KeyNamespace,
@@ -55,6 +63,8 @@ class RegionLookup:
     region: str
     tokens_per_key: int
     prefixes: tuple[str, ...]
+    #: digest record key prefix of each namespace holding a part of the region
+    record_prefixes: tuple[str, ...] = ()
 
     def keys(self, block_hashes: Sequence[BlockHash]) -> list[str]:
         """Keys of ``block_hashes``, block-major (``len(prefixes)`` keys per block)."""
@@ -77,6 +87,7 @@ def region_lookups(spec: KVCacheSpec, topology: ParallelTopology, *,
     out = []
     for index, region in enumerate(spec.regions):
         prefixes: list[str] = []
+        record_prefixes: list[str] = []
         for ns in namespaces:
             if ns.region != region.name:
                 continue
@@ -84,10 +95,12 @@ def region_lookups(spec: KVCacheSpec, topology: ParallelTopology, *,
             layers = [layer for layer in sorted(region.layer_ids) if layer in stage]
             prefixes.extend(layer_key_prefix(ns, layer)
                             for layer in (layers if every_layer else layers[-1:]))
+            if layers:
+                record_prefixes.append(digest_key_prefix(ns))
         if not prefixes:
             raise AssertionError(f"region {region.name!r} has no namespace to look up")
         out.append(RegionLookup(index, region.name, region.tokens_per_key(sizes.dcp_size),
-                                tuple(prefixes)))
+                                tuple(prefixes), tuple(record_prefixes)))
     return tuple(out)
 
 

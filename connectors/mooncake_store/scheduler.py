@@ -266,7 +266,8 @@ class MooncakeStoreScheduler(SchedulerConnector):
                                                 locality=Locality.REMOTE.value))
 
     def remove_blocks(self, blocks: Mapping[int, Sequence[BlockHash]]) -> int:
-        """Delete blocks (``region index -> block hashes``) from the store, every part of each.
+        """Delete blocks (``region index -> block hashes``) from the store, every part of each
+        (every layer object of every namespace, and each namespace's digest record).
 
         Synchronous (one bounded Mooncake call); for operators and fault
         injection. Emits ``BlockRemoved`` for blocks whose every key is now
@@ -277,7 +278,9 @@ class MooncakeStoreScheduler(SchedulerConnector):
         for region_index, hashes in blocks.items():
             region = self._all_keys[region_index]
             for block_hash in hashes:
-                block_keys = region.keys([block_hash])
+                suffix = block_hash.hex()
+                block_keys = [*region.keys([block_hash]),
+                              *(p + suffix for p in region.record_prefixes)]
                 spans.append((region_index, block_hash, len(keys), len(keys) + len(block_keys)))
                 keys.extend(block_keys)
         if not keys:

@@ -24,6 +24,16 @@ Keys (all optional except the two addresses)::
                           abandoned call before reporting its blocks failed / ending the
                           step, so a late transfer cannot touch a block the engine
                           reuses (default 5.0)
+    verify                "full" (default): every loaded block is checked against the
+                          digest record its writer put next to it before it is
+                          reported loaded; "sample": a deterministic fraction
+                          (verify_sample) of each load's blocks; "off": nothing is
+                          checked (and no record is fetched). Writers always put
+                          records, whatever this says (see :mod:`.records`).
+    verify_sample         the fraction checked in "sample" mode, in (0, 1] (default 0.125)
+    verify_allow_unverified  a block stored without a record (an older version, KV in
+                          device memory) is loaded unverified and counted (default
+                          true); false reports it as a load error instead
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from typing import Any
 
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeConfigError, Protocol
 from kvbridge.connectors.errors import ConfigError
+from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 
 MiB = 1 << 20
 _FIELD = "kv_connector_extra_config"
@@ -62,6 +73,14 @@ class MooncakeStoreSettings:
     scheduler_segment_size: int = 0
     reconnect_interval_s: float = 1.0
     abandon_grace_s: float = 5.0
+    verify: DigestMode = DigestMode.FULL
+    verify_sample: float = 0.125
+    verify_allow_unverified: bool = True
+
+    @property
+    def verify_policy(self) -> VerifyPolicy:
+        """The reader's verification policy these settings describe."""
+        return VerifyPolicy(self.verify, self.verify_sample, self.verify_allow_unverified)
 
     def client_config(self, *, segment_size: int | None = None) -> MooncakeConfig:
         """The store client's config (worker halves lend ``global_segment_size``)."""
@@ -83,9 +102,10 @@ class MooncakeStoreSettings:
 
 _INT = ("global_segment_size", "local_buffer_size", "scheduler_segment_size")
 _FLOAT = ("op_timeout_s", "lookup_timeout_s", "reconnect_interval_s", "abandon_grace_s")
-_BOOL = ("load_async", "lookup", "lookup_every_layer")
-_STR = ("master_address", "metadata_server", "protocol", "device_name", "client_scope")
-_SPEC = (*_STR, *_INT, *_FLOAT, *_BOOL)
+_BOOL = ("load_async", "lookup", "lookup_every_layer", "verify_allow_unverified")
+_STR = ("master_address", "metadata_server", "protocol", "device_name", "client_scope",
+        "verify")
+_SPEC = (*_STR, *_INT, *_FLOAT, *_BOOL, "verify_sample")
 
 
 def parse_settings(extra: Mapping[str, Any]) -> MooncakeStoreSettings:
@@ -106,7 +126,7 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeStoreSettings:
                                                  f"{example!r} (`kvbridge mooncake master` "
                                                  f"prints both)")
         values[key] = value
-    for key in ("protocol", "device_name", "client_scope"):
+    for key in ("protocol", "device_name", "client_scope", "verify"):
         if key in extra:
             if not isinstance(extra[key], str):
                 raise ConfigError(f"{_FIELD}.{key}", f"expected a string, got {extra[key]!r}")
@@ -137,6 +157,21 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeStoreSettings:
             raise ConfigError(f"{_FIELD}.client_scope",
                               f"expected one of {[s.value for s in ClientScope]}, "
                               f"got {values['client_scope']!r}") from None
+    if "verify" in values:
+        try:
+            values["verify"] = DigestMode(values["verify"])
+        except ValueError:
+            raise ConfigError(f"{_FIELD}.verify",
+                              f"expected one of {[m.value for m in DigestMode]}, "
+                              f"got {values['verify']!r}") from None
+    if "verify_sample" in extra:
+        value = extra["verify_sample"]
+        if (not isinstance(value, int | float) or isinstance(value, bool)
+                or not 0.0 < value <= 1.0):
+            raise ConfigError(f"{_FIELD}.verify_sample", f"expected the fraction of blocks "
+                                                         f"checked in sample mode, in (0, 1], "
+                                                         f"got {value!r}")
+        values["verify_sample"] = float(value)
     if "lookup_timeout_s" not in values:
         values["lookup_timeout_s"] = values.get("op_timeout_s", 5.0) + 1.0
     settings = MooncakeStoreSettings(**values)

@@ -24,6 +24,22 @@ contiguous slice, so each store object (one layer of one block, see
   request in ``failed_recving`` for async loads); the engine recomputes it.
   Every request the scheduler told this rank to load is reported finished,
   also when this rank holds none of its layers.
+* **Digests** (issue 18): every block put goes with a digest record of this
+  rank's part of it (:mod:`.records`: XXH3-64 of the block's bytes in each
+  layer, taken from the tensor right before the zero-copy put, so from the
+  bytes put), under a companion key in the same batch. A load gets the
+  records of the blocks its policy checks (``verify``: every block, a
+  deterministic sample, or none) in the same batch as the KV, and once the
+  bytes landed digests them in place and compares before it reports a block
+  loaded. A mismatch or a record that is not this key's is a load error of
+  exactly that block (the engine recomputes it; blocks before it stay
+  loaded), counted (``digest_mismatches``, ``digest_records_invalid``),
+  logged once per load with the engine, request, block and key, and the
+  block's keys on this rank are removed (force) so the recomputed block can
+  be stored again (a put keeps an existing key's value). A block stored
+  without a record (an older version, or KV in device memory, which is not
+  digested here) is loaded unverified and counted (``blocks_unverified``) or,
+  with ``verify_allow_unverified`` false, is a load error.
 * **Bounded**: each Mooncake call is bounded by the client (reachability
   check first, then ``op_timeout_s``). After a *timed-out* get the rank waits
   at most ``abandon_grace_s`` for the abandoned call before reporting, so a
@@ -38,7 +54,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.backends.fence import Fence, record_fence, wait_fence
@@ -49,14 +65,24 @@ from kvbridge.connectors.load_outcomes import LoadOutcomes
 from kvbridge.connectors.mooncake_store import clients
 from kvbridge.connectors.mooncake_store.keys import layer_key_prefix
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
+from kvbridge.connectors.mooncake_store.records import (
+    RecordVerdict,
+    digest_key_prefix,
+    key_digest,
+)
 from kvbridge.connectors.mooncake_store.scheduler import pool_key
 from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
+from kvbridge.connectors.mooncake_store.verify import RankDigests
 from kvbridge.layouts import ParallelTopology, namespace_for, write_targets
+from kvbridge.layouts.digests import DigestMode
 
 logger = logging.getLogger(__name__)
 
 _STATUS = operator.attrgetter("status")
 _NBYTES = operator.attrgetter("nbytes")
+#: a get into a slot of the wrong size: smaller objects read short (SIZE_MISMATCH), bigger
+#: ones are refused by Mooncake ("buffer too small": INVALID_PARAMS) without a write
+_WRONG_SIZE = frozenset((McStatus.SIZE_MISMATCH, McStatus.INVALID_PARAMS))
 
 #: Upper bounds (ms) of the load-latency histogram in the worker stats (``load_ms_le_<b>``).
 LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
@@ -81,6 +107,7 @@ class RegionPlan:
     num_blocks: int
     is_writer: bool
     layers: tuple[LayerSlot, ...]
+    digest_prefix: str = ""  # key prefix of this namespace's digest records (see .records)
 
 
 def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
@@ -90,8 +117,10 @@ def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
     plans = []
     for index, shape in enumerate(caches.shapes):
         slots = []
+        digest_prefix = ""
         if shape.layer_ids:
             namespace = namespace_for(ctx.spec, shape.region, rank)
+            digest_prefix = digest_key_prefix(namespace)
             for layer_id in shape.layer_ids:
                 tensor = caches.layers[layer_id]
                 if not tensor.is_contiguous():
@@ -106,7 +135,8 @@ def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
                                        int(tensor.data_ptr()), stride,
                                        shape.block_bytes_per_layer))
         plans.append(RegionPlan(index, caches.num_blocks[index],
-                                writers.get(shape.region.name, False), tuple(slots)))
+                                writers.get(shape.region.name, False), tuple(slots),
+                                digest_prefix))
     return tuple(plans)
 
 
@@ -118,6 +148,24 @@ class Batch:
     ptrs: list[int]
     sizes: list[int]
     owners: list[int]
+
+
+@dataclass
+class _Verified:
+    """What the digest check of one load found (counts of blocks; ``failed``: refs)."""
+
+    verified: int = 0
+    unverified: int = 0
+    missing: int = 0
+    mismatches: int = 0
+    invalid: int = 0
+    failed: set[BlockRef] = field(default_factory=set)
+    corrupt_keys: list[str] = field(default_factory=list)
+    first: tuple[LoadBlock, str, str] | None = None  # (block, key, what): logged once
+
+    def note(self, block: LoadBlock, key: str, what: str) -> None:
+        if self.first is None:
+            self.first = (block, key, what)
 
 
 def gather(plans: Sequence[RegionPlan], blocks: Sequence[LoadBlock | SaveBlock], *,
@@ -187,6 +235,9 @@ class MooncakeStoreWorker(WorkerConnector):
         self._thread: threading.Thread | None = None
         self._outcomes = LoadOutcomes()
         self._orphans: list[str] = []  # keys of timed-out puts, removed once idle
+        self._policy = settings.verify_policy
+        #: record tables and in-place digests; None when the KV is not in host memory
+        self.digests: RankDigests | None = None
         self._stats: dict[str, int | float] = {
             "put_calls": 0, "put_keys": 0, "put_bytes": 0, "put_time_s": 0.0,
             "blocks_saved": 0, "put_failures": 0, "put_timeouts": 0, "orphans_removed": 0,
@@ -194,6 +245,10 @@ class MooncakeStoreWorker(WorkerConnector):
             "get_calls": 0, "get_keys": 0, "get_bytes": 0, "get_time_s": 0.0,
             "blocks_loaded": 0, "load_errors": 0, "load_not_found": 0, "get_timeouts": 0,
             "abandoned_gets": 0,
+            "blocks_digested": 0, "digest_time_s": 0.0,
+            "blocks_verified": 0, "blocks_unverified": 0, "blocks_unchecked": 0,
+            "digest_mismatches": 0, "digest_records_invalid": 0, "digests_missing": 0,
+            "verify_time_s": 0.0, "corrupt_keys_removed": 0,
             **{f"load_ms_le_{b}": 0 for b in LATENCY_BUCKETS_MS}, "load_ms_le_inf": 0,
         }
         self._closed = False
@@ -202,6 +257,15 @@ class MooncakeStoreWorker(WorkerConnector):
 
     def register_kv_caches(self, caches: KVCaches) -> None:
         plans = build_plans(caches, self.ctx, self.rank)
+        on_host = all(str(getattr(t, "device", "cpu")) == "cpu" for t in caches.layers.values())
+        digests = RankDigests(plans, owner=caches) if on_host else None
+        if not on_host:
+            logger.warning("mooncake store rank %s: KV in device memory is not digested; "
+                           "blocks are stored without digest records and loaded %s",
+                           self.ctx.worker_index,
+                           "unverified" if self._policy.allow_unverified or
+                           not self._policy.enabled else "as load errors "
+                           "(verify_allow_unverified is false)")
         client = clients.acquire(self._pool_key, self.settings.client_config())
         self.client = client
         try:
@@ -209,10 +273,14 @@ class MooncakeStoreWorker(WorkerConnector):
                 ptr = int(tensor.data_ptr())
                 client.register_buffer(ptr, tensor.numel() * tensor.element_size())
                 self._registered.append(ptr)
+            if digests is not None:
+                client.register_buffer(digests.buffer_ptr, digests.buffer.nbytes)
+                self._registered.append(digests.buffer_ptr)
         except BaseException:
             self._release_client()
             raise
         self.plans = plans
+        self.digests = digests
         devices: dict[str, Any] = {}
         for tensor in caches.layers.values():
             devices.setdefault(str(getattr(tensor, "device", "cpu")), tensor)
@@ -263,7 +331,8 @@ class MooncakeStoreWorker(WorkerConnector):
             self._outcomes.finish(request_id, failed)
 
     def _load(self, request_id: str, blocks: Sequence[LoadBlock]) -> set[BlockRef]:
-        """Get every key of ``blocks`` into its tensor slot; the blocks that failed."""
+        """Get every key of ``blocks`` into its tensor slot (and the digest records the
+        policy checks into their slots), verify; the blocks that failed."""
         batch, out_of_range = gather(self.plans, blocks, writers_only=False)
         failed: set[BlockRef] = {(blocks[i].region_index, blocks[i].block_id)
                                  for i in out_of_range}
@@ -276,14 +345,27 @@ class MooncakeStoreWorker(WorkerConnector):
         client = self.client
         if client is None:
             return failed | {(b.region_index, b.block_id) for b in blocks}
+        num_kv_keys = len(keys)
+        checked, unchecked = self._checked_blocks(request_id, blocks, set(owners))
+        digests = self.digests
+        record_keys: list[str] = []
+        if checked and digests is not None:  # records: same batch, after the KV keys
+            plans, tables = self.plans, digests.load
+            record_keys = [plans[blocks[i].region_index].digest_prefix
+                           + blocks[i].block_hash.hex() for i in checked]
+            keys.extend(record_keys)
+            ptrs.extend([tables[blocks[i].region_index].slot_ptr(blocks[i].block_id)
+                         for i in checked])
+            sizes.extend([tables[blocks[i].region_index].record_bytes for i in checked])
         started = time.perf_counter()
         results = client.batch_get_into(keys, ptrs, sizes)
         elapsed = time.perf_counter() - started
         not_found = 0
         timed_out = False
         ok_status = KeyStatus.OK
-        if list(map(_STATUS, results)).count(ok_status) != len(results):  # else: all ok
-            for index, result in enumerate(results):
+        kv_results = results[:num_kv_keys] if len(results) > num_kv_keys else results
+        if list(map(_STATUS, kv_results)).count(ok_status) != len(kv_results):  # else: all ok
+            for index, result in enumerate(kv_results):
                 if result.status is ok_status:
                     continue
                 block = blocks[owners[index]]
@@ -298,23 +380,166 @@ class MooncakeStoreWorker(WorkerConnector):
                          "its blocks are reported failed anyway", request_id,
                          self.settings.abandon_grace_s)
         if failed:
-            first = next(r for r in results if not r.ok)
+            first = next(r for r in kv_results if not r.ok)
             logger.warning("mooncake store rank %s: load for %s: %d of %d blocks failed "
                            "(first: %s)", self.ctx.worker_index, request_id, len(failed),
                            len(blocks), first)
+        verify_started = time.perf_counter()
+        outcome = self._verify(request_id, blocks, checked, record_keys,
+                               results[num_kv_keys:], failed)
+        verify_s = time.perf_counter() - verify_started if checked else 0.0
+        failed |= outcome.failed
+        loaded = (len(set(owners)) if not failed else
+                  len({(blocks[i].region_index, blocks[i].block_id) for i in owners} - failed))
         with self._lock:
             s = self._stats
             s["get_calls"] += 1
             s["get_keys"] += len(keys)
             s["get_bytes"] += nbytes
             s["get_time_s"] += elapsed
-            s["blocks_loaded"] += len(set(owners)) - len(failed)
+            s["blocks_loaded"] += loaded
             s["load_errors"] += len(failed)
             s["load_not_found"] += not_found
             s["get_timeouts"] += int(timed_out)
             s["abandoned_gets"] += int(abandoned)
             s[_bucket(elapsed * 1000.0)] += 1
+            s["blocks_verified"] += outcome.verified
+            s["blocks_unverified"] += outcome.unverified
+            s["blocks_unchecked"] += unchecked
+            s["digest_mismatches"] += outcome.mismatches
+            s["digest_records_invalid"] += outcome.invalid
+            s["digests_missing"] += outcome.missing
+            s["verify_time_s"] += verify_s
+        if outcome.corrupt_keys:
+            self._remove_corrupt(request_id, outcome.corrupt_keys)
         return failed
+
+    def _checked_blocks(self, request_id: str, blocks: Sequence[LoadBlock],
+                        addressed: set[int]) -> tuple[list[int], int]:
+        """Indices (into ``blocks``) of the addressed blocks the policy checks, and how many
+        addressed blocks it does not check.
+
+        The policy's block index is the block's position among this load's blocks of
+        its region: every rank gets the same load, so the ranks check the same blocks.
+        """
+        policy = self._policy
+        if policy.mode is DigestMode.OFF:
+            return [], len(addressed)
+        ordered = sorted(addressed)
+        if policy.mode is DigestMode.FULL:
+            return ordered, 0
+        position: dict[int, int] = {}
+        chosen = []
+        for i, block in enumerate(blocks):
+            index = position.get(block.region_index, 0)
+            position[block.region_index] = index + 1
+            if i in addressed and policy.wants(request_id, block.region_index, index):
+                chosen.append(i)
+        return chosen, len(addressed) - len(chosen)
+
+    def _verify(self, request_id: str, blocks: Sequence[LoadBlock], checked: Sequence[int],
+                record_keys: Sequence[str], record_results: Sequence[Any],
+                failed: set[BlockRef]) -> _Verified:
+        """Check the blocks ``checked`` whose KV arrived against the records that landed
+        (``record_keys``/``record_results``: one per checked block, empty without
+        host digests)."""
+        out = _Verified()
+        allow = self._policy.allow_unverified
+        digests = self.digests
+        if digests is None:  # no host view of the KV: nothing can be checked here
+            for i in checked:
+                ref = (blocks[i].region_index, blocks[i].block_id)
+                if ref in failed:
+                    continue
+                out.missing += 1
+                if allow:
+                    out.unverified += 1
+                else:
+                    out.failed.add(ref)
+            return out
+        by_region: dict[int, list[int]] = {}  # region -> positions in ``checked``
+        if (not failed and list(map(_STATUS, record_results)).count(KeyStatus.OK)
+                == len(record_results)):  # the usual load: every KV key and record arrived
+            if len({blocks[i].region_index for i in checked}) == 1:
+                by_region[blocks[checked[0]].region_index] = list(range(len(checked)))
+            else:
+                for n, i in enumerate(checked):
+                    by_region.setdefault(blocks[i].region_index, []).append(n)
+        else:
+            for n, (i, result) in enumerate(zip(checked, record_results, strict=True)):
+                block = blocks[i]
+                ref = (block.region_index, block.block_id)
+                if ref in failed:
+                    continue  # its KV did not arrive: already a load error
+                if result.ok:
+                    by_region.setdefault(block.region_index, []).append(n)
+                elif result.not_found:  # stored by an older version, or the record evicted
+                    out.missing += 1
+                    if allow:
+                        out.unverified += 1
+                    else:
+                        out.failed.add(ref)
+                        out.note(block, record_keys[n],
+                                 "no digest record (verify_allow_unverified is false)")
+                elif result.code in _WRONG_SIZE:  # an object of another size: not a record
+                    # of this key's geometry (a bigger one is refused, nothing written)
+                    out.invalid += 1
+                    out.failed.add(ref)
+                    out.note(block, record_keys[n], f"digest record get: {result}")
+                    out.corrupt_keys.extend(self._block_keys(block, record_keys[n]))
+                else:  # the record's get failed (transient): unchecked, so not loaded
+                    out.failed.add(ref)
+                    out.note(block, record_keys[n], f"digest record get: {result}")
+        for region_index, positions in by_region.items():
+            ids = [blocks[checked[n]].block_id for n in positions]
+            actual = digests.layer_digests(region_index, ids)
+            table = digests.load[region_index]
+            bad = table.failures(ids, [key_digest(record_keys[n]) for n in positions], actual)
+            out.verified += len(ids) - len(bad)
+            for position, check in bad:
+                n = positions[position]
+                block, block_id = blocks[checked[n]], ids[position]
+                out.failed.add((region_index, block_id))
+                if check.verdict is RecordVerdict.MISMATCH:
+                    out.mismatches += 1
+                    layer = check.layer_position
+                    slot = self.plans[region_index].layers[layer]
+                    out.note(block, slot.prefix + block.block_hash.hex(),
+                             f"layer {slot.layer_id}: stored digest "
+                             f"{table.stored_digest(block_id, layer):#018x}, loaded bytes "
+                             f"{int(actual[position][layer]):#018x}")
+                else:
+                    out.invalid += 1
+                    out.note(block, record_keys[n], f"digest record: {check.reason}")
+                out.corrupt_keys.extend(self._block_keys(block, record_keys[n]))
+        if out.first is not None:
+            block, key, what = out.first
+            logger.error("mooncake store engine %s rank %s: request %s: %d of %d checked "
+                         "blocks failed digest verification and are recomputed (first: region "
+                         "%d block %d, key %s: %s)", self.ctx.engine_id, self.ctx.worker_index,
+                         request_id, len(out.failed), len(checked), block.region_index,
+                         block.block_id, key, what)
+        return out
+
+    def _block_keys(self, block: LoadBlock, digest_key: str) -> list[str]:
+        """Every key of ``block`` on this rank: its layer objects and its digest record."""
+        suffix = block.block_hash.hex()
+        return [slot.prefix + suffix for slot in self.plans[block.region_index].layers] + [
+            digest_key]
+
+    def _remove_corrupt(self, request_id: str, keys: list[str]) -> None:
+        """Delete the keys of blocks that failed verification: a put keeps an existing
+        key's value, so until they are gone the block could never be stored right again."""
+        client = self.client
+        if client is None:
+            return
+        results = client.remove(keys, force=True)
+        removed = sum(1 for r in results if r.ok)
+        if removed != len(keys):
+            logger.warning("mooncake store: %s: removed %d of %d keys of blocks that failed "
+                           "verification", request_id, removed, len(keys))
+        with self._lock:
+            self._stats["corrupt_keys_removed"] += removed
 
     # ------------------------------------------------------------------ saves
 
@@ -347,6 +572,8 @@ class MooncakeStoreWorker(WorkerConnector):
         elif keys:
             client = self.client
             assert client is not None, "register_kv_caches runs before any step"
+            if self.digests is not None:  # after the fence: digests of the bytes put
+                self._add_records(saves, batch)
             started = time.perf_counter()
             results = client.batch_put_from(keys, ptrs, sizes)
             elapsed = time.perf_counter() - started
@@ -384,6 +611,29 @@ class MooncakeStoreWorker(WorkerConnector):
                                     if i not in failed])
         else:
             self.ctx.events.extend([save.event for save in saves])
+
+    def _add_records(self, saves: Sequence[SaveBlock], batch: Batch) -> None:
+        """Digest the blocks of ``batch`` in place and append their records to it."""
+        digests = self.digests
+        assert digests is not None
+        started = time.perf_counter()
+        by_region: dict[int, list[int]] = {}
+        for i in sorted(set(batch.owners)):
+            by_region.setdefault(saves[i].region_index, []).append(i)
+        for region_index, indices in by_region.items():
+            prefix = self.plans[region_index].digest_prefix
+            table = digests.save[region_index]
+            ids = [saves[i].block_id for i in indices]
+            record_keys = [prefix + saves[i].block_hash.hex() for i in indices]
+            table.write(ids, [key_digest(k) for k in record_keys],
+                        digests.layer_digests(region_index, ids))
+            batch.keys.extend(record_keys)
+            batch.ptrs.extend([table.slot_ptr(b) for b in ids])
+            batch.sizes.extend([table.record_bytes] * len(ids))
+            batch.owners.extend(indices)
+        with self._lock:
+            self._stats["blocks_digested"] += sum(map(len, by_region.values()))
+            self._stats["digest_time_s"] += time.perf_counter() - started
 
     def _kv_written(self) -> bool:
         """Wait (bounded) until the kernels queued so far on every KV device finished."""

@@ -50,4 +50,24 @@ def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> N
         for side in ("raw", "connector"):  # well-formed figures, no claim about their size
             assert_figures(pattern[side], ("put_gbps", "get_gbps"))
         assert_figures(pattern["ratio"], ("put", "get"))
-    assert "64x16KiB" in format_report(report)
+        # the connector's get with each verification mode, and its ratio to verify off
+        assert set(pattern["verify"]) == {"off", "sample", "full"}
+        for mode in ("off", "sample", "full"):
+            assert_figures(pattern["verify"][mode], ("put_gbps", "get_gbps"))
+            assert_figures(pattern["verify_ratio"][mode], ("put", "get"))
+        assert pattern["connector"] == pattern["verify"]["full"]
+    text = format_report(report)
+    assert "64x16KiB" in text and "v:sample" in text and "/ verify off" in text
+
+
+def test_bench_with_layers_puts_one_object_per_layer(mooncake_master: MooncakeMaster) -> None:
+    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
+
+    report = run_bench([(8, 16 << 10)], rounds=1, layers=3, verify_modes=("full",),
+                       master_address=mooncake_master.rpc_address,
+                       metadata_server=mooncake_master.metadata_url)
+    (pattern,) = report["patterns"]
+    assert pattern["verified"] and pattern["mismatched_bytes"] == 0
+    assert pattern["layers"] == 3 and pattern["total_bytes"] == 3 * 8 * (16 << 10)
+    assert set(pattern["verify"]) == {"full"} and pattern["verify_ratio"] == {}
+    assert "8x16KiBx3L" in format_report(report)

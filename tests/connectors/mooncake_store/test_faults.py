@@ -1,22 +1,31 @@
-"""Failures are misses: a master killed mid-run and restarted, with requests still flowing.
+"""Failures are misses: a master killed mid-run and restarted, with requests still flowing;
+wrong bytes under a key are caught by the digest check and recomputed.
 
-Real ``mooncake_master`` (a fresh one: this test kills it). A producer and a
-consumer engine in this process share the store; the consumer's loads are
-broken by killing the master right when they start.
+Real ``mooncake_master`` (a fresh one for the tests that kill it). A producer
+and a consumer engine in this process share the store; the consumer's loads
+are broken by killing the master right when they start. The digest cases
+(issue 18) run a ``kv_both`` engine on the shared master and overwrite a
+stored object with another block's bytes through a real store client.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
-from kvbridge.backends.mooncake import ClientStats
+import torch
+
+from kvbridge.backends.mooncake import ClientStats, MooncakeStoreClient
 from kvbridge.backends.mooncake_master import MooncakeMaster
 from kvbridge.connectors import ConnectorConfig, KVRole
-from kvbridge.connectors.mooncake_store import clients
+from kvbridge.connectors.mooncake_store import clients, store_key
+from kvbridge.connectors.mooncake_store.records import digest_key_prefix
 from kvbridge.engine.core import Engine, EngineConfig
-from kvbridge.engine.workload import make_requests, run_workload
-from kvbridge.layouts import ParallelTopology, load_spec
+from kvbridge.engine.request import RequestSpec
+from kvbridge.engine.workload import check_outputs, make_requests, run_workload
+from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec, namespace_for
+from kvbridge.layouts.digests import sample_selected
 from tests.connectors.mooncake_store.conftest import store_extra
 
 
@@ -163,3 +172,263 @@ def test_stalled_master_costs_timeouts_not_hangs(mooncake_master_fresh: Mooncake
     finally:
         consumer.shutdown()
         producer.shutdown()
+
+
+# --------------------------------------------------------------------------- verified KV
+# Issue 18: an object overwritten with another key's bytes (a real upsert of another
+# block's bytes under the victim key, after the real store) is caught by the digest
+# check on load: only the affected blocks are recomputed and the engine's reference
+# check still finds every loaded byte right.
+
+_BLOCK_TOKENS = 16  # tiny-gqa
+_TOPOLOGY = ParallelTopology(tp_size=2)
+
+
+def _both(extra: dict[str, Any]) -> Engine:
+    return Engine(EngineConfig(load_spec("tiny-gqa"), _TOPOLOGY, num_blocks=96,
+                               connector=ConnectorConfig("mooncake_store", KVRole.BOTH,
+                                                         extra=extra)))
+
+
+def _namespace(tp_rank: int) -> Any:
+    return namespace_for(load_spec("tiny-gqa"), "attn", _TOPOLOGY.with_rank(tp_rank=tp_rank))
+
+
+def _overwrite(client: MooncakeStoreClient, victim: str, source: str) -> None:
+    """Store ``source``'s bytes under ``victim`` (both existing objects of equal size)."""
+    (size,) = [r.nbytes for r in client.batch_get_into(
+        [source], [_SCRATCH.data_ptr()], [_SCRATCH.numel()], exact_size=False)]
+    assert size > 0, f"{source} not in the store"
+    original = torch.zeros(size, dtype=torch.uint8)
+    ptr = int(original.data_ptr())
+    client.register_buffer(ptr, size)
+    try:
+        (got,) = client.batch_get_into([victim], [ptr], [size])
+        assert got.ok, got
+        assert not torch.equal(original, _SCRATCH[:size]), "victim and source hold the same bytes"
+        (put,) = client.batch_upsert_from([victim], [_SCRATCH.data_ptr()], [size])
+        assert put.ok, put
+        (got,) = client.batch_get_into([victim], [ptr], [size])
+        assert got.ok and torch.equal(original, _SCRATCH[:size]), "the overwrite did not land"
+    finally:
+        client.unregister_buffer(ptr)
+
+
+_SCRATCH = torch.zeros(1 << 20, dtype=torch.uint8)
+
+
+def _scratch_registered(client: MooncakeStoreClient) -> None:
+    if int(_SCRATCH.data_ptr()) not in client.registered_buffers:
+        client.register_buffer(int(_SCRATCH.data_ptr()), _SCRATCH.numel())
+
+
+def _load_again(engine: Engine, request: RequestSpec, request_id: str) -> Any:
+    engine.reset_prefix_cache()
+    again = replace(request, request_id=request_id)
+    engine.add_request(again)
+    (result,) = engine.run_until_done(timeout_s=60)
+    assert not check_outputs([result], [again]), "output differs from the reference"
+    return result
+
+
+def _worker_stats(engine: Engine) -> dict[str, Any]:
+    stats = engine.stats()["worker_stats"]
+    assert isinstance(stats, dict)
+    return stats
+
+
+def test_overwritten_object_is_detected_and_only_its_blocks_recomputed(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    extra, client = held_store
+    _scratch_registered(client)
+    (request,) = make_requests(1, prompt_tokens=4 * _BLOCK_TOKENS + 3, max_tokens=2, seed=41,
+                               prefix="digest-full")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    engine = _both(extra)  # verify: full is the default
+    try:
+        engine.add_request(request)
+        assert not check_outputs(engine.run_until_done(timeout_s=60), [request])
+        assert _load_again(engine, request, "digest-clean").num_external_tokens == 4 * 16
+        clean = _worker_stats(engine)
+        assert clean["digest_mismatches"] == 0 and clean["blocks_verified"] == 2 * 4
+
+        # TP rank 1's layer 2 of block 2 now holds block 0's bytes (a real upsert)
+        ns = _namespace(1)
+        victim = store_key(ns, 2, hashes[2])
+        _overwrite(client, victim, store_key(ns, 2, hashes[0]))
+        result = _load_again(engine, request, "digest-caught")
+        stats = _worker_stats(engine)
+        assert result.mismatched_bytes == 0 and result.verified_bytes > 0
+        # blocks 0 and 1 stay loaded; block 2 (and what follows it) is recomputed
+        assert result.num_external_tokens == 2 * _BLOCK_TOKENS
+        assert result.num_recomputed_tokens == 2 * _BLOCK_TOKENS
+        assert stats["digest_mismatches"] - clean["digest_mismatches"] == 1
+        assert stats["load_errors"] - clean["load_errors"] == 1  # that block, that rank only
+        assert stats["blocks_verified"] - clean["blocks_verified"] == 2 * 4 - 1
+        assert engine.stats()["failed_loads"] == 1
+        # the block's keys on that rank (4 layers and its record) were removed, so the
+        # recomputed block was stored again and the next load is clean
+        assert stats["corrupt_keys_removed"] - clean["corrupt_keys_removed"] == 4 + 1
+        healed = _load_again(engine, request, "digest-healed")
+        assert healed.num_external_tokens == 4 * _BLOCK_TOKENS and healed.mismatched_bytes == 0
+        assert _worker_stats(engine)["digest_mismatches"] == stats["digest_mismatches"]
+    finally:
+        engine.shutdown()
+    assert engine.idle_problems() == []
+
+
+def test_verification_off_does_not_check(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """The same fault with ``verify: off``: no record is fetched, nothing is checked, and
+    the wrong bytes reach the engine (whose reference check is what catches them here)."""
+    extra, client = held_store
+    _scratch_registered(client)
+    (request,) = make_requests(1, prompt_tokens=3 * _BLOCK_TOKENS + 3, max_tokens=1, seed=43,
+                               prefix="digest-off")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    engine = _both({**extra, "verify": "off", "load_async": False})
+    try:
+        engine.add_request(request)
+        engine.run_until_done(timeout_s=60)
+        ns = _namespace(0)
+        _overwrite(client, store_key(ns, 1, hashes[1]), store_key(ns, 1, hashes[0]))
+        engine.reset_prefix_cache()
+        engine.add_request(replace(request, request_id="digest-off-again"))
+        (result,) = engine.run_until_done(timeout_s=60)
+        stats = _worker_stats(engine)
+    finally:
+        engine.shutdown()
+    assert result.num_external_tokens == 3 * _BLOCK_TOKENS
+    assert result.mismatched_bytes > 0
+    assert stats["blocks_unchecked"] == stats["blocks_loaded"] == 2 * 3
+    assert stats["blocks_verified"] == stats["digest_mismatches"] == stats["load_errors"] == 0
+    assert stats["blocks_digested"] > 0  # writers put records whatever the reader's policy
+
+
+def test_sample_checks_the_chosen_blocks_only(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """``verify: sample``: the deterministic choice of blocks is checked (a fault there is
+    caught), the others are not (a fault there reaches the engine)."""
+    extra, client = held_store
+    _scratch_registered(client)
+    fraction = 0.5
+    (request,) = make_requests(1, prompt_tokens=8 * _BLOCK_TOKENS + 3, max_tokens=1, seed=47,
+                               prefix="digest-sample")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    caught_id = "digest-sample-again"
+    chosen = [i for i in range(8) if sample_selected(caught_id, 0, i, fraction)]
+    skipped = [i for i in range(8) if i not in chosen]
+    assert chosen and skipped, "pick another request id: the sample must split the blocks"
+    engine = _both({**extra, "verify": "sample", "verify_sample": fraction})
+    try:
+        engine.add_request(request)
+        engine.run_until_done(timeout_s=60)
+        ns = _namespace(0)
+        source = store_key(ns, 0, hashes[7 if chosen[0] != 7 else 6])
+        _overwrite(client, store_key(ns, 0, hashes[chosen[0]]), source)
+        result = _load_again(engine, request, caught_id)
+        stats = _worker_stats(engine)
+    finally:
+        engine.shutdown()
+    assert result.num_external_tokens == chosen[0] * _BLOCK_TOKENS
+    assert result.mismatched_bytes == 0
+    assert stats["digest_mismatches"] == 1
+    # both ranks checked the same blocks
+    assert stats["blocks_verified"] + stats["digest_mismatches"] == 2 * len(chosen)
+    assert stats["blocks_unchecked"] == 2 * len(skipped)
+
+
+def test_missing_record_is_served_unverified_or_failed(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """A block stored without a digest record (as an older version stores it): loaded and
+    counted unverified by default, a load error with ``verify_allow_unverified: false``."""
+    extra, client = held_store
+    (request,) = make_requests(1, prompt_tokens=3 * _BLOCK_TOKENS + 3, max_tokens=1, seed=53,
+                               prefix="digest-missing")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    record = digest_key_prefix(_namespace(1)) + hashes[1].hex()
+    for allow in (True, False):
+        engine = _both({**extra, "verify_allow_unverified": allow})
+        try:
+            if allow:
+                engine.add_request(request)
+                engine.run_until_done(timeout_s=60)
+            (gone,) = client.remove([record], force=True)
+            # the second time still absent: a block loaded unverified is not stored again
+            assert gone.ok if allow else gone.not_found, gone
+            result = _load_again(engine, request, f"digest-missing-{allow}")
+            stats = _worker_stats(engine)
+        finally:
+            engine.shutdown()
+        assert stats["digests_missing"] == 1 and result.mismatched_bytes == 0
+        if allow:
+            assert result.num_external_tokens == 3 * _BLOCK_TOKENS
+            assert stats["blocks_unverified"] == 1 and stats["load_errors"] == 0
+            assert stats["blocks_verified"] == 2 * 3 - 1
+        else:
+            assert result.num_external_tokens == 1 * _BLOCK_TOKENS
+            assert stats["blocks_unverified"] == 0 and stats["load_errors"] == 1
+            assert stats["corrupt_keys_removed"] == 0  # a missing record is not corruption
+
+
+def test_foreign_or_malformed_record_is_a_failed_load(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """A record moved from another block (right size, wrong key) and a record replaced by a
+    layer object's bytes (wrong size) both fail their blocks; neither is trusted."""
+    extra, client = held_store
+    _scratch_registered(client)
+    (request,) = make_requests(1, prompt_tokens=3 * _BLOCK_TOKENS + 3, max_tokens=1, seed=59,
+                               prefix="digest-foreign")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    engine = _both(extra)
+    try:
+        engine.add_request(request)
+        engine.run_until_done(timeout_s=60)
+        rank0, rank1 = (digest_key_prefix(_namespace(r)) for r in range(2))
+        _overwrite(client, rank0 + hashes[1].hex(), rank0 + hashes[0].hex())
+        malformed = rank1 + hashes[2].hex()
+        (gone,) = client.remove([malformed], force=True)
+        assert gone.ok, gone
+        (size,) = [r.nbytes for r in client.batch_get_into(
+            [store_key(_namespace(1), 0, hashes[2])], [_SCRATCH.data_ptr()],
+            [_SCRATCH.numel()], exact_size=False)]
+        (put,) = client.batch_put_from([malformed], [_SCRATCH.data_ptr()], [size])
+        assert put.ok, put
+        result = _load_again(engine, request, "digest-foreign-again")
+        stats = _worker_stats(engine)
+    finally:
+        engine.shutdown()
+    assert result.num_external_tokens == _BLOCK_TOKENS and result.mismatched_bytes == 0
+    assert stats["digest_records_invalid"] == 2 and stats["digest_mismatches"] == 0
+    assert stats["load_errors"] == 2
+    assert stats["corrupt_keys_removed"] == 2 * (4 + 1)
+
+
+def test_kv_without_host_digests_is_stored_without_records_and_loaded_unverified(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """KV the worker cannot digest (device memory: no host view) is put without records and
+    loaded unverified, counted; here the workers' digest tables are dropped as they are
+    for device memory."""
+    from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
+
+    extra, client = held_store
+    (request,) = make_requests(1, prompt_tokens=2 * _BLOCK_TOKENS + 3, max_tokens=1, seed=61,
+                               prefix="digest-device")
+    hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
+    engine = _both(extra)
+    try:
+        for w in engine.workers:
+            assert isinstance(w.connector, MooncakeStoreWorker)
+            assert w.connector.digests is not None  # host KV: digested
+            w.connector.digests = None
+        engine.add_request(request)
+        engine.run_until_done(timeout_s=60)
+        records = [digest_key_prefix(_namespace(r)) + h.hex() for r in range(2) for h in hashes]
+        assert client.batch_exists(records) == [False] * len(records)
+        result = _load_again(engine, request, "digest-device-again")
+        stats = _worker_stats(engine)
+    finally:
+        engine.shutdown()
+    assert result.num_external_tokens == 2 * _BLOCK_TOKENS and result.mismatched_bytes == 0
+    assert stats["blocks_digested"] == stats["blocks_verified"] == 0
+    assert stats["blocks_unverified"] == stats["digests_missing"] == 2 * 2

@@ -34,6 +34,10 @@ def test_dcp_lookup_checks_every_dcp_rank_and_layer() -> None:
     namespaces = {KeyNamespace.parse(p.rsplit(":", 2)[0]) for p in attn.prefixes}
     assert {ns.dcp_rank for ns in namespaces} == {0, 1}
     assert len(attn.prefixes) == 2 * 4  # two DCP namespaces x four layers
+    # one digest record per namespace (removal deletes them with the layer objects)
+    assert [KeyNamespace.parse(p.rsplit(":", 2)[0]) for p in attn.record_prefixes] == sorted(
+        namespaces, key=lambda ns: ns.dcp_rank)
+    assert all(p.endswith(":D1:") for p in attn.record_prefixes)
     assert attn.tokens_per_key == 32    # token-sharded: block_size * dcp_size
     keys = attn.keys([H, H[::-1]])
     assert len(keys) == 16 and keys[0].endswith(H.hex()) and keys[8].endswith(H[::-1].hex())

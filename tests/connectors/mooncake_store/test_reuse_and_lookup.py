@@ -8,6 +8,7 @@ from typing import Any
 from kvbridge.backends.mooncake import MooncakeStoreClient
 from kvbridge.connectors import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store import MooncakeStoreScheduler, store_key
+from kvbridge.connectors.mooncake_store.records import digest_key_prefix
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.workload import check_outputs, make_requests, run_workload
 from kvbridge.events import BlockRemoved, BlockStored
@@ -112,10 +113,14 @@ def test_stored_and_removed_events(held_store: tuple[dict[str, Any],
         # explicit removal through the connector
         scheduler = eng.scheduler_connector
         assert isinstance(scheduler, MooncakeStoreScheduler)
-        assert scheduler.remove_blocks({0: [hashes[2]]}) == 2 * 4
+        # two TP namespaces x (four layer objects + one digest record)
+        assert scheduler.remove_blocks({0: [hashes[2]]}) == 2 * (4 + 1)
         events = scheduler.take_events()
         assert events == [BlockRemoved(block_hashes=(hashes[2],), medium="STORAGE",
                                        group_idx=0, locality="REMOTE")]
+        records = [digest_key_prefix(namespace_for(spec, "attn", topology.with_rank(
+            tp_rank=tp_rank))) + hashes[2].hex() for tp_rank in range(2)]
+        assert client.batch_exists(records) == [False, False]
         assert _external(eng, req.prompt, "ev-third") == 2 * 16
     finally:
         eng.shutdown()

@@ -2,8 +2,9 @@
 
 Each case runs a ``kv_both`` engine: round 1 computes and stores every block,
 the local prefix cache is reset, round 2 (same prompts, new ids) must load
-every stored block from the store; the engine checks every loaded byte
-against the content function.
+every stored block from the store; the connector checks every loaded block
+against its digest record, and the engine checks every loaded byte against
+the content function.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def test_store_then_load_verified(model: str, topology: str, load_async: bool,
     assert isinstance(worker, dict)
     assert worker["put_failures"] == 0 and worker["load_errors"] == 0
     assert worker["blocks_saved"] > 0 and worker["get_bytes"] > 0
+    # verify: full (the default): every block loaded was checked against its digest record
+    assert worker["blocks_digested"] > 0
+    assert worker["blocks_verified"] == worker["blocks_loaded"] > 0
+    assert worker["blocks_unverified"] == worker["blocks_unchecked"] == 0
+    assert worker["digest_mismatches"] == worker["digest_records_invalid"] == 0
     for result in second:
         # every full key but the one holding the last prompt token came from the store
         assert result.num_external_tokens > 0, result
