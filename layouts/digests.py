@@ -80,6 +80,15 @@ class VerifyPolicy:
     def enabled(self) -> bool:
         return self.mode is not DigestMode.OFF
 
+    def chosen(self, request_id: str, region: int, count: int) -> list[int]:
+        """Positions ``0..count-1`` of a request's blocks of ``region`` that are checked."""
+        if self.mode is DigestMode.FULL:
+            return list(range(count))
+        if self.mode is DigestMode.OFF:
+            return []
+        mask = sample_mask(request_id, region, count, self.sample_fraction)
+        return np.flatnonzero(mask).tolist()
+
     def wants(self, request_id: str, region: int, block_index: int) -> bool:
         """Is block ``block_index`` (position in the request) of ``region`` checked?"""
         if self.mode is DigestMode.FULL:
@@ -89,10 +98,40 @@ class VerifyPolicy:
         return sample_selected(request_id, region, block_index, self.sample_fraction)
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer on one 64-bit value (the scalar twin of :func:`sample_mask`)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _seed(request_id: str, region: int) -> int:
+    return xxhash.xxh3_64_intdigest(f"{region}:{request_id}".encode())
+
+
 def sample_selected(request_id: str, region: int, block_index: int, fraction: float) -> bool:
     """Deterministic (every process, every run) choice of ``fraction`` of the blocks."""
-    h = xxhash.xxh3_64_intdigest(f"{region}:{block_index}:{request_id}".encode())
-    return h < int(fraction * (1 << 64))
+    x = _mix((block_index * _GOLDEN + _seed(request_id, region)) & _MASK64)
+    return x < int(fraction * (1 << 64))
+
+
+def sample_mask(request_id: str, region: int, count: int, fraction: float) -> np.ndarray:
+    """:func:`sample_selected` of block indices ``0..count-1`` at once (numpy, no loop)."""
+    with np.errstate(over="ignore"):
+        x = np.arange(count, dtype=np.uint64) * np.uint64(_GOLDEN) \
+            + np.uint64(_seed(request_id, region))
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x < np.uint64(min(int(fraction * (1 << 64)), _MASK64))
 
 
 def digest_bytes(data: bytes | bytearray | memoryview) -> int:
@@ -175,7 +214,7 @@ class BlockDigester:
 
     def _check(self, region: int, block_ids: Sequence[int]) -> None:
         num_blocks = self._regions[region][1]
-        if block_ids and not (0 <= min(block_ids) and max(block_ids) < num_blocks):
+        if block_ids and not (min(block_ids) >= 0 and max(block_ids) < num_blocks):
             bad = next(b for b in block_ids if not 0 <= b < num_blocks)
             raise LayoutError("block_id", f"block {bad} outside [0, {num_blocks}) of region "
                                           f"{region}")

@@ -301,8 +301,12 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             # verified KV: the connector's load with verification full / sample, over off
             "kvbridge_verify_off_gbps": round(gbps["kvbridge_off"], 3),
             "kvbridge_verify_sample_gbps": round(gbps["kvbridge_sample"], 3),
-            "verify_full_over_off": round(gbps["kvbridge"] / gbps["kvbridge_off"], 3),
-            "verify_sample_over_off": round(gbps["kvbridge_sample"] / gbps["kvbridge_off"], 3),
+            # paired like kvbridge_over_raw_paired: the median of per-iteration ratios
+            "verify_full_over_off": round(statistics.median(
+                o / f for o, f in zip(times["kvbridge_off"], times["kvbridge"], strict=True)), 3),
+            "verify_sample_over_off": round(statistics.median(
+                o / f for o, f in zip(times["kvbridge_off"], times["kvbridge_sample"],
+                                      strict=True)), 3),
             "blocks_verified": int(totals.get("blocks_verified", 0)),
             "consumer_digest_gbps": (round(totals["digest_bytes"] / totals["digest_time_s"] / 1e9,
                                            3) if totals.get("digest_time_s") else None),

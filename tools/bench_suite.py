@@ -567,7 +567,7 @@ def format_nixl_detail(detail: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"{'pattern':>16} {'verify off':>10} {'sample':>9} {'full':>9} "
                  f"{'sample/off':>10} {'full/off':>9} {'checked':>8} {'check':>8} {'take':>8}"
-                 f"  (GB/s, READ; check/take: digest GB/s on consumer/producer)")
+                 f"  (GB/s, READ; */off: paired)")
     for p in detail["patterns"]:
         if "verify_full_over_off" not in p:
             continue
@@ -577,6 +577,8 @@ def format_nixl_detail(detail: dict[str, Any]) -> str:
                      f"{p['verify_sample_over_off']:10.3f} {p['verify_full_over_off']:9.3f} "
                      f"{p['blocks_verified']:8d} {_num(p['consumer_digest_gbps']):>8} "
                      f"{_num(p['producer_digest_gbps']):>8}")
+    lines.append("checked: blocks the consumer verified; check / take: digest GB/s on the "
+                 "consumer / the producer (its digests are taken as a hold starts)")
     return "\n".join(lines)
 
 

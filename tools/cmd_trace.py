@@ -21,7 +21,8 @@ examples:
 --json prints {"request_id", "ok", "summary": {...}, "events": [{"t_ms", "side",
 "rank", "kind", "request_id", "detail"}, ...]}; kinds: plan, route, handshake,
 scheduler, transfer, transfer_done, notif_sent, notif_received, lease, freed,
-loaded, failure, log, result (fields of each: kvbridge/tools/trace.py).
+loaded, verify (each checked block's digests), failure, log, result (fields of
+each: kvbridge/tools/trace.py).
 
 In-process both engines share this thread: a transfer's time includes waiting
 for the passive producer to progress (its step or idle pump, 5 ms). Use
@@ -146,6 +147,13 @@ def describe(event: dict[str, Any]) -> str:
     if kind in ("notif_sent", "notif_received"):
         arrow = f"-> {d.get('to')}" if kind == "notif_sent" else f"<- {d.get('from')}"
         return f"{d['type']} {arrow} {_fields(d, ('type', 'to', 'from', 'request_id'))}"
+    if kind == "verify":
+        shown = [f"r{b['region']}/b{b['block']} {b['actual']}"
+                 + ("" if b["ok"] else f" != {b['expected'] or 'no digest'}")
+                 for b in d["blocks"][:8]]
+        more = f" (+{len(d['blocks']) - 8} more)" if len(d["blocks"]) > 8 else ""
+        return (f"digests: {d['verified']} verified, {d['mismatched']} mismatched, "
+                f"{d['unverified']} unverified: {'; '.join(shown)}{more}")
     if kind == "failure":
         return f"FAILED ({d.get('stage')}): {d.get('reason')}"
     if kind == "log":

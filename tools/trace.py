@@ -27,6 +27,9 @@ Event kinds (``TraceEvent.kind``) and their ``detail`` fields:
 ``lease``          action (hold, renew, notify, expire, guarantee), verdicts, promise
 ``freed``          blocks released by the producer (done sending)
 ``loaded``         request finished loading on the consumer rank (done recving)
+``verify``         per checked block: region, block, producer rank, the producer's
+                   digest and the landed bytes' digest, ok; and the counts
+                   (verified, mismatched, unverified) of the load
 ``failure``        reason (the connector's own words)
 ``log``            level, message (warnings of the nixl connector)
 ``result``         state, output tokens, verified/mismatched bytes
@@ -92,7 +95,8 @@ class TraceRecorder:
 
 # ---------------------------------------------------------------- instrumentation
 
-_WORKER_ATTRS = ("_client", "transport", "_leases", "_on_notif", "_fail", "get_finished")
+_WORKER_ATTRS = ("_client", "transport", "_leases", "_on_notif", "_fail", "get_finished",
+                 "_verify")
 
 
 def _notif_fields(data: bytes) -> tuple[str, dict[str, Any]]:
@@ -119,7 +123,44 @@ def _msg_fields(msg: Any) -> tuple[str, dict[str, Any]]:
             fields[name] = value
     if hasattr(msg, "agent"):
         fields["agent_bytes"] = len(msg.agent)
+    if getattr(msg, "digest_ids", ()):  # begin: what the consumer will check
+        fields["digests_asked"] = sum(len(g) for g in msg.digest_ids)
+    if getattr(msg, "digests", ()):  # held, pushed: the producer's digests
+        fields["digests"] = sum(len(d) // 8 for d in msg.digests)
+    if getattr(msg, "algorithm", ""):
+        fields["algorithm"] = msg.algorithm
     return type(msg).__name__, fields
+
+
+def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[str, Any]:
+    """Each checked block of a finished load: the producer's digest against the digest
+    of the bytes that landed (taken again here: the trace pays for it, not the load)."""
+    from kvbridge.layouts.digests import unpack
+
+    blocks = []
+    for p, ask in sorted(recv.digest_asks.items()):
+        packed = recv.digests.get(p)
+        for r, ids in enumerate(ask.consumer_ids):
+            if not ids:
+                continue
+            want: list[int | None] = [None] * len(ids)
+            if packed is not None and r < len(packed):
+                try:
+                    if recv.params.mode.value == "push":  # every block of the load
+                        every = unpack(bytes(packed[r]), ask.totals[r])
+                        want = [every[i] for i in ask.positions[r]]
+                    else:
+                        want = list(unpack(bytes(packed[r]), len(ids)))
+                except Exception:
+                    pass  # malformed: shown as no digest (the load failed these blocks)
+            have = worker._digester.block_digests(r, ids)
+            for block, expected, actual in zip(ids, want, have, strict=True):
+                blocks.append({"region": r, "block": block, "producer_rank": p,
+                               "expected": None if expected is None else f"{expected:016x}",
+                               "actual": f"{actual:016x}", "ok": (r, block) not in bad})
+    return {"blocks": blocks, "verified": sum(b["ok"] and b["expected"] is not None
+                                              for b in blocks),
+            "mismatched": len(bad), "unverified": recv.unverified}
 
 
 def _rid(fields: dict[str, Any]) -> str | None:
@@ -273,6 +314,16 @@ def _instrument_worker(worker: Any, side: str, rank: int, rec: TraceRecorder) ->
         return call
 
     _wrap(worker, "_fail", fail)
+
+    def verify(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(recv: Any) -> Any:
+            bad = original(recv)
+            if recv.digest_asks or recv.unverified:
+                rec.add(side, rank, "verify", recv.request_id, **_verify_detail(worker, recv, bad))
+            return bad
+        return call
+
+    _wrap(worker, "_verify", verify)
 
     def finished(original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -74,6 +74,9 @@ class PeerSession:
     opened_at: float = 0.0
     validated_at: float = 0.0
     active: int = 0  # requests currently using it
+    #: producer rank -> regions whose blocks are checked against its digests, or why none
+    #: (worked out once per session: see ``connectors.nixl.verify``)
+    digest_regions: dict[int, tuple[frozenset[int], str]] = field(default_factory=dict)
 
     @property
     def sources(self) -> tuple[int, ...]:

@@ -83,6 +83,9 @@ class RecvTransfer:
     #: producer rank -> its ``held`` answer's packed digests (None: it sent none)
     digests: dict[int, tuple[bytes, ...] | None] = field(default_factory=dict)
     unverified: int = 0  # blocks of this load that are not checked (counted, see verify)
+    #: regions some producer rank's digests cover, and why the others are not checked
+    checked_regions: set[int] = field(default_factory=set)
+    unchecked_why: str = ""
 
     @property
     def local_blocks(self) -> frozenset[tuple[int, int]]:

@@ -63,8 +63,9 @@ class DigestAsk:
     """The blocks one consumer rank checks from one producer rank, per region.
 
     ``consumer_ids[r][i]`` receives ``producer_ids[r][i]``; regions not checked
-    have empty lists. ``unverified``: blocks of this load not checked (geometry,
-    the per-``begin`` bound; sampling leaves blocks out on purpose, not counted).
+    have empty lists. ``unverified``: blocks of the checked regions left out by
+    the per-``begin`` bound (sampling leaves blocks out on purpose, not counted;
+    regions not checked at all are counted once per load by the worker).
     """
 
     consumer_ids: tuple[tuple[int, ...], ...]
@@ -91,12 +92,11 @@ def plan_ask(policy: VerifyPolicy, request_id: str, regions: frozenset[int],
     budget = MAX_ASK_BLOCKS
     for r, (c_ids, p_ids) in enumerate(zip(consumer_ids, producer_ids, strict=True)):
         if r not in regions or not policy.enabled:
-            unverified += len(c_ids) if policy.enabled else 0
             cons.append(())
             prod.append(())
             where.append(())
             continue
-        picked = [i for i in range(len(c_ids)) if policy.wants(request_id, r, i)]
+        picked = policy.chosen(request_id, r, len(c_ids))
         if len(picked) > budget:
             unverified += len(picked) - budget
             picked = picked[:budget]

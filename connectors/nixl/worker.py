@@ -87,6 +87,7 @@ from kvbridge.connectors.nixl.session import (
 from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
 from kvbridge.connectors.nixl.verify import (
+    MAX_ASK_BLOCKS,
     DigestAsk,
     answer_ask,
     check_answer,
@@ -760,6 +761,7 @@ class NixlWorker(WorkerConnector):
             self._fail(recv, f"posting failed: {exc}", now)
             self._drop_session(session.key, now, reason=str(exc))
             return
+        self._count_unchecked(recv)
         session.active += 1
         recv.counted_active = True
         expected = frozenset(session.rank_plan.sources)
@@ -1329,26 +1331,19 @@ class NixlWorker(WorkerConnector):
         policy = self.settings.verify_policy
         if not policy.enabled:
             return None
-        remote = next((m for m in session.metadata.ranks if m.rank_index == p), None)
-        regions: frozenset[int] = frozenset()
-        why = ""
-        if self._digester is None:
-            why = "this rank's KV is not in host memory"
-        elif remote is None or ALGORITHM not in remote.digests:
-            why = f"producer rank {p} offers no {ALGORITHM} digests (an older kvbridge, or GPU memory)"
-        else:
-            regions = whole_block_regions(
-                session.rank_plan, p, [s.block_bytes_per_layer
-                                       for s in self.ctx.spec.rank_shapes(self.rank)],
-                [r.block_bytes_per_layer for r in remote.regions],
-                [s.layer_ids for s in self.ctx.spec.rank_shapes(remote.topology)])
+        known = session.digest_regions.get(p)
+        if known is None:
+            known = session.digest_regions[p] = self._digest_regions(session, p)
+        regions, why = known
+        recv.checked_regions |= regions
+        recv.unchecked_why = recv.unchecked_why or why
         # push: the producer maps registered blocks to its own (ids unused here)
         pull = recv.params.mode is TransferMode.PULL
         ask = plan_ask(policy, recv.request_id, regions, recv.consumer_block_ids,
                        recv.producer_block_ids if pull else recv.consumer_block_ids)
         if ask.unverified:
-            self._unverified(recv, ask.unverified, why or "blocks not copied whole from one "
-                             "producer rank (head slices at another TP)")
+            self._unverified(recv, ask.unverified, f"more than {MAX_ASK_BLOCKS} blocks in one "
+                                                   f"load")
         if not ask.num_blocks:
             return None
         recv.digest_asks[p] = ask
@@ -1371,6 +1366,34 @@ class NixlWorker(WorkerConnector):
             self._unverified(recv, recv.digest_asks[producer_rank].num_blocks,
                              f"producer rank {producer_rank} sent no digests "
                              f"({reason or 'no reason given'})")
+
+    def _count_unchecked(self, recv: RecvTransfer) -> None:
+        """After every producer rank was asked: the load's blocks in regions no producer
+        rank's digests cover, counted once (not once per producer rank read from)."""
+        if not self.settings.verify_policy.enabled:
+            return
+        unchecked = sum(len(ids) for r, ids in enumerate(recv.consumer_block_ids)
+                        if r not in recv.checked_regions)
+        if unchecked:
+            self._unverified(recv, unchecked, recv.unchecked_why or "no producer rank's digests "
+                                                                    "cover these blocks")
+
+    def _digest_regions(self, session: PeerSession, p: int) -> tuple[frozenset[int], str]:
+        """The regions this rank checks against producer rank ``p``'s digests (and why
+        not the others): the same for every load of the session."""
+        remote = next((m for m in session.metadata.ranks if m.rank_index == p), None)
+        if self._digester is None:
+            return frozenset(), "this rank's KV is not in host memory"
+        if remote is None or ALGORITHM not in remote.digests:
+            return frozenset(), (f"producer rank {p} offers no {ALGORITHM} digests (an older "
+                                 f"kvbridge, GPU memory, or verification off there)")
+        regions = whole_block_regions(
+            session.rank_plan, p, [s.block_bytes_per_layer
+                                   for s in self.ctx.spec.rank_shapes(self.rank)],
+            [r.block_bytes_per_layer for r in remote.regions],
+            [s.layer_ids for s in self.ctx.spec.rank_shapes(remote.topology)])
+        return regions, "blocks not copied whole from one producer rank (head slices at " \
+                        "another TP, or another pipeline split)"
 
     def _unverified(self, recv: RecvTransfer, num_blocks: int, why: str) -> None:
         recv.unverified += num_blocks

@@ -118,3 +118,25 @@ def test_recorder_and_log_capture_are_bounded_and_ordered() -> None:
     logging.getLogger("kvbridge.connectors.nixl.worker").warning("after: not captured")
     logs = recorder.of_kind("log")
     assert [e.detail["message"] for e in logs] == ["nixl load failed: 7"]
+
+
+def test_trace_shows_each_checked_blocks_digests(nixl: None,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """TP1 -> TP1 pull: every block is checked; the trace lists each with the producer's
+    digest and the landed bytes', equal. TP2 -> TP1 (head slices) shows them unverified."""
+    rc, report = _trace(capsys, "--prompt-tokens", "48")
+    assert rc == EXIT_OK and report["ok"]
+    (verify,) = [e for e in report["events"] if e["kind"] == "verify"]
+    blocks = verify["detail"]["blocks"]
+    assert len(blocks) == 3 and verify["detail"]["verified"] == 3
+    assert all(b["ok"] and b["expected"] == b["actual"] for b in blocks)
+    assert len({b["actual"] for b in blocks}) == 3  # three different blocks' bytes
+    sent = [e["detail"] for e in report["events"] if e["kind"] == "notif_sent"
+            and e["detail"]["type"] == "Held"]
+    assert sent and sent[0]["digests"] == 3 and sent[0]["algorithm"] == "xxh3-64"
+    assert "3 verified, 0 mismatched" in format_trace(report)
+    rc, report = _trace(capsys, "--producer", "tp=2", "--consumer", "tp=1",
+                        "--prompt-tokens", "48")
+    assert rc == EXIT_OK
+    (verify,) = [e for e in report["events"] if e["kind"] == "verify"]
+    assert verify["detail"]["unverified"] == 3 and verify["detail"]["blocks"] == []
