@@ -129,6 +129,9 @@ class JobResult:
     job_id: int
     success: bool
     successful_keys: tuple[OffloadKey, ...] = ()
+    #: loads of a tier that stores digests: per successful key, the layer digests stored
+    #: with its block (None: stored without); empty when the tier keeps none
+    digests: tuple[tuple[int, ...] | None, ...] = ()
 
 
 class EventKind(enum.Enum):
@@ -165,8 +168,12 @@ class TierStats:
     load_jobs_failed: int = 0
     stores_ok: int = 0         # blocks
     stores_failed: int = 0     # blocks
-    files_deleted: int = 0     # provable short reads (and non-regular files in a block's place)
+    files_deleted: int = 0     # provably broken files removed on a load: short, torn header,
+    #                            digest mismatch, not a regular file
     files_quarantined: int = 0  # removed after failing every read quarantine_after times
     jobs_fenced: int = 0       # completions held until an abandoned call ended
     close_errors_ignored: int = 0
+    loads_verified: int = 0    # blocks whose bytes were checked against their digests
+    loads_unverified: int = 0  # blocks loaded that were stored without digests
+    digest_mismatches: int = 0  # blocks whose bytes did not match (failed loads)
     extra: dict[str, int] = field(default_factory=dict)

@@ -42,9 +42,10 @@ class RecordingFs(FsTier):
         self.enqueued: Counter[OffloadKey] = Counter()    # every probe enqueue, ever
         self.cache.on_enqueue = lambda k: self.enqueued.update((k,))
 
-    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                   digests_out: list[tuple[int, ...] | None] | None = None) -> None:
         try:
-            super().load_batch(keys, buffers)
+            super().load_batch(keys, buffers, digests_out)
         except BatchIOError as exc:
             with self._probe_lock:
                 self.failed_attempts[keys[exc.num_succeeded]] += 1
