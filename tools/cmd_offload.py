@@ -18,15 +18,23 @@ examples:
   kvbridge offload bench --json
   kvbridge offload bench --dir /mnt/nvme --blocks 256 --block-kib 2048
 
-fsck repairs only what is provably broken: block files whose size differs
-from their layout header's block_bytes, temp files older than
---min-temp-age seconds, and a directory, FIFO, device or symlink under a
-block file's name (a symlink is unlinked, never its target; a directory only
-if empty). Everything else is reported and left alone, among it a fan-out
-directory that cannot be listed or is a symlink. fsck never blocks on a FIFO
-and reads at most 64 KiB of a header.
+fsck verifies every block file: its block header (format 2: the layer
+digests its writer took, written atomically with the bytes) and, unless
+--no-digests, its bytes against those digests, one layer at a time. Without
+--repair it only reports (a dry run). --repair removes only what is provably
+broken: block files whose bytes do not match their digests (digest_mismatch,
+naming the layer), whose block header is torn or names another key
+(corrupt_header), whose size differs from header + block_bytes, temp files
+older than --min-temp-age seconds, and a directory, FIFO, device or symlink
+under a block file's name (a symlink is unlinked, never its target; a
+directory only if empty); a file replaced since the scan is kept. Everything
+else is reported and left alone, among it format-1 block files without a
+header (legacy_block), a fan-out directory that cannot be listed or is a
+symlink. fsck never blocks on a FIFO, reads at most 64 KiB of a header and
+one layer span of a block at a time.
 
---json: fsck prints {"root", "layouts", "blocks_ok", "ok", "findings": [{"kind",
+--json: fsck prints {"root", "layouts", "blocks_ok", "blocks_verified",
+"blocks_unverified", "ok", "findings": [{"kind",
 "path", "detail", "broken", "repaired"}], ...}; bench prints {"bytes",
 "num_blocks", "block_bytes", "io_mode", "store": {"tier_gbps", "plain_gbps",
 "ratio"}, "load": {...}, "lookup": {...}, "verified", "failed_jobs", ...}.
@@ -44,13 +52,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     check = sub.add_parser(
         "fsck", help="check (and repair) an fs-tier store directory",
-        description="Scan a store directory: short or oversize block files, orphaned temp "
-                    "files, files of another or unknown layout fingerprint, misplaced and "
-                    "unknown files.",
+        description="Scan a store directory and verify each block file's digests: corrupt "
+                    "blocks (bytes that do not match their digests, torn headers), short or "
+                    "oversize block files, orphaned temp files, files of another or unknown "
+                    "layout fingerprint, misplaced and unknown files. Reports only, unless "
+                    "--repair (which removes the provably broken ones).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("path", metavar="PATH", help="store directory (the fs tier's root)")
     check.add_argument("--repair", action="store_true",
-                       help="delete provably broken files (short/oversize blocks, old temp files)")
+                       help="delete provably broken files (blocks failing their digests, torn "
+                            "headers, short/oversize blocks, old temp files); without it, "
+                            "fsck only reports")
+    check.add_argument("--no-digests", action="store_true",
+                       help="check headers and sizes only; do not read the blocks' bytes")
     check.add_argument("--fingerprint", metavar="HEX",
                        help="the layout fingerprint expected; other layouts are reported")
     check.add_argument("--min-temp-age", type=float, default=60.0, metavar="S",
@@ -93,7 +107,7 @@ def run_fsck(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         report = fsck(args.path, repair=args.repair, fingerprint=args.fingerprint,
-                      min_temp_age_s=args.min_temp_age)
+                      min_temp_age_s=args.min_temp_age, digests=not args.no_digests)
     except FileNotFoundError as exc:
         print(f"kvbridge offload fsck: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -101,7 +115,9 @@ def run_fsck(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         layouts = ", ".join(f"{fp} ({n} B)" for fp, n in sorted(report.layouts.items())) or "none"
-        print(f"store {report.root}: layouts {layouts}; {report.blocks_ok} blocks ok")
+        print(f"store {report.root}: layouts {layouts}; {report.blocks_ok} blocks ok "
+              f"({report.blocks_verified} verified against their digests, "
+              f"{report.blocks_unverified} stored without digests)")
         for f in report.findings:
             state = "repaired" if f.repaired else ("BROKEN" if f.broken else "note")
             print(f"  {f.kind.value:<17} {state:<8} {f.path}: {f.detail}")
