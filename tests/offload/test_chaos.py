@@ -26,7 +26,7 @@ from kvbridge.offload.types import BatchIOError, JobResult, OffloadKey
 BLOCK = 4096
 F = FaultKind
 # 6 of 8 drawn kinds fail the load; rate 1/15 -> 5% of block-file opens fail
-KINDS = (F.SHORT_READ, F.ELOOP, F.EIO, F.SHORT_READ, F.ELOOP, F.EIO, F.CLOSE_ERROR, F.SLOW)
+KINDS = (F.SHORT_READ, F.ELOOP, F.EIO, F.CORRUPT, F.SHORT_READ, F.EIO, F.CLOSE_ERROR, F.SLOW)
 RATE = 0.05 * len(KINDS) / 6
 
 
@@ -120,7 +120,7 @@ def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path,
         stats = manager.stats()
         tier = stats["tiers"]["fs"]
         injected = fs.injector.injected_kinds() if fs.injector else {}
-        assert tier["files_deleted"] <= injected.get(F.SHORT_READ, 0)
+        assert tier["files_deleted"] <= injected.get(F.SHORT_READ, 0) + injected.get(F.CORRUPT, 0)
         if not io_per_step:
             return
         assert failed_total > 0 and tier["load_jobs_failed"] > 0, (summary, stats)
