@@ -255,17 +255,24 @@ class OffloadManager:
             if not policy.wants(request_id, 0, position):
                 done.add(key)
                 return True
-            mismatch = self.primary.check(key)
-            if mismatch is None:
-                if self.primary.digests_of(key) is None:
+            if self.primary.digests_of(key) is None:
+                # promoted from a tier that stores no digests, or stored without them
+                if policy.allow_unverified:
                     self.primary.loads_unverified += 1
-                else:
+                    done.add(key)
+                    return True
+                logger.warning("offload: request %s, block %d: key %s has no digests and the "
+                               "verify policy refuses unverified loads; recomputed",
+                               request_id, position, key.hex())
+            else:
+                mismatch = self.primary.check(key)
+                if mismatch is None:
                     self.primary.loads_verified += 1
-                done.add(key)
-                return True
-            self.primary.digest_mismatches += 1
-            logger.warning("offload: request %s, block %d: %s; the block is recomputed and "
-                           "the slot removed", request_id, position, mismatch)
+                    done.add(key)
+                    return True
+                self.primary.digest_mismatches += 1
+                logger.warning("offload: request %s, block %d: %s; the block is recomputed and "
+                               "the slot removed", request_id, position, mismatch)
         if key in pins:
             self.primary.unpin(key, request_id)
             pins.discard(key)

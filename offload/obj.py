@@ -33,6 +33,8 @@ import numpy as np
 
 from kvbridge.backends.mooncake import KeyResult, McStatus, MooncakeStoreClient
 from kvbridge.events.schema import Locality, Medium
+from kvbridge.layouts.digests import VerifyPolicy
+from kvbridge.offload.blockdigest import DEFAULT_VERIFY
 from kvbridge.offload.fs import FINGERPRINT_RE
 from kvbridge.offload.fs_io import byte_views
 from kvbridge.offload.tier import BlockBuffers, SecondaryTier
@@ -77,8 +79,8 @@ class ObjTier(SecondaryTier):
 
     def __init__(self, client: MooncakeStoreClient, block_bytes: int, fingerprint: str, *,
                  read_threads: int = 2, write_threads: int = 2, name: str = "obj",
-                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None
-                 ) -> None:
+                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
+                 verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1) -> None:
         if not FINGERPRINT_RE.match(fingerprint):
             raise OffloadError("fingerprint",
                                f"expected 8-64 lowercase hex digits, got {fingerprint!r}")
@@ -88,7 +90,8 @@ class ObjTier(SecondaryTier):
                          probe_timeout_s=(op_timeout_s + 1.0 if probe_timeout_s is None
                                           else probe_timeout_s),
                          load_timeout_s=(2 * op_timeout_s + 1.0 if load_timeout_s is None
-                                         else load_timeout_s))
+                                         else load_timeout_s),
+                         verify=verify, num_layers=num_layers)
         self.client = client
         self.prefix = f"kvbridge/offload/{fingerprint}/"
         self._registered: list[int] = []
