@@ -126,7 +126,6 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
             fingerprint = pool_fingerprint(spec, nbytes)
             # one digest per layer span of a slot, so a mismatch names the layer
             layers = table.pool_layers(pool)
-            verify = {"verify": settings.verify, "num_layers": layers}
             secondaries: list[SecondaryTier] = []
             if settings.fs_dir is not None:
                 secondaries.append(FsTier(settings.fs_dir, nbytes, fingerprint,
@@ -135,16 +134,17 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
                                           quarantine_after=settings.fs_quarantine_after,
                                           probe_timeout_s=settings.probe_timeout_s,
                                           load_timeout_s=settings.load_timeout_s,
-                                          **verify))
+                                          verify=settings.verify, num_layers=layers))
             if client is not None:
                 from kvbridge.offload.obj import ObjTier
                 secondaries.append(ObjTier(client, nbytes, fingerprint,
                                            probe_timeout_s=settings.probe_timeout_s,
                                            load_timeout_s=settings.load_timeout_s,
-                                           **verify))
+                                           verify=settings.verify, num_layers=layers))
             shm_path = shm_paths[len(managers)] if shm_paths else None
             managers.append(OffloadManager(CpuTier(settings.cpu_blocks, nbytes, settings.policy,
-                                                   shm_path=shm_path, **verify), secondaries))
+                                                   shm_path=shm_path, verify=settings.verify,
+                                                   num_layers=layers), secondaries))
     except BaseException:
         for manager in managers:
             manager.shutdown()
