@@ -17,6 +17,7 @@ examples:
   kvbridge offload fsck /var/cache/kvbridge --fingerprint 0123456789abcdef
   kvbridge offload bench --json
   kvbridge offload bench --dir /mnt/nvme --blocks 256 --block-kib 2048
+  kvbridge offload bench --verify off,sample,full --layers 32
 
 fsck verifies every block file: its block header (format 2: the layer
 digests its writer took, written atomically with the bytes) and, unless
@@ -37,7 +38,16 @@ one layer span of a block at a time.
 "blocks_unverified", "ok", "findings": [{"kind",
 "path", "detail", "broken", "repaired"}], ...}; bench prints {"bytes",
 "num_blocks", "block_bytes", "io_mode", "store": {"tier_gbps", "plain_gbps",
-"ratio"}, "load": {...}, "lookup": {...}, "verified", "failed_jobs", ...}.
+"ratio"}, "load": {...}, "lookup": {...}, "verified", "failed_jobs", ...}; with
+--verify also "verify": {"modes", "gbps": {mode: {"fs_store", "fs_load",
+"cpu_store", "cpu_load"}}, "ratio_of_off": {mode: {...}}, "verified", ...}.
+
+--verify MODES: the cost of verified KV. For each mode (off is always run, as
+the baseline), the fs tier's store and load jobs (digests taken on store,
+checked on load) and the CPU tier's store and load paths through the manager
+(copy into a slot + complete_store, which digests it; lookup, which checks it,
++ the copy out), in one run; ratio_of_off = GB/s with the mode / GB/s with
+verification off. The store/load rows above use the tiers' default (full).
 
 exit codes: 0 ok, 1 problems found (fsck) or failed jobs / mismatched bytes (bench), 2 usage error
 """
@@ -90,6 +100,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--lookups", type=int, default=400,
                        help="lookups timed per phase (idle, busy) (default 400)")
     bench.add_argument("--buffered", action="store_true", help="do not use O_DIRECT")
+    bench.add_argument("--verify", metavar="MODES", default=None,
+                       help="also measure verification: comma-separated modes among off, "
+                            "sample, full (off is always run as the baseline); prints GB/s "
+                            "and the ratio of off per path")
+    bench.add_argument("--layers", type=int, default=32,
+                       help="layer spans per block for --verify (one digest each; default 32)")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.add_argument("--progress", action="store_true",
                        help="progress on stderr even when it is not a terminal")
@@ -131,16 +147,32 @@ def run_fsck(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvbridge.offload.bench import run_offload_bench
+    from kvbridge.offload.bench import run_offload_bench, run_verify_bench
     from kvbridge.offload.types import OffloadError
 
+    modes: tuple[str, ...] = ()
+    if args.verify is not None:
+        modes = tuple(m.strip() for m in args.verify.split(",") if m.strip())
+        bad = [m for m in modes if m not in ("off", "sample", "full")]
+        if bad or not modes:
+            print(f"kvbridge offload bench: --verify: expected modes among off, sample, full, "
+                  f"got {args.verify!r}", file=sys.stderr)
+            return EXIT_USAGE
     try:
-        with Progress("offload bench", force=args.progress).ticking("fs tier vs plain I/O"):
+        progress = Progress("offload bench", force=args.progress)
+        with progress.ticking("fs tier vs plain I/O"):
             result = run_offload_bench(args.dir, num_blocks=args.blocks,
                                        block_bytes=args.block_kib * 1024,
                                        batch_blocks=args.batch, rounds=args.rounds,
                                        lookup_iterations=args.lookups,
                                        use_o_direct=not args.buffered)
+        if modes:
+            with progress.ticking("verification off/sample/full"):
+                result["verify"] = run_verify_bench(
+                    args.dir, modes=modes, num_blocks=args.blocks,
+                    block_bytes=args.block_kib * 1024, num_layers=args.layers,
+                    batch_blocks=args.batch, rounds=args.rounds,
+                    use_o_direct=not args.buffered)
     except OffloadError as exc:
         print(f"kvbridge offload bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -163,5 +195,20 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"  lookup per key, tier {phase}: median {lat['median']:.2f} us, "
                   f"p99 {lat['p99']:.2f} us, max {lat['max']:.2f} us")
         print(f"  verified: {result['verified']}, failed jobs: {result['failed_jobs']}")
+        verify = result.get("verify")
+        if isinstance(verify, dict):
+            print(f"verification cost, {verify['num_layers']} layer digests per block, "
+                  f"GB/s (ratio of off), {verify['io_mode']}:")
+            print(f"  {'mode':<7}" + "".join(f"{p:>22}" for p in
+                                             ("fs_store", "fs_load", "cpu_store", "cpu_load")))
+            for mode in verify["modes"]:
+                gbps, ratio = verify["gbps"][mode], verify["ratio_of_off"][mode]
+                cells = "".join(f"{gbps[p]:>15.3f} ({ratio[p]:.2f})"
+                                for p in ("fs_store", "fs_load", "cpu_store", "cpu_load"))
+                print(f"  {mode:<7}{cells}")
+            print(f"  verified: {verify['verified']}, failed jobs: {verify['failed_jobs']}")
     ok = result["verified"] and not result["failed_jobs"]
+    verify = result.get("verify")
+    if isinstance(verify, dict):
+        ok = ok and bool(verify["verified"]) and not verify["failed_jobs"]
     return EXIT_OK if ok else EXIT_FAILURE

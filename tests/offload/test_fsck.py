@@ -358,3 +358,27 @@ def test_cli_fsck_verifies_digests_and_says_so(make_fs, store_dir, capsys) -> No
         main(["offload", "fsck", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "verif" in help_text and "digest" in help_text and "--no-digests" in help_text
+
+
+def test_cli_bench_measures_verification_against_off(tmp_path, capsys) -> None:
+    code = main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "4",
+                 "--block-kib", "64", "--batch", "2", "--rounds", "2", "--lookups", "10",
+                 "--verify", "sample,full", "--layers", "4", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    verify = data["verify"]
+    assert verify["modes"] == ["off", "sample", "full"]     # off: always, the baseline
+    assert verify["verified"] is True and verify["failed_jobs"] == 0
+    assert verify["num_layers"] == 4 and verify["bytes"] == 4 * 64 * 1024
+    for mode in verify["modes"]:                           # well-formed, no claim on size
+        assert_figures(verify["gbps"][mode], ("fs_store", "fs_load", "cpu_store", "cpu_load"))
+        assert_figures(verify["ratio_of_off"][mode], ("fs_store", "fs_load", "cpu_store",
+                                                       "cpu_load"))
+    assert set(verify["ratio_of_off"]["off"].values()) == {1.0}
+    assert os.listdir(tmp_path) == []
+    assert main(["offload", "bench", "--verify", "paranoid"]) == 2
+    main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "2", "--block-kib", "16",
+          "--batch", "1", "--rounds", "1", "--lookups", "5", "--verify", "full",
+          "--layers", "2"])
+    out = capsys.readouterr().out
+    assert "ratio of off" in out and "cpu_load" in out
