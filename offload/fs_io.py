@@ -155,8 +155,13 @@ def encode_block_header(block_bytes: int, key_hash: bytes, num_layers: int,
     return body + bytes(header_bytes - len(body))
 
 
+def compact_header_bytes(num_layers: int) -> int:
+    """The header without its padding (what the obj tier stores beside a block)."""
+    return _HEADER_FIXED.size + 8 * num_layers + 8
+
+
 def decode_block_header(path: str, data: bytes | memoryview) -> BlockHeader:
-    """Parse and check a block header (``data``: at least its fixed part).
+    """Parse and check a block header (``data``: the header, its padding optional).
 
     Raises ``BadBlockHeaderError``; ``corrupt`` says whether it is provably torn.
     """
@@ -169,11 +174,11 @@ def decode_block_header(path: str, data: bytes | memoryview) -> BlockHeader:
     if fmt != BLOCK_FORMAT:
         raise BadBlockHeaderError(path, f"block format {fmt}, this version reads "
                                   f"{BLOCK_FORMAT}", False)
+    end = _HEADER_FIXED.size + 8 * num_layers
     if not 1 <= num_layers <= MAX_HEADER_LAYERS \
-            or header_bytes != block_header_bytes(num_layers) or header_bytes > len(data):
+            or header_bytes != block_header_bytes(num_layers) or end + 8 > len(data):
         raise BadBlockHeaderError(path, f"header of {header_bytes} bytes for {num_layers} "
                                   "layers is not one this version writes (torn header)", True)
-    end = _HEADER_FIXED.size + 8 * num_layers
     (checksum,) = struct.unpack_from("<Q", data, end)
     if digest_bytes(data[:end]) != checksum:
         raise BadBlockHeaderError(path, "header checksum mismatch (torn header)", True)
