@@ -3,16 +3,18 @@
 Every system call goes through an ``FsIO`` object so that fault injection
 (``kvbridge.offload.faults``) wraps the real calls instead of replacing them.
 
-Deletion policy (the only place a block file is deleted on a load):
+Deletion policy (what a load deletes; this module and ``FsTier`` -- its
+digest check and quarantine -- are the only places a load deletes a block file):
 
 * a *provable short read* — the file ended (read returned 0 at EOF) before
-  ``block_bytes`` — deletes the file: stores are atomic (temp file + rename),
+  its header + ``block_bytes`` (and it is not a headerless format-1 file, see
+  below) — deletes the file: stores are atomic (temp file + rename),
   so a short file can only be corruption. A failed delete is logged and does
   not hide the short read;
 * open errors (ENOENT, ELOOP, EMFILE, ...), read errors (EIO) and close errors
   leave the file: a transient fault must not destroy data;
 * a close error after a full read is not a load failure (logged, counted);
-* a file *longer* than ``block_bytes`` (no correct writer leaves one) fails the
+* a file *longer* than its header + ``block_bytes`` (no correct writer leaves one) fails the
   load with EFBIG: its bytes are never served; it is kept (counted towards
   quarantine, like EIO);
 * a file of the full size whose block header is torn (bad magic or header

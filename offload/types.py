@@ -33,7 +33,8 @@ class ShortReadError(OSError):
     """A block file ended before ``expected_bytes``: provable corruption.
 
     Stores are atomic (temp file + rename), so a correct writer can never leave
-    a short file behind; this is the only load error that deletes the file.
+    a short file behind. It deletes the file, as do the other proofs of corruption of
+    a full-size file (a torn block header, bytes that fail their digests; ``fs_io``).
     """
 
     def __init__(self, path: str, expected_bytes: int, read_bytes: int) -> None:
