@@ -14,7 +14,8 @@ Every figure is measured in the same run as what it is compared with:
   digests them; ``lookup``, which checks them, and the copy out), each with
   the verify policy off, sample and full, rounds alternating the order;
   ``ratio_of_off`` = throughput with the mode / throughput with verification
-  off (1.0: free; 0.8: 20% slower).
+  off (1.0: free; 0.8: 20% slower); ``cpu_lookup_us_per_block``: the
+  scheduler-thread time of the lookup that checks the CPU slots, per block.
 
 The tier of the store/load rows uses the tiers' default policy (``full``):
 its figures include taking and checking the digests.
@@ -226,7 +227,7 @@ def run_verify_bench(directory: str | None = None, *, modes: tuple[str, ...] = (
         raise OffloadError("bench", "num_blocks, block_bytes, batch_blocks, rounds and "
                            "num_layers must be positive, block_bytes a multiple of num_layers")
     total = num_blocks * block_bytes
-    paths = ("fs_store", "fs_load", "cpu_store", "cpu_load")
+    paths = ("fs_store", "fs_load", "cpu_store", "cpu_load", "cpu_lookup")
     samples: dict[str, dict[str, list[float]]] = {m.value: {p: [] for p in paths}
                                                    for m in parsed}
     verified = True
@@ -268,9 +269,14 @@ def run_verify_bench(directory: str | None = None, *, modes: tuple[str, ...] = (
         "modes": [m.value for m in parsed], "bytes": total, "num_blocks": num_blocks,
         "block_bytes": block_bytes, "num_layers": num_layers, "rounds": rounds,
         "io_mode": io_mode,
-        "gbps": {m: {p: gbps(t) for p, t in by.items()} for m, by in med.items()},
-        "ratio_of_off": {m: {p: round(off[p] / t, 3) if t > 0 else 0.0 for p, t in by.items()}
+        "gbps": {m: {p: gbps(t) for p, t in by.items() if p != "cpu_lookup"}
+                 for m, by in med.items()},
+        "ratio_of_off": {m: {p: round(off[p] / t, 3) if t > 0 else 0.0 for p, t in by.items()
+                             if p != "cpu_lookup"}
                          for m, by in med.items()},
+        # scheduler-thread time of the lookup that checks the CPU slots (a part of cpu_load)
+        "cpu_lookup_us_per_block": {m: round(by["cpu_lookup"] / num_blocks * 1e6, 2)
+                                    for m, by in med.items()},
         "verified": verified, "failed_jobs": failures,
     }
 
@@ -293,6 +299,7 @@ def _verify_round(primary: CpuTier, tier: FsTier, src: memoryview, num_blocks: i
     times["cpu_store"] = time.perf_counter() - start
     start = time.perf_counter()
     result = manager.lookup("load", keys)      # checks them (unless off)
+    times["cpu_lookup"] = time.perf_counter() - start
     load = manager.prepare_load("load", keys[:result.num_blocks])
     for i, slot in enumerate(load.slots):      # the worker's copy slot -> engine
         out[i * block_bytes:(i + 1) * block_bytes] = primary.view(slot)

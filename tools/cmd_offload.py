@@ -40,7 +40,8 @@ one layer span of a block at a time.
 "num_blocks", "block_bytes", "io_mode", "store": {"tier_gbps", "plain_gbps",
 "ratio"}, "load": {...}, "lookup": {...}, "verified", "failed_jobs", ...}; with
 --verify also "verify": {"modes", "gbps": {mode: {"fs_store", "fs_load",
-"cpu_store", "cpu_load"}}, "ratio_of_off": {mode: {...}}, "verified", ...}.
+"cpu_store", "cpu_load"}}, "ratio_of_off": {mode: {...}},
+"cpu_lookup_us_per_block": {mode: us}, "verified", ...}.
 
 --verify MODES: the cost of verified KV. For each mode (off is always run, as
 the baseline), the fs tier's store and load jobs (digests taken on store,
@@ -205,7 +206,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 gbps, ratio = verify["gbps"][mode], verify["ratio_of_off"][mode]
                 cells = "".join(f"{gbps[p]:>15.3f} ({ratio[p]:.2f})"
                                 for p in ("fs_store", "fs_load", "cpu_store", "cpu_load"))
-                print(f"  {mode:<7}{cells}")
+                print(f"  {mode:<7}{cells}   lookup {verify['cpu_lookup_us_per_block'][mode]:.1f}"
+                      " us/block")
             print(f"  verified: {verify['verified']}, failed jobs: {verify['failed_jobs']}")
     ok = result["verified"] and not result["failed_jobs"]
     verify = result.get("verify")

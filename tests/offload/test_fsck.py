@@ -375,6 +375,7 @@ def test_cli_bench_measures_verification_against_off(tmp_path, capsys) -> None:
         assert_figures(verify["ratio_of_off"][mode], ("fs_store", "fs_load", "cpu_store",
                                                        "cpu_load"))
     assert set(verify["ratio_of_off"]["off"].values()) == {1.0}
+    assert_figures(verify["cpu_lookup_us_per_block"], ("off", "sample", "full"))
     assert os.listdir(tmp_path) == []
     assert main(["offload", "bench", "--verify", "paranoid"]) == 2
     main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "2", "--block-kib", "16",
