@@ -239,8 +239,11 @@ class FsTier(SecondaryTier):
     def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
                    digests_out: list[LayerDigests | None] | None = None) -> None:
         """Load and (per ``verify``) check each block; ``digests_out`` gets, per loaded key,
-        the digests stored with it (None: stored without)."""
+        the digests stored with it (None: stored without). A block that is provably
+        corrupt (digests, torn header) fails alone: the rest of the batch is loaded."""
         header = HeaderBuffer(self.header_bytes)
+        #: blocks that failed on their own (provably corrupt, removed): the batch goes on
+        corrupt: dict[int, OSError] = {}
         try:
             for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
                 direct = self.o_direct and direct_ok(views)
@@ -252,7 +255,12 @@ class FsTier(SecondaryTier):
                     assert outcome.header is not None
                     digests = self._check(key, path, views, outcome.header)
                 except OSError as exc:
-                    raise BatchIOError(i, self._count_failure(key, path, exc)) from exc
+                    error = self._count_failure(key, path, exc)
+                    if isinstance(exc, DigestMismatchError) or (
+                            isinstance(exc, BadBlockHeaderError) and exc.corrupt):
+                        corrupt[i] = error    # this block's file, not the store: go on
+                        continue
+                    raise BatchIOError(i, error, skipped=corrupt) from exc
                 if digests_out is not None:
                     digests_out.append(digests)
                 if self._failures:
@@ -263,6 +271,8 @@ class FsTier(SecondaryTier):
                         self.stats.close_errors_ignored += 1
         finally:
             header.close()
+        if corrupt:
+            raise BatchIOError(len(keys), corrupt[min(corrupt)], skipped=corrupt)
 
     def _check(self, key: OffloadKey, path: str, views: Sequence[memoryview],
                header: BlockHeader) -> LayerDigests | None:

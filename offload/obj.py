@@ -185,16 +185,24 @@ class ObjTier(SecondaryTier):
             raise BatchIOError(0, OSError(errno.ETIMEDOUT, f"mooncake get of "
                                           f"{get_names[i]}: {results[i]}"),
                                self._fence(targets + header_views))
+        #: blocks that failed on their own (provably wrong, removed): the batch goes on
+        corrupt: dict[int, OSError] = {}
         for i, result in enumerate(results[:len(keys)]):
             if not result.ok:
-                raise BatchIOError(i, self._load_error(keys[i], names[i], result))
+                raise BatchIOError(i, self._load_error(keys[i], names[i], result),
+                                   skipped=corrupt)
             digests: LayerDigests | None = None
             if verify:
                 try:
                     digests = self._check(keys[i], names[i], targets[i], headers[i],
                                           results[len(keys) + i])
+                except (DigestMismatchError, BadBlockHeaderError) as exc:
+                    if isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
+                        raise BatchIOError(i, exc, skipped=corrupt) from exc
+                    corrupt[i] = exc
+                    continue
                 except OSError as exc:
-                    raise BatchIOError(i, exc) from exc
+                    raise BatchIOError(i, exc, skipped=corrupt) from exc
             if digests_out is not None:
                 digests_out.append(digests)
             if staging:
@@ -202,6 +210,8 @@ class ObjTier(SecondaryTier):
                 for view in byte_views(buffers[i]):
                     view[:] = staging[i][offset:offset + len(view)]
                     offset += len(view)
+        if corrupt:
+            raise BatchIOError(len(keys), corrupt[min(corrupt)], skipped=corrupt)
 
     def _check(self, key: OffloadKey, name: str, target: memoryview, header: bytearray,
                got: KeyResult) -> LayerDigests | None:

@@ -13,7 +13,8 @@ and inherits the scheduler-side bookkeeping from ``SecondaryTier``:
   failed load, flips exactly the failed keys to a miss with ``mark_miss`` —
   the tier corrects its own cache from its own jobs; the manager has no
   failure callback. The leading keys loaded before the failure are reported
-  as ``successful_keys`` and are kept.
+  as ``successful_keys`` and are kept; a block that failed its digests fails
+  alone (the tier checks the rest of the batch: ``BatchIOError.skipped``).
 
 Digests (``carries_digests`` tiers: fs, obj): a store job may carry each key's
 layer digests (``kvbridge.offload.blockdigest``; the CPU slot's, taken when the
@@ -92,17 +93,19 @@ class _Done:
     job_id: int
     kind: JobKind
     ok: bool
-    num_succeeded: int
-    deleted_key: OffloadKey | None = None
-    #: why ``deleted_key`` was removed: "short" (provable short read), "not_regular"
-    #: (not a regular file) or "quarantine" (failed every read ``quarantine_after`` times)
-    deleted_reason: str = "short"
+    #: positions (in the job's key order) of the keys that failed
+    failed: frozenset[int] = frozenset()
+    #: keys whose stored copy was removed, each with why: "short" (provable short read),
+    #: "not_regular" (not a regular file), "quarantine" (failed every read
+    #: ``quarantine_after`` times), "digest" / "corrupt" (bytes that fail their digests,
+    #: a torn header)
+    deleted: tuple[tuple[OffloadKey, str], ...] = ()
     #: True once no I/O of the job can touch its buffers any more (None: already true)
     fence: Callable[[], bool] | None = None
-    #: loads of a ``carries_digests`` tier: the stored digests of each loaded key
+    #: loads of a ``carries_digests`` tier: per successful key, the digests stored with it
     digests: tuple[LayerDigests | None, ...] = ()
-    #: the failing key's bytes did not match its stored digests
-    mismatch: bool = False
+    #: keys whose bytes did not match their stored digests
+    mismatches: int = 0
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -167,7 +170,8 @@ class SecondaryTier(abc.ABC):
         """Fill ``buffers`` from the stored blocks, in key order.
 
         Raises ``BatchIOError(num_succeeded, cause)`` at the first failing key;
-        the keys before it were loaded completely.
+        the keys before it were loaded completely, less those in its ``skipped``
+        (blocks that failed on their own, e.g. their digests, as the batch went on).
         """
 
     @abc.abstractmethod
@@ -241,7 +245,7 @@ class SecondaryTier(abc.ABC):
                  digests: Sequence[LayerDigests | None] | None = None) -> None:
         """Worker thread: run the batch and post exactly one completion record."""
         loaded: list[LayerDigests | None] = []
-        done = _Done(job_id, kind, True, len(keys))
+        done = _Done(job_id, kind, True)
         try:
             if kind is JobKind.LOAD:
                 if self.carries_digests:
@@ -252,23 +256,29 @@ class SecondaryTier(abc.ABC):
                 self.store_batch(keys, buffers, digests=digests)  # type: ignore[call-arg]
             else:
                 self.store_batch(keys, buffers)
-            done = _Done(job_id, kind, True, len(keys), digests=tuple(loaded))
+            done = _Done(job_id, kind, True, digests=tuple(loaded))
         except BatchIOError as exc:
-            deleted = None
-            reason = "short"
-            if getattr(exc.cause, "deleted", False):
-                deleted = keys[exc.num_succeeded]
-                reason = str(getattr(exc.cause, "removal_reason", "short"))
-            # the one line per failed job: tier, job, block position, and the cause (its
+            stop = exc.num_succeeded
+            causes: dict[int, BaseException] = dict(exc.skipped)
+            if stop < len(keys):
+                causes[stop] = exc.cause
+            deleted = tuple((keys[i], str(getattr(cause, "removal_reason", "short")))
+                            for i, cause in sorted(causes.items())
+                            if getattr(cause, "deleted", False))
+            # one line per failed block: tier, job, block position, and the cause (its
             # path / key / layer for a digest mismatch)
-            logger.warning("%s %s job %d failed at block %d of %d: %s", self.name, kind.value,
-                           job_id, exc.num_succeeded, len(keys), exc.cause)
-            done = _Done(job_id, kind, False, exc.num_succeeded, deleted, reason, exc.fence,
-                         tuple(loaded[:exc.num_succeeded]),
-                         isinstance(exc.cause, DigestMismatchError))
+            for i, cause in sorted(exc.skipped.items()):
+                logger.warning("%s %s job %d: block %d of %d failed (the batch went on): %s",
+                               self.name, kind.value, job_id, i, len(keys), cause)
+            if stop < len(keys):
+                logger.warning("%s %s job %d failed at block %d of %d: %s", self.name,
+                               kind.value, job_id, stop, len(keys), exc.cause)
+            failed = frozenset(exc.skipped) | frozenset(range(stop, len(keys)))
+            done = _Done(job_id, kind, False, failed, deleted, exc.fence, tuple(loaded),
+                         sum(isinstance(c, DigestMismatchError) for c in causes.values()))
         except BaseException as exc:  # a bug in a tier must still finish the job
             logger.exception("%s %s job %d failed: %s", self.name, kind.value, job_id, exc)
-            done = _Done(job_id, kind, False, 0)
+            done = _Done(job_id, kind, False, frozenset(range(len(keys))))
         self._done.put(done)
         self._done_event.set()
 
@@ -302,12 +312,11 @@ class SecondaryTier(abc.ABC):
         results: list[JobResult] = []
         for done in ready:
             kind, keys = self._job_keys.pop(done.job_id)
-            ok_keys = keys[:done.num_succeeded]
-            failed = keys[done.num_succeeded:]
+            ok_keys = tuple(k for i, k in enumerate(keys) if i not in done.failed)
+            failed = tuple(k for i, k in enumerate(keys) if i in done.failed)
             if kind is JobKind.LOAD:
                 self.stats.loads_ok += len(ok_keys)
-                if done.mismatch:
-                    self.stats.digest_mismatches += 1
+                self.stats.digest_mismatches += done.mismatches
                 if not done.ok:
                     # the request recomputes these; no re-probe while it references them
                     self.cache.mark_miss(failed)
@@ -319,12 +328,12 @@ class SecondaryTier(abc.ABC):
                 if ok_keys:
                     self._events.append(OffloadEvent(EventKind.STORED, ok_keys, self.name,
                                                      self.medium, self.locality))
-            if done.deleted_key is not None:
-                if done.deleted_reason == "quarantine":
+            for deleted_key, reason in done.deleted:
+                if reason == "quarantine":
                     self.stats.files_quarantined += 1
                 else:
                     self.stats.files_deleted += 1
-                self._events.append(OffloadEvent(EventKind.REMOVED, (done.deleted_key,),
+                self._events.append(OffloadEvent(EventKind.REMOVED, (deleted_key,),
                                                  self.name, self.medium, self.locality))
             results.append(JobResult(done.job_id, done.ok,
                                      ok_keys if not done.ok else keys, done.digests))

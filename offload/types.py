@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvbridge.events.schema import Locality
@@ -72,15 +72,24 @@ class BatchIOError(OSError):
     ``num_succeeded`` blocks (the leading ones, in batch order) completed before
     the failure: they are valid and reported as ``JobResult.successful_keys``.
 
+    ``skipped``: blocks before ``num_succeeded`` that failed on their own (index
+    -> error) while the batch went on past them: a load whose bytes landed but
+    failed their digests (or a provably torn header) says nothing about the next
+    block, so a tier checks the rest of the batch, and only those blocks fail.
+    ``num_succeeded == len(keys)`` then means nothing stopped the batch (``cause``
+    is the first skipped error).
+
     ``fence``: set by a tier whose failed call may still be running (a Mooncake
     get abandoned at its timeout): True once that call provably ended; until
     then the job's buffers must not be reused (``SecondaryTier`` holds the job).
     """
 
     def __init__(self, num_succeeded: int, cause: BaseException,
-                 fence: Callable[[], bool] | None = None) -> None:
+                 fence: Callable[[], bool] | None = None,
+                 skipped: Mapping[int, OSError] | None = None) -> None:
         super().__init__(f"batch failed after {num_succeeded} blocks: {cause}")
         self.num_succeeded = num_succeeded
+        self.skipped: dict[int, OSError] = dict(skipped or {})
         self.cause = cause
         self.fence = fence
 
@@ -123,8 +132,9 @@ class JobResult:
     """Outcome of one tier job, reported on the scheduler thread.
 
     ``successful_keys``: every key of a successful job; for a failed batch, the
-    leading keys that completed before the failure (kept) — every other key of
-    the job failed.
+    keys that completed (kept): the leading ones before the failure, less any
+    that failed on their own while the batch went on (``BatchIOError.skipped``:
+    a block that failed its digests) — every other key of the job failed.
     """
 
     job_id: int

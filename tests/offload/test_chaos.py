@@ -48,7 +48,10 @@ class RecordingFs(FsTier):
             super().load_batch(keys, buffers, digests_out)
         except BatchIOError as exc:
             with self._probe_lock:
-                self.failed_attempts[keys[exc.num_succeeded]] += 1
+                for i in exc.skipped:                      # failed alone (digests)
+                    self.failed_attempts[keys[i]] += 1
+                if exc.num_succeeded < len(keys):
+                    self.failed_attempts[keys[exc.num_succeeded]] += 1
             raise
 
     def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:

@@ -250,9 +250,9 @@ def test_another_keys_bytes_under_an_object_name_are_detected_and_removed(manage
     assert client.remove([tier.object_name(a)], force=True)[0].ok
     _put_bytes(client, tier.object_name(a), block_content(b, BLOCK))
     manager.take_events()
-    result = settle(manager, "r", [a])
+    result = settle(manager, "r", [a, b])                 # one batch: a fails alone
     assert result == LookupResult(LookupStatus.MISS, 0)
-    assert manager.failed_loads("r") == (a,)
+    assert manager.failed_loads("r") == (a,) and manager.primary.is_ready(b)
     assert tier.stats.digest_mismatches == 1 and tier.stats.files_deleted == 1
     assert client.batch_exists([tier.object_name(a), tier.digest_name(a)]) == [False, False]
     removed = [e.keys for e in manager.take_events()
