@@ -20,10 +20,10 @@ from the bytes it writes) into the header of the same file, so the rename
 that publishes the bytes publishes their digests. A load checks the bytes
 that landed against them (policy ``verify``: off, sample, full) before the
 block counts as loaded; a mismatch on a full-size file is provable
-corruption: the load of that block fails (the engine recomputes it) and the
-file is removed (``files_deleted``, ``digest_mismatches``, a REMOVED event).
-With ``verify`` off nothing is digested on store or load (the header says
-"no digests"); such a file, read with verification on, is served and counted
+corruption: the load of that block fails, alone (the rest of its batch is
+loaded; the engine recomputes it), and the file is removed (``files_deleted``, ``digest_mismatches``, a REMOVED event).
+With ``verify`` off no block bytes are digested on store or load (the header
+says "no digests"); such a file, read with verification on, is served and counted
 (``loads_unverified``) unless the policy refuses unverified loads (then it is a
 failed load, counted towards quarantine). A format-1 (headerless) file is never
 served: a failed load, counted towards quarantine, so it is written again.
