@@ -26,7 +26,8 @@ With ``verify`` off no block bytes are digested on store or load (the header
 says "no digests"); such a file, read with verification on, is served and counted
 (``loads_unverified``) unless the policy refuses unverified loads (then it is a
 failed load, counted towards quarantine). A format-1 (headerless) file is never
-served: a failed load, counted towards quarantine, so it is written again.
+served: a failed load (``legacy_format_loads``), counted towards quarantine, so
+it is written again.
 
 Quarantine: a regular block file whose every read fails without being
 provably short (EIO, a bad sector, an unreadable inode) would be retried once
@@ -69,6 +70,7 @@ from kvbridge.offload.fs_io import (
     BlockHeader,
     FsIO,
     HeaderBuffer,
+    LegacyBlockError,
     block_header_bytes,
     direct_ok,
     encode_block_header,
@@ -255,6 +257,10 @@ class FsTier(SecondaryTier):
                     assert outcome.header is not None
                     digests = self._check(key, path, views, outcome.header)
                 except OSError as exc:
+                    if isinstance(exc, LegacyBlockError):
+                        self.count("legacy_format_loads")     # format 1: no digests
+                    elif isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
+                        self.count("foreign_format_loads")
                     error = self._count_failure(key, path, exc)
                     if isinstance(exc, DigestMismatchError) or (
                             isinstance(exc, BadBlockHeaderError) and exc.corrupt):

@@ -255,6 +255,7 @@ def test_a_format_1_block_file_is_a_miss_kept_then_quarantined_never_a_crash(tmp
             m.request_finished(f"r{r}")
             assert os.path.exists(path) is (r == 0)           # kept, until quarantine
         assert tier.stats.files_deleted == 0 and tier.stats.files_quarantined == 1
+        assert tier.stats.extra["legacy_format_loads"] == 2
         compute(m, "w", [k(0)])                                # written again, format 2
         with open(path, "rb") as fh:
             assert decode_block_header(path, fh.read()).layer_digests is not None
