@@ -23,8 +23,10 @@ key's or changed bytes under this name), or a torn digest object, is a
 failed load of that block and removes both objects (a REMOVED event). A
 block without a digest object (evicted apart by Mooncake, or written with
 ``verify`` off) is served and counted unverified, or fails the load if the
-policy refuses unverified loads. Mooncake puts do not overwrite, so the two
-objects of a key are the ones put together.
+policy refuses unverified loads. Mooncake puts do not overwrite: if one of
+a pair was evicted and the block stored again from bytes that differ (a
+recompute that is not bit-exact), the pair no longer matches; the next load
+fails, removes both, and the store after it writes a matching pair.
 
 Timeouts: a get or put that outlived ``op_timeout_s`` is abandoned by the
 client but keeps running. Its job is reported failed only once the client is
