@@ -3,9 +3,13 @@
 Public surface (scheduler side): ``OffloadManager`` with ``CpuTier`` and
 secondary tiers (``FsTier``; ``ObjTier`` in ``kvbridge.offload.obj``).
 See ``kvbridge.offload.manager`` for the life of a request and the rules.
+Verified KV: every tier keeps each block's layer digests with its bytes and
+checks them before a block counts as loaded (``kvbridge.offload.blockdigest``;
+policy ``kvbridge.layouts.digests.VerifyPolicy``).
 """
 
 from kvbridge.offload.async_lookup import LookupCache, ProbeRunner
+from kvbridge.offload.blockdigest import DigestMismatchError
 from kvbridge.offload.cpu import CpuTier, SlotMemory, SlotState
 from kvbridge.offload.faults import FaultKind, FaultPlan, FaultyFsIO
 from kvbridge.offload.fs import FsTier
@@ -25,7 +29,8 @@ from kvbridge.offload.types import (
 )
 
 __all__ = [
-    "ARCPolicy", "BatchIOError", "BlockBuffers", "CpuTier", "EventKind", "EvictionPolicy",
+    "ARCPolicy", "BatchIOError", "BlockBuffers", "CpuTier", "DigestMismatchError", "EventKind",
+    "EvictionPolicy",
     "FaultKind", "FaultPlan", "FaultyFsIO", "FsTier", "JobResult", "LRUPolicy", "LoadSpec",
     "LookupCache", "LookupResult", "LookupStatus", "ManagerStats", "OffloadError",
     "OffloadEvent", "OffloadKey", "OffloadManager", "ProbeRunner", "SecondaryTier",

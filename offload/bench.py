@@ -8,6 +8,17 @@ Every figure is measured in the same run as what it is compared with:
   mode (O_DIRECT when the tier uses it, buffered otherwise); ``ratio`` = tier / plain.
 * **lookup latency** on the scheduler thread, per key (call time / keys), while
   the fs tier's threads are busy storing and loading: median and p99.
+* **verification cost** (``verify_modes``, ``run_verify_bench``): the fs tier's
+  store and load jobs, and the CPU tier's store and load paths through the
+  manager (the engine's bytes copied into a slot and ``complete_store``, which
+  digests them; ``lookup``, which checks them, and the copy out), each with
+  the verify policy off, sample and full, rounds alternating the order;
+  ``ratio_of_off`` = throughput with the mode / throughput with verification
+  off (1.0: free; 0.8: 20% slower); ``cpu_lookup_us_per_block``: the
+  scheduler-thread time of the lookup that checks the CPU slots, per block.
+
+The tier of the store/load rows uses the tiers' default policy (``full``):
+its figures include taking and checking the digests.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fs import FsTier
 from kvbridge.offload.fs_io import O_DIRECT
@@ -190,6 +202,131 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
         "failed_jobs": failures, "verified": verified,
         "lookup": latency,
     }
+
+
+def run_verify_bench(directory: str | None = None, *, modes: tuple[str, ...] = ("off", "full"),
+                     num_blocks: int = 64, block_bytes: int = 1 << 20, num_layers: int = 32,
+                     batch_blocks: int = 8, rounds: int = 3, use_o_direct: bool = True,
+                     timeout_s: float = 300.0) -> dict[str, object]:
+    """GB/s of the fs and CPU tiers' store and load paths per verify mode; ratios of ``off``.
+
+    Every mode runs in every round (the order rotates per round), on fresh keys;
+    medians are reported. Loads are checked byte for byte after the timing.
+    """
+    parsed = []
+    for mode in modes:
+        try:
+            parsed.append(DigestMode(mode))
+        except ValueError:
+            raise OffloadError("verify", f"expected modes among "
+                               f"{[m.value for m in DigestMode]}, got {mode!r}") from None
+    if DigestMode.OFF not in parsed:
+        parsed.insert(0, DigestMode.OFF)   # the baseline every ratio is taken against
+    if min(num_blocks, block_bytes, batch_blocks, rounds, num_layers) <= 0 \
+            or block_bytes % num_layers:
+        raise OffloadError("bench", "num_blocks, block_bytes, batch_blocks, rounds and "
+                           "num_layers must be positive, block_bytes a multiple of num_layers")
+    total = num_blocks * block_bytes
+    paths = ("fs_store", "fs_load", "cpu_store", "cpu_load", "cpu_lookup")
+    samples: dict[str, dict[str, list[float]]] = {m.value: {p: [] for p in paths}
+                                                   for m in parsed}
+    verified = True
+    failures = 0
+    seed = block_content(b"verify-bench-seed", block_bytes)
+    source = bytearray(total)
+    for i in range(num_blocks):
+        source[i * block_bytes:(i + 1) * block_bytes] = seed
+        source[i * block_bytes:i * block_bytes + 8] = i.to_bytes(8, "little")
+    src = memoryview(source)
+    io_mode = "buffered"
+    with _workdir(directory) as work:
+        for r in range(rounds):
+            order = parsed[r % len(parsed):] + parsed[:r % len(parsed)]
+            for mode in order:
+                policy = VerifyPolicy(mode)
+                primary = CpuTier(num_blocks, block_bytes, verify=policy, num_layers=num_layers)
+                tier = FsTier(os.path.join(work, f"{mode.value}-{r}"), block_bytes,
+                              "5e1f5e1f5e1f5e1f", use_o_direct=use_o_direct, verify=policy,
+                              num_layers=num_layers)
+                io_mode = "O_DIRECT" if tier.o_direct else "buffered"
+                try:
+                    times, ok, failed = _verify_round(primary, tier, src, num_blocks,
+                                                      block_bytes, batch_blocks, r, timeout_s)
+                finally:
+                    tier.shutdown()
+                    primary.close()
+                verified = verified and ok
+                failures += failed
+                for path, seconds in times.items():
+                    samples[mode.value][path].append(seconds)
+    med = {m: {p: statistics.median(v) for p, v in by.items()} for m, by in samples.items()}
+
+    def gbps(seconds: float) -> float:
+        return round(total / seconds / GB, 3) if seconds > 0 else 0.0
+
+    off = med[DigestMode.OFF.value]
+    return {
+        "modes": [m.value for m in parsed], "bytes": total, "num_blocks": num_blocks,
+        "block_bytes": block_bytes, "num_layers": num_layers, "rounds": rounds,
+        "io_mode": io_mode,
+        "gbps": {m: {p: gbps(t) for p, t in by.items() if p != "cpu_lookup"}
+                 for m, by in med.items()},
+        "ratio_of_off": {m: {p: round(off[p] / t, 3) if t > 0 else 0.0 for p, t in by.items()
+                             if p != "cpu_lookup"}
+                         for m, by in med.items()},
+        # scheduler-thread time of the lookup that checks the CPU slots (a part of cpu_load)
+        "cpu_lookup_us_per_block": {m: round(by["cpu_lookup"] / num_blocks * 1e6, 2)
+                                    for m, by in med.items()},
+        "verified": verified, "failed_jobs": failures,
+    }
+
+
+def _verify_round(primary: CpuTier, tier: FsTier, src: memoryview, num_blocks: int,
+                  block_bytes: int, batch_blocks: int, r: int,
+                  timeout_s: float) -> tuple[dict[str, float], bool, int]:
+    """One round of one mode: CPU store/load through a manager (no secondary tier, so
+    nothing else runs), then fs store/load jobs from/into the same slots."""
+    manager = OffloadManager(primary, [])
+    keys = [b"vb|%d|%d" % (r, i) for i in range(num_blocks)]
+    times: dict[str, float] = {}
+    primary.buffer[:] = bytes(len(primary.buffer))   # fault the slot pages in, untimed
+    out = bytearray(b"\xff") * len(src)              # and the copy-out target's
+    start = time.perf_counter()
+    spec = manager.prepare_store("store", keys)
+    for i, slot in enumerate(spec.slots):      # the worker's copy engine -> slot
+        primary.view(slot)[:] = src[i * block_bytes:(i + 1) * block_bytes]
+    manager.complete_store(spec.keys)          # digests them (unless off)
+    times["cpu_store"] = time.perf_counter() - start
+    start = time.perf_counter()
+    result = manager.lookup("load", keys)      # checks them (unless off)
+    times["cpu_lookup"] = time.perf_counter() - start
+    load = manager.prepare_load("load", keys[:result.num_blocks])
+    for i, slot in enumerate(load.slots):      # the worker's copy slot -> engine
+        out[i * block_bytes:(i + 1) * block_bytes] = primary.view(slot)
+    manager.complete_load("load", load.keys)
+    manager.request_finished("load")
+    times["cpu_load"] = time.perf_counter() - start
+    ok = result.num_blocks == num_blocks and out == src
+    buffers = [[primary.view(i)] for i in range(num_blocks)]
+    batches = [list(range(s, min(s + batch_blocks, num_blocks)))
+               for s in range(0, num_blocks, batch_blocks)]
+    failures = 0
+    job_id = 0
+    for kind in ("store", "load"):
+        os.sync()
+        if kind == "load":
+            primary.buffer[:] = bytes(len(primary.buffer))   # loads must really refill
+        submit = tier.submit_store if kind == "store" else tier.submit_load
+        start = time.perf_counter()
+        ids = set()
+        for batch in batches:
+            job_id += 1
+            ids.add(job_id)
+            submit(job_id, [keys[i] for i in batch], [buffers[i] for i in batch])
+        failures += sum(not res.success for res in _wait_jobs(tier, ids, timeout_s))
+        times[f"fs_{kind}"] = time.perf_counter() - start
+    ok = ok and bytes(primary.buffer) == bytes(src)
+    return times, ok, failures
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:

@@ -10,6 +10,15 @@ request and read by no in-flight cascade job. Invariant: ``evict`` never
 returns a pinned or in-flight slot (the policy is asked with ``can_evict``).
 Scheduler-thread only; the slot bytes are touched by I/O threads but the
 bookkeeping here is not.
+
+Digests: beside each slot, the layer digests of its block
+(``kvbridge.offload.blockdigest``; ``num_layers`` equal spans), taken when the
+engine's bytes landed (``seal``) or carried up from the secondary tier the
+block was promoted from (``set_digests``: the digests its writer took), and
+handed to the secondary tiers with every cascade. ``check`` compares the
+slot's bytes with them; a slot whose bytes do not match is *condemned*: no
+lookup counts it again, and it is removed (a REMOVED event) as soon as no
+request pins it and no job reads it.
 """
 
 from __future__ import annotations
@@ -21,7 +30,18 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvbridge.events.schema import Medium
+from kvbridge.layouts.digests import VerifyPolicy
+from kvbridge.offload.blockdigest import (
+    DEFAULT_VERIFY,
+    DigestMismatchError,
+    LayerDigests,
+    check_num_layers,
+    first_mismatch,
+    layer_digests,
+)
 from kvbridge.offload.policy import EvictionPolicy, make_policy
 from kvbridge.offload.types import EventKind, OffloadError, OffloadEvent, OffloadKey
 
@@ -49,6 +69,8 @@ class Slot:
     deadline: float | None = None
     #: WRITING_PROMOTION only: the deadline passed (counted once)
     timed_out: bool = False
+    #: its bytes failed their digest check: never counted again, removed once unreferenced
+    corrupt: bool = False
 
     @property
     def evictable(self) -> bool:
@@ -123,13 +145,19 @@ class CpuTier:
     """Slots of ``block_bytes`` each, ``num_slots`` of them, evicted by ``policy``.
 
     ``shm_path``: back the slots by a shared file there (see ``SlotMemory``).
+    ``verify``: the policy of the store (the manager checks slots by it; ``off``:
+    no digests are taken); ``num_layers``: equal layer spans of a block, one
+    digest each.
     """
 
     name = TIER_CPU
     medium = Medium.CPU.value
 
     def __init__(self, num_slots: int, block_bytes: int, policy: str | EvictionPolicy = "lru",
-                 shm_path: str | None = None) -> None:
+                 shm_path: str | None = None, *, verify: VerifyPolicy = DEFAULT_VERIFY,
+                 num_layers: int = 1) -> None:
+        self.num_layers = check_num_layers(block_bytes, num_layers)
+        self.verify = verify
         self.memory = SlotMemory(num_slots, block_bytes, shm_path)
         self.num_slots = num_slots
         self.block_bytes = block_bytes
@@ -139,6 +167,14 @@ class CpuTier:
         self._slots: dict[OffloadKey, Slot] = {}
         self._events: list[OffloadEvent] = []
         self.evictions = 0
+        #: per slot index: its layer digests, valid where ``_has_digests``
+        self._digests = np.zeros((num_slots, self.num_layers), dtype="<u8")
+        self._has_digests = np.zeros(num_slots, dtype=bool)
+        #: blocks checked against their digests / without digests / that did not match
+        self.loads_verified = 0
+        self.loads_unverified = 0
+        self.digest_mismatches = 0
+        self.corrupt_removed = 0
 
     # -- memory -------------------------------------------------------------
     @property
@@ -196,6 +232,7 @@ class CpuTier:
                 self._free.append(old.index)
                 evicted.append(victim)
             slot = Slot(key=key, index=self._free.pop(), state=state)
+            self._has_digests[slot.index] = False
             self._slots[key] = slot
             self.policy.insert(key)
             made.append(slot)
@@ -242,6 +279,64 @@ class CpuTier:
         slot = self._slots.get(key)
         if slot is not None:
             slot.pinned_by.discard(request_id)
+            if slot.corrupt and slot.evictable:
+                self._drop_corrupt(slot)
+
+    # -- digests --------------------------------------------------------------
+    def seal(self, key: OffloadKey) -> LayerDigests:
+        """Take the layer digests of ``key``'s slot bytes (they just landed) and keep them."""
+        slot = self._slots[key]
+        digests = layer_digests([self.view(slot.index)], self.num_layers)
+        self._digests[slot.index] = digests
+        self._has_digests[slot.index] = True
+        return digests
+
+    def set_digests(self, key: OffloadKey, digests: LayerDigests | None) -> None:
+        """Keep ``digests`` (its writer's, from the tier it was promoted from) for ``key``."""
+        index = self._slots[key].index
+        if digests is None or len(digests) != self.num_layers:
+            self._has_digests[index] = False
+            return
+        self._digests[index] = digests
+        self._has_digests[index] = True
+
+    def digests_of(self, key: OffloadKey) -> LayerDigests | None:
+        index = self._slots[key].index
+        if not self._has_digests[index]:
+            return None
+        return tuple(int(d) for d in self._digests[index])
+
+    def check(self, key: OffloadKey) -> DigestMismatchError | None:
+        """Compare ``key``'s slot bytes with its digests; the mismatch, or None.
+
+        A slot without digests is not checked (None; the caller counts it unverified).
+        """
+        slot = self._slots[key]
+        expected = self.digests_of(key)
+        if expected is None:
+            return None
+        actual = layer_digests([self.view(slot.index)], self.num_layers)
+        layer = first_mismatch(expected, actual)
+        if layer is None:
+            return None
+        return DigestMismatchError(TIER_CPU, f"slot {slot.index}", key, layer, expected[layer],
+                                   actual[layer])
+
+    def condemn(self, key: OffloadKey) -> None:
+        """``key``'s bytes are corrupt: never counted again; removed once unreferenced."""
+        slot = self._slots[key]
+        assert slot.state is SlotState.READY, "only READY slots are checked"
+        slot.corrupt = True
+        if slot.evictable:
+            self._drop_corrupt(slot)
+
+    def _drop_corrupt(self, slot: Slot) -> None:
+        del self._slots[slot.key]
+        self.policy.remove(slot.key)
+        self._has_digests[slot.index] = False
+        self._free.append(slot.index)
+        self.corrupt_removed += 1
+        self._events.append(OffloadEvent(EventKind.REMOVED, (slot.key,), TIER_CPU, self.medium))
 
     def add_io_ref(self, key: OffloadKey) -> None:
         slot = self._slots[key]
@@ -252,6 +347,8 @@ class CpuTier:
         slot = self._slots[key]
         assert slot.io_refs > 0, "io ref dropped twice"
         slot.io_refs -= 1
+        if slot.corrupt and slot.evictable:
+            self._drop_corrupt(slot)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:

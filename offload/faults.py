@@ -12,6 +12,11 @@ path of the tier, and most are produced by the kernel itself:
 * CLOSE_ERROR — the file is read and closed for real, then close raises EIO
   (after a full read this is *not* a load failure).
 * SLOW        — the open sleeps ``slow_s`` first.
+* CORRUPT     — one byte of the block's bytes in the real file is changed
+  just before it is opened (its last byte, XOR 0xFF; the size and the
+  header are unchanged: a torn block of the right size, what only the
+  digest check sees). Once per file (path and inode), so a file is never
+  flipped back; a block stored again (a new file) is corrupted again.
 
 Decisions are deterministic: a per-key fault fires on every open of that key's
 file; a rate fault is drawn from ``(seed, path, nth open of that path)``, so
@@ -41,10 +46,13 @@ class FaultKind(enum.Enum):
     EIO = "eio"
     CLOSE_ERROR = "close_error"
     SLOW = "slow"
+    CORRUPT = "corrupt"
 
 
-#: kinds that make a load fail (CLOSE_ERROR after a full read and SLOW do not)
-LOAD_FAILURE_KINDS = frozenset({FaultKind.SHORT_READ, FaultKind.ELOOP, FaultKind.EIO})
+#: kinds that make a load fail (CLOSE_ERROR after a full read and SLOW do not; CORRUPT
+#: does when the tier verifies digests)
+LOAD_FAILURE_KINDS = frozenset({FaultKind.SHORT_READ, FaultKind.ELOOP, FaultKind.EIO,
+                                FaultKind.CORRUPT})
 ALL_KINDS: tuple[FaultKind, ...] = tuple(FaultKind)
 
 
@@ -98,6 +106,8 @@ class FaultyFsIO(FsIO):
         self._lock = threading.Lock()
         self._opens: dict[str, int] = {}
         self._fd_faults: dict[int, FaultKind] = {}
+        #: (path, inode) of every file CORRUPT changed
+        self._corrupted: set[tuple[str, int]] = set()
         self.injected: list[InjectedFault] = []
         self._loop_dir = tempfile.mkdtemp(prefix="kvbridge-faults-")
         self.loop_path = os.path.join(self._loop_dir, "loop-a")
@@ -128,11 +138,29 @@ class FaultyFsIO(FsIO):
                 os.truncate(path, size // 2)
             except OSError:
                 pass  # the open below reports what is wrong with the file
+        elif kind is FaultKind.CORRUPT:
+            self._corrupt(path)
         fd = self.inner.open_read(path, direct)
         if kind in (FaultKind.EIO, FaultKind.CLOSE_ERROR):
             with self._lock:
                 self._fd_faults[fd] = kind
         return fd
+
+    def _corrupt(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return  # the open below reports what is wrong with the file
+        try:
+            st = os.fstat(fd)
+            with self._lock:
+                if (path, st.st_ino) in self._corrupted or st.st_size == 0:
+                    return
+                self._corrupted.add((path, st.st_ino))
+            last = os.pread(fd, 1, st.st_size - 1)
+            os.pwrite(fd, bytes([last[0] ^ 0xFF]), st.st_size - 1)
+        finally:
+            os.close(fd)
 
     def readv(self, fd: int, views: list[memoryview]) -> int:
         with self._lock:

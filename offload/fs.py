@@ -3,7 +3,8 @@
 Store directory layout (``fsck`` reads the same constants)::
 
     ROOT/layout-<fingerprint>.json          header: format, fingerprint, block_bytes
-    ROOT/ab/<32 hex>.<fingerprint>.kvb      one block (exactly block_bytes)
+    ROOT/ab/<32 hex>.<fingerprint>.kvb      one block: a header with its digests
+                                            (format 2, ``fs_io``), then block_bytes
     ROOT/ab/<...>.kvb.<pid>.<tid>.<n>.tmp   a store in progress (or orphaned)
 
 The 32 hex digits are blake2b-128 of the key and ``ab`` its first byte: a
@@ -13,6 +14,20 @@ deeper fan-out made lazily cost a directory creation (a journal commit) on
 most stores of a young store, which halved store throughput in the benchmark;
 ext4/xfs index large directories, so 256 of them hold millions of blocks. The fingerprint in the name lets ``fsck`` tell blocks
 of another layout apart; several layouts may share one directory.
+
+Digests: a store writes the block's layer digests (the CPU slot's, or taken
+from the bytes it writes) into the header of the same file, so the rename
+that publishes the bytes publishes their digests. A load checks the bytes
+that landed against them (policy ``verify``: off, sample, full) before the
+block counts as loaded; a mismatch on a full-size file is provable
+corruption: the load of that block fails, alone (the rest of its batch is
+loaded; the engine recomputes it), and the file is removed (``files_deleted``, ``digest_mismatches``, a REMOVED event).
+With ``verify`` off no block bytes are digested on store or load (the header
+says "no digests"); such a file, read with verification on, is served and counted
+(``loads_unverified``) unless the policy refuses unverified loads (then it is a
+failed load, counted towards quarantine). A format-1 (headerless) file is never
+served: a failed load (``legacy_format_loads``), counted towards quarantine, so
+it is written again.
 
 Quarantine: a regular block file whose every read fails without being
 provably short (EIO, a bad sector, an unreadable inode) would be retried once
@@ -40,10 +55,25 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvbridge.events.schema import Locality, Medium
+from kvbridge.layouts.digests import VerifyPolicy
+from kvbridge.offload.blockdigest import (
+    DEFAULT_VERIFY,
+    DigestMismatchError,
+    LayerDigests,
+    layer_digests,
+    verify_views,
+    wants_key,
+)
 from kvbridge.offload.faults import FaultPlan, FaultyFsIO
 from kvbridge.offload.fs_io import (
+    BadBlockHeaderError,
+    BlockHeader,
     FsIO,
+    HeaderBuffer,
+    LegacyBlockError,
+    block_header_bytes,
     direct_ok,
+    encode_block_header,
     load_block,
     probe_o_direct,
     remove_entry,
@@ -66,7 +96,8 @@ from kvbridge.offload.types import (
 logger = logging.getLogger(__name__)
 
 BLOCK_SUFFIX = ".kvb"
-HEADER_FORMAT = 1
+#: format of the layout header; 2: block files carry a header with their digests
+HEADER_FORMAT = 2
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{8,64}$")
 #: block file name: <hash>.<fingerprint>.kvb
 BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
@@ -112,6 +143,11 @@ class FileMapper:
     def key_hash(key: OffloadKey) -> str:
         return hashlib.blake2b(key, digest_size=16).hexdigest()
 
+    @staticmethod
+    def key_hash_bytes(key: OffloadKey) -> bytes:
+        """The 16 bytes a block header names its key by (``key_hash`` in hex)."""
+        return hashlib.blake2b(key, digest_size=16).digest()
+
     def directory(self, key_hash: str) -> str:
         return os.path.join(self.root, key_hash[0:2])
 
@@ -153,6 +189,7 @@ class FsTier(SecondaryTier):
 
     medium = Medium.STORAGE.value
     locality = Locality.LOCAL.value
+    carries_digests = True
 
     def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
                  use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,
@@ -160,9 +197,11 @@ class FsTier(SecondaryTier):
                  faults: FaultPlan | None = None, name: str = "fs",
                  probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
                  quarantine_after: int = 3,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1) -> None:
         self.mapper = FileMapper(root, fingerprint)
         super().__init__(name, block_bytes, read_threads, write_threads, clock=clock,
+                         verify=verify, num_layers=num_layers,
                          probe_timeout_s=(DEFAULT_PROBE_TIMEOUT_S if probe_timeout_s is None
                                           else probe_timeout_s),
                          load_timeout_s=(DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None
@@ -183,6 +222,8 @@ class FsTier(SecondaryTier):
         self.quarantine_after = quarantine_after
         self._failures: OrderedDict[OffloadKey, int] = OrderedDict()
         self._failures_lock = threading.Lock()
+        #: bytes of a block file's header (before the block's bytes)
+        self.header_bytes = block_header_bytes(self.num_layers)
         os.makedirs(root, exist_ok=True)
         ensure_header(root, fingerprint, block_bytes)
         # probed once for the store directory (the fan-out dirs are on the same file system)
@@ -197,27 +238,83 @@ class FsTier(SecondaryTier):
         # lstat: only a regular file is a block (a directory, FIFO or symlink is absent)
         return [self.io.is_block_file(self.mapper.path(key)) for key in keys]
 
-    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
-        for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
-            direct = self.o_direct and direct_ok(views)
-            path = self.mapper.path(key)
+    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                   digests_out: list[LayerDigests | None] | None = None) -> None:
+        """Load and (per ``verify``) check each block; ``digests_out`` gets, per loaded key,
+        the digests stored with it (None: stored without). A block that is provably
+        corrupt (digests, torn header) fails alone: the rest of the batch is loaded."""
+        header = HeaderBuffer(self.header_bytes)
+        #: blocks that failed on their own (provably corrupt, removed): the batch goes on
+        corrupt: dict[int, OSError] = {}
+        try:
+            for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
+                direct = self.o_direct and direct_ok(views)
+                path = self.mapper.path(key)
+                try:
+                    outcome = load_block(self.io, path, views, self.block_bytes, direct,
+                                         header.view, self.mapper.key_hash_bytes(key),
+                                         self.num_layers)
+                    assert outcome.header is not None
+                    digests = self._check(key, path, views, outcome.header)
+                except OSError as exc:
+                    if isinstance(exc, LegacyBlockError):
+                        self.count("legacy_format_loads")     # format 1: no digests
+                    elif isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
+                        self.count("foreign_format_loads")
+                    error = self._count_failure(key, path, exc)
+                    if isinstance(exc, DigestMismatchError) or (
+                            isinstance(exc, BadBlockHeaderError) and exc.corrupt):
+                        corrupt[i] = error    # this block's file, not the store: go on
+                        continue
+                    raise BatchIOError(i, error, skipped=corrupt) from exc
+                if digests_out is not None:
+                    digests_out.append(digests)
+                if self._failures:
+                    with self._failures_lock:
+                        self._failures.pop(key, None)
+                if outcome.close_error:
+                    with self._stats_lock:
+                        self.stats.close_errors_ignored += 1
+        finally:
+            header.close()
+        if corrupt:
+            raise BatchIOError(len(keys), corrupt[min(corrupt)], skipped=corrupt)
+
+    def _check(self, key: OffloadKey, path: str, views: Sequence[memoryview],
+               header: BlockHeader) -> LayerDigests | None:
+        """The bytes in ``views`` against ``header``'s digests, as the policy says.
+
+        Returns the stored digests (what the CPU slot keeps). A mismatch removes
+        the file (a full-size file whose bytes are not what its writer digested is
+        provably corrupt) and raises ``DigestMismatchError``.
+        """
+        policy = self.verify
+        if not policy.enabled:
+            return header.layer_digests
+        if header.layer_digests is None:
+            if not policy.allow_unverified:
+                raise OSError(errno.EPROTO, f"{path} was stored without digests and the "
+                              "verify policy refuses unverified loads")
+            with self._stats_lock:
+                self.stats.loads_unverified += 1
+            return None
+        if wants_key(policy, key):
             try:
-                outcome = load_block(self.io, path, views, self.block_bytes, direct)
-            except OSError as exc:
-                raise BatchIOError(i, self._count_failure(key, path, exc)) from exc
-            if self._failures:
-                with self._failures_lock:
-                    self._failures.pop(key, None)
-            if outcome.close_error:
-                with self._stats_lock:
-                    self.stats.close_errors_ignored += 1
+                verify_views(self.name, path, key, header.layer_digests, views)
+            except DigestMismatchError as exc:
+                exc.deleted = remove_entry(self.io, path)
+                raise
+            with self._stats_lock:
+                self.stats.loads_verified += 1
+        return header.layer_digests
 
     def _count_failure(self, key: OffloadKey, path: str, exc: OSError) -> OSError:
         """Count a failed load of ``key``; quarantine (remove) the file at the threshold.
 
         Returns the error to report: ``exc`` itself, or a ``QuarantinedError``.
         """
-        if isinstance(exc, ShortReadError | NotRegularFileError) \
+        if isinstance(exc, ShortReadError | NotRegularFileError | DigestMismatchError) \
+                or (isinstance(exc, BadBlockHeaderError) and exc.corrupt) \
                 or exc.errno in NOT_THE_FILES_FAULT:
             with self._failures_lock:
                 self._failures.pop(key, None)   # handled (removed) or not the file's fault
@@ -237,28 +334,44 @@ class FsTier(SecondaryTier):
             self.count("quarantine_remove_failed")
         return QuarantinedError(path, failures, exc, deleted)
 
-    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
-        for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
-            path = self.mapper.path(key)
-            direct = self.o_direct and direct_ok(views)
-            try:
+    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                    digests: Sequence[LayerDigests | None] | None = None) -> None:
+        """Write each block with a header holding its layer digests: ``digests[i]`` (taken
+        where the bytes were written), else taken here; none with ``verify`` off."""
+        header = HeaderBuffer(self.header_bytes)
+        try:
+            for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
+                path = self.mapper.path(key)
+                direct = self.o_direct and direct_ok(views)
+                layers = digests[i] if digests is not None else None
+                if layers is None and self.verify.enabled:
+                    layers = layer_digests(views, self.num_layers)
+                if layers is not None and len(layers) != self.num_layers:
+                    raise BatchIOError(i, OSError(errno.EINVAL, f"{len(layers)} layer digests "
+                                                  f"for {self.num_layers} layers"))
+                header.view[:] = encode_block_header(self.block_bytes,
+                                                     self.mapper.key_hash_bytes(key),
+                                                     self.num_layers, layers)
                 try:
-                    stored = store_block(self.io, path, views, self.block_bytes, direct,
-                                         self.fsync)
-                except FileNotFoundError:
-                    # the fan-out directory was removed behind our back (an operator
-                    # cleaning up): make it again, once
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    stored = store_block(self.io, path, views, self.block_bytes, direct,
-                                         self.fsync)
-                if not stored:
-                    self.count("store_existing")
-                elif self._failures:
-                    # a new file: the failed loads of the one it replaces are not its own
-                    with self._failures_lock:
-                        self._failures.pop(key, None)
-            except OSError as exc:
-                raise BatchIOError(i, exc) from exc
+                    try:
+                        stored = store_block(self.io, path, views, self.block_bytes, direct,
+                                             header.view, self.fsync)
+                    except FileNotFoundError:
+                        # the fan-out directory was removed behind our back (an operator
+                        # cleaning up): make it again, once
+                        os.makedirs(os.path.dirname(path), exist_ok=True)
+                        stored = store_block(self.io, path, views, self.block_bytes, direct,
+                                             header.view, self.fsync)
+                    if not stored:
+                        self.count("store_existing")
+                    elif self._failures:
+                        # a new file: the failed loads of the one it replaces are not its own
+                        with self._failures_lock:
+                            self._failures.pop(key, None)
+                except OSError as exc:
+                    raise BatchIOError(i, exc) from exc
+        finally:
+            header.close()
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         super().shutdown(timeout_s)

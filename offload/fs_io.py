@@ -3,18 +3,29 @@
 Every system call goes through an ``FsIO`` object so that fault injection
 (``kvbridge.offload.faults``) wraps the real calls instead of replacing them.
 
-Deletion policy (the only place a block file is deleted on a load):
+Deletion policy (what a load deletes; this module and ``FsTier`` -- its
+digest check and quarantine -- are the only places a load deletes a block file):
 
 * a *provable short read* — the file ended (read returned 0 at EOF) before
-  ``block_bytes`` — deletes the file: stores are atomic (temp file + rename),
+  its header + ``block_bytes`` (and it is not a headerless format-1 file, see
+  below) — deletes the file: stores are atomic (temp file + rename),
   so a short file can only be corruption. A failed delete is logged and does
   not hide the short read;
 * open errors (ENOENT, ELOOP, EMFILE, ...), read errors (EIO) and close errors
   leave the file: a transient fault must not destroy data;
 * a close error after a full read is not a load failure (logged, counted);
-* a file *longer* than ``block_bytes`` (no correct writer leaves one) fails the
+* a file *longer* than its header + ``block_bytes`` (no correct writer leaves one) fails the
   load with EFBIG: its bytes are never served; it is kept (counted towards
   quarantine, like EIO);
+* a file of the full size whose block header is torn (bad magic or header
+  checksum), names another key, or whose bytes do not match the layer digests
+  in its header (checked by the tier, ``FsTier.load_batch``), is provable
+  corruption: stores are atomic and write the header with the bytes it
+  digests, so no correct writer leaves one. It is removed (a REMOVED event);
+* a headerless file of exactly ``block_bytes`` (format 1, before block
+  headers) or a header of another format version or geometry is not
+  provably broken: the load fails (a miss, counted towards quarantine, so it
+  is eventually removed and written again in this format), the file is kept;
 * something that is *not a regular file* in a block's place (a directory, a
   FIFO, a device, a symlink) is provably not a block: the tier never makes
   one. Block files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with
@@ -26,6 +37,13 @@ Deletion policy (the only place a block file is deleted on a load):
   by a store or by quarantine. Probes ``lstat`` and
   answer "absent" for anything but a regular file, and a store replaces such
   an entry (or fails) instead of taking it for a stored block.
+
+Block file format 2: a header of ``header_bytes`` (a multiple of 4096, so the
+block's bytes stay page aligned for O_DIRECT), then the ``block_bytes`` of the
+block. Header, little-endian: magic ``KVBLOCK\0``, u32 format (2), u32
+header_bytes, u64 block_bytes, u32 num_layers, u32 flags (bit 0: digests
+present), 16 bytes blake2b-128 of the key, u64 block digest, num_layers u64
+layer digests, u64 XXH3-64 of all the header bytes before it; zero padding.
 
 Repeated failures of a regular file that are never provably short (EIO,
 EISDIR...) are the fs tier's business (quarantine, ``FsTier``).
@@ -39,6 +57,7 @@ import logging
 import mmap
 import os
 import stat
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +65,7 @@ from itertools import count
 
 import numpy as np
 
+from kvbridge.layouts.digests import combine, digest_bytes, pack
 from kvbridge.offload.types import NotRegularFileError, ShortReadError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +78,133 @@ DIRECT_ALIGN = 4096
 TEMP_SUFFIX = ".tmp"
 
 _temp_counter = count()
+
+#: block file format: 1 = the bare block bytes, 2 = a header with the digests, then the bytes
+BLOCK_FORMAT = 2
+BLOCK_MAGIC = b"KVBLOCK\0"
+#: magic, format, header_bytes, block_bytes, num_layers, flags, key hash, block digest
+_HEADER_FIXED = struct.Struct("<8sIIQII16sQ")
+HEADER_FLAG_DIGESTS = 1
+#: no header is longer (bounds what a reader allocates for a header named in a file)
+MAX_BLOCK_HEADER_BYTES = 64 * 1024
+MAX_HEADER_LAYERS = (MAX_BLOCK_HEADER_BYTES - _HEADER_FIXED.size - 8) // 8
+
+
+def block_header_bytes(num_layers: int) -> int:
+    """Header size of a block file with ``num_layers`` layer digests (4096-aligned)."""
+    need = _HEADER_FIXED.size + 8 * num_layers + 8
+    return -(-need // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+class BadBlockHeaderError(OSError):
+    """A full-size block file whose header is not one this version reads.
+
+    ``corrupt``: provably broken (torn header: bad magic or checksum; another
+    key's block): the file is removed. Otherwise (another format version or
+    geometry) the file is kept and the load fails.
+    """
+
+    def __init__(self, path: str, reason: str, corrupt: bool) -> None:
+        super().__init__(errno.EPROTO, f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+        self.corrupt = corrupt
+        self.deleted = False
+        self.removal_reason = "corrupt" if corrupt else "format"
+
+
+class LegacyBlockError(OSError):
+    """A headerless block file (format 1): no digests to check; the load fails, the file
+    is kept (quarantine removes it in time, so it is written again with a header)."""
+
+    removal_reason = "legacy"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.EPROTO, f"{path} is a format-1 block file (no header, no "
+                         "digests): not served")
+        self.path = path
+        self.deleted = False
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    header_bytes: int
+    block_bytes: int
+    num_layers: int
+    key_hash: bytes
+    #: None: written with verification off (no digests)
+    layer_digests: tuple[int, ...] | None
+
+
+def encode_block_header(block_bytes: int, key_hash: bytes, num_layers: int,
+                        layer_digests: Sequence[int] | None) -> bytes:
+    """The header of a block file (``block_header_bytes(num_layers)`` bytes)."""
+    if not 1 <= num_layers <= MAX_HEADER_LAYERS or len(key_hash) != 16:
+        raise ValueError(f"header of {num_layers} layers / key hash of {len(key_hash)} bytes")
+    header_bytes = block_header_bytes(num_layers)
+    flags = 0
+    digests: Sequence[int] = (0,) * num_layers
+    block_digest = 0
+    if layer_digests is not None:
+        if len(layer_digests) != num_layers:
+            raise ValueError(f"{len(layer_digests)} layer digests for {num_layers} layers")
+        flags |= HEADER_FLAG_DIGESTS
+        digests = layer_digests
+        block_digest = combine(layer_digests)
+    body = _HEADER_FIXED.pack(BLOCK_MAGIC, BLOCK_FORMAT, header_bytes, block_bytes, num_layers,
+                              flags, key_hash, block_digest) + pack(digests)
+    body += struct.pack("<Q", digest_bytes(body))
+    return body + bytes(header_bytes - len(body))
+
+
+def compact_header_bytes(num_layers: int) -> int:
+    """The header without its padding (what the obj tier stores beside a block)."""
+    return _HEADER_FIXED.size + 8 * num_layers + 8
+
+
+def decode_block_header(path: str, data: bytes | memoryview) -> BlockHeader:
+    """Parse and check a block header (``data``: the header, its padding optional).
+
+    Raises ``BadBlockHeaderError``; ``corrupt`` says whether it is provably torn.
+    """
+    if len(data) < _HEADER_FIXED.size:
+        raise BadBlockHeaderError(path, "header truncated", True)
+    magic, fmt, header_bytes, block_bytes, num_layers, flags, key_hash, block_digest = \
+        _HEADER_FIXED.unpack_from(data)
+    if magic != BLOCK_MAGIC:
+        raise BadBlockHeaderError(path, "no block header magic (torn header)", True)
+    if fmt != BLOCK_FORMAT:
+        raise BadBlockHeaderError(path, f"block format {fmt}, this version reads "
+                                  f"{BLOCK_FORMAT}", False)
+    end = _HEADER_FIXED.size + 8 * num_layers
+    if not 1 <= num_layers <= MAX_HEADER_LAYERS \
+            or header_bytes != block_header_bytes(num_layers) or end + 8 > len(data):
+        raise BadBlockHeaderError(path, f"header of {header_bytes} bytes for {num_layers} "
+                                  "layers is not one this version writes (torn header)", True)
+    (checksum,) = struct.unpack_from("<Q", data, end)
+    if digest_bytes(data[:end]) != checksum:
+        raise BadBlockHeaderError(path, "header checksum mismatch (torn header)", True)
+    digests = struct.unpack_from(f"<{num_layers}Q", data, _HEADER_FIXED.size)
+    if flags & HEADER_FLAG_DIGESTS:
+        if combine(digests) != block_digest:
+            raise BadBlockHeaderError(path, "block digest does not combine its layer digests",
+                                      True)
+        layers: tuple[int, ...] | None = tuple(digests)
+    else:
+        layers = None
+    return BlockHeader(header_bytes, block_bytes, num_layers, bytes(key_hash), layers)
+
+
+class HeaderBuffer:
+    """A page-aligned buffer for one block header (O_DIRECT needs the alignment)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._mmap = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.view.release()
+        self._mmap.close()
 
 
 class FsIO:
@@ -169,6 +316,8 @@ def remove_entry(io: FsIO, path: str, *, keep_regular: bool = False) -> bool:
 @dataclass
 class LoadOutcome:
     close_error: bool = False
+    #: the block file's header (format 2), checked against the key and the geometry
+    header: BlockHeader | None = None
 
 
 def byte_views(views: Sequence[memoryview]) -> list[memoryview]:
@@ -233,16 +382,25 @@ def probe_o_direct(directory: str, io: FsIO | None = None) -> bool:
 
 
 def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: int,
-               direct: bool) -> LoadOutcome:
-    """Read one block file into ``views`` (``block_bytes`` in all).
+               direct: bool, header: memoryview, key_hash: bytes,
+               num_layers: int) -> LoadOutcome:
+    """Read one block file (format 2) into ``header`` and ``views`` (``block_bytes`` in all).
 
+    ``header``: a buffer of ``block_header_bytes(num_layers)`` (page aligned for O_DIRECT);
+    the header read into it is checked against ``key_hash``, ``block_bytes`` and
+    ``num_layers`` (not the digests: the caller checks the bytes against them).
     Raises ``ShortReadError`` (with ``deleted`` set) on a provable short read,
-    the ``OSError`` of open/read otherwise; see the module's deletion policy.
+    ``BadBlockHeaderError`` / ``LegacyBlockError`` for a header this version does not
+    serve (``deleted`` set when provably torn), the ``OSError`` of open/read otherwise;
+    see the module's deletion policy.
     """
     views = byte_views(views)
     total_view_bytes = sum(len(v) for v in views)
     if total_view_bytes != block_bytes:
         raise ValueError(f"buffers hold {total_view_bytes} bytes, block_bytes is {block_bytes}")
+    header = header if header.format == "B" and header.ndim == 1 else header.cast("B")
+    file_bytes = len(header) + block_bytes
+    targets = [header, *views]
     outcome = LoadOutcome()
     fd: int | None = None
     loaded = False
@@ -253,25 +411,41 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
             exc.deleted = remove_entry(io, path, keep_regular=True)
             raise
         done = 0
-        remaining = views
-        while done < block_bytes:
+        remaining = targets
+        while done < file_bytes:
             n = io.readv(fd, remaining)
             if n > 0:
                 done += n
-                if done >= block_bytes:
+                if done >= file_bytes:
                     break
                 # a partial read is normal (signals, >2 GiB); EOF is what proves shortness
                 if io.file_size(fd) > done:
-                    remaining = _advance(views, done)
+                    remaining = _advance(targets, done)
                     continue
             # n == 0, or the file is no longer than what we have: EOF before a full block
-            short = ShortReadError(path, block_bytes, done)
+            if done == block_bytes and bytes(header[:len(BLOCK_MAGIC)]) != BLOCK_MAGIC:
+                raise LegacyBlockError(path)   # a format-1 file: kept
+            short = ShortReadError(path, file_bytes, done)
             short.deleted = _remove_short(io, path)
             raise short
-        if io.file_size(fd) > block_bytes:
-            # the tier writes exactly block_bytes: a longer file is not this key's block
-            raise OSError(errno.EFBIG, f"{path} is longer than block_bytes={block_bytes}: "
-                          "not a block file (its bytes are not served)")
+        if io.file_size(fd) > file_bytes:
+            # the tier writes exactly header + block_bytes: a longer file is not this block
+            raise OSError(errno.EFBIG, f"{path} is longer than its header + block_bytes="
+                          f"{block_bytes}: not a block file (its bytes are not served)")
+        try:
+            parsed = decode_block_header(path, header)
+            if parsed.key_hash != key_hash:
+                raise BadBlockHeaderError(path, f"the block of key hash {parsed.key_hash.hex()}"
+                                          f", not {key_hash.hex()}", True)
+            if parsed.block_bytes != block_bytes or parsed.num_layers != num_layers:
+                raise BadBlockHeaderError(path, f"{parsed.num_layers} layers of "
+                                          f"{parsed.block_bytes} bytes in all, expected "
+                                          f"{num_layers} of {block_bytes}", False)
+        except BadBlockHeaderError as exc:
+            if exc.corrupt:
+                exc.deleted = remove_entry(io, path)
+            raise
+        outcome.header = parsed
         loaded = True
         return outcome
     finally:
@@ -303,8 +477,9 @@ def temp_path_for(path: str) -> str:
 
 
 def store_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: int,
-                direct: bool, fsync: bool = False) -> bool:
-    """Write one block file atomically; False if it already existed (that is success).
+                direct: bool, header: memoryview, fsync: bool = False) -> bool:
+    """Write one block file (``header``, then the block's bytes) atomically; False if it
+    already existed (that is success). ``header``: page aligned when ``direct``.
 
     The bytes go to a temp file in the same directory which is then renamed
     over ``path``, so a reader sees either no file or a complete one. On any
@@ -321,13 +496,15 @@ def store_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: i
     views = byte_views(views)
     if sum(len(v) for v in views) != block_bytes:
         raise ValueError(f"buffers do not hold block_bytes={block_bytes}")
+    views = [header if header.format == "B" else header.cast("B"), *views]
+    file_bytes = block_bytes + len(views[0])
     tmp = temp_path_for(path)
     fd = io.open_write(tmp, direct)
     try:
         try:
             done = 0
             remaining = views
-            while done < block_bytes:
+            while done < file_bytes:
                 n = io.writev(fd, remaining)
                 if n <= 0:
                     raise OSError(errno.EIO, f"write of {tmp} made no progress")

@@ -37,6 +37,18 @@ Rules (each has a test):
   in ``promotions_timed_out``): the request recomputes instead of waiting
   forever. The slot stays WRITING until the job really ends (a stuck read may
   still write into it); it then becomes READY (the bytes arrived) or is freed.
+* Verified KV (policy ``primary.verify``: off, sample, full): a block's layer
+  digests are taken when the engine's bytes land in its CPU slot
+  (``complete_store``) and travel with every cascade; a promotion's slot keeps
+  the digests its secondary tier stored (which checked the bytes that landed
+  before it reported the load). A lookup checks a READY slot's bytes against
+  its digests before it counts the block, once per request: a mismatch is a
+  failed load of exactly that block (``failed_loads``; logged once with the
+  key, layer and tier), the slot is condemned (never a hit again, removed with
+  a REMOVED event once unreferenced) and the request recomputes it. ``off``
+  takes and checks nothing. What is checked at lookup is the slot the
+  worker copies from next; a slot corrupted between that check and the copy
+  is not seen (the slot is pinned for the request meanwhile).
 * ``hit_blocks_primary`` counts each (request, block) once, however often the
   engine asks again; ``hits_by_tier`` counts blocks the engine really copied
   (``complete_load`` with ``success=True``); failed copies are
@@ -138,6 +150,9 @@ class OffloadManager:
         self._counted_hits: dict[RequestId, set[OffloadKey]] = {}
         #: per request: keys handed out by ``prepare_load``, with the tier credited
         self._loading: dict[RequestId, dict[OffloadKey, str]] = {}
+        #: per request: READY keys whose slot bytes were checked (or passed over by the
+        #: sample) for it: a request re-asking does not hash them again
+        self._verified: dict[RequestId, set[OffloadKey]] = {}
         self._clock = clock
         self._jobs: dict[int, _Job] = {}
         self._next_job_id = 0
@@ -164,7 +179,7 @@ class OffloadManager:
         to_promote: list[tuple[OffloadKey, SecondaryTier]] = []
         failed = self._failed_loads.get(request_id)
         now = self._clock()
-        for key in keys:
+        for position, key in enumerate(keys):
             if failed is not None and key in failed:
                 break  # its load failed while this request waited: recompute, never retry
             slot = primary.get(key)
@@ -177,6 +192,9 @@ class OffloadManager:
                     break  # a load past its deadline is a failed load for this request
                 if unknown:
                     continue  # only scanning to batch the probes of this step
+                if slot.state is SlotState.READY and not gap \
+                        and not self._slot_verified(request_id, key, slot, position, pins):
+                    break  # corrupt: a failed load of this block; the prefix ends here
                 if key not in pins:
                     primary.pin(key, request_id)
                     pins.add(key)
@@ -224,6 +242,44 @@ class OffloadManager:
             self._stats.hit_blocks_primary += len(new)   # an engine re-asking counts nothing
             return LookupResult(LookupStatus.HIT, num_ready)
         return LookupResult(LookupStatus.MISS, 0)
+
+    def _slot_verified(self, request_id: RequestId, key: OffloadKey, slot: Slot,
+                       position: int, pins: set[OffloadKey]) -> bool:
+        """Whether ``key``'s READY slot may count for ``request_id`` (its bytes match its
+        digests, or the policy does not check it); a mismatch is a failed load."""
+        if not slot.corrupt:
+            done = self._verified.setdefault(request_id, set())
+            if key in done:
+                return True
+            policy = self.primary.verify
+            if not policy.wants(request_id, 0, position):
+                done.add(key)
+                return True
+            if self.primary.digests_of(key) is None:
+                # promoted from a tier that stores no digests, or stored without them
+                if policy.allow_unverified:
+                    self.primary.loads_unverified += 1
+                    done.add(key)
+                    return True
+                logger.warning("offload: request %s, block %d: key %s has no digests and the "
+                               "verify policy refuses unverified loads; recomputed",
+                               request_id, position, key.hex())
+            else:
+                mismatch = self.primary.check(key)
+                if mismatch is None:
+                    self.primary.loads_verified += 1
+                    done.add(key)
+                    return True
+                self.primary.digest_mismatches += 1
+                logger.warning("offload: request %s, block %d: %s; the block is recomputed and "
+                               "the slot removed", request_id, position, mismatch)
+        if key in pins:
+            self.primary.unpin(key, request_id)
+            pins.discard(key)
+        self._failed_loads.setdefault(request_id, {})[key] = None
+        if not slot.corrupt:
+            self.primary.condemn(key)
+        return False
 
     def _give_up_promotion(self, request_id: RequestId, key: OffloadKey, slot: Slot,
                            pins: set[OffloadKey]) -> None:
@@ -348,12 +404,15 @@ class OffloadManager:
             return
         self.primary.mark_ready(keys)
         self._stats.stores_ok += len(keys)
+        # the digests of the bytes as they landed: they travel with every cascade
+        digests = ([self.primary.seal(k) for k in keys] if self.primary.verify.enabled
+                   else [None] * len(keys))
         slots = [self._slot_index(k) for k in keys]
         for tier in self.secondaries:
             for key in keys:
                 self.primary.add_io_ref(key)
             job_id = self._new_job(JobKind.STORE, tier, keys)
-            tier.submit_store(job_id, keys, self.slot_buffers(slots))
+            tier.submit_store(job_id, keys, self.slot_buffers(slots), digests)
 
     # -- per step / per request ---------------------------------------------------
     def step(self) -> None:
@@ -372,10 +431,13 @@ class OffloadManager:
             failed = [k for k in job.keys if k not in ok]
             if done:
                 self.primary.mark_ready(done)
+                stored = dict(zip(result.successful_keys, result.digests, strict=False))
                 for key in done:
                     promoted = self.primary.get(key)
                     assert promoted is not None
                     promoted.origin = job.tier.name
+                    # the digests its writer took (checked by the tier against these bytes)
+                    self.primary.set_digests(key, stored.get(key))
             if failed:
                 self._drop_failed_writes(failed)
             self._stats.promotions_ok += len(done)
@@ -406,6 +468,7 @@ class OffloadManager:
         self._failed_loads.pop(request_id, None)
         self._counted_hits.pop(request_id, None)
         self._loading.pop(request_id, None)
+        self._verified.pop(request_id, None)
         for tier in self.secondaries:
             tier.release_request(request_id)
 
@@ -456,6 +519,11 @@ class OffloadManager:
         out["primary"] = {"name": self.primary.name, "medium": self.primary.medium, "blocks": len(self.primary),
                           "free_slots": self.primary.num_free,
                           "evictions": self.primary.evictions,
+                          "verify": self.primary.verify.mode.value,
+                          "loads_verified": self.primary.loads_verified,
+                          "loads_unverified": self.primary.loads_unverified,
+                          "digest_mismatches": self.primary.digest_mismatches,
+                          "corrupt_removed": self.primary.corrupt_removed,
                           "policy": self.primary.policy.name}
         out["tiers"] = {t.name: {"medium": t.medium, "locality": t.locality,
                                  **t.stats_snapshot()}

@@ -13,6 +13,21 @@ object the tier removes is one proven too short (Mooncake returned fewer bytes
 than a block): the analogue of the fs tier's short read. Not-found (evicted by
 Mooncake meanwhile), timeouts and an unreachable master remove nothing.
 
+Digests: beside each block object ``<name>``, a digest object ``<name>.dg``
+holds its block header (``fs_io``'s format-2 header without the padding: key
+hash, layer digests, checksum), put in the same batch as the block; the block
+object itself stays a zero-copy put from the slot. A load gets both in one
+batch and checks the bytes that landed in the slot against the digests
+before the block counts as loaded (policy ``verify``). A mismatch (another
+key's or changed bytes under this name), or a torn digest object, is a
+failed load of that block and removes both objects (a REMOVED event). A
+block without a digest object (evicted apart by Mooncake, or written with
+``verify`` off) is served and counted unverified, or fails the load if the
+policy refuses unverified loads. Mooncake puts do not overwrite: if one of
+a pair was evicted and the block stored again from bytes that differ (a
+recompute that is not bit-exact), the pair no longer matches; the next load
+fails, removes both, and the store after it writes a matching pair.
+
 Timeouts: a get or put that outlived ``op_timeout_s`` is abandoned by the
 client but keeps running. Its job is reported failed only once the client is
 idle (the fence of ``SecondaryTier``): until then its slots stay WRITING, so
@@ -33,8 +48,23 @@ import numpy as np
 
 from kvbridge.backends.mooncake import KeyResult, McStatus, MooncakeStoreClient
 from kvbridge.events.schema import Locality, Medium
-from kvbridge.offload.fs import FINGERPRINT_RE
-from kvbridge.offload.fs_io import byte_views
+from kvbridge.layouts.digests import VerifyPolicy
+from kvbridge.offload.blockdigest import (
+    DEFAULT_VERIFY,
+    DigestMismatchError,
+    LayerDigests,
+    layer_digests,
+    verify_views,
+    wants_key,
+)
+from kvbridge.offload.fs import FINGERPRINT_RE, FileMapper
+from kvbridge.offload.fs_io import (
+    BadBlockHeaderError,
+    byte_views,
+    compact_header_bytes,
+    decode_block_header,
+    encode_block_header,
+)
 from kvbridge.offload.tier import BlockBuffers, SecondaryTier
 from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey, ShortReadError
 
@@ -74,11 +104,14 @@ class ObjTier(SecondaryTier):
 
     medium = Medium.STORAGE.value
     locality = Locality.REMOTE.value
+    carries_digests = True
+    #: suffix of a block's digest object
+    DIGEST_SUFFIX = ".dg"
 
     def __init__(self, client: MooncakeStoreClient, block_bytes: int, fingerprint: str, *,
                  read_threads: int = 2, write_threads: int = 2, name: str = "obj",
-                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None
-                 ) -> None:
+                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
+                 verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1) -> None:
         if not FINGERPRINT_RE.match(fingerprint):
             raise OffloadError("fingerprint",
                                f"expected 8-64 lowercase hex digits, got {fingerprint!r}")
@@ -88,16 +121,23 @@ class ObjTier(SecondaryTier):
                          probe_timeout_s=(op_timeout_s + 1.0 if probe_timeout_s is None
                                           else probe_timeout_s),
                          load_timeout_s=(2 * op_timeout_s + 1.0 if load_timeout_s is None
-                                         else load_timeout_s))
+                                         else load_timeout_s),
+                         verify=verify, num_layers=num_layers)
         self.client = client
         self.prefix = f"kvbridge/offload/{fingerprint}/"
         self._registered: list[int] = []
         #: fences handed out (pruned as they pass); shutdown waits for them
         self._pending_fences: list[_IdleFence] = []
         self._fence_lock = threading.Lock()
+        #: bytes of a digest object
+        self.digest_object_bytes = compact_header_bytes(self.num_layers)
 
     def object_name(self, key: OffloadKey) -> str:
         return self.prefix + hashlib.blake2b(key, digest_size=16).hexdigest()
+
+    def digest_name(self, key: OffloadKey) -> str:
+        """The object holding ``key``'s block header (its digests)."""
+        return self.object_name(key) + self.DIGEST_SUFFIX
 
     def attach_primary(self, buffer: memoryview) -> None:
         """Register the primary tier's slot memory for zero-copy puts and gets."""
@@ -121,7 +161,11 @@ class ObjTier(SecondaryTier):
             out.append(view)
         return out
 
-    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                   digests_out: list[LayerDigests | None] | None = None) -> None:
+        """Get each block (and, unless ``verify`` is off, its digest object) in one batch;
+        check the bytes before the block counts as loaded. ``digests_out`` gets, per
+        loaded key, the digests stored with it (None: none)."""
         names = [self.object_name(k) for k in keys]
         single = self._single_views(buffers)
         staging: list[bytearray] = []
@@ -130,29 +174,111 @@ class ObjTier(SecondaryTier):
             targets = [memoryview(b) for b in staging]
         else:
             targets = single
-        results = self.client.batch_get_into(names, [_address(v) for v in targets],
-                                             [self.block_bytes] * len(keys))
+        verify = self.verify.enabled
+        headers = [bytearray(self.digest_object_bytes) for _ in keys] if verify else []
+        header_views = [memoryview(h) for h in headers]
+        get_names = names + [self.digest_name(k) for k in keys] if verify else names
+        results = self.client.batch_get_into(
+            get_names, [_address(v) for v in targets + header_views],
+            [self.block_bytes] * len(keys) + [self.digest_object_bytes] * len(headers))
         if any(r.code == McStatus.TIMEOUT for r in results):
             # the get was abandoned, not ended: it may still write into ``targets``
             i = next(i for i, r in enumerate(results) if not r.ok)
-            raise BatchIOError(0, OSError(errno.ETIMEDOUT, f"mooncake get of {names[i]}: "
-                                          f"{results[i]}"), self._fence(targets))
-        for i, result in enumerate(results):
+            raise BatchIOError(0, OSError(errno.ETIMEDOUT, f"mooncake get of "
+                                          f"{get_names[i]}: {results[i]}"),
+                               self._fence(targets + header_views))
+        #: blocks that failed on their own (provably wrong, removed): the batch goes on
+        corrupt: dict[int, OSError] = {}
+        for i, result in enumerate(results[:len(keys)]):
             if not result.ok:
-                raise BatchIOError(i, self._load_error(names[i], result))
+                raise BatchIOError(i, self._load_error(keys[i], names[i], result),
+                                   skipped=corrupt)
+            digests: LayerDigests | None = None
+            if verify:
+                try:
+                    digests = self._check(keys[i], names[i], targets[i], headers[i],
+                                          results[len(keys) + i])
+                except (DigestMismatchError, BadBlockHeaderError) as exc:
+                    if isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
+                        raise BatchIOError(i, exc, skipped=corrupt) from exc
+                    corrupt[i] = exc
+                    continue
+                except OSError as exc:
+                    raise BatchIOError(i, exc, skipped=corrupt) from exc
+            if digests_out is not None:
+                digests_out.append(digests)
             if staging:
                 offset = 0
                 for view in byte_views(buffers[i]):
                     view[:] = staging[i][offset:offset + len(view)]
                     offset += len(view)
+        if corrupt:
+            raise BatchIOError(len(keys), corrupt[min(corrupt)], skipped=corrupt)
 
-    def _load_error(self, name: str, result: KeyResult) -> OSError:
+    def _check(self, key: OffloadKey, name: str, target: memoryview, header: bytearray,
+               got: KeyResult) -> LayerDigests | None:
+        """``target`` (the bytes that landed) against the digest object read into ``header``.
+
+        Raises ``DigestMismatchError`` / ``BadBlockHeaderError`` (both objects removed) or
+        ``OSError``; returns the stored digests (None: the block has no digest object).
+        """
+        policy = self.verify
+        if got.not_found:
+            if not policy.allow_unverified:
+                raise OSError(errno.EPROTO, f"{name} has no digest object and the verify "
+                              "policy refuses unverified loads")
+            with self._stats_lock:
+                self.stats.loads_unverified += 1
+            return None
+        if not got.ok:
+            if got.code == McStatus.SIZE_MISMATCH:
+                exc = BadBlockHeaderError(name + self.DIGEST_SUFFIX,
+                                          f"digest object of {got.nbytes} bytes, expected "
+                                          f"{self.digest_object_bytes}", True)
+                exc.deleted = self._remove_pair(key)
+                raise exc
+            raise OSError(errno.EIO, f"mooncake get of {name}{self.DIGEST_SUFFIX}: {got}")
+        try:
+            parsed = decode_block_header(name + self.DIGEST_SUFFIX, bytes(header))
+            if parsed.key_hash != FileMapper.key_hash_bytes(key):
+                raise BadBlockHeaderError(name + self.DIGEST_SUFFIX,
+                                          "the digests of another key", True)
+            if parsed.block_bytes != self.block_bytes or parsed.num_layers != self.num_layers:
+                raise BadBlockHeaderError(name + self.DIGEST_SUFFIX, f"{parsed.num_layers} "
+                                          f"layers of {parsed.block_bytes} bytes, expected "
+                                          f"{self.num_layers} of {self.block_bytes}", False)
+        except BadBlockHeaderError as exc:
+            if exc.corrupt:
+                exc.deleted = self._remove_pair(key)
+            raise
+        if parsed.layer_digests is None:
+            with self._stats_lock:
+                self.stats.loads_unverified += 1
+            return None
+        if wants_key(policy, key):
+            try:
+                verify_views(self.name, name, key, parsed.layer_digests, [target])
+            except DigestMismatchError as exc:
+                exc.deleted = self._remove_pair(key)
+                raise
+            with self._stats_lock:
+                self.stats.loads_verified += 1
+        return parsed.layer_digests
+
+    def _remove_pair(self, key: OffloadKey) -> bool:
+        """Remove a key's block and digest objects (provably wrong); True if both are gone."""
+        removed = self.client.remove([self.object_name(key), self.digest_name(key)],
+                                     force=True)
+        gone = bool(removed) and all(r.ok or r.not_found for r in removed)
+        if not gone:
+            logger.warning("%s: could not remove the objects of key %s: %s", self.name,
+                           key.hex(), removed)
+        return gone
+
+    def _load_error(self, key: OffloadKey, name: str, result: KeyResult) -> OSError:
         if result.code == McStatus.SIZE_MISMATCH and result.nbytes < self.block_bytes:
             short = ShortReadError(name, self.block_bytes, result.nbytes)
-            removed = self.client.remove([name], force=True)
-            short.deleted = bool(removed and (removed[0].ok or removed[0].not_found))
-            if not short.deleted:
-                logger.warning("could not remove short object %s: %s", name, removed)
+            short.deleted = self._remove_pair(key)
             return short
         return OSError(errno.ENOENT if result.not_found else errno.EIO,
                        f"mooncake get of {name}: {result}")
@@ -171,7 +297,10 @@ class ObjTier(SecondaryTier):
             self._pending_fences.append(fence)
         return fence
 
-    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                    digests: Sequence[LayerDigests | None] | None = None) -> None:
+        """Put each block (zero-copy from its slot) and, unless ``verify`` is off, its digest
+        object (``digests[i]``, taken where the bytes were written, else taken here)."""
         names = [self.object_name(k) for k in keys]
         single = self._single_views(buffers)
         if single is None:
@@ -180,17 +309,33 @@ class ObjTier(SecondaryTier):
             sources = staged
         else:
             sources = single
-        results = self.client.batch_put_from(names, [_address(v) for v in sources],
-                                             [self.block_bytes] * len(keys))
+        headers: list[memoryview] = []
+        if self.verify.enabled:
+            for i, key in enumerate(keys):
+                layers = digests[i] if digests is not None else None
+                if layers is None:
+                    layers = layer_digests([sources[i]], self.num_layers)
+                if len(layers) != self.num_layers:
+                    raise BatchIOError(i, OSError(errno.EINVAL, f"{len(layers)} layer digests "
+                                                  f"for {self.num_layers} layers"))
+                header = encode_block_header(self.block_bytes, FileMapper.key_hash_bytes(key),
+                                             self.num_layers, layers)
+                headers.append(memoryview(bytearray(header[:self.digest_object_bytes])))
+        all_names = names + [self.digest_name(k) for k in keys] if headers else names
+        results = self.client.batch_put_from(
+            all_names, [_address(v) for v in sources + headers],
+            [self.block_bytes] * len(keys) + [self.digest_object_bytes] * len(headers))
         if any(r.code == McStatus.TIMEOUT for r in results):
             # an abandoned put may still read ``sources``: the slots stay held (no eviction,
             # so no other key's bytes) until it ended
             i = next(i for i, r in enumerate(results) if not r.ok)
-            raise BatchIOError(0, OSError(errno.ETIMEDOUT, f"mooncake put of {names[i]}: "
-                                          f"{results[i]}"), self._fence(sources))
-        for i, result in enumerate(results):
-            if not result.ok:
-                raise BatchIOError(i, OSError(errno.EIO, f"mooncake put of {names[i]}: {result}"))
+            raise BatchIOError(0, OSError(errno.ETIMEDOUT, f"mooncake put of {all_names[i]}: "
+                                          f"{results[i]}"), self._fence(sources + headers))
+        for i in range(len(keys)):
+            for j in (i, len(keys) + i) if headers else (i,):
+                if not results[j].ok:
+                    raise BatchIOError(i, OSError(errno.EIO, f"mooncake put of "
+                                                  f"{all_names[j]}: {results[j]}"))
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         super().shutdown(timeout_s)

@@ -137,3 +137,12 @@ class RequestSimulator:
         manager.request_finished(req.request_id)
         req.done = True
         return True
+
+
+def block_file_payload(path: str) -> bytes:
+    """The block bytes of an fs-tier block file (format 2: after its header)."""
+    from kvbridge.offload.fs_io import decode_block_header
+
+    with open(path, "rb") as fh:
+        data = fh.read()
+    return data[decode_block_header(path, data).header_bytes:]

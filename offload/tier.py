@@ -13,7 +13,16 @@ and inherits the scheduler-side bookkeeping from ``SecondaryTier``:
   failed load, flips exactly the failed keys to a miss with ``mark_miss`` —
   the tier corrects its own cache from its own jobs; the manager has no
   failure callback. The leading keys loaded before the failure are reported
-  as ``successful_keys`` and are kept.
+  as ``successful_keys`` and are kept; a block that failed its digests fails
+  alone (the tier checks the rest of the batch: ``BatchIOError.skipped``).
+
+Digests (``carries_digests`` tiers: fs, obj): a store job may carry each key's
+layer digests (``kvbridge.offload.blockdigest``; the CPU slot's, taken when the
+engine's bytes landed there) and the tier stores them with the block; a load
+checks the bytes that landed against the stored digests (``verify`` policy)
+before the block counts as loaded, and reports the digests it read
+(``JobResult.digests``) so the CPU slot keeps them. A mismatch is a failed
+load of exactly that block, through the same path as any other.
 
 Buffers (``BlockBuffers``): for each key, the list of memoryviews its block is
 read into or written from, in order; their lengths add up to ``block_bytes``.
@@ -48,7 +57,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvbridge.events.schema import Locality, Medium
+from kvbridge.layouts.digests import VerifyPolicy
 from kvbridge.offload.async_lookup import LookupCache, ProbeRunner
+from kvbridge.offload.blockdigest import (
+    DEFAULT_VERIFY,
+    DigestMismatchError,
+    LayerDigests,
+    check_num_layers,
+)
 from kvbridge.offload.types import (
     BatchIOError,
     EventKind,
@@ -77,13 +93,19 @@ class _Done:
     job_id: int
     kind: JobKind
     ok: bool
-    num_succeeded: int
-    deleted_key: OffloadKey | None = None
-    #: why ``deleted_key`` was removed: "short" (provable short read), "not_regular"
-    #: (not a regular file) or "quarantine" (failed every read ``quarantine_after`` times)
-    deleted_reason: str = "short"
+    #: positions (in the job's key order) of the keys that failed
+    failed: frozenset[int] = frozenset()
+    #: keys whose stored copy was removed, each with why: "short" (provable short read),
+    #: "not_regular" (not a regular file), "quarantine" (failed every read
+    #: ``quarantine_after`` times), "digest" / "corrupt" (bytes that fail their digests,
+    #: a torn header)
+    deleted: tuple[tuple[OffloadKey, str], ...] = ()
     #: True once no I/O of the job can touch its buffers any more (None: already true)
     fence: Callable[[], bool] | None = None
+    #: loads of a ``carries_digests`` tier: per successful key, the digests stored with it
+    digests: tuple[LayerDigests | None, ...] = ()
+    #: keys whose bytes did not match their stored digests
+    mismatches: int = 0
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -98,13 +120,20 @@ class SecondaryTier(abc.ABC):
 
     medium: str = Medium.STORAGE.value
     locality: str = Locality.LOCAL.value
+    #: True: ``store_batch`` takes ``digests=`` and ``load_batch`` takes ``digests_out=``
+    carries_digests: bool = False
 
     def __init__(self, name: str, block_bytes: int, read_threads: int = 2, write_threads: int = 1,
                  *, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
                  load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1) -> None:
         if block_bytes <= 0:
             raise OffloadError("block_bytes", f"expected a positive size, got {block_bytes}")
+        #: what a load checks (``carries_digests`` tiers); digests are stored unless ``off``
+        self.verify = verify
+        #: equal layer spans of a block, one digest each (a mismatch names the layer)
+        self.num_layers = check_num_layers(block_bytes, num_layers)
         if read_threads <= 0 or write_threads <= 0:
             raise OffloadError("threads", "expected at least one read and one write thread")
         self.name = name
@@ -141,7 +170,8 @@ class SecondaryTier(abc.ABC):
         """Fill ``buffers`` from the stored blocks, in key order.
 
         Raises ``BatchIOError(num_succeeded, cause)`` at the first failing key;
-        the keys before it were loaded completely.
+        the keys before it were loaded completely, less those in its ``skipped``
+        (blocks that failed on their own, e.g. their digests, as the batch went on).
         """
 
     @abc.abstractmethod
@@ -186,11 +216,18 @@ class SecondaryTier(abc.ABC):
     def submit_load(self, job_id: int, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
         self._submit(JobKind.LOAD, job_id, keys, buffers)
 
-    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
-        self._submit(JobKind.STORE, job_id, keys, buffers)
+    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                     digests: Sequence[LayerDigests | None] | None = None) -> None:
+        """Store ``buffers`` under ``keys``; ``digests``: per key, the layer digests of its
+        bytes taken where they were written (None: the tier takes them, unless ``off``)."""
+        if digests is not None and len(digests) != len(keys):
+            raise OffloadError("digests", f"expected {len(keys)} digest entries, "
+                               f"got {len(digests)}")
+        self._submit(JobKind.STORE, job_id, keys, buffers, digests)
 
     def _submit(self, kind: JobKind, job_id: int, keys: Sequence[OffloadKey],
-                buffers: BlockBuffers) -> None:
+                buffers: BlockBuffers,
+                digests: Sequence[LayerDigests | None] | None = None) -> None:
         if self._closed:
             raise OffloadError("tier", f"{self.name} is shut down")
         if len(keys) != len(buffers):
@@ -201,29 +238,47 @@ class SecondaryTier(abc.ABC):
         self._job_keys[job_id] = (kind, tuple(keys))
         pool = self._read_pool if kind is JobKind.LOAD else self._write_pool
         frozen = tuple(keys)
-        pool.submit(lambda: self._run_job(kind, job_id, frozen, buffers))
+        pool.submit(lambda: self._run_job(kind, job_id, frozen, buffers, digests))
 
     def _run_job(self, kind: JobKind, job_id: int, keys: tuple[OffloadKey, ...],
-                 buffers: BlockBuffers) -> None:
+                 buffers: BlockBuffers,
+                 digests: Sequence[LayerDigests | None] | None = None) -> None:
         """Worker thread: run the batch and post exactly one completion record."""
-        done = _Done(job_id, kind, True, len(keys))
+        loaded: list[LayerDigests | None] = []
+        done = _Done(job_id, kind, True)
         try:
             if kind is JobKind.LOAD:
-                self.load_batch(keys, buffers)
+                if self.carries_digests:
+                    self.load_batch(keys, buffers, digests_out=loaded)  # type: ignore[call-arg]
+                else:
+                    self.load_batch(keys, buffers)
+            elif self.carries_digests:
+                self.store_batch(keys, buffers, digests=digests)  # type: ignore[call-arg]
             else:
                 self.store_batch(keys, buffers)
+            done = _Done(job_id, kind, True, digests=tuple(loaded))
         except BatchIOError as exc:
-            deleted = None
-            reason = "short"
-            if getattr(exc.cause, "deleted", False):
-                deleted = keys[exc.num_succeeded]
-                reason = str(getattr(exc.cause, "removal_reason", "short"))
-            logger.warning("%s %s job %d failed at block %d of %d: %s", self.name, kind.value,
-                           job_id, exc.num_succeeded, len(keys), exc.cause)
-            done = _Done(job_id, kind, False, exc.num_succeeded, deleted, reason, exc.fence)
+            stop = exc.num_succeeded
+            causes: dict[int, BaseException] = dict(exc.skipped)
+            if stop < len(keys):
+                causes[stop] = exc.cause
+            deleted = tuple((keys[i], str(getattr(cause, "removal_reason", "short")))
+                            for i, cause in sorted(causes.items())
+                            if getattr(cause, "deleted", False))
+            # one line per failed block: tier, job, block position, and the cause (its
+            # path / key / layer for a digest mismatch)
+            for i, cause in sorted(exc.skipped.items()):
+                logger.warning("%s %s job %d: block %d of %d failed (the batch went on): %s",
+                               self.name, kind.value, job_id, i, len(keys), cause)
+            if stop < len(keys):
+                logger.warning("%s %s job %d failed at block %d of %d: %s", self.name,
+                               kind.value, job_id, stop, len(keys), exc.cause)
+            failed = frozenset(exc.skipped) | frozenset(range(stop, len(keys)))
+            done = _Done(job_id, kind, False, failed, deleted, exc.fence, tuple(loaded),
+                         sum(isinstance(c, DigestMismatchError) for c in causes.values()))
         except BaseException as exc:  # a bug in a tier must still finish the job
             logger.exception("%s %s job %d failed: %s", self.name, kind.value, job_id, exc)
-            done = _Done(job_id, kind, False, 0)
+            done = _Done(job_id, kind, False, frozenset(range(len(keys))))
         self._done.put(done)
         self._done_event.set()
 
@@ -257,10 +312,11 @@ class SecondaryTier(abc.ABC):
         results: list[JobResult] = []
         for done in ready:
             kind, keys = self._job_keys.pop(done.job_id)
-            ok_keys = keys[:done.num_succeeded]
-            failed = keys[done.num_succeeded:]
+            ok_keys = tuple(k for i, k in enumerate(keys) if i not in done.failed)
+            failed = tuple(k for i, k in enumerate(keys) if i in done.failed)
             if kind is JobKind.LOAD:
                 self.stats.loads_ok += len(ok_keys)
+                self.stats.digest_mismatches += done.mismatches
                 if not done.ok:
                     # the request recomputes these; no re-probe while it references them
                     self.cache.mark_miss(failed)
@@ -272,15 +328,15 @@ class SecondaryTier(abc.ABC):
                 if ok_keys:
                     self._events.append(OffloadEvent(EventKind.STORED, ok_keys, self.name,
                                                      self.medium, self.locality))
-            if done.deleted_key is not None:
-                if done.deleted_reason == "quarantine":
+            for deleted_key, reason in done.deleted:
+                if reason == "quarantine":
                     self.stats.files_quarantined += 1
                 else:
                     self.stats.files_deleted += 1
-                self._events.append(OffloadEvent(EventKind.REMOVED, (done.deleted_key,),
+                self._events.append(OffloadEvent(EventKind.REMOVED, (deleted_key,),
                                                  self.name, self.medium, self.locality))
             results.append(JobResult(done.job_id, done.ok,
-                                     ok_keys if not done.ok else keys))
+                                     ok_keys if not done.ok else keys, done.digests))
         return results
 
     def _fence_passed(self, done: _Done) -> bool:

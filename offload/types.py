@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvbridge.events.schema import Locality
@@ -33,7 +33,8 @@ class ShortReadError(OSError):
     """A block file ended before ``expected_bytes``: provable corruption.
 
     Stores are atomic (temp file + rename), so a correct writer can never leave
-    a short file behind; this is the only load error that deletes the file.
+    a short file behind. It deletes the file, as do the other proofs of corruption of
+    a full-size file (a torn block header, bytes that fail their digests; ``fs_io``).
     """
 
     def __init__(self, path: str, expected_bytes: int, read_bytes: int) -> None:
@@ -71,15 +72,24 @@ class BatchIOError(OSError):
     ``num_succeeded`` blocks (the leading ones, in batch order) completed before
     the failure: they are valid and reported as ``JobResult.successful_keys``.
 
+    ``skipped``: blocks before ``num_succeeded`` that failed on their own (index
+    -> error) while the batch went on past them: a load whose bytes landed but
+    failed their digests (or a provably torn header) says nothing about the next
+    block, so a tier checks the rest of the batch, and only those blocks fail.
+    ``num_succeeded == len(keys)`` then means nothing stopped the batch (``cause``
+    is the first skipped error).
+
     ``fence``: set by a tier whose failed call may still be running (a Mooncake
     get abandoned at its timeout): True once that call provably ended; until
     then the job's buffers must not be reused (``SecondaryTier`` holds the job).
     """
 
     def __init__(self, num_succeeded: int, cause: BaseException,
-                 fence: Callable[[], bool] | None = None) -> None:
+                 fence: Callable[[], bool] | None = None,
+                 skipped: Mapping[int, OSError] | None = None) -> None:
         super().__init__(f"batch failed after {num_succeeded} blocks: {cause}")
         self.num_succeeded = num_succeeded
+        self.skipped: dict[int, OSError] = dict(skipped or {})
         self.cause = cause
         self.fence = fence
 
@@ -122,13 +132,17 @@ class JobResult:
     """Outcome of one tier job, reported on the scheduler thread.
 
     ``successful_keys``: every key of a successful job; for a failed batch, the
-    leading keys that completed before the failure (kept) — every other key of
-    the job failed.
+    keys that completed (kept): the leading ones before the failure, less any
+    that failed on their own while the batch went on (``BatchIOError.skipped``:
+    a block that failed its digests) — every other key of the job failed.
     """
 
     job_id: int
     success: bool
     successful_keys: tuple[OffloadKey, ...] = ()
+    #: loads of a tier that stores digests: per successful key, the layer digests stored
+    #: with its block (None: stored without); empty when the tier keeps none
+    digests: tuple[tuple[int, ...] | None, ...] = ()
 
 
 class EventKind(enum.Enum):
@@ -165,8 +179,12 @@ class TierStats:
     load_jobs_failed: int = 0
     stores_ok: int = 0         # blocks
     stores_failed: int = 0     # blocks
-    files_deleted: int = 0     # provable short reads (and non-regular files in a block's place)
+    files_deleted: int = 0     # provably broken files removed on a load: short, torn header,
+    #                            digest mismatch, not a regular file
     files_quarantined: int = 0  # removed after failing every read quarantine_after times
     jobs_fenced: int = 0       # completions held until an abandoned call ended
     close_errors_ignored: int = 0
+    loads_verified: int = 0    # blocks whose bytes were checked against their digests
+    loads_unverified: int = 0  # blocks loaded that were stored without digests
+    digest_mismatches: int = 0  # blocks whose bytes did not match (failed loads)
     extra: dict[str, int] = field(default_factory=dict)

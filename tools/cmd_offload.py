@@ -17,19 +17,38 @@ examples:
   kvbridge offload fsck /var/cache/kvbridge --fingerprint 0123456789abcdef
   kvbridge offload bench --json
   kvbridge offload bench --dir /mnt/nvme --blocks 256 --block-kib 2048
+  kvbridge offload bench --verify off,sample,full --layers 32
 
-fsck repairs only what is provably broken: block files whose size differs
-from their layout header's block_bytes, temp files older than
---min-temp-age seconds, and a directory, FIFO, device or symlink under a
-block file's name (a symlink is unlinked, never its target; a directory only
-if empty). Everything else is reported and left alone, among it a fan-out
-directory that cannot be listed or is a symlink. fsck never blocks on a FIFO
-and reads at most 64 KiB of a header.
+fsck verifies every block file: its block header (format 2: the layer
+digests its writer took, written atomically with the bytes) and, unless
+--no-digests, its bytes against those digests, one layer at a time. Without
+--repair it only reports (a dry run). --repair removes only what is provably
+broken: block files whose bytes do not match their digests (digest_mismatch,
+naming the layer), whose block header is torn or names another key
+(corrupt_header), whose size differs from header + block_bytes, temp files
+older than --min-temp-age seconds, and a directory, FIFO, device or symlink
+under a block file's name (a symlink is unlinked, never its target; a
+directory only if empty); a file replaced since the scan is kept. Everything
+else is reported and left alone, among it format-1 block files without a
+header (legacy_block), a fan-out directory that cannot be listed or is a
+symlink. fsck never blocks on a FIFO, reads at most 64 KiB of a header and
+one layer span of a block at a time.
 
---json: fsck prints {"root", "layouts", "blocks_ok", "ok", "findings": [{"kind",
+--json: fsck prints {"root", "layouts", "blocks_ok", "blocks_verified",
+"blocks_unverified", "ok", "findings": [{"kind",
 "path", "detail", "broken", "repaired"}], ...}; bench prints {"bytes",
 "num_blocks", "block_bytes", "io_mode", "store": {"tier_gbps", "plain_gbps",
-"ratio"}, "load": {...}, "lookup": {...}, "verified", "failed_jobs", ...}.
+"ratio"}, "load": {...}, "lookup": {...}, "verified", "failed_jobs", ...}; with
+--verify also "verify": {"modes", "gbps": {mode: {"fs_store", "fs_load",
+"cpu_store", "cpu_load"}}, "ratio_of_off": {mode: {...}},
+"cpu_lookup_us_per_block": {mode: us}, "verified", ...}.
+
+--verify MODES: the cost of verified KV. For each mode (off is always run, as
+the baseline), the fs tier's store and load jobs (digests taken on store,
+checked on load) and the CPU tier's store and load paths through the manager
+(copy into a slot + complete_store, which digests it; lookup, which checks it,
++ the copy out), in one run; ratio_of_off = GB/s with the mode / GB/s with
+verification off. The store/load rows above use the tiers' default (full).
 
 exit codes: 0 ok, 1 problems found (fsck) or failed jobs / mismatched bytes (bench), 2 usage error
 """
@@ -44,13 +63,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     check = sub.add_parser(
         "fsck", help="check (and repair) an fs-tier store directory",
-        description="Scan a store directory: short or oversize block files, orphaned temp "
-                    "files, files of another or unknown layout fingerprint, misplaced and "
-                    "unknown files.",
+        description="Scan a store directory and verify each block file's digests: corrupt "
+                    "blocks (bytes that do not match their digests, torn headers), short or "
+                    "oversize block files, orphaned temp files, files of another or unknown "
+                    "layout fingerprint, misplaced and unknown files. Reports only, unless "
+                    "--repair (which removes the provably broken ones).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("path", metavar="PATH", help="store directory (the fs tier's root)")
     check.add_argument("--repair", action="store_true",
-                       help="delete provably broken files (short/oversize blocks, old temp files)")
+                       help="delete provably broken files (blocks failing their digests, torn "
+                            "headers, short/oversize blocks, old temp files); without it, "
+                            "fsck only reports")
+    check.add_argument("--no-digests", action="store_true",
+                       help="check headers and sizes only; do not read the blocks' bytes")
     check.add_argument("--fingerprint", metavar="HEX",
                        help="the layout fingerprint expected; other layouts are reported")
     check.add_argument("--min-temp-age", type=float, default=60.0, metavar="S",
@@ -76,6 +101,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--lookups", type=int, default=400,
                        help="lookups timed per phase (idle, busy) (default 400)")
     bench.add_argument("--buffered", action="store_true", help="do not use O_DIRECT")
+    bench.add_argument("--verify", metavar="MODES", default=None,
+                       help="also measure verification: comma-separated modes among off, "
+                            "sample, full (off is always run as the baseline); prints GB/s "
+                            "and the ratio of off per path")
+    bench.add_argument("--layers", type=int, default=32,
+                       help="layer spans per block for --verify (one digest each; default 32)")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.add_argument("--progress", action="store_true",
                        help="progress on stderr even when it is not a terminal")
@@ -93,7 +124,7 @@ def run_fsck(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         report = fsck(args.path, repair=args.repair, fingerprint=args.fingerprint,
-                      min_temp_age_s=args.min_temp_age)
+                      min_temp_age_s=args.min_temp_age, digests=not args.no_digests)
     except FileNotFoundError as exc:
         print(f"kvbridge offload fsck: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -101,7 +132,9 @@ def run_fsck(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         layouts = ", ".join(f"{fp} ({n} B)" for fp, n in sorted(report.layouts.items())) or "none"
-        print(f"store {report.root}: layouts {layouts}; {report.blocks_ok} blocks ok")
+        print(f"store {report.root}: layouts {layouts}; {report.blocks_ok} blocks ok "
+              f"({report.blocks_verified} verified against their digests, "
+              f"{report.blocks_unverified} stored without digests)")
         for f in report.findings:
             state = "repaired" if f.repaired else ("BROKEN" if f.broken else "note")
             print(f"  {f.kind.value:<17} {state:<8} {f.path}: {f.detail}")
@@ -115,16 +148,32 @@ def run_fsck(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvbridge.offload.bench import run_offload_bench
+    from kvbridge.offload.bench import run_offload_bench, run_verify_bench
     from kvbridge.offload.types import OffloadError
 
+    modes: tuple[str, ...] = ()
+    if args.verify is not None:
+        modes = tuple(m.strip() for m in args.verify.split(",") if m.strip())
+        bad = [m for m in modes if m not in ("off", "sample", "full")]
+        if bad or not modes:
+            print(f"kvbridge offload bench: --verify: expected modes among off, sample, full, "
+                  f"got {args.verify!r}", file=sys.stderr)
+            return EXIT_USAGE
     try:
-        with Progress("offload bench", force=args.progress).ticking("fs tier vs plain I/O"):
+        progress = Progress("offload bench", force=args.progress)
+        with progress.ticking("fs tier vs plain I/O"):
             result = run_offload_bench(args.dir, num_blocks=args.blocks,
                                        block_bytes=args.block_kib * 1024,
                                        batch_blocks=args.batch, rounds=args.rounds,
                                        lookup_iterations=args.lookups,
                                        use_o_direct=not args.buffered)
+        if modes:
+            with progress.ticking("verification off/sample/full"):
+                result["verify"] = run_verify_bench(
+                    args.dir, modes=modes, num_blocks=args.blocks,
+                    block_bytes=args.block_kib * 1024, num_layers=args.layers,
+                    batch_blocks=args.batch, rounds=args.rounds,
+                    use_o_direct=not args.buffered)
     except OffloadError as exc:
         print(f"kvbridge offload bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -147,5 +196,21 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"  lookup per key, tier {phase}: median {lat['median']:.2f} us, "
                   f"p99 {lat['p99']:.2f} us, max {lat['max']:.2f} us")
         print(f"  verified: {result['verified']}, failed jobs: {result['failed_jobs']}")
+        verify = result.get("verify")
+        if isinstance(verify, dict):
+            print(f"verification cost, {verify['num_layers']} layer digests per block, "
+                  f"GB/s (ratio of off), {verify['io_mode']}:")
+            print(f"  {'mode':<7}" + "".join(f"{p:>22}" for p in
+                                             ("fs_store", "fs_load", "cpu_store", "cpu_load")))
+            for mode in verify["modes"]:
+                gbps, ratio = verify["gbps"][mode], verify["ratio_of_off"][mode]
+                cells = "".join(f"{gbps[p]:>15.3f} ({ratio[p]:.2f})"
+                                for p in ("fs_store", "fs_load", "cpu_store", "cpu_load"))
+                print(f"  {mode:<7}{cells}   lookup {verify['cpu_lookup_us_per_block'][mode]:.1f}"
+                      " us/block")
+            print(f"  verified: {verify['verified']}, failed jobs: {verify['failed_jobs']}")
     ok = result["verified"] and not result["failed_jobs"]
+    verify = result.get("verify")
+    if isinstance(verify, dict):
+        ok = ok and bool(verify["verified"]) and not verify["failed_jobs"]
     return EXIT_OK if ok else EXIT_FAILURE

@@ -31,8 +31,9 @@ from kvbridge.layouts import ParallelTopology, load_spec
 
 CONNECTOR = "offload"
 
-#: the fault kinds that make a load fail (a close error after a full read does not)
-LOAD_FAULT_KINDS = ("short_read", "eloop", "eio")
+#: the fault kinds that make a load fail (a close error after a full read does not;
+#: "corrupt", a changed byte inside a full-size file, is caught by the digest check)
+LOAD_FAULT_KINDS = ("short_read", "eloop", "eio", "corrupt")
 
 Progress = Callable[[str], None]
 

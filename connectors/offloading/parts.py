@@ -43,6 +43,8 @@ class Part:
     block_bytes: int   # bytes of this part of one block (the writer rank's layers)
     pool: int          # index into ``PartTable.pool_bytes``
     prefix: bytes      # ``namespace.encode()`` + b":"; a key is prefix + 32 hash bytes
+    #: the writer rank's layers of the region: equal spans of ``block_bytes``, in layer order
+    num_layers: int = 1
 
     def key(self, block_hash: BlockHash) -> bytes:
         """The store key of this part of the block ``block_hash`` (``BlockKey.to_bytes``)."""
@@ -58,6 +60,12 @@ class PartTable:
     region_parts: tuple[tuple[Part, ...], ...]
     #: bytes of a slot of each pool
     pool_bytes: tuple[int, ...]
+
+    def pool_layers(self, pool: int) -> int:
+        """Layer spans of a slot of ``pool`` (one digest each): the layer count its parts
+        share, or 1 (the whole slot) when they differ."""
+        counts = {p.num_layers for p in self.parts if p.pool == pool}
+        return counts.pop() if len(counts) == 1 else 1
 
     def pool_region_parts(self, pool: int, region_index: int) -> tuple[Part, ...]:
         return tuple(p for p in self.region_parts[region_index] if p.pool == pool)
@@ -94,6 +102,7 @@ def build_part_table(spec: KVCacheSpec, topology: ParallelTopology) -> PartTable
     """The part table of an engine of ``topology``'s sizes (ranks ignored)."""
     sizes = topology.sizes()
     writer_shape: dict[KeyNamespace, int] = {}
+    writer_layers: dict[KeyNamespace, int] = {}
     for rank in sizes.ranks():
         shapes = spec.rank_shapes(rank)
         stage = spec.stage_layers(rank.pp_size, rank.pp_rank)
@@ -103,6 +112,7 @@ def build_part_table(spec: KVCacheSpec, topology: ParallelTopology) -> PartTable
             ns = namespace_for(spec, region, rank)
             if ns.tp_rank == rank.tp_rank:
                 writer_shape[ns] = shapes[r].block_bytes
+                writer_layers[ns] = len(shapes[r].layer_ids)
     region_index = {region.name: i for i, region in enumerate(spec.regions)}
     pool_bytes: list[int] = []
     parts: list[Part] = []
@@ -111,7 +121,8 @@ def build_part_table(spec: KVCacheSpec, topology: ParallelTopology) -> PartTable
         if nbytes not in pool_bytes:
             pool_bytes.append(nbytes)
         parts.append(Part(len(parts), region_index[ns.region], ns, nbytes,
-                          pool_bytes.index(nbytes), ns.encode().encode("ascii") + b":"))
+                          pool_bytes.index(nbytes), ns.encode().encode("ascii") + b":",
+                          writer_layers[ns]))
     region_parts = tuple(tuple(p for p in parts if p.region_index == r)
                          for r in range(len(spec.regions)))
     return PartTable(tuple(parts), region_parts, tuple(pool_bytes))

@@ -122,8 +122,10 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
             except (TypeError, ValueError) as exc:
                 raise ConfigError("kv_connector_extra_config.obj", str(exc)) from None
             client = MooncakeStoreClient.connect(config)
-        for nbytes in table.pool_bytes:
+        for pool, nbytes in enumerate(table.pool_bytes):
             fingerprint = pool_fingerprint(spec, nbytes)
+            # one digest per layer span of a slot, so a mismatch names the layer
+            layers = table.pool_layers(pool)
             secondaries: list[SecondaryTier] = []
             if settings.fs_dir is not None:
                 secondaries.append(FsTier(settings.fs_dir, nbytes, fingerprint,
@@ -131,15 +133,18 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
                                           faults=settings.fs_faults,
                                           quarantine_after=settings.fs_quarantine_after,
                                           probe_timeout_s=settings.probe_timeout_s,
-                                          load_timeout_s=settings.load_timeout_s))
+                                          load_timeout_s=settings.load_timeout_s,
+                                          verify=settings.verify, num_layers=layers))
             if client is not None:
                 from kvbridge.offload.obj import ObjTier
                 secondaries.append(ObjTier(client, nbytes, fingerprint,
                                            probe_timeout_s=settings.probe_timeout_s,
-                                           load_timeout_s=settings.load_timeout_s))
+                                           load_timeout_s=settings.load_timeout_s,
+                                           verify=settings.verify, num_layers=layers))
             shm_path = shm_paths[len(managers)] if shm_paths else None
             managers.append(OffloadManager(CpuTier(settings.cpu_blocks, nbytes, settings.policy,
-                                                   shm_path=shm_path), secondaries))
+                                                   shm_path=shm_path, verify=settings.verify,
+                                                   num_layers=layers), secondaries))
     except BaseException:
         for manager in managers:
             manager.shutdown()
@@ -453,12 +458,16 @@ class OffloadingScheduler(SchedulerConnector):
             primary = stats["primary"]
             assert isinstance(primary, dict)
             out["cpu_evictions"] = out.get("cpu_evictions", 0) + primary["evictions"]
+            for stat in ("loads_verified", "loads_unverified", "digest_mismatches",
+                         "corrupt_removed"):
+                out[f"cpu_{stat}"] = out.get(f"cpu_{stat}", 0) + primary[stat]
             tiers = stats["tiers"]
             assert isinstance(tiers, dict)
             for name, tier in tiers.items():
                 for stat in ("loads_failed", "files_deleted", "files_quarantined",
                              "close_errors_ignored", "jobs_fenced", "probe_timeouts",
-                             "stuck_thread_replacements"):
+                             "stuck_thread_replacements", "loads_verified",
+                             "loads_unverified", "digest_mismatches"):
                     if stat in tier:
                         out[f"{name}_{stat}"] = out.get(f"{name}_{stat}", 0) + tier[stat]
         return out

@@ -24,6 +24,14 @@ Keys:
 * ``fs_quarantine_after`` (3): a block file whose loads fail this many times
   in a row (EIO and the like, never provably short) is removed, so a later
   store can write it again.
+* ``verify`` ("full"): how the tiers check KV against the block digests taken
+  where it was written (``kvbridge.layouts.digests``): ``off`` (no digest taken
+  or checked), ``sample`` (a deterministic fraction of blocks checked) or
+  ``full`` (every block). A block whose bytes do not match is a failed load
+  (recomputed); its stored copy is removed.
+* ``verify_sample`` (0.125): the fraction of blocks ``sample`` checks, in (0, 1].
+* ``verify_allow_unverified`` (true): a block stored without digests (written
+  with ``verify`` off) is served and counted; false: such a load fails.
 * ``obj`` (none): a Mooncake client config (``kvbridge.backends.mooncake.
   MooncakeConfig`` fields, e.g. ``{"master_address": "127.0.0.1:50051",
   "metadata_server": "http://127.0.0.1:8080/metadata"}``) for the ``obj``
@@ -37,11 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.connectors.errors import ConfigError
+from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.faults import FaultKind, FaultPlan
 
 _PREFIX = "kv_connector_extra_config"
 KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_faults", "obj", "shm_dir",
-         "probe_timeout_s", "load_timeout_s", "fs_quarantine_after")
+         "probe_timeout_s", "load_timeout_s", "fs_quarantine_after", "verify", "verify_sample",
+         "verify_allow_unverified")
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,28 @@ class OffloadSettings:
     probe_timeout_s: float | None = None
     load_timeout_s: float | None = None
     fs_quarantine_after: int = 3
+    #: what every tier checks before a block counts as loaded
+    verify: VerifyPolicy = field(default_factory=VerifyPolicy)
+
+
+def _verify(extra: Mapping[str, Any]) -> VerifyPolicy:
+    mode = extra.get("verify", DigestMode.FULL.value)
+    try:
+        parsed = DigestMode(mode)
+    except ValueError:
+        raise ConfigError(f"{_PREFIX}.verify", f"expected one of "
+                                               f"{[m.value for m in DigestMode]}, got "
+                                               f"{mode!r}") from None
+    fraction = extra.get("verify_sample", 0.125)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) \
+            or not 0 < fraction <= 1:
+        raise ConfigError(f"{_PREFIX}.verify_sample",
+                          f"expected a fraction in (0, 1], got {fraction!r}")
+    allow = extra.get("verify_allow_unverified", True)
+    if not isinstance(allow, bool):
+        raise ConfigError(f"{_PREFIX}.verify_allow_unverified",
+                          f"expected true or false, got {allow!r}")
+    return VerifyPolicy(parsed, float(fraction), allow)
 
 
 def _faults(value: object) -> FaultPlan:
@@ -146,4 +178,5 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
         raise ConfigError(f"{_PREFIX}.fs_quarantine_after",
                           f"expected a count >= 1 of failed loads, got {quarantine!r}")
     return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj, shm_dir,
-                           timeouts["probe_timeout_s"], timeouts["load_timeout_s"], quarantine)
+                           timeouts["probe_timeout_s"], timeouts["load_timeout_s"], quarantine,
+                           _verify(extra))

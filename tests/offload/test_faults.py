@@ -8,10 +8,13 @@ import os
 import pytest
 
 from kvbridge.offload.faults import ALL_KINDS, FaultKind, FaultPlan, FaultyFsIO
-from kvbridge.offload.fs_io import load_block, store_block
+from kvbridge.offload.fs_io import encode_block_header, load_block, store_block
 from kvbridge.offload.types import OffloadError, ShortReadError
 
 BLOCK = 4096
+KEY_HASH = bytes(range(16))
+#: a block file header without digests (format 2)
+HDR = memoryview(encode_block_header(BLOCK, KEY_HASH, 1, None))
 
 
 def test_rate_plan_is_deterministic_and_near_its_rate() -> None:
@@ -45,9 +48,10 @@ def test_each_failing_kind_through_the_real_load_path(tmp_path, kind, errno_, ke
     data = memoryview(bytearray(os.urandom(BLOCK)))
     io = FaultyFsIO(FaultPlan(per_key={b"k": kind}), lambda key: path)
     try:
-        assert store_block(io, path, [data], BLOCK, direct=False)
+        assert store_block(io, path, [data], BLOCK, direct=False, header=HDR)
         with pytest.raises(OSError) as info:
-            load_block(io, path, [memoryview(bytearray(BLOCK))], BLOCK, direct=False)
+            load_block(io, path, [memoryview(bytearray(BLOCK))], BLOCK, direct=False,
+                       header=memoryview(bytearray(len(HDR))), key_hash=KEY_HASH, num_layers=1)
         if errno_ is None:
             assert isinstance(info.value, ShortReadError) and info.value.deleted
         else:
@@ -65,9 +69,11 @@ def test_non_failing_kinds_still_load_the_bytes(tmp_path, kind) -> None:
     data = bytes(os.urandom(BLOCK))
     io = FaultyFsIO(FaultPlan(per_key={b"k": kind}, slow_s=0.001), lambda key: path)
     try:
-        store_block(io, path, [memoryview(bytearray(data))], BLOCK, direct=False)
+        store_block(io, path, [memoryview(bytearray(data))], BLOCK, direct=False, header=HDR)
         out = memoryview(bytearray(BLOCK))
-        outcome = load_block(io, path, [out], BLOCK, direct=False)
+        outcome = load_block(io, path, [out], BLOCK, direct=False,
+                             header=memoryview(bytearray(len(HDR))), key_hash=KEY_HASH,
+                             num_layers=1)
         assert bytes(out) == data
         assert outcome.close_error is (kind is FaultKind.CLOSE_ERROR)
         assert [f.kind for f in io.injected] == [kind]

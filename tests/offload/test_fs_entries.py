@@ -20,7 +20,7 @@ from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fs import FsTier
 from kvbridge.offload.fs_io import FsIO
 from kvbridge.offload.manager import OffloadManager
-from kvbridge.offload.testing import block_content
+from kvbridge.offload.testing import block_content, block_file_payload
 from kvbridge.offload.types import EventKind, LookupResult, LookupStatus
 from tests.offload.test_deadlines import settle, wait_for
 
@@ -194,8 +194,7 @@ def test_a_directory_in_place_of_a_block_is_replaced_or_fails_the_store(setup) -
     fs_events(m)
     compute(m, "w", [k(0)])
     assert os.path.isfile(tier.path(k(0)))
-    with open(tier.path(k(0)), "rb") as fh:
-        assert fh.read() == block_content(k(0), BLOCK)
+    assert block_file_payload(tier.path(k(0))) == block_content(k(0), BLOCK)
     assert (EventKind.STORED, (k(0),)) in fs_events(m)
     os.makedirs(os.path.join(tier.path(k(1)), "something"))   # not empty: the store fails
     compute(m, "w", [k(1)])
@@ -261,16 +260,17 @@ def test_a_block_stored_over_a_fifo_during_the_load_is_not_removed(tmp_path) -> 
         m.request_finished("w")
         evict(m)
         verdict_true(tier, "r1", k(0))
+        with open(tier.path(k(0)), "rb") as fh:
+            stored = fh.read()                          # what the other writer writes
         os.remove(tier.path(k(0)))
         os.mkfifo(tier.path(k(0)))
-        io.block, io.path = block_content(k(0), BLOCK), tier.path(k(0))
+        io.block, io.path = stored, tier.path(k(0))
         fs_events(m)
         assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
         assert io.path is None                          # the other writer did run
         # the FIFO the load saw is gone; the block file that replaced it is kept
         assert os.path.isfile(tier.path(k(0)))
-        with open(tier.path(k(0)), "rb") as fh:
-            assert fh.read() == block_content(k(0), BLOCK)
+        assert block_file_payload(tier.path(k(0))) == block_content(k(0), BLOCK)
         assert tier.stats.files_deleted == 0
         assert not [keys for kind, keys in fs_events(m) if kind is EventKind.REMOVED]
         m.request_finished("r1")

@@ -17,11 +17,22 @@ import pytest
 
 from kvbridge.offload.faults import FaultKind, FaultPlan
 from kvbridge.offload.fs import FileMapper, FsTier
-from kvbridge.offload.fs_io import TEMP_SUFFIX, FsIO, load_block, store_block
+from kvbridge.offload.fs_io import (
+    TEMP_SUFFIX,
+    FsIO,
+    block_header_bytes,
+    encode_block_header,
+    load_block,
+    store_block,
+)
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import EventKind, JobResult, OffloadError, ShortReadError
 
 BLOCK = 4096
+#: a block file: its header (format 2, one layer), then BLOCK bytes
+FILE_BYTES = block_header_bytes(1) + BLOCK
+#: a header without digests, for store_block/load_block called directly
+HDR = memoryview(encode_block_header(BLOCK, FileMapper.key_hash_bytes(b"direct"), 1, None))
 
 
 def k(i: int) -> bytes:
@@ -82,7 +93,7 @@ def test_store_then_load_roundtrip_with_hash_only_names(make_fs, store_dir) -> N
     digest = FileMapper.key_hash(evil)
     assert name == f"{digest}.{tier.mapper.fingerprint}.kvb"
     assert path == os.path.join(store_dir, digest[:2], name)
-    assert os.path.getsize(path) == BLOCK
+    assert os.path.getsize(path) == FILE_BYTES
     bufs = Buffers(2)
     tier.submit_load(7, [evil, k(1)], bufs.lists(2))
     result = finish(tier, 7)
@@ -97,11 +108,12 @@ def test_store_then_load_roundtrip_with_hash_only_names(make_fs, store_dir) -> N
 def test_store_is_atomic_and_existing_destination_is_success(tmp_path) -> None:
     path = str(tmp_path / "blk")
     data = memoryview(bytearray(block_content(k(0), BLOCK)))
-    assert store_block(FsIO(), path, [data], BLOCK, direct=False) is True
+    assert store_block(FsIO(), path, [data], BLOCK, direct=False, header=HDR) is True
     other = memoryview(bytearray(BLOCK))
-    assert store_block(FsIO(), path, [other], BLOCK, direct=False) is False  # kept, no rewrite
+    assert store_block(FsIO(), path, [other], BLOCK, direct=False,
+                       header=HDR) is False  # kept, no rewrite
     with open(path, "rb") as fh:
-        assert fh.read() == bytes(data)
+        assert fh.read() == bytes(HDR) + bytes(data)
     assert os.listdir(tmp_path) == ["blk"]            # no temp file left behind
 
     class FailingRename(FsIO):
@@ -109,7 +121,8 @@ def test_store_is_atomic_and_existing_destination_is_success(tmp_path) -> None:
             raise OSError(errno.EXDEV, "injected rename failure")
 
     with pytest.raises(OSError, match="rename"):
-        store_block(FailingRename(), str(tmp_path / "blk2"), [data], BLOCK, direct=False)
+        store_block(FailingRename(), str(tmp_path / "blk2"), [data], BLOCK, direct=False,
+                    header=HDR)
     assert os.listdir(tmp_path) == ["blk"]            # temp removed, nothing half-written
 
     # Atomic, observed: while the bytes are written (short writes: several calls), the
@@ -123,21 +136,25 @@ def test_store_is_atomic_and_existing_destination_is_success(tmp_path) -> None:
             seen.append((os.path.exists(final), os.fstat(fd).st_size))
             return super().writev(fd, [views[0][:1000]])
 
-    assert store_block(Watching(), final, [data], BLOCK, direct=False) is True
-    assert seen == [(False, 0), (False, 1000), (False, 2000), (False, 3000), (False, 4000)]
+    assert store_block(Watching(), final, [data], BLOCK, direct=False, header=HDR) is True
+    # header (4096 bytes) in 1000-byte writes, then the block's bytes
+    assert seen == [(False, n) for n in (0, 1000, 2000, 3000, 4000, 4096, 5096, 6096, 7096,
+                                         8096)]
     with open(final, "rb") as fh:
-        assert fh.read() == bytes(data)
+        assert fh.read() == bytes(HDR) + bytes(data)
 
     # A crash mid-write (no clean-up runs) leaves no final file: at most a temp file,
     # which the final name's readers never see (fsck removes it).
     crash = (
         "import os, sys\n"
         "from kvbridge.offload.fs_io import FsIO, store_block\n"
+        "hdr = memoryview(bytearray(4096))\n"
         "class Crash(FsIO):\n"
         "    def writev(self, fd, views):\n"
         "        os.writev(fd, [views[0][:1000]])\n"
         "        os._exit(9)\n"
-        "store_block(Crash(), sys.argv[1], [memoryview(bytearray(4096))], 4096, direct=False)\n")
+        "store_block(Crash(), sys.argv[1], [memoryview(bytearray(4096))], 4096, direct=False,\n"
+        "            header=hdr)\n")
     died = subprocess.run([sys.executable, "-c", crash, str(tmp_path / "blk4")], timeout=120)
     assert died.returncode == 9
     assert not os.path.exists(tmp_path / "blk4")
@@ -224,7 +241,8 @@ def test_failed_delete_does_not_hide_the_short_read(tmp_path) -> None:
 
     view = memoryview(bytearray(BLOCK))
     with pytest.raises(ShortReadError) as info:
-        load_block(CannotRemove(), path, [view], BLOCK, direct=False)
+        load_block(CannotRemove(), path, [view], BLOCK, direct=False,
+                   header=memoryview(bytearray(len(HDR))), key_hash=bytes(16), num_layers=1)
     assert info.value.deleted is False and info.value.read_bytes == 100
     assert os.path.exists(path)
 
@@ -239,7 +257,7 @@ def test_transient_load_failure_leaves_the_file(make_fs, store_dir, kind) -> Non
     tier.submit_load(2, [k(0)], bufs.lists(1))
     result = finish(tier, 2)
     assert not result.success
-    assert os.path.getsize(tier.path(k(0))) == BLOCK   # left intact
+    assert os.path.getsize(tier.path(k(0))) == FILE_BYTES   # left intact
     assert tier.stats.files_deleted == 0
     assert tier.lookup("r1", k(0)) is False             # still a miss for this request
     assert tier.injector is not None
@@ -250,7 +268,8 @@ def test_eloop_is_the_kernels_error(make_fs) -> None:
     tier = make_fs(faults=FaultPlan(per_key={k(0): FaultKind.ELOOP}))
     store(tier, [k(0)])
     with pytest.raises(OSError) as info:
-        load_block(tier.io, tier.path(k(0)), [memoryview(bytearray(BLOCK))], BLOCK, False)
+        load_block(tier.io, tier.path(k(0)), [memoryview(bytearray(BLOCK))], BLOCK, False,
+                   memoryview(bytearray(len(HDR))), FileMapper.key_hash_bytes(k(0)), 1)
     assert info.value.errno == errno.ELOOP
 
 

@@ -22,6 +22,12 @@ def k(i: int) -> bytes:
     return b"ns|" + str(i).encode()
 
 
+def write_block(tier, key: bytes, data: bytes) -> str:
+    """A block file as the tier writes it (format 2, digests in its header)."""
+    tier.store_batch([key], [[memoryview(bytearray(data))]])
+    return tier.path(key)
+
+
 @pytest.fixture
 def messy_store(make_fs, store_dir):
     """A store with good blocks and one file of every finding kind."""
@@ -29,15 +35,13 @@ def messy_store(make_fs, store_dir):
     mapper = FileMapper(store_dir, FP)
     paths = {}
     for i in range(3):
-        path = mapper.path(k(i))
-        with open(path, "wb") as fh:
-            fh.write(b"x" * BLOCK)
+        write_block(tier, k(i), b"x" * BLOCK)
     paths["short"] = mapper.path(k(3))
     with open(paths["short"], "wb") as fh:
         fh.write(b"x" * (BLOCK // 2))
-    paths["oversize"] = mapper.path(k(4))
-    with open(paths["oversize"], "wb") as fh:
-        fh.write(b"x" * (BLOCK + 1))
+    paths["oversize"] = write_block(tier, k(4), b"x" * BLOCK)
+    with open(paths["oversize"], "ab") as fh:
+        fh.write(b"x")
     paths["orphan"] = mapper.path(k(5)) + ".1.2.3.tmp"
     with open(paths["orphan"], "wb") as fh:
         fh.write(b"x" * 10)
@@ -52,8 +56,7 @@ def messy_store(make_fs, store_dir):
     digest = FileMapper.key_hash(k(8))
     wrong_dir = "00" if digest[:2] != "00" else "01"
     paths["misplaced"] = os.path.join(store_dir, wrong_dir, f"{digest}.{FP}.kvb")
-    with open(paths["misplaced"], "wb") as fh:
-        fh.write(b"x" * BLOCK)
+    os.rename(write_block(tier, k(8), b"x" * BLOCK), paths["misplaced"])
     paths["unknown_file"] = os.path.join(store_dir, "ab", "notes.txt")
     with open(paths["unknown_file"], "w") as fh:
         fh.write("hello")
@@ -101,8 +104,7 @@ def test_fsck_repair_deletes_only_provably_broken(messy_store, store_dir) -> Non
 def test_fsck_with_fingerprint_reports_other_layouts_as_foreign(make_fs, store_dir) -> None:
     make_fs()
     other = make_fs(fingerprint=OTHER_FP)
-    with open(other.path(k(0)), "wb") as fh:
-        fh.write(b"x" * BLOCK)
+    write_block(other, k(0), b"x" * BLOCK)
     assert fsck(store_dir).ok                              # both layouts are known
     report = fsck(store_dir, fingerprint=FP, repair=True)
     assert [f.kind for f in report.findings] == [FindingKind.FOREIGN_LAYOUT]
@@ -245,3 +247,139 @@ def test_fsck_repair_keeps_a_block_stored_over_a_non_regular_entry_after_the_sca
     assert os.path.isfile(path)
     with open(path, "rb") as fh:
         assert fh.read() == b"b" * BLOCK
+
+
+# ---- verified KV: digests of block files --------------------------------------------------
+
+def flip_byte(path: str, offset_from_end: int) -> None:
+    """Change one byte inside the file; its size is unchanged (a torn block of the right size)."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as fh:
+        fh.seek(size - offset_from_end)
+        byte = fh.read(1)
+        fh.seek(size - offset_from_end)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert os.path.getsize(path) == size
+
+
+def test_fsck_finds_a_corrupt_block_reports_it_dry_and_repairs_only_it(make_fs,
+                                                                        store_dir) -> None:
+    tier = make_fs(num_layers=4)
+    good = [write_block(tier, k(i), os.urandom(BLOCK)) for i in range(3)]
+    bad = write_block(tier, k(9), os.urandom(BLOCK))
+    flip_byte(bad, BLOCK // 4 + 1)                     # inside layer 2 of 4
+    report = fsck(store_dir)                           # dry run: reported, kept
+    found = kinds(report)
+    assert found == {FindingKind.DIGEST_MISMATCH: [bad]}
+    assert "layer 2" in report.findings[0].detail
+    assert report.blocks_ok == 3 and report.blocks_verified == 3 and not report.ok
+    assert os.path.exists(bad)
+    report = fsck(store_dir, repair=True)
+    assert [f.path for f in report.findings if f.repaired] == [bad]
+    assert not os.path.exists(bad) and all(os.path.exists(p) for p in good)
+    assert fsck(store_dir).ok
+    # --no-digests reads no block bytes: a corrupt block's header and size are fine
+    bad = write_block(tier, k(10), os.urandom(BLOCK))
+    flip_byte(bad, 1)
+    assert fsck(store_dir, digests=False).ok
+    assert kinds(fsck(store_dir))[FindingKind.DIGEST_MISMATCH] == [bad]
+
+
+def test_fsck_torn_header_and_another_keys_bytes_are_corrupt(make_fs, store_dir) -> None:
+    tier = make_fs()
+    torn = write_block(tier, k(0), os.urandom(BLOCK))
+    with open(torn, "r+b") as fh:                      # a byte of the header's digests
+        fh.seek(60)
+        fh.write(b"\x00\x01")
+    theirs = write_block(tier, k(1), os.urandom(BLOCK))
+    ours = tier.path(k(2))
+    with open(theirs, "rb") as src, open(ours, "wb") as dst:
+        dst.write(src.read())                          # k(1)'s block under k(2)'s name
+    report = fsck(store_dir, repair=True)
+    assert sorted(kinds(report)[FindingKind.CORRUPT_HEADER]) == sorted([torn, ours])
+    assert not os.path.exists(torn) and not os.path.exists(ours) and os.path.exists(theirs)
+
+
+def test_fsck_legacy_and_unverified_blocks_are_reported_not_removed(make_fs, store_dir) -> None:
+    from kvbridge.layouts.digests import DigestMode, VerifyPolicy
+
+    tier = make_fs()
+    legacy = tier.path(k(0))
+    with open(legacy, "wb") as fh:                     # format 1: the bare block bytes
+        fh.write(b"x" * BLOCK)
+    off = make_fs(verify=VerifyPolicy(DigestMode.OFF))
+    write_block(off, k(1), os.urandom(BLOCK))           # written with verification off
+    report = fsck(store_dir, repair=True)
+    assert kinds(report) == {FindingKind.LEGACY_BLOCK: [legacy]}
+    assert not report.findings[0].broken and os.path.exists(legacy)
+    assert report.blocks_unverified == 1 and report.blocks_ok == 1
+
+
+def test_fsck_repair_keeps_a_block_stored_again_after_the_scan(make_fs, store_dir, tmp_path,
+                                                                monkeypatch) -> None:
+    import kvbridge.offload.fsck as fsck_module
+
+    tier = make_fs()
+    bad = write_block(tier, k(0), os.urandom(BLOCK))
+    flip_byte(bad, 1)
+    elsewhere = make_fs(root=str(tmp_path / "elsewhere"))
+    judged = fsck_module._judge_block
+
+    def judge_then_store(*args, **kwargs):
+        finding = judged(*args, **kwargs)
+        # a writer renames a good block of the key over the corrupt one (a new inode)
+        os.rename(write_block(elsewhere, k(0), os.urandom(BLOCK)), bad)
+        return finding
+
+    monkeypatch.setattr(fsck_module, "_judge_block", judge_then_store)
+    report = fsck(store_dir, repair=True)
+    assert [f.kind for f in report.findings] == [FindingKind.DIGEST_MISMATCH]
+    assert not report.findings[0].repaired and "replaced since the scan" in \
+        report.findings[0].detail
+    monkeypatch.undo()
+    assert os.path.exists(bad) and fsck(store_dir).ok
+
+
+def test_cli_fsck_verifies_digests_and_says_so(make_fs, store_dir, capsys) -> None:
+    tier = make_fs()
+    bad = write_block(tier, k(0), os.urandom(BLOCK))
+    write_block(tier, k(1), os.urandom(BLOCK))
+    flip_byte(bad, 100)
+    assert main(["offload", "fsck", store_dir]) == 1
+    out = capsys.readouterr().out
+    assert "digest_mismatch" in out and "BROKEN" in out and os.path.exists(bad)
+    assert main(["offload", "fsck", store_dir, "--no-digests"]) == 0
+    capsys.readouterr()
+    assert main(["offload", "fsck", store_dir, "--repair", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["repaired"] == 1 and data["counts"] == {"digest_mismatch": 1}
+    assert data["blocks_verified"] == 1 and not os.path.exists(bad)
+    with pytest.raises(SystemExit):
+        main(["offload", "fsck", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "verif" in help_text and "digest" in help_text and "--no-digests" in help_text
+
+
+def test_cli_bench_measures_verification_against_off(tmp_path, capsys) -> None:
+    code = main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "4",
+                 "--block-kib", "64", "--batch", "2", "--rounds", "2", "--lookups", "10",
+                 "--verify", "sample,full", "--layers", "4", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    verify = data["verify"]
+    assert verify["modes"] == ["off", "sample", "full"]     # off: always, the baseline
+    assert verify["verified"] is True and verify["failed_jobs"] == 0
+    assert verify["num_layers"] == 4 and verify["bytes"] == 4 * 64 * 1024
+    for mode in verify["modes"]:                           # well-formed, no claim on size
+        assert_figures(verify["gbps"][mode], ("fs_store", "fs_load", "cpu_store", "cpu_load"))
+        assert_figures(verify["ratio_of_off"][mode], ("fs_store", "fs_load", "cpu_store",
+                                                       "cpu_load"))
+    assert set(verify["ratio_of_off"]["off"].values()) == {1.0}
+    assert_figures(verify["cpu_lookup_us_per_block"], ("off", "sample", "full"))
+    assert os.listdir(tmp_path) == []
+    assert main(["offload", "bench", "--verify", "paranoid"]) == 2
+    main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "2", "--block-kib", "16",
+          "--batch", "1", "--rounds", "1", "--lookups", "5", "--verify", "full",
+          "--layers", "2"])
+    out = capsys.readouterr().out
+    assert "ratio of off" in out and "cpu_load" in out

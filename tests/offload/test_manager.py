@@ -10,7 +10,7 @@ import pytest
 from kvbridge.offload.cpu import SlotState
 from kvbridge.offload.faults import FaultKind, FaultPlan
 from kvbridge.offload.manager import OffloadManager
-from kvbridge.offload.testing import block_content
+from kvbridge.offload.testing import block_content, block_file_payload
 from kvbridge.offload.types import EventKind, LookupResult, LookupStatus, OffloadError
 
 BLOCK = 4096
@@ -170,8 +170,7 @@ def test_store_cascades_to_fs_and_holds_slots_until_written(make_manager) -> Non
     assert m.wait_idle()
     assert m.primary.get(k(0)).io_refs == 0
     for key in (k(0), k(1)):
-        with open(fs.path(key), "rb") as fh:
-            assert fh.read() == block_content(key, BLOCK)
+        assert block_file_payload(fs.path(key)) == block_content(key, BLOCK)
     events = m.take_events()
     stored = {(e.tier, e.medium, key) for e in events if e.kind is EventKind.STORED
               for key in e.keys}

@@ -223,3 +223,76 @@ def test_timed_out_get_never_lands_in_a_slot_given_to_another_key(mooncake_maste
                     assert bytes(staging) == block_content(k, BLOCK), k
         finally:
             m.shutdown()
+
+
+# ---- verified KV: a digest object beside each block object ---------------------------------
+
+def _put_bytes(client, name: str, data: bytes) -> None:
+    import numpy as np
+
+    buf = bytearray(data)
+    ptr = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    assert client.batch_put_from([name], [ptr], [len(buf)])[0].ok
+
+
+def _evict(m: OffloadManager, tag: int) -> None:
+    store(m, [key(1000 * tag + i) for i in range(m.primary.num_slots)])
+
+
+def test_another_keys_bytes_under_an_object_name_are_detected_and_removed(manager,
+                                                                          client) -> None:
+    tier = manager.secondaries[0]
+    a, b = key(1), key(2)
+    store(manager, [a, b])
+    assert client.batch_exists([tier.digest_name(a), tier.digest_name(b)]) == [True, True]
+    _evict(manager, 1)
+    # a's block object overwritten with b's bytes (remove + put: puts never overwrite)
+    assert client.remove([tier.object_name(a)], force=True)[0].ok
+    _put_bytes(client, tier.object_name(a), block_content(b, BLOCK))
+    manager.take_events()
+    result = settle(manager, "r", [a, b])                 # one batch: a fails alone
+    assert result == LookupResult(LookupStatus.MISS, 0)
+    assert manager.failed_loads("r") == (a,) and manager.primary.is_ready(b)
+    assert tier.stats.digest_mismatches == 1 and tier.stats.files_deleted == 1
+    assert client.batch_exists([tier.object_name(a), tier.digest_name(a)]) == [False, False]
+    removed = [e.keys for e in manager.take_events()
+               if e.kind is EventKind.REMOVED and e.tier == "obj"]
+    assert removed == [(a,)]
+    manager.request_finished("r")
+    # b is untouched and verified; a recomputed and stored again loads verified
+    store(manager, [a])
+    _evict(manager, 2)
+    assert settle(manager, "r2", [a, b]) == LookupResult(LookupStatus.HIT, 2)
+    spec = manager.prepare_load("r2", [a, b])
+    assert [bytes(manager.primary.view(s)) for s in spec.slots] == [
+        block_content(a, BLOCK), block_content(b, BLOCK)]
+    manager.complete_load("r2", [a, b])
+    assert tier.stats.loads_verified >= 2
+
+
+def test_a_block_without_its_digest_object_is_served_unverified_and_counted(manager,
+                                                                            client) -> None:
+    tier = manager.secondaries[0]
+    store(manager, [key(5)])
+    _evict(manager, 3)
+    assert client.remove([tier.digest_name(key(5))], force=True)[0].ok   # evicted apart
+    assert settle(manager, "r", [key(5)]) == LookupResult(LookupStatus.HIT, 1)
+    assert tier.stats.loads_unverified == 1 and tier.stats.digest_mismatches == 0
+    assert manager.primary.digests_of(key(5)) is None
+
+
+def test_verify_off_puts_no_digest_objects(client) -> None:
+    from kvbridge.layouts.digests import DigestMode, VerifyPolicy
+
+    off = VerifyPolicy(DigestMode.OFF)
+    tier = ObjTier(client, BLOCK, uuid.uuid4().hex[:16], verify=off)
+    m = OffloadManager(CpuTier(4, BLOCK, verify=off), [tier])
+    try:
+        store(m, [key(9)])
+        assert client.batch_exists([tier.object_name(key(9)),
+                                    tier.digest_name(key(9))]) == [True, False]
+        _evict(m, 4)
+        assert settle(m, "r", [key(9)]) == LookupResult(LookupStatus.HIT, 1)
+        assert tier.stats.loads_verified == tier.stats.loads_unverified == 0
+    finally:
+        m.shutdown()

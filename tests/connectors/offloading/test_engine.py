@@ -19,6 +19,7 @@ from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.events import BlockRemoved, BlockStored
 from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.offload.fs import FileMapper
+from kvbridge.offload.fs_io import block_header_bytes
 from tests.conftest import require
 
 MAX_STEPS = 400  # per run: a livelock would spin far beyond this
@@ -81,7 +82,10 @@ def test_restarted_engine_loads_every_block_from_fs_byte_for_byte(tmp_path: Path
     spec = load_spec("tiny-gqa")
     block_bytes = spec.rank_shapes(ParallelTopology())[0].block_bytes
     files = _block_files(tmp_path)
-    assert files and all(p.stat().st_size == block_bytes for p in files)
+    # each file: its block header (format 2: the layer digests), then the block's bytes
+    layers = len(spec.rank_shapes(ParallelTopology())[0].layer_ids)
+    assert files and all(p.stat().st_size == block_header_bytes(layers) + block_bytes
+                         for p in files)
     with _engine(tmp_path) as second:  # empty CPU tier: everything comes from fs
         results, _ = _run(second, _again(specs, "again"))
         stats = _scheduler(second).get_stats()
@@ -117,7 +121,7 @@ def test_a_block_is_a_hit_only_if_every_part_hits(tmp_path: Path) -> None:
     assert by_id[f"{specs[1].request_id}-again"].num_external_tokens == 79
 
 
-@pytest.mark.parametrize("kind", ["short_read", "eloop", "eio"])
+@pytest.mark.parametrize("kind", ["short_read", "eloop", "eio", "corrupt"])
 def test_failed_fs_loads_recompute_once_and_never_loop(tmp_path: Path, kind: str) -> None:
     specs = make_requests(8, prompt_tokens=64, shared_prefix_tokens=48, max_tokens=2, seed=3)
     with _engine(tmp_path) as first:
@@ -143,13 +147,65 @@ def test_failed_fs_loads_recompute_once_and_never_loop(tmp_path: Path, kind: str
     # no key is promoted again after its failure: at most one attempt per stored block
     assert stats["promotions_started"] <= len(files_before)
     assert steps < MAX_STEPS
-    if kind == "short_read":
+    if kind == "corrupt":   # a changed byte in a full-size file: only the digests see it
+        # each job's first bad block failed its digests and was removed (the rest of a
+        # batch after it is not loaded: the request recomputes from the first bad token)
+        assert 0 < stats["fs_digest_mismatches"] == stats["fs_files_deleted"]
+    if kind in ("short_read", "corrupt"):
         assert stats["fs_files_deleted"] > 0  # provably torn: deleted
         # a router that indexed the earlier run's events learns the block is gone
         assert len(withdrawn) == stats["fs_files_deleted"]
     else:
         assert not withdrawn
         assert _block_files(tmp_path) == files_before  # transient: every file kept
+
+
+def test_without_verification_a_corrupt_block_reaches_the_engine(tmp_path: Path) -> None:
+    """The same corruption with ``verify: off``: the engine's own byte check catches what the
+    tiers no longer do (so the ``corrupt`` case above is the digests' work)."""
+    specs = make_requests(3, prompt_tokens=64, max_tokens=2, seed=4)
+    with _engine(tmp_path, verify="off") as first:
+        _run(first, specs)
+    faults = {"rate": 1.0, "kinds": ["corrupt"], "seed": 1}
+    with _engine(tmp_path, verify="off", fs_faults=faults) as second:
+        for spec in _again(specs, "again"):
+            second.add_request(spec)
+        steps = 0
+        while second.has_work() and steps < MAX_STEPS:
+            if second.step().num_scheduled == 0:
+                time.sleep(0.001)
+            steps += 1
+        second.pop_results()
+        stats = _scheduler(second).get_stats()
+        assert second.stats()["mismatched_bytes"] > 0
+    assert stats["hits_fs"] > 0 and stats["promotions_failed"] == 0
+    assert stats["fs_digest_mismatches"] == stats["fs_loads_verified"] == 0
+
+
+def test_a_cpu_slot_corrupted_in_the_engine_is_recomputed_byte_for_byte() -> None:
+    specs = make_requests(4, prompt_tokens=64, shared_prefix_tokens=32, max_tokens=2, seed=6)
+    with _engine(None) as engine:
+        _run(engine, specs)
+        primary = _scheduler(engine).managers[0].primary
+        for key in list(primary._slots):                # one byte of every stored block
+            slot = primary.get(key)
+            assert slot is not None
+            primary.view(slot.index)[len(primary.view(slot.index)) // 2] ^= 0x01
+        results, _ = _run(engine, _again(specs, "again"))
+        stats = _scheduler(engine).get_stats()
+        engine_stats = engine.stats()
+        # the same requests once more: the recomputed blocks were stored again, and load
+        again, _ = _run(engine, _again(specs, "third"))
+        later = _scheduler(engine).get_stats()
+        final_stats = engine.stats()
+    # each block the engine asked the connector for failed its digests and was recomputed
+    assert stats["cpu_digest_mismatches"] == len(specs) and stats["hits_cpu"] == 0
+    assert stats["cpu_corrupt_removed"] == stats["cpu_digest_mismatches"]
+    assert sum(r.num_external_tokens for r in results) == 0
+    assert engine_stats["mismatched_bytes"] == 0
+    assert sum(r.num_external_tokens for r in again) > 0 and later["hits_cpu"] == len(specs)
+    assert later["cpu_loads_verified"] == len(specs)
+    assert final_stats["mismatched_bytes"] == 0 and final_stats["verified_bytes"] > 0
 
 
 def test_close_error_after_a_full_read_is_a_hit(tmp_path: Path) -> None:

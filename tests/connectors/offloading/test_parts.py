@@ -77,6 +77,12 @@ def test_replicated_heads_share_a_part_and_only_the_writer_stores() -> None:
     ({"obj": "localhost"}, "obj"),
     ({"shm_dir": 3}, "shm_dir"),
     ({"bogus": 1}, "bogus"),
+    ({"verify": "paranoid"}, "verify"),
+    ({"verify": True}, "verify"),
+    ({"verify_sample": 0}, "verify_sample"),
+    ({"verify_sample": 1.5}, "verify_sample"),
+    ({"verify_sample": True}, "verify_sample"),
+    ({"verify_allow_unverified": "yes"}, "verify_allow_unverified"),
 ])
 def test_settings_errors_name_the_key(extra: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -110,3 +116,28 @@ def test_deadline_and_quarantine_settings_are_parsed_and_validated() -> None:
                      ("fs_quarantine_after", 2.5)):
         with pytest.raises(ConfigError, match=key):
             parse_settings({key: bad})
+
+
+def test_verify_settings_default_full_and_reach_every_tier(tmp_path) -> None:
+    from kvbridge.connectors.offloading.scheduler import build_managers
+    from kvbridge.layouts.digests import DigestMode
+
+    assert parse_settings({}).verify.mode is DigestMode.FULL
+    sample = parse_settings({"verify": "sample", "verify_sample": 0.5,
+                             "verify_allow_unverified": False}).verify
+    assert (sample.mode, sample.sample_fraction, sample.allow_unverified) == (
+        DigestMode.SAMPLE, 0.5, False)
+    spec = load_spec("tiny-hybrid")
+    table = build_part_table(spec, ParallelTopology())
+    settings = parse_settings({"verify": "off", "fs_dir": str(tmp_path), "fs_o_direct": False})
+    managers, _ = build_managers(spec, table, settings)
+    try:
+        for pool, manager in enumerate(managers):
+            layers = table.pool_layers(pool)
+            assert layers > 1                      # a mismatch names the layer
+            tiers = [manager.primary, *manager.secondaries]
+            assert {t.verify.mode for t in tiers} == {DigestMode.OFF}
+            assert {t.num_layers for t in tiers} == {layers}
+    finally:
+        for manager in managers:
+            manager.shutdown()
