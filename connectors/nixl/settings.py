@@ -34,7 +34,7 @@ class NixlSettings:
     ``verify``: how a pull consumer checks the blocks it read against the
     producer's digests (``layouts.digests``): ``full`` (default), ``sample``
     (``verify_sample`` of each request's blocks, chosen deterministically) or
-    ``off``. ``allow_unverified``: a load that cannot be checked (a producer
+    ``off``. ``verify_allow_unverified``: a load that cannot be checked (a producer
     that offers no digests, head slices at heterogeneous TP) is still served,
     counted as ``blocks_unverified``; False fails it instead.
     """
@@ -54,11 +54,11 @@ class NixlSettings:
     busy_progress_ms: float = 0.2
     verify: DigestMode = DigestMode.FULL
     verify_sample: float = 0.125
-    allow_unverified: bool = True
+    verify_allow_unverified: bool = True
 
     @property
     def verify_policy(self) -> VerifyPolicy:
-        return VerifyPolicy(self.verify, self.verify_sample, self.allow_unverified)
+        return VerifyPolicy(self.verify, self.verify_sample, self.verify_allow_unverified)
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -95,7 +95,7 @@ class NixlSettings:
                         or not 0 < value <= 1):
                     raise ConfigError(where, f"expected a fraction in (0, 1], got {value!r}")
                 values[key] = float(value)
-            elif key == "allow_unverified":
+            elif key == "verify_allow_unverified":
                 if not isinstance(value, bool):
                     raise ConfigError(where, f"expected true or false, got {value!r}")
                 values[key] = value

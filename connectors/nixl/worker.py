@@ -1422,7 +1422,7 @@ class NixlWorker(WorkerConnector):
             self._counters["blocks_verified"] += verified
             self._counters["digest_mismatches"] += len(mismatched)
             bad.update(mismatched)
-        if recv.unverified and not self.settings.allow_unverified:
+        if recv.unverified and not self.settings.verify_allow_unverified:
             bad |= set(recv.local_blocks)
         return bad
 

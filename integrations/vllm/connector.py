@@ -885,7 +885,13 @@ class KVBridgeConnectorBase(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
             return set()
-        return {block_id for _region, block_id in self._worker.get_block_ids_with_load_errors()}
+        errors = self._worker.get_block_ids_with_load_errors()
+        if len(self._desc.adapter.spec.regions) > 1:
+            # vLLM's block ids are unique only within a KV cache group, and its scheduler
+            # raises on block-level errors of a model with several groups (hybrid): the
+            # failed request is in failed_recving, which recomputes it whole
+            return set()
+        return {block_id for _region, block_id in errors}
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         worker = self._worker

@@ -193,9 +193,9 @@ def test_sample_mode_checks_a_deterministic_fraction_and_off_checks_nothing(
 def test_head_slices_at_another_tp_are_counted_unverified_or_refused() -> None:
     """TP2 -> TP1 reads half of each consumer block from each producer rank: no
     producer digest covers a consumer block, so the loads are counted unverified;
-    with ``allow_unverified: false`` they fail and the engine recomputes them."""
+    with ``verify_allow_unverified: false`` they fail and the engine recomputes them."""
     for allow in (True, False):
-        producer, consumer = _pair(producer_tp=2, consumer_tp=1, allow_unverified=allow)
+        producer, consumer = _pair(producer_tp=2, consumer_tp=1, verify_allow_unverified=allow)
         try:
             router = InProcessRouter(producer, consumer, PULL)
             specs = make_requests(2, prompt_tokens=48, max_tokens=2, seed=17,
