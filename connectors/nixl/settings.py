@@ -8,7 +8,7 @@ from typing import Any
 
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
-from kvbridge.layouts.digests import DigestMode, VerifyPolicy
+from kvbridge.layouts.digests import DEFAULT_MODE, DEFAULT_SAMPLE, DigestMode, VerifyPolicy
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,11 @@ class NixlSettings:
     under a lease, loads, pushes); a producer answers a consumer's ``begin`` and
     acks its read within about this much (one idle progress costs ~7 us, so
     0.2 ms is ~4% of a core).
-    ``verify``: how a pull consumer checks the blocks it read against the
-    producer's digests (``layouts.digests``): ``full`` (default), ``sample``
-    (``verify_sample`` of each request's blocks, chosen deterministically) or
-    ``off``. ``verify_allow_unverified``: a load that cannot be checked (a producer
+    ``verify``: how a consumer checks the blocks it read (pull) or was written
+    (push) against the producer's digests (``layouts.digests``): ``sample``
+    (default: ``verify_sample``, 1/16, of each request's blocks, chosen
+    deterministically), ``full`` or ``off``; a producer with ``off`` offers no
+    digests (and spends nothing taking them). ``verify_allow_unverified``: a load that cannot be checked (a producer
     that offers no digests, head slices at heterogeneous TP) is still served,
     counted as ``blocks_unverified``; False fails it instead.
     """
@@ -52,8 +53,8 @@ class NixlSettings:
     revalidate_s: float = 5.0
     idle_progress_ms: float = 5.0
     busy_progress_ms: float = 0.2
-    verify: DigestMode = DigestMode.FULL
-    verify_sample: float = 0.125
+    verify: DigestMode = DEFAULT_MODE
+    verify_sample: float = DEFAULT_SAMPLE
     verify_allow_unverified: bool = True
 
     @property

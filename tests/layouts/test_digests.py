@@ -131,7 +131,7 @@ def test_sample_mode_checks_a_deterministic_fraction() -> None:
     assert chosen != [b for b in range(4000) if policy.wants("req-8", 0, b)]
     assert policy.chosen("req-7", 0, 4000) == chosen  # the vectorised twin agrees
     assert policy.chosen("req-7", 1, 4000) != chosen  # regions are sampled apart
-    assert all(VerifyPolicy().wants("r", 0, b) for b in range(10))
+    assert all(VerifyPolicy(DigestMode.FULL).wants("r", 0, b) for b in range(10))
     assert not any(VerifyPolicy(DigestMode.OFF).wants("r", 0, b) for b in range(10))
     with pytest.raises(LayoutError, match="verify_sample"):
         VerifyPolicy(DigestMode.SAMPLE, sample_fraction=0.0)

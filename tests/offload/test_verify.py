@@ -36,7 +36,7 @@ def k(i: int) -> bytes:
     return b"vk|%d" % i
 
 
-def make(tmp_path, *, verify: VerifyPolicy = VerifyPolicy(), cpu_verify: VerifyPolicy | None = None,
+def make(tmp_path, *, verify: VerifyPolicy = VerifyPolicy(DigestMode.FULL), cpu_verify: VerifyPolicy | None = None,
          slots: int = 4, faults: FaultPlan | None = None,
          quarantine_after: int = 3) -> tuple[OffloadManager, FsTier]:
     tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, verify=verify,

@@ -124,7 +124,8 @@ def test_trace_shows_each_checked_blocks_digests(nixl: None,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """TP1 -> TP1 pull: every block is checked; the trace lists each with the producer's
     digest and the landed bytes', equal. TP2 -> TP1 (head slices) shows them unverified."""
-    rc, report = _trace(capsys, "--prompt-tokens", "48")
+    full = ("--kv-config", '{"verify": "full"}')
+    rc, report = _trace(capsys, "--prompt-tokens", "48", *full)
     assert rc == EXIT_OK and report["ok"]
     (verify,) = [e for e in report["events"] if e["kind"] == "verify"]
     blocks = verify["detail"]["blocks"]
@@ -136,7 +137,7 @@ def test_trace_shows_each_checked_blocks_digests(nixl: None,
     assert sent and sent[0]["digests"] == 3 and sent[0]["algorithm"] == "xxh3-64"
     assert "3 verified, 0 mismatched" in format_trace(report)
     rc, report = _trace(capsys, "--producer", "tp=2", "--consumer", "tp=1",
-                        "--prompt-tokens", "48")
+                        "--prompt-tokens", "48", *full)
     assert rc == EXIT_OK
     (verify,) = [e for e in report["events"] if e["kind"] == "verify"]
     assert verify["detail"]["unverified"] == 3 and verify["detail"]["blocks"] == []

@@ -18,10 +18,11 @@ from kvbridge.backends.mooncake_master import MooncakeMaster
 
 
 def store_extra(master: MooncakeMaster, **overrides: Any) -> dict[str, Any]:
-    """Connector settings for ``master`` with small, test-sized buffers."""
+    """Connector settings for ``master`` with small, test-sized buffers, checking every
+    loaded block (``verify: full``; the default samples 1/16 of them)."""
     return {"master_address": master.rpc_address, "metadata_server": master.metadata_url,
             "global_segment_size": 32 << 20, "local_buffer_size": 4 << 20,
-            "op_timeout_s": 2.0, **overrides}
+            "op_timeout_s": 2.0, "verify": "full", **overrides}
 
 
 @pytest.fixture(scope="module")

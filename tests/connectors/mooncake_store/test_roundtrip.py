@@ -75,7 +75,7 @@ def test_store_then_load_verified(model: str, topology: str, load_async: bool,
     assert isinstance(worker, dict)
     assert worker["put_failures"] == 0 and worker["load_errors"] == 0
     assert worker["blocks_saved"] > 0 and worker["get_bytes"] > 0
-    # verify: full (the default): every block loaded was checked against its digest record
+    # verify: full (store_extra): every block loaded was checked against its digest record
     assert worker["blocks_digested"] > 0
     assert worker["blocks_verified"] == worker["blocks_loaded"] > 0
     assert worker["blocks_unverified"] == worker["blocks_unchecked"] == 0

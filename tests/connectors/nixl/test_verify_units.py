@@ -20,6 +20,8 @@ from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.layouts.digests import BlockDigester, DigestMode, LayerSpan, VerifyPolicy
 from kvbridge.layouts.plan import plan_consumer_rank, rank_at
 
+FULL = VerifyPolicy(DigestMode.FULL)
+
 
 def _regions_checked(model: str, producer: ParallelTopology, consumer: ParallelTopology,
                      consumer_index: int = 0) -> dict[int, frozenset[int]]:
@@ -69,19 +71,19 @@ def test_another_pipeline_split_is_not_checked() -> None:
 
 def test_plan_ask_samples_bounds_and_counts() -> None:
     ids = ((1, 2, 3, 4, 5, 6, 7, 8),)
-    full = plan_ask(VerifyPolicy(), "r", frozenset({0}), ids, ((11, 12, 13, 14, 15, 16, 17, 18),))
+    full = plan_ask(FULL, "r", frozenset({0}), ids, ((11, 12, 13, 14, 15, 16, 17, 18),))
     assert full.consumer_ids == ids and full.producer_ids[0][0] == 11 and full.unverified == 0
     assert full.positions == (tuple(range(8)),) and full.totals == (8,)
     sample = plan_ask(VerifyPolicy(DigestMode.SAMPLE, 0.5), "r", frozenset({0}), ids, ids)
     assert sample.num_blocks < 8 and sample.unverified == 0
     assert all(ids[0][i] == b for i, b in zip(sample.positions[0], sample.consumer_ids[0],
                                               strict=True))
-    unchecked = plan_ask(VerifyPolicy(), "r", frozenset(), ids, ids)
+    unchecked = plan_ask(FULL, "r", frozenset(), ids, ids)
     assert unchecked.num_blocks == 0 and unchecked.unverified == 0  # counted by the worker
     off = plan_ask(VerifyPolicy(DigestMode.OFF), "r", frozenset({0}), ids, ids)
     assert off.num_blocks == 0 and off.unverified == 0
     many = tuple(range(MAX_ASK_BLOCKS + 5))
-    bounded = plan_ask(VerifyPolicy(), "r", frozenset({0}), (many,), (many,))
+    bounded = plan_ask(FULL, "r", frozenset({0}), (many,), (many,))
     assert bounded.num_blocks == MAX_ASK_BLOCKS and bounded.unverified == 5
 
 
@@ -98,7 +100,7 @@ def test_answer_ask_gives_held_blocks_only_and_check_finds_each_changed_block() 
     assert "regions" in str(answer_ask(held, ((1,), (3,))))
     answer = answer_ask(held, ((5, 1),))
     assert isinstance(answer, tuple)
-    ask = plan_ask(VerifyPolicy(), "r", frozenset({0}), ((2, 4),), ((5, 1),))
+    ask = plan_ask(FULL, "r", frozenset({0}), ((2, 4),), ((5, 1),))
     # the consumer's blocks 2 and 4 hold what the producer's 5 and 1 held
     mem[2], mem[4] = mem[5].copy(), mem[1].copy()
     assert check_answer(ask, answer, digester) == (2, [])

@@ -184,7 +184,7 @@ def test_without_verification_a_corrupt_block_reaches_the_engine(tmp_path: Path)
 
 def test_a_cpu_slot_corrupted_in_the_engine_is_recomputed_byte_for_byte() -> None:
     specs = make_requests(4, prompt_tokens=64, shared_prefix_tokens=32, max_tokens=2, seed=6)
-    with _engine(None) as engine:
+    with _engine(None, verify="full") as engine:  # the CPU tier's default samples
         _run(engine, specs)
         primary = _scheduler(engine).managers[0].primary
         for key in list(primary._slots):                # one byte of every stored block

@@ -118,11 +118,17 @@ def test_deadline_and_quarantine_settings_are_parsed_and_validated() -> None:
             parse_settings({key: bad})
 
 
-def test_verify_settings_default_full_and_reach_every_tier(tmp_path) -> None:
+def test_verify_settings_defaults_are_measured_and_reach_every_tier(tmp_path) -> None:
     from kvbridge.connectors.offloading.scheduler import build_managers
     from kvbridge.layouts.digests import DigestMode
 
-    assert parse_settings({}).verify.mode is DigestMode.FULL
+    defaults = parse_settings({})
+    # CPU and obj tiers sample (full costs ~30-45 % of a copy); the disk-bound fs tier
+    # checks every block; a given ``verify`` applies to every tier
+    assert defaults.verify.mode is DigestMode.SAMPLE and defaults.verify.sample_fraction == 1 / 16
+    assert defaults.fs_verify.mode is DigestMode.FULL
+    given = parse_settings({"verify": "sample"})
+    assert given.fs_verify.mode is given.verify.mode is DigestMode.SAMPLE
     sample = parse_settings({"verify": "sample", "verify_sample": 0.5,
                              "verify_allow_unverified": False}).verify
     assert (sample.mode, sample.sample_fraction, sample.allow_unverified) == (

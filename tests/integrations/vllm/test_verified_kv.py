@@ -2,8 +2,8 @@
 
 A kvbridge producer whose KV memory gets one byte flipped after it took its
 digests (``faults/kvbridge_fault_corrupt_producer.py``, loaded by vLLM through
-``kv_connector_module_path``) serves a kvbridge consumer with verification on
-(the default) and ``kv_load_failure_policy: recompute``. The consumer's real
+``kv_connector_module_path``) serves a kvbridge consumer with ``verify: full`` (the
+default samples 1/16 of the blocks) and ``kv_load_failure_policy: recompute``. The consumer's real
 READ moves the wrong byte; its digest check fails that block, vLLM recomputes
 from it, and the greedy output equals the colocated run. A consumer with ``verify: off`` takes the wrong byte: its KV is
 not what the producer computed (the control that the fault is real).
@@ -35,7 +35,7 @@ def servers(tiny_model: Path, server_logs: Path) -> Iterator[tuple[h.VllmServer,
                        "kv_connector_extra_config": {}}
     # vLLM fails a request whose load failed unless told to recompute (its default is
     # kv_load_failure_policy=fail: the request then ends with an error, nothing wrong served)
-    consumer_config = {**bench.kvbridge_nixl_config("kv_consumer"),
+    consumer_config = {**bench.kvbridge_nixl_config("kv_consumer", extra={"verify": "full"}),
                        "kv_load_failure_policy": "recompute"}
     producer, consumer = bench.pair_specs(model, "corrupt", producer_config, consumer_config)
     producer = h.ServerSpec(producer.name, producer.model, producer.port, core=0,
