@@ -261,16 +261,25 @@ def bench_mooncake(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
 
 def bench_offload(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
                   directory: str | None = None) -> dict[str, Any]:
-    from kvbridge.offload.bench import run_offload_bench
+    from kvbridge.offload.bench import run_offload_bench, run_verify_bench
 
     rows, details = [], []
     for num_blocks, block_bytes in patterns:
         result = run_offload_bench(directory, num_blocks=num_blocks, block_bytes=block_bytes,
                                    batch_blocks=min(8, num_blocks), rounds=max(1, iters),
                                    lookup_iterations=20 if quick else 100)
+        # verified KV: the fs and CPU paths with verification off, sampled and full
+        layers = next(n for n in (32, 16, 8, 4, 2, 1) if block_bytes % n == 0)
+        result["verify"] = run_verify_bench(directory, modes=("off", "sample", "full"),
+                                            num_blocks=num_blocks, block_bytes=block_bytes,
+                                            num_layers=layers, batch_blocks=min(8, num_blocks),
+                                            rounds=max(1, iters))
         details.append(result)
         limit = memcpy_gbps(num_blocks * block_bytes)
-        ok = bool(result["verified"]) and not result["failed_jobs"]
+        verify = result["verify"]
+        assert isinstance(verify, dict)
+        ok = bool(result["verified"]) and not result["failed_jobs"] and \
+            bool(verify["verified"]) and not verify["failed_jobs"]
         for op, plain in (("store", "plain file write"), ("load", "plain file read")):
             side = result[op]
             assert isinstance(side, dict)
@@ -573,12 +582,36 @@ def format_nixl_detail(detail: dict[str, Any]) -> str:
             continue
         label = f"{p['num_blocks']}x{size_label(p['block_bytes'])}"
         lines.append(f"{label:>16} {p['kvbridge_verify_off_gbps']:10.3f} "
-                     f"{p['kvbridge_verify_sample_gbps']:9.3f} {p['kvbridge_gbps']:9.3f} "
+                     f"{p['kvbridge_gbps']:9.3f} {p['kvbridge_verify_full_gbps']:9.3f} "
                      f"{p['verify_sample_over_off']:10.3f} {p['verify_full_over_off']:9.3f} "
                      f"{p['blocks_verified']:8d} {_num(p['consumer_digest_gbps']):>8} "
                      f"{_num(p['producer_digest_gbps']):>8}")
-    lines.append("checked: blocks the consumer verified; check / take: digest GB/s on the "
-                 "consumer / the producer (its digests are taken as a hold starts)")
+    lines.append("sample: the default (the kvbridge column above); checked: blocks the "
+                 "consumer verified; check / take: digest GB/s on the consumer / the producer "
+                 "(its digests are taken as a hold starts)")
+    return "\n".join(lines)
+
+
+def format_offload_verify(details: list[dict[str, Any]]) -> str:
+    """The offload path's verification table: each path's GB/s per verify mode, over off."""
+    lines = [f"{'pattern':>16} {'path':<10} {'off':>8} {'sample':>8} {'full':>8} "
+             f"{'sample/off':>10} {'full/off':>9}  (GB/s; lookup: us per block checked)"]
+    for d in details:
+        v = d.get("verify")
+        if not isinstance(v, dict):
+            continue
+        label = f"{v['num_blocks']}x{size_label(v['block_bytes'])}"
+        for path in ("fs_store", "fs_load", "cpu_store", "cpu_load"):
+            g, r = v["gbps"], v["ratio_of_off"]
+            lines.append(f"{label:>16} {path:<10} {g['off'][path]:8.3f} {g['sample'][path]:8.3f}"
+                         f" {g['full'][path]:8.3f} {r['sample'][path]:10.3f} "
+                         f"{r['full'][path]:9.3f}")
+        us = v["cpu_lookup_us_per_block"]
+        lines.append(f"{label:>16} {'lookup':<10} {us['off']:8.2f} {us['sample']:8.2f} "
+                     f"{us['full']:8.2f}")
+    lines.append(f"fs I/O: {details[0]['verify']['io_mode'] if details else '-'}; "
+                 f"{details[0]['verify']['num_layers'] if details else '-'} layer digests per "
+                 f"block; lookup: scheduler-thread time of a CPU-tier lookup that checks slots")
     return "\n".join(lines)
 
 
@@ -588,6 +621,8 @@ def format_details(report: dict[str, Any]) -> str | None:
         return None
     name, entry = next(iter(report["paths"].items()))
     detail = entry.get("detail")
+    if entry["status"] == "ok" and name == "offload" and isinstance(detail, list):
+        return format_offload_verify(detail)
     if entry["status"] != "ok" or not isinstance(detail, dict):
         return None
     if name == "nixl":

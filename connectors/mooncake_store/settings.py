@@ -46,6 +46,7 @@ from typing import Any
 
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeConfigError, Protocol
 from kvbridge.connectors.errors import ConfigError
+from kvbridge.connectors.verify_config import parse_verify
 from kvbridge.layouts.digests import DEFAULT_MODE, DEFAULT_SAMPLE, DigestMode, VerifyPolicy
 
 MiB = 1 << 20
@@ -158,21 +159,10 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeStoreSettings:
             raise ConfigError(f"{_FIELD}.client_scope",
                               f"expected one of {[s.value for s in ClientScope]}, "
                               f"got {values['client_scope']!r}") from None
-    if "verify" in values:
-        try:
-            values["verify"] = DigestMode(values["verify"])
-        except ValueError:
-            raise ConfigError(f"{_FIELD}.verify",
-                              f"expected one of {[m.value for m in DigestMode]}, "
-                              f"got {values['verify']!r}") from None
-    if "verify_sample" in extra:
-        value = extra["verify_sample"]
-        if (not isinstance(value, int | float) or isinstance(value, bool)
-                or not 0.0 < value <= 1.0):
-            raise ConfigError(f"{_FIELD}.verify_sample", f"expected the fraction of blocks "
-                                                         f"checked in sample mode, in (0, 1], "
-                                                         f"got {value!r}")
-        values["verify_sample"] = float(value)
+    policy = parse_verify(extra, _FIELD)
+    values["verify"] = policy.mode
+    values["verify_sample"] = policy.sample_fraction
+    values["verify_allow_unverified"] = policy.allow_unverified
     if "lookup_timeout_s" not in values:
         values["lookup_timeout_s"] = values.get("op_timeout_s", 5.0) + 1.0
     settings = MooncakeStoreSettings(**values)

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
+from kvbridge.connectors.verify_config import VERIFY_KEYS, parse_verify
 from kvbridge.layouts.digests import DEFAULT_MODE, DEFAULT_SAMPLE, DigestMode, VerifyPolicy
 
 
@@ -85,21 +86,8 @@ class NixlSettings:
                     values[key] = TransferMode(value)
                 except ValueError:
                     raise ConfigError(where, f"expected 'pull' or 'push', got {value!r}") from None
-            elif key == "verify":
-                try:
-                    values[key] = DigestMode(value)
-                except ValueError:
-                    raise ConfigError(where, f"expected one of {[m.value for m in DigestMode]}, "
-                                             f"got {value!r}") from None
-            elif key == "verify_sample":
-                if (not isinstance(value, int | float) or isinstance(value, bool)
-                        or not 0 < value <= 1):
-                    raise ConfigError(where, f"expected a fraction in (0, 1], got {value!r}")
-                values[key] = float(value)
-            elif key == "verify_allow_unverified":
-                if not isinstance(value, bool):
-                    raise ConfigError(where, f"expected true or false, got {value!r}")
-                values[key] = value
+            elif key in VERIFY_KEYS:
+                continue  # below, together
             elif key in ("host", "advertise_host"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ConfigError(where, f"expected a host name or address, got {value!r}")
@@ -125,4 +113,6 @@ class NixlSettings:
                         or not value > 0):
                     raise ConfigError(where, f"expected a number of seconds > 0, got {value!r}")
                 values[key] = float(value)
-        return cls(**values)
+        policy = parse_verify(extra)
+        return cls(**values, verify=policy.mode, verify_sample=policy.sample_fraction,
+                   verify_allow_unverified=policy.allow_unverified)

@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.connectors.errors import ConfigError
-from kvbridge.layouts.digests import DEFAULT_MODE, DEFAULT_SAMPLE, DigestMode, VerifyPolicy
+from kvbridge.connectors.verify_config import parse_verify
+from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.faults import FaultKind, FaultPlan
 
 _PREFIX = "kv_connector_extra_config"
@@ -75,26 +76,6 @@ class OffloadSettings:
     #: what the fs tier checks: ``verify`` when it is given, else every block (the
     #: disk is the bottleneck: full costs nothing measurable with O_DIRECT)
     fs_verify: VerifyPolicy = field(default_factory=lambda: VerifyPolicy(DigestMode.FULL))
-
-
-def _verify(extra: Mapping[str, Any], default: DigestMode = DEFAULT_MODE) -> VerifyPolicy:
-    mode = extra.get("verify", default.value)
-    try:
-        parsed = DigestMode(mode)
-    except ValueError:
-        raise ConfigError(f"{_PREFIX}.verify", f"expected one of "
-                                               f"{[m.value for m in DigestMode]}, got "
-                                               f"{mode!r}") from None
-    fraction = extra.get("verify_sample", DEFAULT_SAMPLE)
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) \
-            or not 0 < fraction <= 1:
-        raise ConfigError(f"{_PREFIX}.verify_sample",
-                          f"expected a fraction in (0, 1], got {fraction!r}")
-    allow = extra.get("verify_allow_unverified", True)
-    if not isinstance(allow, bool):
-        raise ConfigError(f"{_PREFIX}.verify_allow_unverified",
-                          f"expected true or false, got {allow!r}")
-    return VerifyPolicy(parsed, float(fraction), allow)
 
 
 def _faults(value: object) -> FaultPlan:
@@ -185,4 +166,5 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
                           f"expected a count >= 1 of failed loads, got {quarantine!r}")
     return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj, shm_dir,
                            timeouts["probe_timeout_s"], timeouts["load_timeout_s"], quarantine,
-                           _verify(extra), _verify(extra, DigestMode.FULL))
+                           parse_verify(extra, _PREFIX),
+                           parse_verify(extra, _PREFIX, DigestMode.FULL))
