@@ -152,6 +152,8 @@ MAX_DEFERRED_AGENTS = 64
 MAX_CONSUMER_PEERS = 1024
 #: push registrations kept for requests this rank does not hold yet
 MAX_EARLY_REGISTERS = 4096
+#: block ids asked by digest-asking ``begin``s waiting for their hold, at most (all agents)
+MAX_EARLY_BEGIN_IDS = 1 << 18
 #: senders whose rejected notifications were logged (each once), remembered
 MAX_LOGGED_SENDERS = 1024
 
@@ -364,6 +366,7 @@ class NixlWorker(WorkerConnector):
         #: router can be faster than the next step), answered when it starts or after
         #: ``early_grace_s``; bounded like early registrations
         self._early_begins: dict[str, list[tuple[float, str, messages.Begin]]] = {}
+        self._early_begin_ids = 0  # block ids those begins ask for, bounded
 
     # ------------------------------------------------------------------ registration
 
@@ -429,6 +432,7 @@ class NixlWorker(WorkerConnector):
             for verdict in self._leases.hold(hold.request_id, now):
                 self._answer(verdict)
             for _at, sender, begin in self._early_begins.pop(hold.request_id, []):
+                self._early_begin_ids -= sum(len(g) for g in begin.digest_ids)
                 self._on_consumer_notif(sender, begin, now)
         for order in meta.loads:
             self._start_load(order, now)
@@ -1109,12 +1113,15 @@ class NixlWorker(WorkerConnector):
         elif isinstance(msg, messages.Register):
             self._on_register(sender, msg, now)
         elif isinstance(msg, messages.Begin):
+            asked = sum(len(g) for g in msg.digest_ids)
             if (msg.digest_ids and self._digester is not None
                     and not self._leases.is_held(msg.request_id)
                     and self._leases.ended(msg.request_id) is None
-                    and sum(len(v) for v in self._early_begins.values()) < MAX_EARLY_REGISTERS):
+                    and sum(len(v) for v in self._early_begins.values()) < MAX_EARLY_REGISTERS
+                    and self._early_begin_ids + asked <= MAX_EARLY_BEGIN_IDS):
                 # not held yet: answer with the digests once the hold starts
                 self._early_begins.setdefault(msg.request_id, []).append((now, sender, msg))
+                self._early_begin_ids += asked
                 return
             lease_s, reason = self._leases.guarantee(msg.request_id, now)
             digests: tuple[bytes, ...] = ()
@@ -1151,7 +1158,8 @@ class NixlWorker(WorkerConnector):
         for rid, begins in list(self._early_begins.items()):
             if now - begins[0][0] >= self.settings.early_grace_s:
                 del self._early_begins[rid]
-                for _at, sender, _begin in begins:  # no promise, no digests: the ack decides
+                for _at, sender, begin in begins:  # no promise, no digests: the ack decides
+                    self._early_begin_ids -= sum(len(g) for g in begin.digest_ids)
                     self._send_to(sender, messages.Held(rid, self.rank_index, False, 0.0,
                                                         "not held (yet)"))
         for agent, answers in list(self._pending_acks.items()):
@@ -1446,6 +1454,8 @@ class NixlWorker(WorkerConnector):
             return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
         if held is None:
             return (), f"no digests of request {begin.request_id} (not held)"
+        if sum(len(g) for g in begin.digest_ids) > MAX_ASK_BLOCKS:  # the answer must fit
+            return (), f"more than {MAX_ASK_BLOCKS} digests asked"
         answer = answer_ask(held, begin.digest_ids)
         if isinstance(answer, str):
             return (), answer
@@ -1622,6 +1632,8 @@ class NixlWorker(WorkerConnector):
             return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
         asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
                  for r, start in enumerate(reg.start)]
+        if sum(len(g) for g in asked) > MAX_ASK_BLOCKS:  # the answer must fit a notification
+            return f"more than {MAX_ASK_BLOCKS} blocks: too many digests for one notification"
         answer = answer_ask(job.digests, asked)
         if not isinstance(answer, str):
             self._counters["digests_served"] += sum(len(g) for g in asked)

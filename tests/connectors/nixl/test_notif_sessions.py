@@ -151,3 +151,66 @@ def test_a_peer_cannot_speak_for_another_consumer_rank_or_miscount_the_ranks() -
         rogue.close(strict=False)
         producer.close()
         _shutdown_clean(consumer)
+
+
+def _helds(rogue: NixlTransport, want: int, timeout_s: float) -> list[messages.Held]:
+    """The ``held`` answers the rogue agent receives, until ``want`` came (bounded)."""
+    got: list[messages.Held] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want:
+        assert time.monotonic() < deadline, f"{len(got)} of {want} held answers"
+        for batch in rogue.get_notifs().values():
+            for data in batch:
+                msg = messages.decode(data)
+                if isinstance(msg, messages.Held):
+                    got.append(msg)
+        time.sleep(0.01)
+    return got
+
+
+def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded() -> None:
+    """A peer's ``begin`` may ask for digests only of the blocks the producer holds for
+    that request: other block ids get an answer without digests (nothing is hashed);
+    an ask for a request not held (yet) waits for its hold, then is answered without a
+    promise after ``early_grace_s``. The real consumer's load beside it is unharmed."""
+    spec_model = load_spec(MODEL)
+    producer = _producer(early_grace_s=GRACE_S)
+    consumer = _consumer()
+    stepper = Stepper(consumer)
+    rogue = NixlTransport(f"kvb-asker-{uuid.uuid4().hex[:8]}")
+    memory = torch.zeros(1 << 20, dtype=torch.uint8)
+    rogue.register_regions([memory])
+    try:
+        spec, params, peers = _held_request(producer, rogue, 33, "asks")
+        rid = params.producer_request_id
+        me = ParallelTopology(tp_size=1)
+        shape = spec_model.rank_shapes(me)[0]
+        layer_addrs = {layer: memory.data_ptr() + i * shape.block_bytes_per_layer
+                       for i, layer in enumerate(shape.layer_ids)}
+        meta = AgentMetadata.build("asker", rogue.name, rogue.agent_metadata(),
+                                   spec_model, me, layer_addrs, 1)
+        held_ids = params.block_ids[0]
+        stray = max(held_ids) + 1
+        _send_all(rogue, peers, [
+            messages.Hello(encode_agent(meta)),
+            messages.Begin(rid, 0, ((held_ids[0], stray),), "xxh3-64"),   # one not held
+            messages.Begin(rid, 0, ((held_ids[0],),), "xxh3-64"),         # held: answered
+            messages.Begin("never-held", 0, ((1, 2, 3),), "xxh3-64")])    # waits, bounded
+        answers = _helds(rogue, 3 * len(peers), 60)
+        by_rid = {}
+        for held in answers:
+            by_rid.setdefault(held.request_id, []).append(held)
+        stray_answers = [h for h in by_rid[rid] if not h.digests]
+        good = [h for h in by_rid[rid] if h.digests]
+        assert len(stray_answers) == len(good) == len(peers)
+        assert all("not held for this request" in h.reason for h in stray_answers)
+        assert all(len(h.digests[0]) == 8 and h.algorithm == "xxh3-64" for h in good)
+        assert all(not h.ok and not h.digests and "not held" in h.reason
+                   for h in by_rid["never-held"])
+        _load_and_check(stepper, spec, params)
+        totals = _worker_totals(consumer)  # TP 2 -> 1: head slices, counted unverified
+        assert sum(t["digest_mismatches"] for t in totals) == 0
+    finally:
+        rogue.close(strict=False)
+        producer.close()
+        _shutdown_clean(consumer)
