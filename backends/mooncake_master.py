@@ -1,29 +1,45 @@
-"""Start and stop a local ``mooncake_master`` (with its embedded HTTP metadata server).
+"""Start and stop a local ``mooncake_master`` with an HTTP metadata server bound where asked.
 
 The master is the Mooncake store's control plane: it allocates space in the
-clients' segments and keeps the key -> replica map. Its embedded HTTP metadata
-server is what clients use to find each other's transfer endpoints, so one
-process gives a complete store for tests, the CLI and demos.
+clients' segments and keeps the key -> replica map. The HTTP metadata server
+is what clients use to find each other's transfer endpoints, so the pair is a
+complete store for tests, the CLI and demos.
 
 Facts this module is built around (measured, see BACKENDS.md):
 
 - The RPC port accepts about 1.1 s after start; that is the readiness signal
   (a client's ``setup()`` against a master that is not listening blocks ~90 s).
-- ``--rpc_address`` and ``--metrics_host`` are honoured (127.0.0.1 here), but
-  the HTTP metadata port listens on **0.0.0.0** whatever host is given; an
-  operator must firewall it (and the clients' transfer-engine ports).
-- A killed and restarted master has lost every key; clients re-mount their
-  segments by themselves within about a second.
+- ``--rpc_address`` and ``--metrics_host`` are honoured, but the master's
+  *embedded* HTTP metadata server listens on **0.0.0.0** whatever
+  ``--http_metadata_server_host`` says. So the master is started with
+  ``--enable_http_metadata_server=false`` and kvbridge serves the same protocol
+  (:mod:`kvbridge.backends.mooncake_metadata`) from a child process bound to
+  exactly :attr:`MooncakeMaster.host`; with the embedded server off the master
+  listens on its RPC and metrics ports only, both on that host.
+- The metadata server is a *child process*, not a thread of the owner: a
+  Mooncake client's ``setup()`` holds the GIL while libcurl talks to the
+  metadata server, so a client in the same process as an in-thread server
+  deadlocks (measured: ``setup()`` never returned). As a process it also dies,
+  pauses and restarts with the master (:meth:`kill`, :meth:`pause`,
+  :meth:`restart`), as the embedded server did.
+- A killed and restarted master has lost every key (and, like the embedded
+  server, so has the metadata server); clients re-mount their segments by
+  themselves within about a second.
 
 Invariants: every process this class starts is reaped by :meth:`stop` or
 :meth:`kill` (also on ``__exit__``); every wait is bounded; ports are chosen
-on 127.0.0.1 and kept across :meth:`restart` so clients can reconnect.
+on :attr:`~MooncakeMaster.host` and kept across :meth:`restart` so clients can
+reconnect. The metadata port is bound by this process before the metadata
+child starts (it inherits the socket), so it never listens anywhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import http.client
+import ipaddress
 import logging
 import os
 import shutil
@@ -38,6 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
+
+from kvbridge.backends.mooncake_metadata import MetadataLimits, bind_listener
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +98,38 @@ def find_master_binary() -> str:
     )
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes in a URL or ``host:port`` (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
+def check_host(host: str) -> str:
+    """``host`` if it is an IP literal this machine can bind, else ValueError naming the flag.
+
+    Only literals: a name could resolve to several addresses, and the point is to
+    bind exactly one. ``0.0.0.0`` / ``::`` are allowed (every interface, on purpose);
+    ``kvbridge doctor`` says so.
+    """
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"host must be an IP address such as 127.0.0.1, got {host!r}") from None
+    try:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except OSError as exc:
+        raise ValueError(f"host {host} cannot be bound on this machine ({exc.strerror}); "
+                         "give one of its own addresses") from None
+    return host
+
+
 def pick_free_port(host: str = LOOPBACK) -> int:
     """A TCP port on ``host`` that was free a moment ago (the caller must tolerate a race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
@@ -98,7 +145,7 @@ def port_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
 
 @dataclass(frozen=True)
 class MasterPorts:
-    """The three TCP ports of one master (all on 127.0.0.1 except the metadata port, see module doc)."""
+    """The three TCP ports of one master: RPC and metrics (``mooncake_master``), HTTP metadata (kvbridge)."""
 
     rpc_port: int
     http_port: int
@@ -122,14 +169,16 @@ def master_command(
     rpc_threads: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The argv that starts a master on ``host`` with its embedded HTTP metadata server."""
+    """The argv that starts a master on ``host``, its embedded metadata server off.
+
+    ``ports.http_port`` is not the master's: kvbridge's own metadata server
+    (:func:`metadata_command`) serves it, because the embedded one binds 0.0.0.0.
+    """
     argv = [
         binary,
         f"--rpc_address={host}",
         f"--rpc_port={ports.rpc_port}",
-        "--enable_http_metadata_server=true",
-        f"--http_metadata_server_host={host}",
-        f"--http_metadata_server_port={ports.http_port}",
+        "--enable_http_metadata_server=false",
         f"--metrics_host={host}",
         f"--metrics_port={ports.metrics_port}",
         "--logtostderr=true",
@@ -146,6 +195,17 @@ def master_command(
     return argv
 
 
+def metadata_command(fd: int, limits: MetadataLimits) -> list[str]:
+    """The argv of the metadata child serving the inherited listening socket ``fd``.
+
+    ``-I`` (isolated: no PYTHON* variables, no user site, and since 3.11 no script
+    directory on ``sys.path``, which would put ``backends/mooncake.py`` in front of
+    the real ``mooncake``): the module needs the standard library only.
+    """
+    script = Path(__file__).with_name("mooncake_metadata.py")
+    return [sys.executable, "-I", str(script), f"--fd={fd}", *limits.argv()]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     # PR_SET_PDEATHSIG survives execve: the master gets SIGTERM if the thread that
     # started it dies, so a crashed test run cannot leave masters behind.
@@ -154,15 +214,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class MooncakeMaster:
-    """A ``mooncake_master`` child process on 127.0.0.1; a context manager.
+    """A ``mooncake_master`` and kvbridge's metadata server, two child processes; a context manager.
 
     >>> with MooncakeMaster() as master:            # doctest: +SKIP
     ...     cfg = MooncakeConfig(master.rpc_address, master.metadata_url)
 
-    Ports left as ``None`` are picked free on 127.0.0.1 (and re-picked if the
-    master fails to bind them at first start); they stay fixed across
-    :meth:`restart`. Logs (stdout and stderr, glog format) go to ``log_path``,
-    or to a temporary file deleted by :meth:`stop` unless ``keep_log``.
+    Every port listens on ``host`` only (default 127.0.0.1; an IP literal of this
+    machine). Ports left as ``None`` are picked free on ``host`` (and re-picked if
+    one cannot be bound at first start); they stay fixed across :meth:`restart`.
+    ``metadata_limits`` bounds the metadata server (key and value sizes, total
+    bytes, keys, connections, request timeout). Logs of both processes (the
+    master's in glog format, the metadata server's lines tagged
+    ``kvbridge-metadata``) go to ``log_path``, or to a temporary file deleted by
+    :meth:`stop` unless ``keep_log``.
 
     ``die_with_parent`` (Linux) makes the master receive SIGTERM when the
     *thread* that started it exits, so start it from a long-lived thread
@@ -172,6 +236,7 @@ class MooncakeMaster:
     def __init__(
         self,
         *,
+        host: str = LOOPBACK,
         rpc_port: int | None = None,
         http_port: int | None = None,
         metrics_port: int | None = None,
@@ -184,11 +249,14 @@ class MooncakeMaster:
         extra_args: Sequence[str] = (),
         binary: str | None = None,
         die_with_parent: bool = True,
+        metadata_limits: MetadataLimits | None = None,
     ) -> None:
         if start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be > 0 seconds, got {start_timeout_s}")
         if stop_timeout_s <= 0:
             raise ValueError(f"stop_timeout_s must be > 0 seconds, got {stop_timeout_s}")
+        self._host = check_host(host)
+        self._metadata_limits = metadata_limits or MetadataLimits()
         self._fixed_ports = (rpc_port, http_port, metrics_port)
         self._ports: MasterPorts | None = None
         if all(p is not None for p in self._fixed_ports):
@@ -205,12 +273,18 @@ class MooncakeMaster:
         self._binary = binary
         self._die_with_parent = die_with_parent
         self._proc: subprocess.Popen[bytes] | None = None
+        self._metadata_proc: subprocess.Popen[bytes] | None = None
         self._log_file: BinaryIO | None = None
 
     # ---- addresses -------------------------------------------------------------
     @property
     def host(self) -> str:
-        return LOOPBACK
+        """The one address every port of this master listens on."""
+        return self._host
+
+    @property
+    def metadata_limits(self) -> MetadataLimits:
+        return self._metadata_limits
 
     @property
     def ports(self) -> MasterPorts:
@@ -233,16 +307,16 @@ class MooncakeMaster:
     @property
     def rpc_address(self) -> str:
         """``host:port`` of the master RPC service (a client's ``master_server_addr``)."""
-        return f"{self.host}:{self.rpc_port}"
+        return f"{url_host(self.host)}:{self.rpc_port}"
 
     @property
     def metadata_url(self) -> str:
-        """URL of the embedded HTTP metadata server (a client's ``metadata_server``)."""
-        return f"http://{self.host}:{self.http_port}/metadata"
+        """URL of the HTTP metadata server (a client's ``metadata_server``)."""
+        return f"http://{url_host(self.host)}:{self.http_port}/metadata"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+        return f"http://{url_host(self.host)}:{self.metrics_port}/metrics"
 
     @property
     def log_path(self) -> Path | None:
@@ -253,12 +327,30 @@ class MooncakeMaster:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def metadata_pid(self) -> int | None:
+        """PID of kvbridge's metadata server process."""
+        return self._metadata_proc.pid if self._metadata_proc is not None else None
+
+    @property
     def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """Both processes (master and metadata server) are alive."""
+        return all(p is not None and p.poll() is None for p in (self._proc, self._metadata_proc))
 
     def is_serving(self, timeout_s: float = 0.2) -> bool:
-        """True when the process runs and its RPC port accepts a TCP connection."""
-        return self.is_running and port_accepts(self.host, self.rpc_port, timeout_s)
+        """True when both processes run, the RPC port accepts and the metadata server answers."""
+        return (self.is_running and port_accepts(self.host, self.rpc_port, timeout_s)
+                and self.metadata_answers(timeout_s))
+
+    def metadata_answers(self, timeout_s: float = 0.5) -> bool:
+        """True when the metadata server answers a GET of a key nobody stores with 404."""
+        conn = http.client.HTTPConnection(self.host, self.http_port, timeout=timeout_s)
+        try:
+            conn.request("GET", "/metadata?key=kvbridge%2Fprobe%2Fnone")
+            return conn.getresponse().status == 404
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         """The end of the master's log, for error messages and debugging."""
@@ -310,39 +402,48 @@ class MooncakeMaster:
         return rc
 
     def kill(self) -> int | None:
-        """SIGKILL the master now (fault injection); keeps ports and log for :meth:`restart`."""
+        """SIGKILL the master and the metadata server now (fault injection).
+
+        Keeps ports and log for :meth:`restart`; the metadata, like the master's
+        keys, is lost (as with the embedded server, which died with the master).
+        Returns the master's exit code.
+        """
         return self._reap(force=True)
 
     def pause(self, timeout_s: float = 5.0) -> None:
         """SIGSTOP the master and wait until it is stopped (fault injection).
 
-        A paused master's ports still accept TCP connections (the kernel does
-        that), but nothing answers. ``kill()`` returns before the target stops,
-        so this waits (bounded) for /proc to report the stopped state.
+        Both processes stop (the embedded metadata server stopped with the
+        master). A paused master's ports still accept TCP connections (the kernel
+        does that), but nothing answers. ``kill()`` returns before the target
+        stops, so this waits (bounded) for /proc to report the stopped state.
         """
         self._signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
-        stat_path = Path(f"/proc/{self.pid}/stat")
-        while time.monotonic() < deadline:
-            try:
-                # Field 3 of /proc/PID/stat, after the parenthesised command name.
-                state = stat_path.read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                return  # not Linux-like /proc: best effort
-            if state in ("T", "t"):
-                return
-            time.sleep(0.005)
-        raise MooncakeMasterError(f"master pid {self.pid} did not stop within {timeout_s} s")
+        for pid in (self.pid, self.metadata_pid):
+            stat_path = Path(f"/proc/{pid}/stat")
+            while True:
+                try:
+                    # Field 3 of /proc/PID/stat, after the parenthesised command name.
+                    state = stat_path.read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    return  # not Linux-like /proc: best effort
+                if state in ("T", "t"):
+                    break
+                if time.monotonic() >= deadline:
+                    raise MooncakeMasterError(f"pid {pid} did not stop within {timeout_s} s")
+                time.sleep(0.005)
 
     def resume(self) -> None:
-        """SIGCONT a paused master."""
+        """SIGCONT a paused master (and its metadata server)."""
         self._signal(signal.SIGCONT)
 
     def _signal(self, sig: signal.Signals) -> None:
         if not self.is_running:
             raise MooncakeMasterError(f"master is not running; cannot send {sig.name}")
-        assert self._proc is not None
+        assert self._proc is not None and self._metadata_proc is not None
         self._proc.send_signal(sig)
+        self._metadata_proc.send_signal(sig)
 
     def restart(self) -> MooncakeMaster:
         """Stop (if running) and start again on the same ports. The new master has no keys."""
@@ -374,7 +475,7 @@ class MooncakeMaster:
 
     # ---- internals -------------------------------------------------------------
     def _choose_ports(self) -> MasterPorts:
-        picked = MasterPorts.pick(self.host)
+        picked = MasterPorts.pick(self.host)  # on host: a port free on 127.0.0.1 may not be on it
         rpc, http, metrics = self._fixed_ports
         return MasterPorts(
             rpc_port=rpc if rpc is not None else picked.rpc_port,
@@ -398,6 +499,23 @@ class MooncakeMaster:
             self._log_file = None
 
     def _spawn(self, binary: str) -> None:
+        log_file = self._open_log()
+        try:
+            listener = bind_listener(self.host, self.http_port)
+        except OSError as exc:
+            reason = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise MooncakeMasterError(
+                f"cannot listen on {url_host(self.host)}:{self.http_port} for the metadata "
+                f"server ({reason})") from None
+        try:
+            self._metadata_proc = subprocess.Popen(
+                metadata_command(listener.fileno(), self._metadata_limits),
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                pass_fds=(listener.fileno(),), start_new_session=True,
+                preexec_fn=_die_with_parent if self._die_with_parent else None,
+            )
+        finally:
+            listener.close()  # the child holds it now; the port lives and dies with the child
         argv = master_command(
             binary,
             self.ports,
@@ -406,42 +524,56 @@ class MooncakeMaster:
             rpc_threads=self._rpc_threads,
             extra_args=self._extra_args,
         )
-        log_file = self._open_log()
         logger.debug("starting %s", " ".join(argv))
-        self._proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            # Its own session: a terminal's Ctrl-C reaches only us, and we stop it cleanly.
-            start_new_session=True,
-            preexec_fn=_die_with_parent if self._die_with_parent else None,
-        )
+        try:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                # Its own session: a terminal's Ctrl-C reaches only us, and we stop it cleanly.
+                start_new_session=True,
+                preexec_fn=_die_with_parent if self._die_with_parent else None,
+            )
+        except OSError as exc:
+            self._reap_one(self._metadata_proc, "the metadata server", force=True)
+            raise MooncakeMasterError(f"cannot run {binary}: {exc}") from exc
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        assert self._proc is not None
+        assert self._proc is not None and self._metadata_proc is not None
         while True:
-            rc = self._proc.poll()
-            if rc is not None:
-                raise MooncakeMasterError(
-                    f"mooncake_master exited with code {rc} during start "
-                    f"(rpc {self.rpc_address}, metadata {self.metadata_url}); "
-                    f"log {self._log_path}:\n{self.log_tail()}"
-                )
-            if port_accepts(self.host, self.rpc_port, timeout_s=0.2):
+            for name, proc in (("mooncake_master", self._proc),
+                               ("the metadata server", self._metadata_proc)):
+                rc = proc.poll()
+                if rc is not None:
+                    raise MooncakeMasterError(
+                        f"{name} exited with code {rc} during start "
+                        f"(rpc {self.rpc_address}, metadata {self.metadata_url}); "
+                        f"log {self._log_path}:\n{self.log_tail()}"
+                    )
+            if (port_accepts(self.host, self.rpc_port, timeout_s=0.2)
+                    and self.metadata_answers(timeout_s=1.0)):
                 return
             if time.monotonic() >= deadline:
                 raise MooncakeMasterError(
-                    f"mooncake_master did not accept on {self.rpc_address} within "
+                    f"mooncake_master did not accept on {self.rpc_address} (or the metadata "
+                    f"server did not answer on {self.metadata_url}) within "
                     f"{self.start_timeout_s:.1f} s; log {self._log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
 
     def _reap(self, *, force: bool) -> int | None:
+        """Stop both processes; the master's exit code (None if never started)."""
+        metadata = self._metadata_proc
+        if metadata is not None:
+            self._reap_one(metadata, "the metadata server", force=force)
         proc = self._proc
         if proc is None:
             return None
+        return self._reap_one(proc, "mooncake_master", force=force)
+
+    def _reap_one(self, proc: subprocess.Popen[bytes], name: str, *, force: bool) -> int | None:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 if force:
@@ -453,8 +585,8 @@ class MooncakeMaster:
                 proc.wait(timeout=self.stop_timeout_s if not force else 5.0)
             except subprocess.TimeoutExpired:
                 logger.warning(
-                    "mooncake_master pid %s ignored SIGTERM for %.1f s; sending SIGKILL",
-                    proc.pid, self.stop_timeout_s,
+                    "%s pid %s ignored SIGTERM for %.1f s; sending SIGKILL",
+                    name, proc.pid, self.stop_timeout_s,
                 )
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
