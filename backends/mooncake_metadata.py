@@ -95,6 +95,7 @@ class MetadataLimits:
 class PutResult(enum.Enum):
     STORED = 200
     DUPLICATE_RPC_META = 400
+    TOO_LARGE = 413
     FULL = 507
 
 
@@ -103,7 +104,8 @@ class MetadataStore:
 
     Invariant: ``total_bytes`` is the sum of the stored values' lengths and
     never exceeds ``limits.max_total_bytes``; ``len(self)`` never exceeds
-    ``limits.max_keys``. A refused put changes nothing.
+    ``limits.max_keys``; no value is longer than ``limits.max_value_bytes``.
+    A refused put changes nothing.
     """
 
     def __init__(self, limits: MetadataLimits) -> None:
@@ -124,6 +126,8 @@ class MetadataStore:
             return self._values.get(key)
 
     def put(self, key: str, value: bytes) -> PutResult:
+        if len(value) > self.limits.max_value_bytes:
+            return PutResult.TOO_LARGE
         with self._lock:
             old = self._values.get(key)
             if old is not None and "rpc_meta" in key:
@@ -239,6 +243,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, b"metadata updated")
         elif result is PutResult.DUPLICATE_RPC_META:
             self._reply(400, b"Duplicate rpc_meta key not allowed")
+        elif result is PutResult.TOO_LARGE:  # not reached: the length was checked unread
+            self._reply(413, b"metadata value too large")
         else:
             self.server.count("refused_full")
             self._reply(507, b"metadata store full")
