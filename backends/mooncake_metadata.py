@@ -157,8 +157,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: MetadataHTTPServer
 
     def setup(self) -> None:
-        self.timeout = self.server.limits.request_timeout_s  # socket timeout of every read
         super().setup()
+        # bounds every read and write: an idle or stalled client loses its connection
+        self.connection.settimeout(self.server.limits.request_timeout_s)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (stdlib's name)
         logger.debug("%s %s", self.address_string(), format % args)
