@@ -1,5 +1,5 @@
-"""`kvbridge mooncake master|metadata|bench`: run a local Mooncake master (or only its metadata
-server); raw store vs kvbridge's client."""
+"""`kvbridge mooncake master|bench`: run a local Mooncake master (or only its metadata server);
+raw store vs kvbridge's client."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ examples:
   kvbridge mooncake master                       # free ports on 127.0.0.1, until Ctrl-C
   kvbridge mooncake master --port 50051 --http-port 8080 --json
   kvbridge mooncake master --host 10.0.0.5         # every port on 10.0.0.5 only
-  kvbridge mooncake metadata --port 8080           # the metadata server alone
+  kvbridge mooncake master --metadata-only --http-port 8080   # the metadata server alone
   kvbridge mooncake bench                        # 64 x 2 MiB and 4096 x 16 KiB
   kvbridge mooncake bench --pattern 256x64KiB --rounds 9 --json
 """
@@ -40,32 +40,20 @@ process bound to --host. `kvbridge doctor` shows where the ports listen. The
 clients' own transfer-engine ports still listen on every interface: firewall
 them on shared networks.
 
+--metadata-only serves the metadata protocol alone (in this process), for a
+mooncake_master you run yourself with --enable_http_metadata_server=false;
+its clients use http://HOST:HTTP_PORT/metadata.
+
 examples:
   kvbridge mooncake master
   kvbridge mooncake master --port 50051 --http-port 8080 --json
   kvbridge mooncake master --host 10.0.0.5
+  kvbridge mooncake master --metadata-only --host 10.0.0.5 --http-port 8080
 
 --json prints one line {"host", "rpc_address", "metadata_url", "metrics_url", "pid",
-"metadata_pid", "log"}.
+"metadata_pid", "log"}; with --metadata-only {"host", "metadata_url", "pid"}.
 
 exit codes: 0 stopped cleanly, 1 the master failed to start or died, 2 usage error
-"""
-
-METADATA_EPILOG = """\
-Serves Mooncake's HTTP metadata protocol (/metadata?key=K: GET, PUT, DELETE)
-on --host:--port only, with the same bounds as `kvbridge mooncake master`, for
-a mooncake_master you run yourself with --enable_http_metadata_server=false
-(its embedded server would listen on every interface). Clients use
-http://HOST:PORT/metadata as their metadata server. Stops on Ctrl-C / SIGTERM
-(or after --duration); the metadata is in memory only.
-
-examples:
-  kvbridge mooncake metadata --port 8080
-  kvbridge mooncake metadata --host 10.0.0.5 --port 8080 --max-value-bytes 4194304
-
---json prints one line {"metadata_url", "pid"}.
-
-exit codes: 0 stopped cleanly, 1 the port cannot be bound, 2 usage error
 """
 
 BENCH_EPILOG = """\
@@ -130,24 +118,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write the master's log here (default: a temporary file)")
     master.add_argument("--duration", type=float, default=None, metavar="S",
                         help="stop after S seconds (default: until interrupted)")
+    master.add_argument("--max-value-bytes", type=int, default=None, metavar="N",
+                        help="largest metadata value accepted (default 16 MiB)")
+    master.add_argument("--max-total-bytes", type=int, default=None, metavar="N",
+                        help="metadata bytes stored in all (default 256 MiB)")
+    master.add_argument("--metadata-only", action="store_true",
+                        help="serve only the HTTP metadata server (for a mooncake_master run "
+                             "by hand with --enable_http_metadata_server=false)")
     master.add_argument("--json", action="store_true", help="print the addresses as one JSON line")
     master.set_defaults(func=run_master)
 
-    metadata = sub.add_parser(
-        "metadata", help="serve Mooncake's HTTP metadata protocol on one host until interrupted",
-        description="Run kvbridge's bounded Mooncake HTTP metadata server alone.",
-        epilog=METADATA_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    metadata.add_argument("--host", default="127.0.0.1",
-                          help="the one address to listen on (default 127.0.0.1)")
-    metadata.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: a free one)")
-    metadata.add_argument("--max-value-bytes", type=int, default=None, metavar="N",
-                          help="largest value accepted (default 16 MiB)")
-    metadata.add_argument("--max-total-bytes", type=int, default=None, metavar="N",
-                          help="bytes stored in all (default 256 MiB)")
-    metadata.add_argument("--duration", type=float, default=None, metavar="S",
-                          help="stop after S seconds (default: until interrupted)")
-    metadata.add_argument("--json", action="store_true", help="print the URL as one JSON line")
-    metadata.set_defaults(func=run_metadata)
 
     bench = sub.add_parser(
         "bench", help="raw Mooncake batch put/get vs kvbridge's client, same bytes, same run",
@@ -169,6 +149,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     require_subcommand(parser)
 
 
+def _metadata_limits(args: argparse.Namespace) -> Any:
+    import dataclasses
+
+    from kvbridge.backends.mooncake_metadata import MetadataLimits
+
+    changes = {k: v for k, v in (("max_value_bytes", args.max_value_bytes),
+                                 ("max_total_bytes", args.max_total_bytes)) if v is not None}
+    return dataclasses.replace(MetadataLimits(), **changes)
+
+
 def run_master(args: argparse.Namespace) -> int:
     from kvbridge.backends.mooncake_master import MooncakeMaster, MooncakeMasterError
 
@@ -178,9 +168,19 @@ def run_master(args: argparse.Namespace) -> int:
             print(f"kvbridge mooncake master: --{name.replace('_', '-')} must be 1..65535, "
                   f"got {value}", file=sys.stderr)
             return EXIT_USAGE
+    if args.metadata_only:
+        extra = [f for f, v in (("--port", args.port), ("--metrics-port", args.metrics_port),
+                                ("--lease-ttl-ms", args.lease_ttl_ms), ("--log", args.log))
+                 if v is not None]
+        if extra:
+            print(f"kvbridge mooncake master: {', '.join(extra)} mean nothing with "
+                  "--metadata-only (no mooncake_master is started)", file=sys.stderr)
+            return EXIT_USAGE
+        return run_metadata(args)
     try:
+        limits = _metadata_limits(args)
         master = MooncakeMaster(
-            host=args.host, rpc_port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
+            host=args.host, metadata_limits=limits, rpc_port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
             log_path=args.log, lease_ttl_ms=args.lease_ttl_ms,
         )
     except ValueError as exc:
@@ -226,33 +226,23 @@ def run_master(args: argparse.Namespace) -> int:
 
 
 def run_metadata(args: argparse.Namespace) -> int:
-    import dataclasses
+    """``--metadata-only``: the bounded metadata server alone, on ``--host:--http-port``."""
     import os
 
     from kvbridge.backends.mooncake_master import check_host, url_host
-    from kvbridge.backends.mooncake_metadata import (
-        MetadataHTTPServer,
-        MetadataLimits,
-        bind_listener,
-    )
+    from kvbridge.backends.mooncake_metadata import MetadataHTTPServer, bind_listener
 
-    if not 0 <= args.port < 65536:
-        print(f"kvbridge mooncake metadata: --port must be 0..65535, got {args.port}",
-              file=sys.stderr)
-        return EXIT_USAGE
     try:
         check_host(args.host)
-        limits = MetadataLimits()
-        changes = {k: v for k, v in (("max_value_bytes", args.max_value_bytes),
-                                     ("max_total_bytes", args.max_total_bytes)) if v is not None}
-        limits = dataclasses.replace(limits, **changes)
+        limits = _metadata_limits(args)
     except ValueError as exc:
-        print(f"kvbridge mooncake metadata: {exc}", file=sys.stderr)
+        print(f"kvbridge mooncake master: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    port = args.http_port or 0
     try:
-        listener = bind_listener(args.host, args.port)
+        listener = bind_listener(args.host, port)
     except OSError as exc:
-        print(f"kvbridge mooncake metadata: cannot listen on {url_host(args.host)}:{args.port}: "
+        print(f"kvbridge mooncake master: cannot listen on {url_host(args.host)}:{port}: "
               f"{exc.strerror}", file=sys.stderr)
         return EXIT_FAILURE
     stop = threading.Event()
@@ -264,7 +254,8 @@ def run_metadata(args: argparse.Namespace) -> int:
     try:
         url = f"http://{url_host(args.host)}:{server.server_address[1]}/metadata"
         if args.json:
-            print(json.dumps({"metadata_url": url, "pid": os.getpid()}), flush=True)
+            print(json.dumps({"host": args.host, "metadata_url": url, "pid": os.getpid()}),
+                  flush=True)
         else:
             print(f"Mooncake HTTP metadata server on {url} ({args.host} only); Ctrl-C to stop.",
                   flush=True)

@@ -1,4 +1,4 @@
-"""`kvbridge mooncake master|metadata|bench` end to end (real mooncake_master, real store)."""
+"""`kvbridge mooncake master|bench` end to end (real mooncake_master, real store)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert "64x2MiB" in err and "--master and --metadata" in err and "1..65535" in err
     assert main(["mooncake", "master", "--host", "localhost"]) == EXIT_USAGE
-    assert main(["mooncake", "metadata", "--host", "203.0.113.77"]) == EXIT_USAGE
+    assert main(["mooncake", "master", "--metadata-only", "--host", "203.0.113.77"]) == EXIT_USAGE
+    assert main(["mooncake", "master", "--metadata-only", "--port", "5"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "must be an IP address" in err and "cannot be bound on this machine" in err
+    assert "--port mean nothing with --metadata-only" in err
 
 
 def test_master_command_serves_until_interrupted() -> None:
@@ -70,9 +72,9 @@ def test_master_command_serves_until_interrupted() -> None:
             proc.wait(timeout=10)
 
 
-def test_metadata_command_serves_the_protocol_on_its_host_until_interrupted() -> None:
+def test_metadata_only_serves_the_protocol_on_its_host_until_interrupted() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.tools.cli", "mooncake", "metadata", "--port", "0",
+        [sys.executable, "-m", "kvbridge.tools.cli", "mooncake", "master", "--metadata-only",
          "--max-value-bytes", "100", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

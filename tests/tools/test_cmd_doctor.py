@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,83 @@ def test_doctor_says_which_nixl_build_loaded_and_why() -> None:
     require("nixl_cu12._api", "NIXL")
     detail = cmd_doctor.check_nixl(120)
     assert "._api loaded (nixl._api (meta package) first, then " in detail
+
+
+# ---- where a Mooncake master's ports listen (real masters, real sockets) --------------------
+def _mooncake_ready() -> None:
+    from tests.conftest import require
+
+    require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
+
+
+def test_doctor_says_a_master_kvbridge_starts_listens_on_its_host_only() -> None:
+    _mooncake_ready()
+    rows: list[dict[str, object]] = []
+    detail = cmd_doctor.check_mooncake_listen(60, None, None, rows)
+    assert detail.startswith("a master kvbridge started: ")
+    assert [r["name"] for r in rows] == ["rpc", "metadata", "metrics"]
+    for row in rows:
+        assert row["listening"] == ["127.0.0.1"] and row["every_interface"] is False
+        accepts = row["accepts"]  # tried while it ran: loopback yes, this host's LAN address no
+        assert isinstance(accepts, dict) and accepts.pop("127.0.0.1") is True
+        assert not any(accepts.values())
+    assert detail.count("listens on 127.0.0.1 only") == 3
+
+
+def test_doctor_flags_mooncakes_embedded_metadata_server_on_every_interface(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A master started by hand with its embedded metadata server, host 127.0.0.1 given."""
+    import subprocess
+
+    _mooncake_ready()
+    from kvbridge.backends.mooncake_master import (
+        MasterPorts,
+        find_master_binary,
+        local_addresses,
+        port_accepts,
+    )
+    from tests.conftest import stop_process
+
+    ports = MasterPorts.pick()
+    argv = [find_master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={ports.rpc_port}",
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={ports.http_port}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={ports.metrics_port}", "--rpc_thread_num=2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(600):  # up to ~30 s for both ports
+            if port_accepts("127.0.0.1", ports.rpc_port) and \
+                    port_accepts("127.0.0.1", ports.http_port):
+                break
+            assert proc.poll() is None, "mooncake_master exited during start"
+            time.sleep(0.05)
+        _skip_backend_probes(monkeypatch)
+        rpc, url = f"127.0.0.1:{ports.rpc_port}", f"http://127.0.0.1:{ports.http_port}/metadata"
+        assert main(["doctor", "--json", "--mooncake-master", rpc, "--mooncake-metadata", url]) \
+            in (0, 1)
+        report = json.loads(capsys.readouterr().out)
+        check = next(c for c in report["checks"] if c["name"] == "mooncake-listen")
+        assert not check["ok"] and not check["required"]
+        every = f"metadata 127.0.0.1:{ports.http_port} listens on EVERY interface (0.0.0.0)"
+        assert every in check["detail"]
+        assert f"rpc {rpc} listens on 127.0.0.1 only" in check["detail"]
+        assert "kvbridge mooncake master --host" in check["fix"]
+        rows = {r["name"]: r for r in report["mooncake_listen"]}
+        assert rows["metadata"]["every_interface"] is True
+        for address in local_addresses():  # reachable from this host's LAN address too
+            assert rows["metadata"]["accepts"][address] is True
+        main(["doctor", "--mooncake-master", rpc, "--mooncake-metadata", url])
+        out = capsys.readouterr().out
+        assert "[warn] mooncake-listen" in out and "EVERY interface" in out
+    finally:
+        stop_process(proc)
+
+
+def test_doctor_mooncake_flags_are_checked_before_anything_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--mooncake-metadata", "http://127.0.0.1:1/metadata"]) == 2
+    assert main(["doctor", "--mooncake-master", "nohost"]) == 2
+    assert main(["doctor", "--mooncake-master", "127.0.0.1:1",
+                 "--mooncake-metadata", "http://127.0.0.1:x/metadata"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --mooncake-master" in err and "HOST:PORT" in err and "http://HOST:PORT" in err
