@@ -365,8 +365,9 @@ class MooncakeMaster:
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> MooncakeMaster:
         """Start the master and wait (bounded by ``start_timeout_s``) until its RPC port accepts."""
-        if self.is_running:
-            raise MooncakeMasterError(f"master already running (pid {self.pid})")
+        if self._any_alive():
+            raise MooncakeMasterError(f"master already running (pid {self.pid}, metadata "
+                                      f"server pid {self.metadata_pid}); stop() it first")
         binary = self._binary or find_master_binary()
         may_repick = any(p is None for p in self._fixed_ports) and self._ports is None
         attempts = _PORT_PICK_ATTEMPTS if may_repick else 1
@@ -446,9 +447,11 @@ class MooncakeMaster:
         self._metadata_proc.send_signal(sig)
 
     def restart(self) -> MooncakeMaster:
-        """Stop (if running) and start again on the same ports. The new master has no keys."""
-        if self.is_running:
-            self._reap(force=False)
+        """Stop (if running) and start again on the same ports. The new master has no keys.
+
+        Both processes are stopped first, also when only one of them died.
+        """
+        self._reap(force=False)
         binary = self._binary or find_master_binary()
         self._spawn(binary)
         try:
@@ -474,6 +477,9 @@ class MooncakeMaster:
         return f"MooncakeMaster({where}, pid={self.pid}, running={self.is_running})"
 
     # ---- internals -------------------------------------------------------------
+    def _any_alive(self) -> bool:
+        return any(p is not None and p.poll() is None for p in (self._proc, self._metadata_proc))
+
     def _choose_ports(self) -> MasterPorts:
         picked = MasterPorts.pick(self.host)  # on host: a port free on 127.0.0.1 may not be on it
         rpc, http, metrics = self._fixed_ports

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,24 @@ def test_setup_without_master_fails_fast_instead_of_blocking(
         MooncakeStoreClient.connect(config)
     # refused by the pre-check: Mooncake's own setup() (~90 s here) was never entered
     assert mooncake_setups == []
+
+
+def test_a_dead_metadata_server_is_a_dead_master_and_restart_brings_both_back() -> None:
+    import os
+    import signal
+
+    require("mooncake.store")
+    with MooncakeMaster() as master:
+        ports, first_pid = master.ports, master.pid
+        assert master.metadata_pid is not None
+        os.kill(master.metadata_pid, signal.SIGKILL)
+        for _ in range(600):  # bounded (30 s): until the kernel has delivered it
+            if not master.is_running:
+                break
+            time.sleep(0.05)
+        assert not master.is_running and not master.is_serving()
+        with pytest.raises(MooncakeMasterError, match="already running"):
+            master.start()  # the master process itself still runs
+        master.restart()
+        assert master.ports == ports and master.pid != first_pid and master.is_serving()
+        assert _listening_hosts(ports.http_port) == {"127.0.0.1"}

@@ -271,3 +271,46 @@ def test_mooncake_clients_put_and_get_through_it_and_oversized_puts_are_refused(
             client.unregister_buffer(out.data_ptr())
             client.unregister_buffer(value.data_ptr())
     assert bounded_master.is_serving()
+
+
+_OWNER = """
+import json, sys
+from kvbridge.backends.mooncake_master import MooncakeMaster
+master = MooncakeMaster().start()
+print(json.dumps({"pid": master.pid, "metadata_pid": master.metadata_pid,
+                  "ports": [master.rpc_port, master.http_port, master.metrics_port]}), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_both_processes_die_with_a_killed_owner_and_free_their_ports() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        info = json.loads(owner.stdout.readline())
+        assert all(port_accepts("127.0.0.1", p) for p in info["ports"])
+        owner.kill()  # no stop(), no __exit__: only PR_SET_PDEATHSIG is left to act
+        owner.wait(timeout=30)
+        for pid in info["pid"], info["metadata_pid"]:
+            for _ in range(600):  # bounded wait (30 s) for SIGTERM to take effect
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, 9)
+                pytest.fail(f"pid {pid} outlived its owner")
+        assert not any(port_accepts("127.0.0.1", p) for p in info["ports"])
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
