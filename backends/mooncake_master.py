@@ -1,29 +1,45 @@
-"""Start and stop a local ``mooncake_master`` (with its embedded HTTP metadata server).
+"""Start and stop a local ``mooncake_master`` with an HTTP metadata server bound where asked.
 
 The master is the Mooncake store's control plane: it allocates space in the
-clients' segments and keeps the key -> replica map. Its embedded HTTP metadata
-server is what clients use to find each other's transfer endpoints, so one
-process gives a complete store for tests, the CLI and demos.
+clients' segments and keeps the key -> replica map. The HTTP metadata server
+is what clients use to find each other's transfer endpoints, so the pair is a
+complete store for tests, the CLI and demos.
 
 Facts this module is built around (measured, see BACKENDS.md):
 
 - The RPC port accepts about 1.1 s after start; that is the readiness signal
   (a client's ``setup()`` against a master that is not listening blocks ~90 s).
-- ``--rpc_address`` and ``--metrics_host`` are honoured (127.0.0.1 here), but
-  the HTTP metadata port listens on **0.0.0.0** whatever host is given; an
-  operator must firewall it (and the clients' transfer-engine ports).
-- A killed and restarted master has lost every key; clients re-mount their
-  segments by themselves within about a second.
+- ``--rpc_address`` and ``--metrics_host`` are honoured, but the master's
+  *embedded* HTTP metadata server listens on **0.0.0.0** whatever
+  ``--http_metadata_server_host`` says. So the master is started with
+  ``--enable_http_metadata_server=false`` and kvbridge serves the same protocol
+  (:mod:`kvbridge.backends.mooncake_metadata`) from a child process bound to
+  exactly :attr:`MooncakeMaster.host`; with the embedded server off the master
+  listens on its RPC and metrics ports only, both on that host.
+- The metadata server is a *child process*, not a thread of the owner: a
+  Mooncake client's ``setup()`` holds the GIL while libcurl talks to the
+  metadata server, so a client in the same process as an in-thread server
+  deadlocks (measured: ``setup()`` never returned). As a process it also dies,
+  pauses and restarts with the master (:meth:`kill`, :meth:`pause`,
+  :meth:`restart`), as the embedded server did.
+- A killed and restarted master has lost every key (and, like the embedded
+  server, so has the metadata server); clients re-mount their segments by
+  themselves within about a second.
 
 Invariants: every process this class starts is reaped by :meth:`stop` or
 :meth:`kill` (also on ``__exit__``); every wait is bounded; ports are chosen
-on 127.0.0.1 and kept across :meth:`restart` so clients can reconnect.
+on :attr:`~MooncakeMaster.host` and kept across :meth:`restart` so clients can
+reconnect. The metadata port is bound by this process before the metadata
+child starts (it inherits the socket), so it never listens anywhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import http.client
+import ipaddress
 import logging
 import os
 import shutil
@@ -38,6 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
+
+from kvbridge.backends.mooncake_metadata import MetadataLimits, bind_listener
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +98,38 @@ def find_master_binary() -> str:
     )
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes in a URL or ``host:port`` (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
+def check_host(host: str) -> str:
+    """``host`` if it is an IP literal this machine can bind, else ValueError naming the flag.
+
+    Only literals: a name could resolve to several addresses, and the point is to
+    bind exactly one. ``0.0.0.0`` / ``::`` are allowed (every interface, on purpose);
+    ``kvbridge doctor`` says so.
+    """
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"host must be an IP address such as 127.0.0.1, got {host!r}") from None
+    try:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except OSError as exc:
+        raise ValueError(f"host {host} cannot be bound on this machine ({exc.strerror}); "
+                         "give one of its own addresses") from None
+    return host
+
+
 def pick_free_port(host: str = LOOPBACK) -> int:
     """A TCP port on ``host`` that was free a moment ago (the caller must tolerate a race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
@@ -98,7 +145,7 @@ def port_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
 
 @dataclass(frozen=True)
 class MasterPorts:
-    """The three TCP ports of one master (all on 127.0.0.1 except the metadata port, see module doc)."""
+    """The three TCP ports of one master: RPC and metrics (``mooncake_master``), HTTP metadata (kvbridge)."""
 
     rpc_port: int
     http_port: int
@@ -122,14 +169,16 @@ def master_command(
     rpc_threads: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The argv that starts a master on ``host`` with its embedded HTTP metadata server."""
+    """The argv that starts a master on ``host``, its embedded metadata server off.
+
+    ``ports.http_port`` is not the master's: kvbridge's own metadata server
+    (:func:`metadata_command`) serves it, because the embedded one binds 0.0.0.0.
+    """
     argv = [
         binary,
         f"--rpc_address={host}",
         f"--rpc_port={ports.rpc_port}",
-        "--enable_http_metadata_server=true",
-        f"--http_metadata_server_host={host}",
-        f"--http_metadata_server_port={ports.http_port}",
+        "--enable_http_metadata_server=false",
         f"--metrics_host={host}",
         f"--metrics_port={ports.metrics_port}",
         "--logtostderr=true",
@@ -146,6 +195,17 @@ def master_command(
     return argv
 
 
+def metadata_command(fd: int, limits: MetadataLimits) -> list[str]:
+    """The argv of the metadata child serving the inherited listening socket ``fd``.
+
+    ``-I`` (isolated: no PYTHON* variables, no user site, and since 3.11 no script
+    directory on ``sys.path``, which would put ``backends/mooncake.py`` in front of
+    the real ``mooncake``): the module needs the standard library only.
+    """
+    script = Path(__file__).with_name("mooncake_metadata.py")
+    return [sys.executable, "-I", str(script), f"--fd={fd}", *limits.argv()]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     # PR_SET_PDEATHSIG survives execve: the master gets SIGTERM if the thread that
     # started it dies, so a crashed test run cannot leave masters behind.
@@ -154,15 +214,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class MooncakeMaster:
-    """A ``mooncake_master`` child process on 127.0.0.1; a context manager.
+    """A ``mooncake_master`` and kvbridge's metadata server, two child processes; a context manager.
 
     >>> with MooncakeMaster() as master:            # doctest: +SKIP
     ...     cfg = MooncakeConfig(master.rpc_address, master.metadata_url)
 
-    Ports left as ``None`` are picked free on 127.0.0.1 (and re-picked if the
-    master fails to bind them at first start); they stay fixed across
-    :meth:`restart`. Logs (stdout and stderr, glog format) go to ``log_path``,
-    or to a temporary file deleted by :meth:`stop` unless ``keep_log``.
+    Every port listens on ``host`` only (default 127.0.0.1; an IP literal of this
+    machine). Ports left as ``None`` are picked free on ``host`` (and re-picked if
+    one cannot be bound at first start); they stay fixed across :meth:`restart`.
+    ``metadata_limits`` bounds the metadata server (key and value sizes, total
+    bytes, keys, connections, request timeout). Logs of both processes (the
+    master's in glog format, the metadata server's lines tagged
+    ``kvbridge-metadata``) go to ``log_path``, or to a temporary file deleted by
+    :meth:`stop` unless ``keep_log``.
 
     ``die_with_parent`` (Linux) makes the master receive SIGTERM when the
     *thread* that started it exits, so start it from a long-lived thread
@@ -172,6 +236,7 @@ class MooncakeMaster:
     def __init__(
         self,
         *,
+        host: str = LOOPBACK,
         rpc_port: int | None = None,
         http_port: int | None = None,
         metrics_port: int | None = None,
@@ -184,11 +249,14 @@ class MooncakeMaster:
         extra_args: Sequence[str] = (),
         binary: str | None = None,
         die_with_parent: bool = True,
+        metadata_limits: MetadataLimits | None = None,
     ) -> None:
         if start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be > 0 seconds, got {start_timeout_s}")
         if stop_timeout_s <= 0:
             raise ValueError(f"stop_timeout_s must be > 0 seconds, got {stop_timeout_s}")
+        self._host = check_host(host)
+        self._metadata_limits = metadata_limits or MetadataLimits()
         self._fixed_ports = (rpc_port, http_port, metrics_port)
         self._ports: MasterPorts | None = None
         if all(p is not None for p in self._fixed_ports):
@@ -205,12 +273,18 @@ class MooncakeMaster:
         self._binary = binary
         self._die_with_parent = die_with_parent
         self._proc: subprocess.Popen[bytes] | None = None
+        self._metadata_proc: subprocess.Popen[bytes] | None = None
         self._log_file: BinaryIO | None = None
 
     # ---- addresses -------------------------------------------------------------
     @property
     def host(self) -> str:
-        return LOOPBACK
+        """The one address every port of this master listens on."""
+        return self._host
+
+    @property
+    def metadata_limits(self) -> MetadataLimits:
+        return self._metadata_limits
 
     @property
     def ports(self) -> MasterPorts:
@@ -233,16 +307,16 @@ class MooncakeMaster:
     @property
     def rpc_address(self) -> str:
         """``host:port`` of the master RPC service (a client's ``master_server_addr``)."""
-        return f"{self.host}:{self.rpc_port}"
+        return f"{url_host(self.host)}:{self.rpc_port}"
 
     @property
     def metadata_url(self) -> str:
-        """URL of the embedded HTTP metadata server (a client's ``metadata_server``)."""
-        return f"http://{self.host}:{self.http_port}/metadata"
+        """URL of the HTTP metadata server (a client's ``metadata_server``)."""
+        return f"http://{url_host(self.host)}:{self.http_port}/metadata"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+        return f"http://{url_host(self.host)}:{self.metrics_port}/metrics"
 
     @property
     def log_path(self) -> Path | None:
@@ -253,12 +327,30 @@ class MooncakeMaster:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def metadata_pid(self) -> int | None:
+        """PID of kvbridge's metadata server process."""
+        return self._metadata_proc.pid if self._metadata_proc is not None else None
+
+    @property
     def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """Both processes (master and metadata server) are alive."""
+        return all(p is not None and p.poll() is None for p in (self._proc, self._metadata_proc))
 
     def is_serving(self, timeout_s: float = 0.2) -> bool:
-        """True when the process runs and its RPC port accepts a TCP connection."""
-        return self.is_running and port_accepts(self.host, self.rpc_port, timeout_s)
+        """True when both processes run, the RPC port accepts and the metadata server answers."""
+        return (self.is_running and port_accepts(self.host, self.rpc_port, timeout_s)
+                and self.metadata_answers(timeout_s))
+
+    def metadata_answers(self, timeout_s: float = 0.5) -> bool:
+        """True when the metadata server answers a GET of a key nobody stores with 404."""
+        conn = http.client.HTTPConnection(self.host, self.http_port, timeout=timeout_s)
+        try:
+            conn.request("GET", "/metadata?key=kvbridge%2Fprobe%2Fnone")
+            return conn.getresponse().status == 404
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         """The end of the master's log, for error messages and debugging."""
@@ -273,8 +365,9 @@ class MooncakeMaster:
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> MooncakeMaster:
         """Start the master and wait (bounded by ``start_timeout_s``) until its RPC port accepts."""
-        if self.is_running:
-            raise MooncakeMasterError(f"master already running (pid {self.pid})")
+        if self._any_alive():
+            raise MooncakeMasterError(f"master already running (pid {self.pid}, metadata "
+                                      f"server pid {self.metadata_pid}); stop() it first")
         binary = self._binary or find_master_binary()
         may_repick = any(p is None for p in self._fixed_ports) and self._ports is None
         attempts = _PORT_PICK_ATTEMPTS if may_repick else 1
@@ -310,44 +403,55 @@ class MooncakeMaster:
         return rc
 
     def kill(self) -> int | None:
-        """SIGKILL the master now (fault injection); keeps ports and log for :meth:`restart`."""
+        """SIGKILL the master and the metadata server now (fault injection).
+
+        Keeps ports and log for :meth:`restart`; the metadata, like the master's
+        keys, is lost (as with the embedded server, which died with the master).
+        Returns the master's exit code.
+        """
         return self._reap(force=True)
 
     def pause(self, timeout_s: float = 5.0) -> None:
         """SIGSTOP the master and wait until it is stopped (fault injection).
 
-        A paused master's ports still accept TCP connections (the kernel does
-        that), but nothing answers. ``kill()`` returns before the target stops,
-        so this waits (bounded) for /proc to report the stopped state.
+        Both processes stop (the embedded metadata server stopped with the
+        master). A paused master's ports still accept TCP connections (the kernel
+        does that), but nothing answers. ``kill()`` returns before the target
+        stops, so this waits (bounded) for /proc to report the stopped state.
         """
         self._signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
-        stat_path = Path(f"/proc/{self.pid}/stat")
-        while time.monotonic() < deadline:
-            try:
-                # Field 3 of /proc/PID/stat, after the parenthesised command name.
-                state = stat_path.read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                return  # not Linux-like /proc: best effort
-            if state in ("T", "t"):
-                return
-            time.sleep(0.005)
-        raise MooncakeMasterError(f"master pid {self.pid} did not stop within {timeout_s} s")
+        for pid in (self.pid, self.metadata_pid):
+            stat_path = Path(f"/proc/{pid}/stat")
+            while True:
+                try:
+                    # Field 3 of /proc/PID/stat, after the parenthesised command name.
+                    state = stat_path.read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    return  # not Linux-like /proc: best effort
+                if state in ("T", "t"):
+                    break
+                if time.monotonic() >= deadline:
+                    raise MooncakeMasterError(f"pid {pid} did not stop within {timeout_s} s")
+                time.sleep(0.005)
 
     def resume(self) -> None:
-        """SIGCONT a paused master."""
+        """SIGCONT a paused master (and its metadata server)."""
         self._signal(signal.SIGCONT)
 
     def _signal(self, sig: signal.Signals) -> None:
         if not self.is_running:
             raise MooncakeMasterError(f"master is not running; cannot send {sig.name}")
-        assert self._proc is not None
+        assert self._proc is not None and self._metadata_proc is not None
         self._proc.send_signal(sig)
+        self._metadata_proc.send_signal(sig)
 
     def restart(self) -> MooncakeMaster:
-        """Stop (if running) and start again on the same ports. The new master has no keys."""
-        if self.is_running:
-            self._reap(force=False)
+        """Stop (if running) and start again on the same ports. The new master has no keys.
+
+        Both processes are stopped first, also when only one of them died.
+        """
+        self._reap(force=False)
         binary = self._binary or find_master_binary()
         self._spawn(binary)
         try:
@@ -373,8 +477,11 @@ class MooncakeMaster:
         return f"MooncakeMaster({where}, pid={self.pid}, running={self.is_running})"
 
     # ---- internals -------------------------------------------------------------
+    def _any_alive(self) -> bool:
+        return any(p is not None and p.poll() is None for p in (self._proc, self._metadata_proc))
+
     def _choose_ports(self) -> MasterPorts:
-        picked = MasterPorts.pick(self.host)
+        picked = MasterPorts.pick(self.host)  # on host: a port free on 127.0.0.1 may not be on it
         rpc, http, metrics = self._fixed_ports
         return MasterPorts(
             rpc_port=rpc if rpc is not None else picked.rpc_port,
@@ -398,6 +505,23 @@ class MooncakeMaster:
             self._log_file = None
 
     def _spawn(self, binary: str) -> None:
+        log_file = self._open_log()
+        try:
+            listener = bind_listener(self.host, self.http_port)
+        except OSError as exc:
+            reason = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise MooncakeMasterError(
+                f"cannot listen on {url_host(self.host)}:{self.http_port} for the metadata "
+                f"server ({reason})") from None
+        try:
+            self._metadata_proc = subprocess.Popen(
+                metadata_command(listener.fileno(), self._metadata_limits),
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                pass_fds=(listener.fileno(),), start_new_session=True,
+                preexec_fn=_die_with_parent if self._die_with_parent else None,
+            )
+        finally:
+            listener.close()  # the child holds it now; the port lives and dies with the child
         argv = master_command(
             binary,
             self.ports,
@@ -406,42 +530,56 @@ class MooncakeMaster:
             rpc_threads=self._rpc_threads,
             extra_args=self._extra_args,
         )
-        log_file = self._open_log()
         logger.debug("starting %s", " ".join(argv))
-        self._proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            # Its own session: a terminal's Ctrl-C reaches only us, and we stop it cleanly.
-            start_new_session=True,
-            preexec_fn=_die_with_parent if self._die_with_parent else None,
-        )
+        try:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                # Its own session: a terminal's Ctrl-C reaches only us, and we stop it cleanly.
+                start_new_session=True,
+                preexec_fn=_die_with_parent if self._die_with_parent else None,
+            )
+        except OSError as exc:
+            self._reap_one(self._metadata_proc, "the metadata server", force=True)
+            raise MooncakeMasterError(f"cannot run {binary}: {exc}") from exc
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        assert self._proc is not None
+        assert self._proc is not None and self._metadata_proc is not None
         while True:
-            rc = self._proc.poll()
-            if rc is not None:
-                raise MooncakeMasterError(
-                    f"mooncake_master exited with code {rc} during start "
-                    f"(rpc {self.rpc_address}, metadata {self.metadata_url}); "
-                    f"log {self._log_path}:\n{self.log_tail()}"
-                )
-            if port_accepts(self.host, self.rpc_port, timeout_s=0.2):
+            for name, proc in (("mooncake_master", self._proc),
+                               ("the metadata server", self._metadata_proc)):
+                rc = proc.poll()
+                if rc is not None:
+                    raise MooncakeMasterError(
+                        f"{name} exited with code {rc} during start "
+                        f"(rpc {self.rpc_address}, metadata {self.metadata_url}); "
+                        f"log {self._log_path}:\n{self.log_tail()}"
+                    )
+            if (port_accepts(self.host, self.rpc_port, timeout_s=0.2)
+                    and self.metadata_answers(timeout_s=1.0)):
                 return
             if time.monotonic() >= deadline:
                 raise MooncakeMasterError(
-                    f"mooncake_master did not accept on {self.rpc_address} within "
+                    f"mooncake_master did not accept on {self.rpc_address} (or the metadata "
+                    f"server did not answer on {self.metadata_url}) within "
                     f"{self.start_timeout_s:.1f} s; log {self._log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
 
     def _reap(self, *, force: bool) -> int | None:
+        """Stop both processes; the master's exit code (None if never started)."""
+        metadata = self._metadata_proc
+        if metadata is not None:
+            self._reap_one(metadata, "the metadata server", force=force)
         proc = self._proc
         if proc is None:
             return None
+        return self._reap_one(proc, "mooncake_master", force=force)
+
+    def _reap_one(self, proc: subprocess.Popen[bytes], name: str, *, force: bool) -> int | None:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 if force:
@@ -453,8 +591,8 @@ class MooncakeMaster:
                 proc.wait(timeout=self.stop_timeout_s if not force else 5.0)
             except subprocess.TimeoutExpired:
                 logger.warning(
-                    "mooncake_master pid %s ignored SIGTERM for %.1f s; sending SIGKILL",
-                    proc.pid, self.stop_timeout_s,
+                    "%s pid %s ignored SIGTERM for %.1f s; sending SIGKILL",
+                    name, proc.pid, self.stop_timeout_s,
                 )
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
@@ -478,3 +616,141 @@ def master_endpoint(master_address: str | None, metadata_server: str | None,
         return
     with MooncakeMaster() as master:
         yield master.rpc_address, master.metadata_url, True
+
+
+# ---- where ports listen (for `kvbridge doctor`) -------------------------------------------
+_TCP_LISTEN = "0A"  # st field of /proc/net/tcp{,6}
+WILDCARDS = ("0.0.0.0", "::")
+
+
+def listening_addresses(port: int, proc_net: str | os.PathLike[str] = "/proc/net",
+                        ) -> list[str] | None:
+    """Local addresses with a TCP socket LISTENing on ``port`` (this network namespace).
+
+    Read from ``/proc/net/tcp`` and ``tcp6``; None when neither can be read (not
+    Linux). ``0.0.0.0`` or ``::`` in the answer means every interface.
+    """
+    found: set[str] = set()
+    readable = False
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = (Path(proc_net) / name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != _TCP_LISTEN:
+                continue
+            addr_hex, port_hex = fields[1].rsplit(":", 1)
+            if int(port_hex, 16) != port:
+                continue
+            raw = bytes.fromhex(addr_hex)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            address = socket.inet_ntop(family, raw)
+            if address.startswith("::ffff:"):
+                address = address[len("::ffff:"):]
+            found.add(address)
+    return sorted(found) if readable else None
+
+
+def local_addresses() -> list[str]:
+    """IPv4 addresses of this host's interfaces (loopback included), from SIOCGIFADDR."""
+    import fcntl
+    import struct
+
+    addresses: set[str] = set()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(sock.fileno(), 0x8915, request)  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on this interface
+            addresses.add(socket.inet_ntoa(answer[20:24]))
+    return sorted(addresses, key=lambda a: (not a.startswith("127."), a))
+
+
+def _is_local(host: str, local: Sequence[str]) -> bool:
+    if host in WILDCARDS or host in local:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class PortExposure:
+    """Where one port of a Mooncake store listens, as far as this host can tell.
+
+    ``listening``: the addresses bound (from /proc), None when it cannot tell (a
+    remote host, or a port not visible in this network namespace).
+    ``accepts``: address -> whether a TCP connect succeeded (this host's own
+    addresses for a local port, the given host for a remote one).
+    ``every_interface``: True when bound to 0.0.0.0/::, or (without /proc) when
+    it accepts on a non-loopback address it was not given; None when unknown.
+    """
+
+    name: str
+    host: str
+    port: int
+    listening: list[str] | None
+    accepts: dict[str, bool]
+    every_interface: bool | None
+
+    def describe(self) -> str:
+        where = f"{self.name} {url_host(self.host)}:{self.port}"
+        if self.listening is not None and self.listening:
+            bound = ", ".join(self.listening)
+            if self.every_interface:
+                return f"{where} listens on EVERY interface ({bound})"
+            return f"{where} listens on {bound} only"
+        reached = [a for a, ok in self.accepts.items() if ok]
+        if self.every_interface:
+            return (f"{where} accepts on {', '.join(reached)}, not only the host it was given "
+                    "(likely every interface)")
+        if self.listening is not None:  # local, but not in this namespace's table
+            return f"{where}: no listener seen in /proc/net/tcp; accepts on {reached or 'nothing'}"
+        state = "accepts" if reached else "does not accept"
+        return f"{where} {state} connections; which interfaces it listens on cannot be told from here"
+
+
+def port_exposure(name: str, host: str, port: int, timeout_s: float = 0.5) -> PortExposure:
+    """:class:`PortExposure` of ``host:port``: /proc for a local host, plus connect attempts."""
+    local = local_addresses()
+    if not _is_local(host, local):
+        return PortExposure(name, host, port, None,
+                            {host: port_accepts(host, port, timeout_s)}, None)
+    listening = listening_addresses(port)
+    accepts = {addr: port_accepts(addr, port, timeout_s) for addr in local}
+    if listening:
+        every: bool | None = any(a in WILDCARDS for a in listening)
+    else:
+        # Not in /proc (another network namespace, or not Linux): judge by connecting.
+        others = [a for a, ok in accepts.items() if ok and a != host
+                  and not ipaddress.ip_address(a).is_loopback]
+        every = bool(others) if any(accepts.values()) else None
+    return PortExposure(name, host, port, listening, accepts, every)
+
+
+def master_exposure(rpc_address: str, metadata_url: str | None = None,
+                    metrics_port: int | None = None, timeout_s: float = 0.5,
+                    ) -> list[PortExposure]:
+    """Exposure of a master's RPC port, its metadata server (an ``http://`` URL) and metrics."""
+    from urllib.parse import urlsplit
+
+    host, _, port_text = rpc_address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit():
+        raise ValueError(f"master address must be HOST:PORT, got {rpc_address!r}")
+    rows = [port_exposure("rpc", host, int(port_text), timeout_s)]
+    if metadata_url is not None and metadata_url.startswith("http://"):
+        parts = urlsplit(metadata_url)
+        if parts.hostname is None or parts.port is None:
+            raise ValueError(f"metadata URL must be http://HOST:PORT/metadata, got {metadata_url!r}")
+        rows.append(port_exposure("metadata", parts.hostname, parts.port, timeout_s))
+    if metrics_port is not None:
+        rows.append(port_exposure("metrics", host, metrics_port, timeout_s))
+    return rows

@@ -16,6 +16,14 @@ package, else the ``nixl_cu13`` / ``nixl_cu12`` wheel matching torch's CUDA),
 prints every UCX setting in force, and warns (check ``rdma``, not required)
 when the host has InfiniBand/RoCE devices but UCX is held to TCP
 (``UCX_MODULES=^ib``, or a ``UCX_TLS`` without an RDMA transport).
+
+Check ``mooncake-listen`` (not required) says on which addresses a Mooncake
+master's ports listen: the master given with ``--mooncake-master`` (and its
+``--mooncake-metadata`` URL), else one kvbridge starts for the check. For a
+port on this host it reads ``/proc/net/tcp{,6}`` and tries to connect on each
+of the host's addresses; it fails (warns) when a port listens on every
+interface, e.g. the metadata port of a ``mooncake_master`` run with its
+embedded HTTP metadata server, which binds 0.0.0.0 whatever host it is given.
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ examples:
   kvbridge doctor
   kvbridge doctor --json
   kvbridge doctor --timeout 60
+  kvbridge doctor --mooncake-master 127.0.0.1:50051 --mooncake-metadata http://127.0.0.1:8080/metadata
 
 --json prints {"ok", "checks": [{"name", "ok", "required", "detail", "fix",
 "seconds"}], "connectors": [{"name", "origin", "loaded", "roles", "backends",
 "usable", ...}], "environment": {...}, "ucx": {"settings": {UCX_*: value},
-"infiniband_devices", "nvidia_gpus", "tcp_only"}, "python"}.
+"infiniband_devices", "nvidia_gpus", "tcp_only"}, "mooncake_listen": [{"name",
+"host", "port", "listening", "accepts", "every_interface"}], "python"}.
 
 exit codes: 0 every required check passed, 1 a required check failed, 2 usage error
 """
@@ -84,6 +94,13 @@ _FIXES = {
     "rdma": "this host has InfiniBand/RoCE devices: unset UCX_MODULES (or drop ib from its "
             "exclusions) and let UCX_TLS include rc/ud/dc (or leave it unset), else every "
             "transfer goes over TCP",
+    "mooncake-listen": "a master kvbridge starts (`kvbridge mooncake master --host ADDR`) binds "
+                       "every port to ADDR only: it turns Mooncake's embedded metadata server off "
+                       "(that one binds 0.0.0.0) and serves the protocol itself. For a master "
+                       "started otherwise: run it with --enable_http_metadata_server=false and "
+                       "`kvbridge mooncake master --metadata-only --host ADDR --http-port P` beside it, or firewall "
+                       "the port. Clients' transfer-engine ports also listen on every interface: "
+                       "firewall them on shared networks",
     "mooncake": "pip install mooncake-transfer-engine-non-cuda (no GPU driver) or "
                 "mooncake-transfer-engine (with libcuda.so.1), then apt-get install "
                 "libibverbs1 librdmacm1 libnuma1 libcurl4",
@@ -216,6 +233,51 @@ def check_mooncake(timeout_s: float) -> str:
     return f"mooncake.store imports ({data['store']}); mooncake_master at {master}"
 
 
+class ListensEverywhere(RuntimeError):
+    """A Mooncake port listens on every interface (0.0.0.0 or ::)."""
+
+
+def _endpoint_form_problem(master_address: str, metadata_url: str | None) -> str:
+    """What is wrong with the forms of ``--mooncake-master`` / ``--mooncake-metadata`` ("" if nothing)."""
+    from urllib.parse import urlsplit
+
+    host, _, port = master_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--mooncake-master must be HOST:PORT, got {master_address!r}"
+    if metadata_url is not None and metadata_url.startswith("http://"):
+        try:
+            parts = urlsplit(metadata_url)
+            ok = parts.hostname is not None and parts.port is not None
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"--mooncake-metadata must be http://HOST:PORT/metadata, got {metadata_url!r}"
+    return ""
+
+
+def check_mooncake_listen(timeout_s: float, master_address: str | None,
+                          metadata_url: str | None, rows: list[dict[str, object]]) -> str:
+    """Where the given master's ports listen, or those of one kvbridge starts; fills ``rows``.
+
+    Raises when a port listens on every interface (the check then warns).
+    """
+    from kvbridge.backends.mooncake_master import MooncakeMaster, master_exposure
+
+    if master_address is not None:
+        exposures = master_exposure(master_address, metadata_url)
+        whose = f"master {master_address} (given)"
+    else:
+        with MooncakeMaster(start_timeout_s=timeout_s) as master:
+            exposures = master_exposure(master.rpc_address, master.metadata_url,
+                                        master.metrics_port)
+        whose = "a master kvbridge started"
+    rows.extend(asdict(e) for e in exposures)
+    detail = f"{whose}: " + "; ".join(e.describe() for e in exposures)
+    if any(e.every_interface for e in exposures):
+        raise ListensEverywhere(detail)
+    return detail
+
+
 def check_connectors() -> tuple[list[dict[str, object]], set[str], list[Check]]:
     """Registered connectors, the backends they need, and a check per unloadable one."""
     from kvbridge.connectors import registry
@@ -240,7 +302,8 @@ def check_connectors() -> tuple[list[dict[str, object]], set[str], list[Check]]:
     return rows, needed, problems
 
 
-def run_checks(timeout_s: float) -> dict[str, object]:
+def run_checks(timeout_s: float, mooncake_master: str | None = None,
+               mooncake_metadata: str | None = None) -> dict[str, object]:
     connectors, needed, connector_problems = check_connectors()
     required = set(CORE_BACKENDS) | needed
     checks = [
@@ -251,8 +314,17 @@ def run_checks(timeout_s: float) -> dict[str, object]:
         _timed("mooncake", "mooncake" in required, lambda: check_mooncake(timeout_s),
                _FIXES["mooncake"]),
         _timed("rdma", False, check_rdma, _FIXES["rdma"]),
-        *connector_problems,
     ]
+    listen_rows: list[dict[str, object]] = []
+    if mooncake_master is None and not checks[4].ok:
+        checks.append(Check("mooncake-listen", True, False,
+                            "not checked: Mooncake is not usable here (see the mooncake check)"))
+    else:
+        checks.append(_timed("mooncake-listen", False,
+                             lambda: check_mooncake_listen(timeout_s, mooncake_master,
+                                                           mooncake_metadata, listen_rows),
+                             _FIXES["mooncake-listen"]))
+    checks.extend(connector_problems)
     status = {c.name: c.ok for c in checks}
     for row in connectors:
         if row.get("loaded"):
@@ -268,6 +340,7 @@ def run_checks(timeout_s: float) -> dict[str, object]:
                             ("UCX_MODULES", "UCX_TLS", "NIXL_LOG_LEVEL", "MC_LOG_LEVEL",
                              "MC_TCP_BIND_ADDRESS")},
             "ucx": ucx_report(),
+            "mooncake_listen": listen_rows,
             "python": sys.version.split()[0]}
 
 
@@ -280,6 +353,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
                         help="seconds allowed for each child-process probe (default 60)")
+    parser.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
+                        help="check where this master's ports listen (default: start one)")
+    parser.add_argument("--mooncake-metadata", default=None, metavar="URL",
+                        help="its HTTP metadata server, e.g. http://127.0.0.1:8080/metadata")
     parser.add_argument("--progress", action="store_true",
                         help="progress on stderr even when it is not a terminal")
     parser.set_defaults(func=run)
@@ -291,8 +368,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         print(f"kvbridge doctor: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return EXIT_USAGE
+    if args.mooncake_metadata is not None and args.mooncake_master is None:
+        print("kvbridge doctor: --mooncake-metadata needs --mooncake-master", file=sys.stderr)
+        return EXIT_USAGE
+    if args.mooncake_master is not None:
+        problem = _endpoint_form_problem(args.mooncake_master, args.mooncake_metadata)
+        if problem:
+            print(f"kvbridge doctor: {problem}", file=sys.stderr)
+            return EXIT_USAGE
     with Progress("doctor", force=args.progress).ticking("checking backends"):
-        report = run_checks(args.timeout)
+        report = run_checks(args.timeout, args.mooncake_master, args.mooncake_metadata)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

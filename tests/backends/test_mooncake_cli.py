@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import select
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from kvbridge.backends.mooncake_master import port_accepts
+from kvbridge.backends.mooncake_master import listening_addresses, port_accepts
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
 from kvbridge.tools.cmd_mooncake import parse_pattern
 from tests.conftest import assert_figures, require
@@ -33,6 +34,12 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["mooncake"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "64x2MiB" in err and "--master and --metadata" in err and "1..65535" in err
+    assert main(["mooncake", "master", "--host", "localhost"]) == EXIT_USAGE
+    assert main(["mooncake", "master", "--metadata-only", "--host", "203.0.113.77"]) == EXIT_USAGE
+    assert main(["mooncake", "master", "--metadata-only", "--port", "5"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "must be an IP address" in err and "cannot be bound on this machine" in err
+    assert "--port mean nothing with --metadata-only" in err
 
 
 def test_master_command_serves_until_interrupted() -> None:
@@ -49,12 +56,50 @@ def test_master_command_serves_until_interrupted() -> None:
         info = json.loads(proc.stdout.readline())
         host, port = info["rpc_address"].rsplit(":", 1)
         assert host == "127.0.0.1" and port_accepts(host, int(port))
-        assert info["metadata_url"].startswith("http://127.0.0.1:")
+        assert info["metadata_url"].startswith("http://127.0.0.1:") and info["host"] == "127.0.0.1"
+        http_port = int(info["metadata_url"].split(":")[2].split("/")[0])
+        assert listening_addresses(http_port) == ["127.0.0.1"]  # not Mooncake's 0.0.0.0
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == EXIT_OK
         assert not port_accepts(host, int(port))  # the master went with it
-        with pytest.raises(ProcessLookupError):
-            os.kill(info["pid"], 0)
+        assert not port_accepts(host, http_port)  # and its metadata server
+        for pid in info["pid"], info["metadata_pid"]:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_metadata_only_serves_the_protocol_on_its_host_until_interrupted() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.tools.cli", "mooncake", "master", "--metadata-only",
+         "--max-value-bytes", "100", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "no URL line within 30 s"
+        assert proc.stdout is not None
+        url = json.loads(proc.stdout.readline())["metadata_url"]
+        port = int(url.split(":")[2].split("/")[0])
+        assert url == f"http://127.0.0.1:{port}/metadata"
+        assert listening_addresses(port) == ["127.0.0.1"]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("PUT", "/metadata?key=a", body=b"x" * 100)
+        assert conn.getresponse().read() == b"metadata updated"
+        conn.request("PUT", "/metadata?key=b", body=b"x" * 101)
+        assert conn.getresponse().status == 413
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/metadata?key=a")
+        assert conn.getresponse().read() == b"x" * 100
+        conn.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == EXIT_OK
+        assert not port_accepts("127.0.0.1", port)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.backends.mooncake_master import MooncakeMaster
 from kvbridge.tools import cmd_doctor
 from kvbridge.tools.cli import main
 from tests.conftest import missing_backend
@@ -89,3 +90,90 @@ def test_doctor_says_which_nixl_build_loaded_and_why() -> None:
     require("nixl_cu12._api", "NIXL")
     detail = cmd_doctor.check_nixl(120)
     assert "._api loaded (nixl._api (meta package) first, then " in detail
+
+
+# ---- where a Mooncake master's ports listen (real masters, real sockets) --------------------
+def _mooncake_ready() -> None:
+    from tests.conftest import require
+
+    require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
+
+
+def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests probe 127.0.0.1 only: doctor's connect attempts on this host's other
+    addresses are left out (what /proc says is still read for real)."""
+    from kvbridge.backends import mooncake_master
+
+    monkeypatch.setattr(mooncake_master, "local_addresses", lambda: ["127.0.0.1"])
+
+
+def test_doctor_says_a_master_kvbridge_starts_listens_on_its_host_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mooncake_ready()
+    _loopback_only(monkeypatch)
+    rows: list[dict[str, object]] = []
+    detail = cmd_doctor.check_mooncake_listen(60, None, None, rows)
+    assert detail.startswith("a master kvbridge started: ")
+    assert [r["name"] for r in rows] == ["rpc", "metadata", "metrics"]
+    for row in rows:
+        assert row["listening"] == ["127.0.0.1"] and row["every_interface"] is False
+        assert row["accepts"] == {"127.0.0.1": True}
+    assert detail.count("listens on 127.0.0.1 only") == 3
+
+
+def test_doctor_flags_a_metadata_server_on_every_interface(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """What Mooncake's own embedded metadata server does (it binds 0.0.0.0 whatever host
+    it is given): a real listener on 127.0.0.1 stands in for it, and the kernel's table
+    that doctor reads is the real parser over a copy of /proc/net/tcp in which that
+    port's listener is 0.0.0.0 (tests never listen beyond loopback)."""
+    import socket
+
+    from kvbridge.backends import mooncake_master
+
+    _mooncake_ready()
+    _loopback_only(monkeypatch)
+    _skip_backend_probes(monkeypatch)
+    with MooncakeMaster() as master, socket.socket() as fake:
+        fake.bind(("127.0.0.1", 0))
+        fake.listen(4)
+        port = fake.getsockname()[1]
+        proc_net = tmp_path / "net"
+        proc_net.mkdir()
+        real_tcp = Path("/proc/net/tcp").read_text().splitlines()
+        local = f"0100007F:{port:04X}"
+        rows = [real_tcp[0]] + [line.replace(local, f"00000000:{port:04X}")
+                                for line in real_tcp[1:]]
+        (proc_net / "tcp").write_text("\n".join(rows) + "\n")
+        real = mooncake_master.listening_addresses
+
+        def listening(p: int, proc: object = "/proc/net") -> list[str] | None:
+            return real(p, proc_net) if p == port else real(p)
+
+        monkeypatch.setattr(mooncake_master, "listening_addresses", listening)
+        url = f"http://127.0.0.1:{port}/metadata"
+        assert main(["doctor", "--json", "--mooncake-master", master.rpc_address,
+                     "--mooncake-metadata", url]) in (0, 1)
+        report = json.loads(capsys.readouterr().out)
+        check = next(c for c in report["checks"] if c["name"] == "mooncake-listen")
+        assert not check["ok"] and not check["required"]
+        assert f"metadata 127.0.0.1:{port} listens on EVERY interface (0.0.0.0)" in \
+            check["detail"]
+        assert f"rpc {master.rpc_address} listens on 127.0.0.1 only" in check["detail"]
+        assert "kvbridge mooncake master --host" in check["fix"]
+        listed = {r["name"]: r for r in report["mooncake_listen"]}
+        assert listed["metadata"]["every_interface"] is True
+        main(["doctor", "--mooncake-master", master.rpc_address, "--mooncake-metadata", url])
+        out = capsys.readouterr().out
+        assert "[warn] mooncake-listen" in out and "EVERY interface" in out
+
+
+def test_doctor_mooncake_flags_are_checked_before_anything_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--mooncake-metadata", "http://127.0.0.1:1/metadata"]) == 2
+    assert main(["doctor", "--mooncake-master", "nohost"]) == 2
+    assert main(["doctor", "--mooncake-master", "127.0.0.1:1",
+                 "--mooncake-metadata", "http://127.0.0.1:x/metadata"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --mooncake-master" in err and "HOST:PORT" in err and "http://HOST:PORT" in err
