@@ -2,8 +2,9 @@
 
 Store, reset the prefix cache, load back: the output is the same and vLLM
 counts the prompt tokens as externally loaded. Corrupting the stored bytes
-changes the output (the loaded KV is really used); truncating them makes the
-load fail, vLLM recomputes (``kv_load_failure_policy: recompute``) and the
+changes the output of ``shared_storage`` (the loaded KV is really used); the
+``offloading`` fs tier checks its block digests, so there the corruption is a
+failed load and the output is right. Truncating them makes the load fail, vLLM recomputes (``kv_load_failure_policy: recompute``) and the
 output is right again. vLLM's own offloading connector refuses the CPU
 platform; kvbridge's connectors run on it.
 
@@ -94,8 +95,16 @@ def test_store_reset_load_back_same_output_corrupt_changes_it(store_engine) -> N
     assert files, "nothing reached the store directory"
     _rewrite(files, "corrupt")
     server.reset_prefix_cache()
+    before = server.metrics()
     corrupted = [server.complete(p, MAX_TOKENS).token_ids for p in prompts]
-    assert corrupted != first, "random KV bytes did not change the output"
+    after = server.metrics()
+    if name == "offloading":
+        # verified KV: the fs tier checks every block file against its digests, so the
+        # random bytes are a failed load: vLLM recomputes and the output is right
+        assert corrupted == first
+        assert after.get(EXTERNAL, 0) - before.get(EXTERNAL, 0) < loaded
+    else:  # no digests: the loaded KV is really used, so random bytes change the output
+        assert corrupted != first, "random KV bytes did not change the output"
 
 
 def test_failed_load_is_recomputed_by_vllm(store_engine) -> None:
