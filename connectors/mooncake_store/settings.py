@@ -29,8 +29,9 @@ Keys (all optional except the two addresses)::
                           its writer put next to it before it is reported loaded;
                           "full": every loaded block; "off": nothing is checked (and
                           no record is fetched). The default is measured: full costs
-                          15-55 % of a get here (see the README). Writers always put
-                          records, whatever this says (see :mod:`.records`).
+                          15-55 % of a get here (see the README). A writer puts a
+                          record with every block unless this is "off" (see
+                          :mod:`.records`; readers then load its blocks unverified).
     verify_sample         the fraction checked in "sample" mode, in (0, 1] (default 1/16)
     verify_allow_unverified  a block stored without a record (an older version, KV in
                           device memory) is loaded unverified and counted (default

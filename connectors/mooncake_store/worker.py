@@ -24,7 +24,7 @@ contiguous slice, so each store object (one layer of one block, see
   request in ``failed_recving`` for async loads); the engine recomputes it.
   Every request the scheduler told this rank to load is reported finished,
   also when this rank holds none of its layers.
-* **Digests** (issue 18): every block put goes with a digest record of this
+* **Digests** (issue 18): every block put (unless ``verify`` is off) goes with a digest record of this
   rank's part of it (:mod:`.records`: XXH3-64 of the block's bytes in each
   layer, taken from the tensor right before the zero-copy put, so from the
   bytes put), under a companion key in the same batch. A load gets the
@@ -572,7 +572,9 @@ class MooncakeStoreWorker(WorkerConnector):
         elif keys:
             client = self.client
             assert client is not None, "register_kv_caches runs before any step"
-            if self.digests is not None:  # after the fence: digests of the bytes put
+            # after the fence: digests of the bytes put (a writer with verify off puts
+            # none: its readers load those blocks unverified, counted)
+            if self.digests is not None and self._policy.enabled:
                 self._add_records(saves, batch)
             started = time.perf_counter()
             results = client.batch_put_from(keys, ptrs, sizes)
