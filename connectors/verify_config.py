@@ -4,12 +4,27 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.layouts.digests import DEFAULT_MODE, DEFAULT_SAMPLE, DigestMode, VerifyPolicy
 
 VERIFY_KEYS = ("verify", "verify_sample", "verify_allow_unverified")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifySettings:
+    """The verify keys as fields of a connector's settings (base of their dataclasses)."""
+
+    verify: DigestMode = DEFAULT_MODE
+    verify_sample: float = DEFAULT_SAMPLE
+    verify_allow_unverified: bool = True
+
+    @property
+    def verify_policy(self) -> VerifyPolicy:
+        """The reader's verification policy these settings describe."""
+        return VerifyPolicy(self.verify, self.verify_sample, self.verify_allow_unverified)
 
 
 def parse_verify(extra: Mapping[str, Any], where: str = "kv_connector_extra_config",

@@ -47,8 +47,7 @@ from typing import Any
 
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeConfigError, Protocol
 from kvbridge.connectors.errors import ConfigError
-from kvbridge.connectors.verify_config import parse_verify
-from kvbridge.layouts.digests import DEFAULT_MODE, DEFAULT_SAMPLE, DigestMode, VerifyPolicy
+from kvbridge.connectors.verify_config import VerifySettings, parse_verify
 
 MiB = 1 << 20
 _FIELD = "kv_connector_extra_config"
@@ -60,7 +59,7 @@ class ClientScope(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class MooncakeStoreSettings:
+class MooncakeStoreSettings(VerifySettings):
     master_address: str
     metadata_server: str
     global_segment_size: int = 64 * MiB
@@ -76,14 +75,6 @@ class MooncakeStoreSettings:
     scheduler_segment_size: int = 0
     reconnect_interval_s: float = 1.0
     abandon_grace_s: float = 5.0
-    verify: DigestMode = DEFAULT_MODE
-    verify_sample: float = DEFAULT_SAMPLE
-    verify_allow_unverified: bool = True
-
-    @property
-    def verify_policy(self) -> VerifyPolicy:
-        """The reader's verification policy these settings describe."""
-        return VerifyPolicy(self.verify, self.verify_sample, self.verify_allow_unverified)
 
     def client_config(self, *, segment_size: int | None = None) -> MooncakeConfig:
         """The store client's config (worker halves lend ``global_segment_size``)."""

@@ -8,12 +8,11 @@ from typing import Any
 
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
-from kvbridge.connectors.verify_config import VERIFY_KEYS, parse_verify
-from kvbridge.layouts.digests import DEFAULT_MODE, DEFAULT_SAMPLE, DigestMode, VerifyPolicy
+from kvbridge.connectors.verify_config import VERIFY_KEYS, VerifySettings, parse_verify
 
 
 @dataclass(frozen=True)
-class NixlSettings:
+class NixlSettings(VerifySettings):
     """Validated extra config of the ``nixl`` connector.
 
     ``lease_s``: how long a producer holds a finished request's blocks without
@@ -36,9 +35,10 @@ class NixlSettings:
     (push) against the producer's digests (``layouts.digests``): ``sample``
     (default: ``verify_sample``, 1/16, of each request's blocks, chosen
     deterministically), ``full`` or ``off``; a producer with ``off`` offers no
-    digests (and spends nothing taking them). ``verify_allow_unverified``: a load that cannot be checked (a producer
-    that offers no digests, head slices at heterogeneous TP) is still served,
-    counted as ``blocks_unverified``; False fails it instead.
+    digests (and spends nothing taking them). ``verify_allow_unverified``: a
+    load that cannot be checked (a producer that offers no digests, head slices
+    at heterogeneous TP) is still served, counted as ``blocks_unverified``;
+    False fails it instead. (Fields of :class:`VerifySettings`.)
     """
 
     mode: TransferMode = TransferMode.PULL
@@ -54,13 +54,6 @@ class NixlSettings:
     revalidate_s: float = 5.0
     idle_progress_ms: float = 5.0
     busy_progress_ms: float = 0.2
-    verify: DigestMode = DEFAULT_MODE
-    verify_sample: float = DEFAULT_SAMPLE
-    verify_allow_unverified: bool = True
-
-    @property
-    def verify_policy(self) -> VerifyPolicy:
-        return VerifyPolicy(self.verify, self.verify_sample, self.verify_allow_unverified)
 
     @property
     def heartbeat_interval_s(self) -> float:
