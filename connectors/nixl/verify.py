@@ -121,10 +121,13 @@ def answer_ask(held: Sequence[dict[int, int]], asked: Sequence[Sequence[int]]
     """Producer: the packed digests of ``asked`` blocks, or why it will not give them.
 
     Only blocks this rank holds for the request have digests (``held``: from
-    :func:`take_hold_digests`), so a peer cannot make it hash arbitrary memory.
+    :func:`take_hold_digests`), so a peer cannot make it hash arbitrary memory;
+    at most :data:`MAX_ASK_BLOCKS` of them, so the answer fits a notification.
     """
     if len(asked) > len(held):
         return f"asked for {len(asked)} regions; the request has {len(held)}"
+    if sum(len(ids) for ids in asked) > MAX_ASK_BLOCKS:  # the answer must fit a notification
+        return f"more than {MAX_ASK_BLOCKS} digests asked (one notification's worth)"
     out = []
     for r, ids in enumerate(asked):
         mine = held[r]

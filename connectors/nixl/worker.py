@@ -1454,8 +1454,6 @@ class NixlWorker(WorkerConnector):
             return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
         if held is None:
             return (), f"no digests of request {begin.request_id} (not held)"
-        if sum(len(g) for g in begin.digest_ids) > MAX_ASK_BLOCKS:  # the answer must fit
-            return (), f"more than {MAX_ASK_BLOCKS} digests asked"
         answer = answer_ask(held, begin.digest_ids)
         if isinstance(answer, str):
             return (), answer
@@ -1632,8 +1630,6 @@ class NixlWorker(WorkerConnector):
             return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
         asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
                  for r, start in enumerate(reg.start)]
-        if sum(len(g) for g in asked) > MAX_ASK_BLOCKS:  # the answer must fit a notification
-            return f"more than {MAX_ASK_BLOCKS} blocks: too many digests for one notification"
         answer = answer_ask(job.digests, asked)
         if not isinstance(answer, str):
             self._counters["digests_served"] += sum(len(g) for g in asked)
