@@ -103,6 +103,22 @@ def _wait_jobs(tier: FsTier, job_ids: set[int], timeout_s: float) -> list[JobRes
     return results
 
 
+def _timed_jobs(tier: FsTier, kind: str, keys: list[bytes], batches: list[list[int]],
+                buffers: list[list[memoryview]], job_id: int, timeout_s: float
+                ) -> tuple[float, int, int]:
+    """Store or load every batch through the tier's jobs and wait for them: (seconds,
+    failed jobs, the last job id used)."""
+    submit = tier.submit_store if kind == "store" else tier.submit_load
+    start = time.perf_counter()
+    ids = set()
+    for batch in batches:
+        job_id += 1
+        ids.add(job_id)
+        submit(job_id, [keys[i] for i in batch], [buffers[i] for i in batch])
+    failed = sum(not res.success for res in _wait_jobs(tier, ids, timeout_s))
+    return time.perf_counter() - start, failed, job_id
+
+
 def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
                       block_bytes: int = 1 << 20, batch_blocks: int = 8, rounds: int = 3,
                       read_threads: int = 2, write_threads: int = 2, use_o_direct: bool = True,
@@ -147,16 +163,10 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
 
                 def tier_run(kind: str, keys: list[bytes] = keys) -> float:
                     nonlocal job_id, failures
-                    submit = tier.submit_store if kind == "store" else tier.submit_load
-                    start = time.perf_counter()
-                    ids = set()
-                    for batch in batches:
-                        job_id += 1
-                        ids.add(job_id)
-                        submit(job_id, [keys[i] for i in batch], [buffers[i] for i in batch])
-                    results = _wait_jobs(tier, ids, timeout_s)
-                    failures += sum(not res.success for res in results)
-                    return time.perf_counter() - start
+                    seconds, failed, job_id = _timed_jobs(tier, kind, keys, batches, buffers,
+                                                          job_id, timeout_s)
+                    failures += failed
+                    return seconds
 
                 # alternate who goes first, and start every timed phase with no dirty
                 # pages left by the previous one (os.sync, not timed)
@@ -316,15 +326,9 @@ def _verify_round(primary: CpuTier, tier: FsTier, src: memoryview, num_blocks: i
         os.sync()
         if kind == "load":
             primary.buffer[:] = bytes(len(primary.buffer))   # loads must really refill
-        submit = tier.submit_store if kind == "store" else tier.submit_load
-        start = time.perf_counter()
-        ids = set()
-        for batch in batches:
-            job_id += 1
-            ids.add(job_id)
-            submit(job_id, [keys[i] for i in batch], [buffers[i] for i in batch])
-        failures += sum(not res.success for res in _wait_jobs(tier, ids, timeout_s))
-        times[f"fs_{kind}"] = time.perf_counter() - start
+        times[f"fs_{kind}"], failed, job_id = _timed_jobs(tier, kind, keys, batches, buffers,
+                                                          job_id, timeout_s)
+        failures += failed
     ok = ok and bytes(primary.buffer) == bytes(src)
     return times, ok, failures
 
