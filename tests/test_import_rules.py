@@ -124,8 +124,9 @@ _BY_NAME_CALLS = {"import_module": Kind.TOP, "__import__": Kind.TOP,
 
 class _Collector(ast.NodeVisitor):
     def __init__(self, module: str, path: Path, modules: Mapping[str, Path],
-                 package: str) -> None:
+                 package: str, shown: str) -> None:
         self.module, self.path, self.modules, self.package = module, path, modules, package
+        self.shown = shown  # the path in messages, relative to the package root
         self.is_package = path.name == "__init__.py"
         self.kind = Kind.TOP
         self.imports: list[Import] = []
@@ -154,8 +155,8 @@ class _Collector(ast.NodeVisitor):
         if node.level:
             base = self.module.split(".") if self.is_package else self.module.split(".")[:-1]
             if node.level - 1 >= len(base):
-                self.errors.append(f"{self.path}:{node.lineno}: relative import beyond "
-                                   f"the top-level package")
+                self.errors.append(f"{self.shown}:{node.lineno}: {self.module}: relative "
+                                   f"import beyond the top-level package")
                 return
             base = base[:len(base) - (node.level - 1)]
             source = ".".join(base + ([node.module] if node.module else []))
@@ -223,7 +224,7 @@ def scan(root: Path, package: str = PACKAGE) -> Scan:
     imports: list[Import] = []
     errors: list[str] = []
     for module, path in modules.items():
-        collector = _Collector(module, path, modules, package)
+        collector = _Collector(module, path, modules, package, str(path.relative_to(root)))
         collector.visit(ast.parse(path.read_text(), filename=str(path)))
         imports += collector.imports
         errors += collector.errors
@@ -439,9 +440,11 @@ def test_checker_rejects_unknown_layers_targets_and_stale_exceptions(tmp_path: P
         "newpkg/x.py": "from kvbridge.layouts import missing_module_or_name\n",
         "layouts/__init__.py": "",
         "tools/t.py": "import importlib\nimportlib.import_module('kvbridge.tools.gone')\n",
+        "tools/up.py": "from ... import x\n",
     })
     result = scan(root)
-    assert result.errors == ["tools/t.py:2: kvbridge.tools.t imports kvbridge.tools.gone "
+    assert result.errors == ["tools/up.py:1: kvbridge.tools.up: relative import beyond the "
+                             "top-level package","tools/t.py:2: kvbridge.tools.t imports kvbridge.tools.gone "
                              "(module level), which is no module of the package"]
     problems = layer_violations(result, exceptions={("kvbridge.a", "kvbridge.b"): "why"})
     assert problems[0].startswith("newpkg/__init__.py: kvbridge.newpkg is in no layer: "
