@@ -8,7 +8,16 @@ step batches them):
   decoding, no sequencing), receiver in another process;
 - ``kvbridge``: ``KVEventPublisher.publish`` -> ``KVEventSubscriber`` (encode,
   ring, sequence tracking, decode), receiver in another process;
+- ``codec``: raw pyzmq PUB -> SUB again, but the sender encodes each batch
+  (``encode_events``) just before sending it and the receiver decodes and
+  validates each payload (``decode_batch``): the codec with no publisher or
+  subscriber around it, i.e. the most any sender/receiver pair that encodes and
+  decodes these events in Python can reach;
 - ``ratio``: kvbridge end-to-end events/s divided by raw's, in the same run;
+- ``codec_ratio``: ``codec`` events/s divided by raw's (the codec's share of the
+  gap: kvbridge's ``ratio`` cannot exceed it by much), and
+  ``ratio_vs_codec``: kvbridge's divided by ``codec``'s (what the publisher,
+  its queue and thread, and the subscriber's sequencing cost on top);
 - ``cpu_ratio``: raw's CPU time per batch (sender + receiver process, IO threads
   included) divided by kvbridge's. On a loaded machine the wall-clock ratio
   swings with the scheduler; CPU per batch is what the two sides cost.
@@ -27,7 +36,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import zmq
@@ -115,6 +124,41 @@ def _rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
 
+def _raw_run(
+    payloads: Iterable[bytes], mode: str, num_events: int, num_batches: int, timeout_s: float
+) -> tuple[dict[str, Any], float, float]:
+    """Send ``payloads`` as ``[topic, seq, payload]`` on a raw XPUB (XPUB: we know
+    the receiver subscribed) to a ``mode`` receiver process. Returns the
+    receiver's result (with ``e2e_s``: first send to last receive), the send
+    loop's wall seconds and the sender's CPU seconds (until the receiver ends)."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.SNDHWM, 0)
+    xpub.setsockopt(zmq.LINGER, 1000)
+    xpub.bind("tcp://127.0.0.1:*")
+    endpoint = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+    proc = _start_receiver(mode, endpoint, None, num_events, num_batches)
+    try:
+        if not xpub.poll(int(timeout_s * 1000)):
+            raise RuntimeError(f"{mode} bench subscriber never subscribed")
+        xpub.recv()
+        topic = _TOPIC.encode()
+        cpu = time.process_time()
+        start = time.monotonic()
+        for seq, payload in enumerate(payloads):
+            xpub.send_multipart((topic, encode_seq(seq), payload), copy=False)
+        send_s = time.monotonic() - start
+        result = _finish_receiver(proc, timeout_s)
+        send_cpu_s = time.process_time() - cpu
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        xpub.close()
+    result["e2e_s"] = result["last_recv"] - start
+    return result, send_s, send_cpu_s
+
+
 def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) -> dict[str, Any]:
     ts = time.time()
     start = time.perf_counter()
@@ -125,32 +169,11 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
         decode_batch(payload)
     decode_s = time.perf_counter() - start
 
-    # Raw pyzmq: same frames, XPUB so we know the subscriber is attached.
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    xpub = ctx.socket(zmq.XPUB)
-    xpub.setsockopt(zmq.SNDHWM, 0)
-    xpub.setsockopt(zmq.LINGER, 1000)
-    xpub.bind("tcp://127.0.0.1:*")
-    raw_endpoint = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
-    proc = _start_receiver("raw", raw_endpoint, None, num_events, len(batches))
-    try:
-        if not xpub.poll(int(timeout_s * 1000)):
-            raise RuntimeError("raw bench subscriber never subscribed")
-        xpub.recv()
-        topic = _TOPIC.encode()
-        raw_cpu = time.process_time()
-        raw_start = time.monotonic()
-        for seq, payload in enumerate(payloads):
-            xpub.send_multipart((topic, encode_seq(seq), payload), copy=False)
-        raw_send_s = time.monotonic() - raw_start
-        raw = _finish_receiver(proc, timeout_s)
-        raw_send_cpu_s = time.process_time() - raw_cpu
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        xpub.close()
-    raw_e2e_s = raw["last_recv"] - raw_start
+    # Raw pyzmq: the same frames, pre-encoded; then the codec alone.
+    raw, raw_send_s, raw_send_cpu_s = _raw_run(payloads, "raw", num_events, len(batches), timeout_s)
+    codec_frames = (encode_events(ts, batch, 0, EventWireFormat.MAP) for batch in batches)
+    codec, _, codec_send_cpu_s = _raw_run(codec_frames, "codec", num_events, len(batches),
+                                          timeout_s)
     # The raw receiver does not decode: count events from the batches it got.
     raw["events"] = (
         num_events if raw["batches"] == len(batches) else raw["batches"] * len(batches[0])
@@ -180,7 +203,8 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
         pub.close()
     kvb_e2e_s = kvb["last_recv"] - kvb_start
 
-    raw_rate = _rate(raw["events"], raw_e2e_s)
+    raw_rate = _rate(raw["events"], raw["e2e_s"])
+    codec_rate = _rate(codec["events"], codec["e2e_s"])
     kvb_rate = _rate(kvb["events"], kvb_e2e_s)
     per_batch = 1e6 / max(1, len(batches))
     raw_cpu_us = (raw_send_cpu_s + raw["cpu_s"]) * per_batch
@@ -199,6 +223,13 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
             "sender_cpu_us_per_batch": raw_send_cpu_s * per_batch,
             "receiver_cpu_us_per_batch": raw["cpu_s"] * per_batch,
         },
+        "codec": {
+            "events_per_s": codec_rate,
+            "received_events": codec["events"],
+            "received_batches": codec["batches"],
+            "sender_cpu_us_per_batch": codec_send_cpu_s * per_batch,
+            "receiver_cpu_us_per_batch": codec["cpu_s"] * per_batch,
+        },
         "kvbridge": {
             "publish_call_events_per_s": _rate(num_events, publish_call_s),
             "published_events_per_s": _rate(num_events, kvb_sent_s),
@@ -212,6 +243,8 @@ def _bench_one(batches: list[list[KVEvent]], num_events: int, timeout_s: float) 
             "receiver_cpu_us_per_batch": kvb["cpu_s"] * per_batch,
         },
         "ratio": kvb_rate / raw_rate if raw_rate > 0 else 0.0,
+        "codec_ratio": codec_rate / raw_rate if raw_rate > 0 else 0.0,
+        "ratio_vs_codec": kvb_rate / codec_rate if codec_rate > 0 else 0.0,
         "cpu_ratio": raw_cpu_us / kvb_cpu_us if kvb_cpu_us > 0 else 0.0,
     }
 
@@ -243,7 +276,9 @@ def run_events_bench(
 # ---------------------------------------------------------------- receiver process
 
 
-def _receive_raw(endpoint: str, expect_batches: int) -> dict[str, Any]:
+def _receive_raw(endpoint: str, expect_batches: int, decode: bool = False) -> dict[str, Any]:
+    """Receive ``expect_batches`` messages; with ``decode``, decode and validate
+    each payload as the subscriber does (``decode_batch``) and count its events."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
@@ -251,17 +286,21 @@ def _receive_raw(endpoint: str, expect_batches: int) -> dict[str, Any]:
     sub.connect(endpoint)
     print("ready", flush=True)
     cpu = time.process_time()
-    batches = 0
+    batches = events = 0
     last = time.monotonic()
     while batches < expect_batches and sub.poll(5000):
-        frames = sub.recv_multipart(copy=False)
+        if decode:
+            # bytes frames, as the subscriber receives them
+            events += len(decode_batch(sub.recv_multipart()[2]).events)
+        else:
+            frames = sub.recv_multipart(copy=False)
+            del frames
         batches += 1
         last = time.monotonic()
-        del frames
     cpu_s = time.process_time() - cpu
     sub.close(linger=0)
-    # The raw path does not decode; every batch but the last is full.
-    return {"batches": batches, "last_recv": last, "cpu_s": cpu_s}
+    # Without decode, events are not counted (the sender knows the batch sizes).
+    return {"batches": batches, "events": events, "last_recv": last, "cpu_s": cpu_s}
 
 
 def _receive_kvbridge(endpoint: str, replay: str, expect_events: int) -> dict[str, Any]:
@@ -297,14 +336,14 @@ def _receive_kvbridge(endpoint: str, replay: str, expect_events: int) -> dict[st
 
 def _receiver_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbridge.events.bench")
-    parser.add_argument("--receive", choices=("raw", "kvbridge"), required=True)
+    parser.add_argument("--receive", choices=("raw", "codec", "kvbridge"), required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--replay")
     parser.add_argument("--expect-events", type=int, required=True)
     parser.add_argument("--expect-batches", type=int, required=True)
     args = parser.parse_args(argv)
-    if args.receive == "raw":
-        result = _receive_raw(args.endpoint, args.expect_batches)
+    if args.receive in ("raw", "codec"):
+        result = _receive_raw(args.endpoint, args.expect_batches, decode=args.receive == "codec")
     else:
         result = _receive_kvbridge(args.endpoint, args.replay, args.expect_events)
     print(json.dumps(result), flush=True)

@@ -35,10 +35,16 @@ Keys appear in declaration order, so the bytes equal msgspec's encoding of
 vLLM's own structs (tests check this against msgspec).
 
 Speed: MAP batches are encoded by msgspec, and decoded and type-checked by
-msgspec into typed structs (C, no per-field Python); anything that typed decoder
-rejects, every batch with ``extra_keys`` and the ARRAY encoding go through the
-Python checks below, which stay the reference: they produce every error message,
-and tests check that both paths accept the same batches with the same values.
+msgspec into typed structs (C, no per-field Python); batches with ``extra_keys``
+are too when every ``extra_keys`` value is an array of nil, scalars and arrays of
+them, at most 3 levels deep, without maps or bin values (what vLLM and kvbridge's
+engine send: a cache salt, LoRA name or multimodal hashes per block), which
+msgspec hands over as the tuples the Python checks freeze them into. Anything
+those typed decoders reject (maps, bin values or deeper nesting in ``extra_keys``
+included) and the ARRAY encoding
+go through the Python checks below, which stay the reference: they produce every
+error message, and tests check that the paths accept the same batches with the
+same values.
 Block hashes are ints (uint64) or bytes (msgpack bin). ``extra_keys`` may nest
 arrays/maps at most ``MAX_EXTRA_KEYS_DEPTH`` (32) levels deep; deeper is a decode
 error naming the field (the whole batch is rejected). Reference bytes of every
@@ -504,10 +510,14 @@ def decode_event(raw: object, where: str = "event") -> KVEvent:
 # msgspec decodes and type-checks a MAP batch in C, into these structs. They accept
 # a subset of what the checks above accept (same exact types: no bool for int, no
 # str for bytes, finite ts checked below; unknown keys ignored; the same required
-# fields), and yield the same values. Anything else -- a msgspec error, a
-# non-finite ts, any extra_keys (frozen and depth-checked by the Python path),
-# array-form events, a map-form batch -- is decoded by the Python path, which
-# accepts or names the offending field exactly as it always did.
+# fields), and yield the same values. The first decoder takes batches without
+# extra_keys; the second (``_decode_typed_keyed``) also takes extra_keys of the
+# shapes ``_ExtraKeys`` spells, which msgspec yields as nested tuples: exactly what
+# ``freeze_value`` makes of them, and within MAX_EXTRA_KEYS_DEPTH. Anything else --
+# a msgspec error, a non-finite ts, extra_keys with maps, bin or ext values or deeper
+# nesting (frozen and depth-checked by the Python path), array-form events, a
+# map-form batch -- is decoded by the Python path, which accepts or names the
+# offending field exactly as it always did.
 
 
 class _DecStored(msgspec.Struct, tag_field=TAG_KEY, tag="BlockStored", gc=False):
@@ -518,12 +528,26 @@ class _DecStored(msgspec.Struct, tag_field=TAG_KEY, tag="BlockStored", gc=False)
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: Any = None
+    extra_keys: None = None  # non-nil: _DecStoredKeyed (or the Python path) decides
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
     ownership: str | None = None
+
+
+#: A msgpack scalar inside ``extra_keys`` (exact types, as the Python path keeps them).
+#: Not bytes: msgspec unions hold one str-like type (bin values go the Python path).
+_KeyScalar = bool | int | float | str | None
+#: The ``extra_keys`` the keyed decoder takes: arrays nested at most 3 deep (the field
+#: itself is level 1), no maps.
+_ExtraKeys = tuple[_KeyScalar | tuple[_KeyScalar | tuple[_KeyScalar, ...], ...], ...]
+assert MAX_EXTRA_KEYS_DEPTH >= 3
+
+
+class _DecStoredKeyed(_DecStored, tag="BlockStored", gc=False):
+    # Same fields in the same order; only extra_keys widens (mypy: narrower in the base).
+    extra_keys: _ExtraKeys | None = None  # type: ignore[assignment]
 
 
 class _DecRemoved(msgspec.Struct, tag_field=TAG_KEY, tag="BlockRemoved", gc=False):
@@ -544,29 +568,50 @@ class _DecBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _DecBatchKeyed(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: tuple[_DecStoredKeyed | _DecRemoved | _DecCleared, ...]
+    data_parallel_rank: int | None = None
+
+
 _MSGSPEC_DECODER = msgspec.msgpack.Decoder(_DecBatch)
+_MSGSPEC_DECODER_KEYED = msgspec.msgpack.Decoder(_DecBatchKeyed)
 _struct_asdict = msgspec.structs.asdict
 _new = object.__new__
 _set = object.__setattr__
 
 
 def _decode_typed(payload: bytes) -> EventBatch | None:
-    """The batch via msgspec, or None when the Python path must decide."""
+    """The batch via msgspec, or None (extra_keys, anything msgspec rejects): the
+    keyed decoder or the Python path decides."""
     try:
         typed = _MSGSPEC_DECODER.decode(payload)
     except Exception:  # DecodeError, ValidationError, RecursionError: Python path
         return None
+    return _typed_records(typed)
+
+
+def _decode_typed_keyed(payload: bytes) -> EventBatch | None:
+    """``_decode_typed`` for batches whose ``extra_keys`` have the ``_ExtraKeys``
+    shape; None when the Python path must decide."""
+    try:
+        typed = _MSGSPEC_DECODER_KEYED.decode(payload)
+    except Exception:  # DecodeError, ValidationError, RecursionError: Python path
+        return None
+    return _typed_records(typed)
+
+
+def _typed_records(typed: _DecBatch | _DecBatchKeyed) -> EventBatch | None:
     if not math.isfinite(typed.ts):
         return None
     events: list[KVEvent] = []
     append = events.append
     for struct in typed.events:
         record: KVEvent
-        if type(struct) is _DecStored:
-            if struct.extra_keys is not None:
-                return None
+        kind = type(struct)
+        if kind is _DecStored or kind is _DecStoredKeyed:
             record = _new(BlockStored)
-        elif type(struct) is _DecRemoved:
+        elif kind is _DecRemoved:
             record = _new(BlockRemoved)
         else:
             append(AllBlocksCleared())
@@ -584,13 +629,16 @@ def decode_batch(payload: bytes) -> EventBatch:
     """Parse and validate one payload (either event encoding).
 
     Raises ``EventDecodeError`` naming the first offending field; never returns a
-    partially decoded batch. MAP batches without ``extra_keys`` are decoded and
-    checked by msgspec; the rest (and every error) by the Python checks.
+    partially decoded batch. MAP batches are decoded and checked by msgspec (those
+    with ``extra_keys`` by the keyed decoder, when their shape allows); the rest
+    (and every error) by the Python checks.
     """
     batch = _decode_typed(payload)
-    if batch is not None:
-        return batch
-    return _decode_batch_checked(payload)
+    if batch is None:
+        batch = _decode_typed_keyed(payload)
+        if batch is None:
+            return _decode_batch_checked(payload)
+    return batch
 
 
 def _decode_batch_checked(payload: bytes) -> EventBatch:

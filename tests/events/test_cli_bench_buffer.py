@@ -168,3 +168,19 @@ def test_worker_events_complete_when_every_rank_reported() -> None:
     assert agg.take_complete() == [b, a] and agg.num_pending == 0
     with pytest.raises(ValueError, match="worker_rank"):
         agg.add(2, [a])
+
+
+def test_bench_reports_the_codec_alone_between_raw_and_kvbridge() -> None:
+    """The codec run encodes every batch in the sender and decodes every payload in
+    the receiver (it counts the decoded events), with no publisher or subscriber."""
+    result = run_events_bench(num_events=320, batch_sizes=(16,), timeout_s=60.0)
+    row = result["results"]["16"]
+    codec = row["codec"]
+    assert codec["received_batches"] == 20 and codec["received_events"] == 320
+    assert codec["sender_cpu_us_per_batch"] > 0 and codec["receiver_cpu_us_per_batch"] > 0
+    assert row["codec_ratio"] == pytest.approx(
+        codec["events_per_s"] / row["raw"]["events_per_s"]
+    )
+    assert row["ratio_vs_codec"] == pytest.approx(
+        row["kvbridge"]["events_per_s"] / codec["events_per_s"]
+    )

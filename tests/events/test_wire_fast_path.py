@@ -232,3 +232,68 @@ def test_typed_encoder_writes_the_reference_bytes(
     assert len(decoded) == len(events)
     assert msgpack.packb([float(ts), [event_to_wire(e) for e in decoded], dp],
                          use_bin_type=True) == reference
+
+
+def test_keyed_decoder_takes_the_usual_extra_keys_and_leaves_the_rest() -> None:
+    """Batches with extra_keys of the usual shapes (a cache salt, LoRA name or
+    multimodal hashes per block, nil entries) are decoded by msgspec's keyed decoder
+    into the values the Python checks produce; maps, bin values, ext types and
+    deeper nesting are left to the Python checks, which decide as before."""
+    salted = [
+        BlockStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=(5, 6),
+                    block_size=1, extra_keys=(("salt",), ("salt",))),
+        BlockStored(block_hashes=(3,), parent_block_hash=2, token_ids=(7,), block_size=1,
+                    extra_keys=((("mm-hash", 0), "lora", 2.5, True, None, -1, U64_MAX),)),
+        BlockStored(block_hashes=(4,), parent_block_hash=3, token_ids=(8,), block_size=1,
+                    extra_keys=(None, ())),
+        BlockRemoved(block_hashes=(1,)),
+        AllBlocksCleared(),
+    ]
+    payload = encode_events(3.0, salted, 0)
+    assert wire._decode_typed(payload) is None
+    keyed = wire._decode_typed_keyed(payload)
+    assert keyed is not None
+    assert repr(keyed) == repr(wire._decode_batch_checked(payload))
+    assert keyed.events == tuple(salted)
+    assert {hash(e) for e in keyed.events} == {hash(e) for e in salted}
+
+    def stored_with(extra: Any) -> bytes:
+        event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                 "token_ids": [1], "block_size": 1, "extra_keys": extra}
+        return msgpack.packb([1.0, [event], 0], use_bin_type=True)
+
+    left = [
+        stored_with([{"a": 1}]),  # a map: frozen to sorted pairs by the Python path
+        stored_with([[b"\x01"]]),  # bin
+        stored_with([[[["four levels"]]]]),  # deeper than the keyed decoder's 3
+        stored_with([msgpack.ExtType(1, b"x")]),
+        stored_with("not an array"),
+        stored_with([[1]] * 3 + [[True, {"a": [1]}]]),
+    ]
+    for payload in left:
+        assert wire._decode_typed_keyed(payload) is None
+        assert _outcome(decode_batch, payload) == _outcome(wire._decode_batch_checked, payload)
+    # An error elsewhere in a batch with extra_keys is still named by the checks.
+    bad = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1],
+                                "parent_block_hash": None, "token_ids": [1, True],
+                                "block_size": 1, "extra_keys": [["salt"]]}], 0])
+    assert wire._decode_typed_keyed(bad) is None
+    assert _outcome(decode_batch, bad) == ("error", "events[0].token_ids[1]: expected int, got bool")
+
+
+_key_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=U64_MAX)
+    | st.floats() | st.text(max_size=4) | st.binary(max_size=2),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner,
+                                                                 max_size=2),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_key_values, max_size=3))
+def test_extra_keys_of_any_shape_decode_as_the_checks_decode_them(extra: list[Any]) -> None:
+    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+             "token_ids": [1], "block_size": 1, "extra_keys": extra}
+    payload = msgpack.packb([1.0, [event], 0], use_bin_type=True)
+    assert _outcome(decode_batch, payload) == _outcome(wire._decode_batch_checked, payload)
