@@ -32,8 +32,10 @@ from kvbridge.auth.policy import (
     SECRET_FILE_ENV,
     BindRefused,
     check_bind,
+    endpoint_host,
     insecure_from_env,
     is_loopback,
+    resolve_auth,
     resolve_secret,
 )
 from kvbridge.auth.seal import (
@@ -50,6 +52,6 @@ from kvbridge.auth.secret import MIN_SECRET_BYTES, Secret, SecretError, new_secr
 __all__ = [
     "HEADER_BYTES", "INSECURE_ENV", "MAX_SKEW_S", "MIN_SECRET_BYTES", "SECRET_ENV",
     "SECRET_FILE_ENV", "AuthError", "BindRefused", "ClusterAuth", "Label", "Secret",
-    "SecretError", "Sealed", "check_bind", "insecure_from_env", "is_loopback", "is_sealed",
-    "new_secret", "resolve_secret",
+    "SecretError", "Sealed", "check_bind", "endpoint_host", "insecure_from_env", "is_loopback", "is_sealed",
+    "new_secret", "resolve_auth", "resolve_secret",
 ]

@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Mapping
 
+from kvbridge.auth.seal import ClusterAuth
 from kvbridge.auth.secret import Secret, SecretError
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,13 @@ def resolve_secret(value: str | bytes | None = None, file: str | None = None, *,
     return None
 
 
+def resolve_auth(value: str | bytes | None = None, file: str | None = None, *,
+                 environ: Mapping[str, str] | None = None) -> ClusterAuth | None:
+    """:func:`resolve_secret`'s secret, ready to seal and open (None: no secret)."""
+    secret = resolve_secret(value, file, environ=environ)
+    return ClusterAuth(secret) if secret is not None else None
+
+
 def insecure_from_env(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     return env.get(INSECURE_ENV, "").strip().lower() in _TRUE
@@ -62,6 +70,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False  # a host name or a wildcard: it may reach other machines
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host a ZMQ endpoint binds (``tcp://H:P`` -> ``H``); ``ipc``/``inproc``: local."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return "localhost"
+    return rest.rpartition(":")[0] or rest
 
 
 def check_bind(host: str, authenticated: bool, insecure: bool, what: str) -> None:

@@ -53,17 +53,17 @@ def test_a_client_without_the_secret_gets_an_auth_error_and_no_metadata(secured)
 def test_another_secret_is_refused_both_ways(secured) -> None:
     store, _, address = secured
     other = ClusterAuth(Secret.from_value("another-cluster-secret-0123456789"))
-    with HandshakeClient(timeout_s=5, retries=0, auth=other) as client:
-        with pytest.raises(HandshakeError, match="tag does not match"):
-            client.fetch(address)
+    with HandshakeClient(timeout_s=5, retries=0, auth=other) as client, \
+            pytest.raises(HandshakeError, match="tag does not match"):
+        client.fetch(address)
     assert store.auth_refused == 1
 
 
 def test_a_server_without_the_secret_is_not_a_member(make_store, serve) -> None:
     server = serve(make_store())
-    with HandshakeClient(timeout_s=5, retries=0, auth=ClusterAuth(SECRET)) as client:
-        with pytest.raises(HandshakeError, match="no cluster secret configured"):
-            client.fetch(f"127.0.0.1:{server.port}")
+    with HandshakeClient(timeout_s=5, retries=0, auth=ClusterAuth(SECRET)) as client, \
+            pytest.raises(HandshakeError, match="no cluster secret configured"):
+        client.fetch(f"127.0.0.1:{server.port}")
 
 
 def test_the_sans_io_store_refuses_replays_stale_clocks_and_stray_bytes(make_store) -> None:
