@@ -160,3 +160,21 @@ def test_loopback_binds_need_nothing_and_others_a_secret_or_the_insecure_flag() 
     assert insecure_from_env({"KVBRIDGE_INSECURE_NO_AUTH": "1"})
     assert not insecure_from_env({"KVBRIDGE_INSECURE_NO_AUTH": "0"})
     assert not insecure_from_env({})
+
+
+def test_the_tag_is_the_documented_hmac() -> None:
+    """An independent reading of the layout in kvbridge.auth.seal's docstring."""
+    import hashlib
+    import hmac
+    import struct
+
+    raw = b"golden-cluster-secret-0123456789"
+    key = hmac.new(raw, b"kvbridge cluster key v1", hashlib.sha256).digest()
+    nonce, sent, body = bytes(range(16)), 1_767_225_600_000, b"payload"
+    head = b"KVA1" + struct.pack(">Q", sent) + nonce
+    bound = bytes(range(100, 116))
+    tag = hmac.new(key, b"kvbridge-auth-v1\0" + b"control/reply" + b"\0" + bytes([16]) + bound
+                   + head + body, hashlib.sha256).digest()
+    wire, _ = seal(Secret.from_value(raw), b"control/reply", body, bound=bound, sent_ms=sent,
+                   nonce=nonce)
+    assert wire == head + tag + body
