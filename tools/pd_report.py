@@ -1,19 +1,20 @@
 """What the two-engine (prefill -> decode) demos share: the routing loop and the report.
 
 Both demos route the same workload between a producer and a consumer engine
-process with :class:`kvbridge.tools.demo_nixl.Router`, wait for every request
-under one deadline, and report the same request-level fields; only where the
-moved bytes are counted (which worker's stats) and the connector-specific
-counters differ. Keeping the loop and the common fields here means the keys
-``kvbridge demo`` prints (see :mod:`kvbridge.tools.cmd_demo`) mean the same for
-every connector. (Not named ``demo_*``: cmd_demo takes those for connector demos.)
+process with :class:`kvbridge.tools.demo_nixl.Router` (to this module, any
+:class:`Routes`), wait for every request under one deadline, and report the
+same request-level fields; only where the moved bytes are counted (which
+worker's stats) and the connector-specific counters differ. Keeping the loop
+and the common fields here means the keys ``kvbridge demo`` prints (see
+:mod:`kvbridge.tools.cmd_demo`) mean the same for every connector. (Not named
+``demo_*``: cmd_demo takes those for connector demos.)
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbridge.tools.lazy import lazy
 
@@ -21,11 +22,22 @@ if TYPE_CHECKING:
     from kvbridge.connectors import KVRole
     from kvbridge.engine.core import EngineConfig
     from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
-    from kvbridge.tools.demo_nixl import Router
 else:
     RequestState = lazy("kvbridge.engine.request", "RequestState")
 
 PROGRESS_EVERY_S = 0.5
+
+
+class Routes(Protocol):
+    """What :func:`route_all` needs of a router. Stated here so that this module,
+    which ``demo_nixl`` imports, need not import ``demo_nixl`` back for its type."""
+
+    results: dict[str, RequestResult]
+
+    def submit(self, specs: list[RequestSpec]) -> None: ...
+    def poll(self) -> int: ...
+    @property
+    def done(self) -> bool: ...
 
 
 def check_connector_settings(make_config: Callable[[KVRole], EngineConfig]) -> None:
@@ -40,7 +52,7 @@ def check_connector_settings(make_config: Callable[[KVRole], EngineConfig]) -> N
         registry.resolve(config)
 
 
-def route_all(router: Router, requests: list[RequestSpec], timeout_s: float,
+def route_all(router: Routes, requests: list[RequestSpec], timeout_s: float,
               progress: Callable[[str], None] | None) -> float:
     """Submit ``requests`` and poll ``router`` until each has a result; returns elapsed seconds.
 
