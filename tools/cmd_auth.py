@@ -15,7 +15,14 @@ import argparse
 import json
 import sys
 
-from kvbridge.auth import SECRET_ENV, SECRET_FILE_ENV, SecretError, new_secret, resolve_secret
+from kvbridge.auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    Secret,
+    SecretError,
+    new_secret,
+    resolve_secret,
+)
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 
 EPILOG = f"""\
@@ -23,6 +30,7 @@ examples:
   kvbridge auth new-secret --out /etc/kvbridge/cluster.secret
   {SECRET_FILE_ENV}=/etc/kvbridge/cluster.secret kvbridge auth show
   kvbridge auth show --secret-file /etc/kvbridge/cluster.secret --json
+  kvbridge auth new-secret --json               # {{"secret": "..."}}
 
 exit codes: 0 done, 1 no secret configured (show), 2 usage error (a file that
 exists, a secret too short or unreadable)
@@ -37,13 +45,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "--secret-file) by its fingerprint.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="auth_command", required=True)
-    make = sub.add_parser("new-secret", help="print or write a fresh random secret")
+    make = sub.add_parser("new-secret", help="print or write a fresh random secret",
+                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     make.add_argument("--out", metavar="FILE", default=None,
                       help="write it there (mode 0600; refuses an existing file) instead of "
                            "printing it")
+    make.add_argument("--json", action="store_true",
+                      help='{"secret"} (printed) or {"written", "fingerprint"} (--out)')
     make.set_defaults(func=_new)
     show = sub.add_parser("show", help="where this host's secret comes from, and its "
-                                       "fingerprint")
+                                       "fingerprint",
+                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     show.add_argument("--secret-file", metavar="FILE", default=None,
                       help=f"this file instead of {SECRET_FILE_ENV} / {SECRET_ENV}")
     show.add_argument("--json", action="store_true", help="one JSON object")
@@ -52,14 +64,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _new(args: argparse.Namespace) -> int:
     if args.out is None:
-        print(new_secret())
+        value = new_secret()
+        print(json.dumps({"secret": value}) if args.json else value)
         return EXIT_OK
     try:
-        new_secret(args.out)
+        value = new_secret(args.out)
     except OSError as exc:
         print(f"kvbridge auth new-secret: {args.out}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"kvbridge auth: wrote a new secret to {args.out} (mode 0600)", file=sys.stderr)
+    fingerprint = Secret.from_value(value).fingerprint
+    if args.json:
+        print(json.dumps({"written": args.out, "fingerprint": fingerprint}))
+    else:
+        print(f"kvbridge auth: wrote a new secret to {args.out} (mode 0600), fingerprint "
+              f"{fingerprint}", file=sys.stderr)
     return EXIT_OK
 
 
