@@ -68,6 +68,13 @@ def stop_process(proc: subprocess.Popen[str]) -> int:
         raise
 
 
+def plaintext_env() -> dict[str, str]:
+    """This environment without a cluster secret: for a process a ``plaintext`` test
+    starts from a fixture wider than the test (the autouse fixture below runs later)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("KVBRIDGE_SECRET", "KVBRIDGE_SECRET_FILE")}
+
+
 @pytest.fixture(autouse=True)
 def _plaintext_without_secret(request: pytest.FixtureRequest,
                               monkeypatch: pytest.MonkeyPatch) -> None:

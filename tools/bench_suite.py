@@ -331,12 +331,14 @@ def bench_auth(patterns: Sequence[tuple[int, int]], iters: int, quick: bool
     except Exception as exc:
         detail["nixl"] = f"skipped: NIXL cannot load: {exc}"
         return {"rows": rows, "detail": detail}
-    nixl = nixl_with_and_without(patterns, max(3, iters))
+    nixl = nixl_with_and_without(patterns, iters)
     for off, on in zip(nixl["off"], nixl["on"], strict=True):
         rows.append(row("auth", f"{off['num_blocks']}x{size_label(off['block_bytes'])}",
                         "READ", "GB/s", on["kvbridge_gbps"], off["kvbridge_gbps"],
                         "connector without a secret", num_blocks=off["num_blocks"],
                         block_bytes=off["block_bytes"],
+                        limit=memcpy_gbps(off["num_blocks"] * off["block_bytes"]),
+                        limit_name="torch copy",
                         verified=not on.get("mismatched_bytes")
                         and not off.get("mismatched_bytes")))
     detail["nixl"] = nixl

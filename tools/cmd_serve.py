@@ -24,11 +24,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.auth import check_bind, insecure_from_env, is_loopback, resolve_auth
+from kvbridge.auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    check_bind,
+    insecure_from_env,
+    is_loopback,
+    resolve_auth,
+)
 from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
 from kvbridge.layouts import LayoutError, load_spec, preset_names
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE
@@ -95,7 +104,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from kvbridge.tools.events_flags import add_events_arguments, with_engine_events
 
     add_events_arguments(parser)  # --events-endpoint / --events-replay-endpoint
-    parser.set_defaults(func=with_engine_events(run))
+    parser.set_defaults(func=_with_secret_file(with_engine_events(run)))
+
+
+def _with_secret_file(run: Callable[[argparse.Namespace], int]
+                      ) -> Callable[[argparse.Namespace], int]:
+    """``run`` with ``--secret-file`` made this process's secret (``KVBRIDGE_SECRET_FILE``),
+    so the side channel, the control port and the events replay socket all use it."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        if args.secret_file:
+            os.environ.pop(SECRET_ENV, None)
+            os.environ[SECRET_FILE_ENV] = args.secret_file
+        return run(args)
+
+    return wrapped
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 import zmq
 
-from kvbridge.auth import new_secret
+from kvbridge.auth import new_secret, resolve_auth
+from kvbridge.engine.harness import control_exchange
 from tests.conftest import free_port, ready_line, require, stop_process
 
 CLI = [sys.executable, "-m", "kvbridge.tools.cli"]
@@ -94,7 +94,7 @@ def test_an_unbindable_replay_endpoint_with_a_secret_is_a_usage_error(tmp_path: 
     err = _serve_usage_error("--secret-file", str(secret), "--events-endpoint",
                              "tcp://127.0.0.1:*", "--events-replay-endpoint",
                              "tcp://192.0.2.1:5657",
-                             env={"KVBRIDGE_SECRET_FILE": str(secret)})
+                             env={"KVBRIDGE_SECRET_FILE": str(secret), "KVBRIDGE_SECRET": ""})
     assert "events_replay_endpoint: cannot bind tcp://192.0.2.1:5657" in err
 
 
@@ -125,12 +125,13 @@ def test_absurd_model_sizes_are_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- signals
 
 def _call(port: int, message: dict[str, Any], timeout_s: float = 20) -> Any:
+    """One control call, sealed with the environment's cluster secret when there is one."""
     with zmq.Context() as context, context.socket(zmq.REQ) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send(msgpack.packb(message))
-        return msgpack.unpackb(sock.recv())
+        fields = dict(message)
+        return control_exchange(sock, resolve_auth(), fields.pop("op"), fields)
 
 
 def _state(pid: int) -> str | None:

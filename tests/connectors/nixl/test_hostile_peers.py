@@ -19,6 +19,7 @@ import msgpack
 import pytest
 import torch
 
+from kvbridge.auth import resolve_auth
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors import KVRole, TransferMode
 from kvbridge.connectors.nixl import messages
@@ -257,7 +258,7 @@ def test_push_hello_claiming_two_to_the_forty_ranks_is_refused_and_push_goes_on(
     transport.register_regions([memory])
     try:
         assert producer.endpoint is not None and consumer.endpoint is not None
-        doc = HandshakeClient(timeout_s=5.0).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
+        doc = HandshakeClient(timeout_s=5.0, auth=resolve_auth()).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
         target = doc.ranks[0]
         peer = transport.add_peer(target.agent_name, target.agent_blob)
         shape = spec.rank_shapes(ParallelTopology(tp_size=1))[0]

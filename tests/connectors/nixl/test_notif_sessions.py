@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from kvbridge.auth import resolve_auth
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.worker import MAX_DEFERRED_PER_AGENT
@@ -44,7 +45,7 @@ GRACE_S = 1.0
 
 def _producer_doc(producer: EngineProcess) -> EngineMetadata:
     assert producer.endpoint is not None
-    return HandshakeClient(timeout_s=5.0).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
+    return HandshakeClient(timeout_s=5.0, auth=resolve_auth()).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
 
 
 def _held_request(producer: EngineProcess, rogue: NixlTransport, seed: int, prefix: str
