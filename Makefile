@@ -10,7 +10,7 @@ endif
 export NIXL_LOG_LEVEL ?= WARN
 export MC_LOG_LEVEL ?= WARNING
 
-.PHONY: setup demo test lint typecheck pytest test-slow clean
+.PHONY: setup demo test lint typecheck pytest test-slow test-auth clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,13 @@ test: lint typecheck pytest
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not vllm" $(PYTEST_ARGS)
+
+# The tests of everything that listens or connects, again with a cluster secret configured
+# for every engine, client and tool they start (kvbridge.auth; `make test` runs without one).
+AUTH_TESTS ?= tests/auth tests/handshake tests/connectors/nixl tests/engine tests/events tests/tools
+test-auth: $(STAMP)
+	KVBRIDGE_SECRET=make-test-auth-cluster-secret-0123456789 KVBRIDGE_SECRET_FILE= \
+		$(PY) -m pytest -q -m "not slow and not vllm" $(AUTH_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from kvbridge.auth import AuthError, ClusterAuth, Label, is_sealed, resolve_auth
 from kvbridge.connectors import TransferMode, TransferParams
 from kvbridge.engine.control import ControlLimits, split_submit
 from kvbridge.engine.core import EngineConfig
@@ -58,6 +59,37 @@ def connect_control(context: zmq.Context[Any], host: str, port: int,
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
     sock.connect(f"tcp://{host}:{port}")
     return sock
+
+
+def control_exchange(sock: zmq.Socket[bytes], auth: ClusterAuth | None, op: str,
+                     fields: dict[str, Any]) -> Any:
+    """Send one control message on ``sock`` and return the decoded reply.
+
+    With ``auth`` the message is sealed and the reply must be sealed bound to it;
+    an engine that refuses us, or answers unsealed, comes back as an error reply
+    (``type`` ``AuthError``) like any other. ``zmq.Again`` on a timeout.
+    """
+    body = msgpack.packb({"op": op, **fields}, use_bin_type=True)
+    if auth is None:
+        sock.send(body)
+        return msgpack.unpackb(sock.recv(), raw=False)
+    wire, nonce = auth.seal_request(Label.CONTROL, body)
+    sock.send(wire)
+    raw = sock.recv()
+    if not is_sealed(raw):
+        try:
+            reply = msgpack.unpackb(raw, raw=False)
+        except Exception:
+            reply = None
+        if isinstance(reply, dict) and reply.get("type") == "AuthError":
+            return reply  # the engine's refusal of our request
+        return {"ok": False, "type": "AuthError",
+                "error": "the engine answered without authentication: it has no cluster "
+                         "secret, or it is not a member"}
+    try:
+        return msgpack.unpackb(auth.open_reply(Label.CONTROL, nonce, raw), raw=False)
+    except AuthError as exc:
+        return {"ok": False, "type": "AuthError", "error": exc.reason}
 
 
 def read_ready_line(proc: subprocess.Popen[str], timeout_s: float, name: str) -> dict[str, Any]:
@@ -112,6 +144,8 @@ class ControlCalls:
         raise NotImplementedError
 
     _limits: ControlLimits | None = None
+    #: the cluster secret's seal every call is sent with (None: unauthenticated)
+    auth: ClusterAuth | None = None
     #: this client's capability to its requests, from its first submit's reply
     token: str | None = None
 
@@ -168,6 +202,8 @@ class EngineProcess(ControlCalls):
         self.events_replay_endpoint: str | None = None
         child_env = dict(os.environ)
         child_env.update(env or {})
+        #: the secret the child finds in the same environment (kvbridge.auth)
+        self.auth = resolve_auth(environ=child_env)
         argv = [sys.executable, "-m", "kvbridge.engine.server",
                 "--config", json.dumps(config_to_dict(config))]
         if events is not None:
@@ -206,8 +242,7 @@ class EngineProcess(ControlCalls):
         if self._sock is None:
             raise EngineProcessError(f"{self.name}: closed")
         try:
-            self._sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
-            reply = msgpack.unpackb(self._sock.recv(), raw=False)
+            reply = control_exchange(self._sock, self.auth, op, fields)
         except zmq.Again:
             self._connect()  # a REQ socket is stuck after a timeout
             alive = self._proc.poll() is None

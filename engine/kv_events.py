@@ -32,6 +32,7 @@ from typing import Any
 
 import zmq
 
+from kvbridge.auth import BindRefused, insecure_from_env, resolve_auth
 from kvbridge.connectors import ConfigError
 from kvbridge.events import KVEventPublisher, PublisherConfig
 
@@ -112,7 +113,11 @@ class EngineEventsConfig:
     def make_publisher(self) -> KVEventPublisher:
         """A publisher bound here; ConfigError naming the endpoint it cannot bind."""
         try:
-            return KVEventPublisher(self.publisher_config())
+            # the replay socket takes the cluster secret of the environment (kvbridge.auth)
+            return KVEventPublisher(self.publisher_config(), auth=resolve_auth(),
+                                    insecure_no_auth=insecure_from_env())
+        except BindRefused as exc:
+            raise ConfigError("events_replay_endpoint", str(exc)) from None
         except zmq.ZMQError as exc:
             # pyzmq names the address in the message: which of the two binds failed
             replay = (self.replay_endpoint is not None

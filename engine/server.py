@@ -66,6 +66,15 @@ import msgpack
 import zmq
 
 import kvbridge.backends  # noqa: F401  (UCX/NIXL env defaults before any agent exists)
+from kvbridge.auth import (
+    HEADER_BYTES,
+    AuthError,
+    ClusterAuth,
+    Label,
+    check_bind,
+    is_sealed,
+    resolve_auth,
+)
 from kvbridge.connectors import ConfigError, ConnectorConfig
 from kvbridge.connectors.errors import KVBridgeError
 from kvbridge.engine.control import (
@@ -191,6 +200,28 @@ def _handle_frames(engine: Engine, frames: list[bytes], limits: ControlLimits, *
     return _run(engine, decoded, limits)
 
 
+def _answer(engine: Engine, frames: list[bytes], limits: ControlLimits,
+            auth: ClusterAuth | None, allow_shutdown: bool) -> tuple[bytes, bool]:
+    """The reply bytes to one received message (sealed for a member) and whether to stop."""
+    if auth is None:
+        if len(frames) == 1 and is_sealed(frames[0]):
+            refusal = _error("AuthError", "this engine has no cluster secret configured")
+            return msgpack.packb(refusal, use_bin_type=True), False
+        reply, stop = _handle_frames(engine, frames, limits, allow_shutdown=allow_shutdown)
+        return msgpack.packb(reply, use_bin_type=True), stop
+    if len(frames) != 1:
+        refusal = _error("AuthError", f"authentication required: expected one sealed frame, "
+                                      f"got {len(frames)}")
+        return msgpack.packb(refusal, use_bin_type=True), False
+    try:
+        opened = auth.open_request(Label.CONTROL, frames[0])
+    except AuthError as exc:
+        return msgpack.packb(_error("AuthError", exc.reason), use_bin_type=True), False
+    reply, stop = _handle_frames(engine, [opened.body], limits, allow_shutdown=allow_shutdown)
+    return auth.seal_reply(Label.CONTROL, opened.nonce,
+                           msgpack.packb(reply, use_bin_type=True)), stop
+
+
 def _error(kind: str, text: str) -> dict[str, Any]:
     return {"ok": False, "type": kind, "error": text}
 
@@ -255,8 +286,15 @@ def _run(engine: Engine, message: ControlMessage,
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
           ready_stream: Any = None, events: EngineEventsConfig | None = None,
           event_sink: EventSink | None = None, allow_shutdown: bool = True,
-          exit_with_parent: bool = True) -> None:
+          exit_with_parent: bool = True, auth: ClusterAuth | None = None,
+          insecure_no_auth: bool = False) -> None:
     """Run the engine and its control socket until a ``shutdown`` op or parent death.
+
+    ``auth``: the cluster secret's seal (:mod:`kvbridge.auth`). With it, every
+    control message must be sealed with it (a fresh nonce each, within the clock
+    window) and every reply is sealed bound to its request; anything else gets
+    one unsealed ``AuthError`` reply and is not decoded. Without it the control
+    port binds loopback only, unless ``insecure_no_auth``.
 
     ``exit_with_parent=False`` (``kvbridge serve``, an operator's process that may
     outlive the shell that started it): keep serving when the parent exits.
@@ -279,12 +317,17 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
     publisher = engine.publisher or (event_sink if isinstance(event_sink, KVEventPublisher)
                                      else None)
     limits = engine.control_limits()
+    try:
+        check_bind(host, auth is not None, insecure_no_auth, "the control port")
+    except ValueError as exc:
+        engine.shutdown()
+        raise ConfigError("control_port", str(exc)) from None
     context = zmq.Context()
     sock = context.socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)
     # libzmq drops a bigger frame and its connection before buffering it; few queued
     # messages per client (a REP socket answers one at a time anyway)
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + HEADER_BYTES)
     sock.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
     try:
         try:
@@ -321,9 +364,8 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
                 # every frame of the message: a REP socket that has not read them all
                 # cannot send its reply (EFSM)
                 frames = sock.recv_multipart()
-                reply, stop = _handle_frames(engine, frames, limits,
-                                             allow_shutdown=allow_shutdown)
-                sock.send(msgpack.packb(reply, use_bin_type=True))
+                out, stop = _answer(engine, frames, limits, auth, allow_shutdown)
+                sock.send(out)
                 if stop:
                     break
             if engine.has_work():
@@ -357,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # many engine processes share few cores
     events = EngineEventsConfig.from_dict(json.loads(args.events)) if args.events else None
-    serve(config_from_dict(json.loads(args.config)), port=args.port, events=events)
+    # the secret of the environment the harness started us in (it seals with the same)
+    serve(config_from_dict(json.loads(args.config)), port=args.port, events=events,
+          auth=resolve_auth())
     return 0
 
 

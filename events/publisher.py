@@ -29,6 +29,12 @@ Invariants:
   marker alone, counted as refused); a client may queue ``max_queued_replays``
   more requests behind its reply; a reply that makes no progress for
   ``replay_stall_timeout_s`` (the client stopped reading) is abandoned.
+- With a cluster secret (``auth``, :mod:`kvbridge.auth`) only sealed replay
+  requests are answered; any other gets the end marker alone and is counted in
+  ``unauthenticated_replay_requests``. Replies are not sealed (they carry what
+  the PUB stream carries). Without a secret a non-loopback replay endpoint is
+  refused unless ``insecure_no_auth``. The PUB stream is vLLM's one-way
+  protocol and is not authenticated.
 - ``close`` stops accepting batches, lets the thread drain the queue until a
   deadline, flushes the PUB socket within what is left of it, and reports how
   many queued batches were abandoned.
@@ -47,6 +53,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
+from kvbridge.auth import AuthError, ClusterAuth, Label, check_bind, endpoint_host
 
 from .errors import EventDecodeError, PublisherClosedError
 from .schema import EventBatch, KVEvent
@@ -147,6 +155,8 @@ class PublisherStats:
     #: Subscriptions received on the PUB socket since start (one per SUB and topic;
     #: reconnects count again).
     subscriptions: int = 0
+    #: Replay requests refused because they were not sealed with the cluster secret.
+    unauthenticated_replay_requests: int = 0
 
 
 _SENTINEL: Any = object()
@@ -189,9 +199,14 @@ class KVEventPublisher:
     """
 
     def __init__(
-        self, config: PublisherConfig | None = None, *, context: zmq.Context[Any] | None = None
+        self, config: PublisherConfig | None = None, *, context: zmq.Context[Any] | None = None,
+        auth: ClusterAuth | None = None, insecure_no_auth: bool = False,
     ) -> None:
         self.config = config or PublisherConfig()
+        self._auth = auth
+        if self.config.replay_endpoint is not None:
+            check_bind(endpoint_host(self.config.replay_endpoint), auth is not None,
+                       insecure_no_auth, "the KV events replay endpoint")
         self.incarnation = (
             self.config.incarnation if self.config.incarnation is not None else time.time_ns()
         )
@@ -210,6 +225,7 @@ class KVEventPublisher:
         self._replayed_batches = 0
         self._bad_replay_requests = 0
         self._refused_replay_requests = 0
+        self._unauthenticated_replay_requests = 0
         self._abandoned_replays = 0
         self._streams: dict[bytes, _ReplyStream] = {}
         self._ring_appended = 0  # entries ever appended to the ring (thread-owned)
@@ -314,6 +330,7 @@ class KVEventPublisher:
             abandoned_replays=self._abandoned_replays,
             replay_clients=len(self._streams),
             subscriptions=self._subscriptions,
+            unauthenticated_replay_requests=self._unauthenticated_replay_requests,
         )
 
     def wait_for_subscribers(self, count: int = 1, timeout_s: float = 10.0) -> bool:
@@ -564,6 +581,18 @@ class KVEventPublisher:
         self, identity: bytes, delim: tuple[bytes, ...], body: list[bytes]
     ) -> Iterator[_Message]:
         """The messages answering one request, produced as the client takes them."""
+        if len(body) == 1 and self._auth is not None:
+            try:
+                body = [self._auth.open_request(Label.EVENTS_REPLAY, body[0]).body]
+            except AuthError as exc:
+                self._unauthenticated_replay_requests += 1
+                now = time.monotonic()
+                if now - self._last_refuse_log >= 1.0:  # at most one line per second
+                    self._last_refuse_log = now
+                    logger.warning("replay request refused: %s (%d so far)", exc.reason,
+                                   self._unauthenticated_replay_requests)
+                yield self._end_message(identity, delim)
+                return
         try:
             if len(body) != 1:
                 raise EventDecodeError("replay_request", f"expected 1 frame, got {len(body)}")

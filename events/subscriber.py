@@ -19,6 +19,12 @@ kvbridge's (replay requests that carry the incarnation, so that a restart is
 never mistaken for a gap and another incarnation's batches are never spliced
 in). All sequencing decisions are made by ``SequenceTracker`` (sans-I/O).
 
+With ``auth`` (the cluster secret, :mod:`kvbridge.auth`) every replay request
+is sealed, and only kvbridge's extended protocol is spoken (a member is a
+kvbridge publisher): an end marker without a ``ReplayInfo`` is then the
+publisher's refusal (busy, or not configured with this secret), reported as a
+failed replay, not a vLLM publisher.
+
 Bounds (a replay endpoint is a peer, and a hostile or broken one must not cost
 memory or stall the live stream):
 
@@ -52,6 +58,8 @@ from typing import Any, TypeAlias
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from kvbridge.auth import ClusterAuth, Label
 
 from .errors import EventDecodeError
 from .schema import EventBatch
@@ -218,8 +226,10 @@ class KVEventSubscriber:
 
     _POLL_SLICE_MS = 50
 
-    def __init__(self, config: SubscriberConfig, *, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(self, config: SubscriberConfig, *, context: zmq.Context[Any] | None = None,
+                 auth: ClusterAuth | None = None) -> None:
         self.config = config
+        self._auth = auth
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -551,6 +561,10 @@ class KVEventSubscriber:
                 self._declare_lost(self._tracker.skip_to(seq), "not in the publisher's replay ring")
             self._deliver(seq, payload, topic if topic is not None else b"", replayed=True)
 
+    def _sealed(self, request: bytes) -> bytes:
+        return request if self._auth is None else \
+            self._auth.seal_request(Label.EVENTS_REPLAY, request)[0]
+
     def _dealer_socket(self) -> zmq.Socket[Any]:
         if self._dealer is None:
             assert self.config.replay_endpoint is not None
@@ -596,7 +610,7 @@ class KVEventSubscriber:
             )
             return _ReplayResult(None, [], complete=False, failure=reason)
         self._counters.replay_requests += 1
-        use_ext = self.publisher_supports_incarnation is not False
+        use_ext = self.publisher_supports_incarnation is not False or self._auth is not None
         sock = self._dealer_socket()
         # Ask a kvbridge publisher for no more than one reply may hold; the caller
         # asks again for the rest (a vLLM publisher always replays to its newest).
@@ -607,7 +621,7 @@ class KVEventSubscriber:
             request = ReplayRequest(
                 start_seq=start, end_seq=asked_end, incarnation=self.incarnation
             )
-            sock.send_multipart((b"", encode_replay_request(request)))
+            sock.send_multipart((b"", self._sealed(encode_replay_request(request))))
         else:
             sock.send_multipart((b"", encode_seq(start)))
         info: ReplayInfo | None = None
@@ -659,6 +673,11 @@ class KVEventSubscriber:
                     self.incarnation = info.incarnation
                 continue
             if reply.end:
+                if use_ext and info is None and self._auth is not None:
+                    return self._replay_failed(_ReplayResult(
+                        None, batches, complete=False,
+                        failure="replay refused by the publisher (busy, or it is not "
+                                "configured with this cluster secret)"))
                 if use_ext and info is None and self.publisher_supports_incarnation:
                     # This publisher answered with ReplayInfo before: an end marker
                     # alone is a refusal (too many replays under way), not a vLLM

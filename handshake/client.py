@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from kvbridge.auth import AuthError, ClusterAuth, Label, is_sealed
 from kvbridge.handshake.address import parse_address, zmq_endpoint
 from kvbridge.handshake.errors import HandshakeError, HandshakeTimeout
 from kvbridge.handshake.schema import (
@@ -132,6 +133,10 @@ class HandshakeClient:
     refused with a HandshakeError naming the first differing field before its
     body is read. Thread-safe (one lock around the cache; requests run
     concurrently).
+
+    ``auth``: the cluster secret's seal. Every attempt is sealed afresh (a
+    retried request is a new nonce) and a reply counts only if it is sealed
+    bound to it: a server without the secret is refused as not a member.
     """
 
     timeout_s: float = 2.0
@@ -142,6 +147,7 @@ class HandshakeClient:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     context: zmq.Context | None = None
     stats: ClientStats = field(default_factory=ClientStats)
+    auth: ClusterAuth | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -268,6 +274,8 @@ class HandshakeClient:
             self.stats.attempts += 1
             outcome = self._attempt(endpoint, host, payload, request.request_id)
             if isinstance(outcome, HandshakeError):
+                if outcome.field == "auth":  # another try cannot have another secret
+                    raise outcome
                 last_error = outcome
                 continue
             reply, rtt, clock = outcome
@@ -304,6 +312,7 @@ class HandshakeClient:
             conn = ZmtpConnection(self.max_message_bytes + 4096, 4, peer_types=(b"ROUTER",))
             peer_id: bytes | None = None
             asked = False
+            nonce = b""
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
@@ -327,11 +336,24 @@ class HandshakeClient:
                     asked = True
                     sent_wall = time.time()
                     sent = time.monotonic()
-                    sock.send_multipart([peer_id, encode_message([payload])])
+                    wire, nonce = (payload, b"") if self.auth is None else \
+                        self.auth.seal_request(Label.SIDE_CHANNEL, payload)
+                    sock.send_multipart([peer_id, encode_message([wire])])
                 for frames in messages:
                     received = time.monotonic()
                     received_wall = time.time()
-                    reply = decode_reply(frames[-1], self.max_message_bytes + 4096)
+                    opened = self._open(endpoint, frames[-1], nonce)
+                    if isinstance(opened, HandshakeError):
+                        return opened
+                    reply = decode_reply(opened, self.max_message_bytes + 4096)
+                    if self.auth is not None and opened is frames[-1]:
+                        # unsealed: only the server's refusal of our request is worth reading
+                        if isinstance(reply, ErrorReply) and reply.field == "auth":
+                            return HandshakeError("auth", f"peer {endpoint} refused the "
+                                                          f"request: {reply.message}")
+                        return HandshakeError("auth", f"{endpoint} answered without "
+                                                      "authentication: it has no cluster "
+                                                      "secret, or it is not a member")
                     if reply.request_id != request_id:
                         logger.debug("handshake: ignoring a reply to request %d",
                                      reply.request_id)
@@ -343,3 +365,12 @@ class HandshakeClient:
             return HandshakeError("address", f"cannot talk to {endpoint}: {exc}")
         finally:
             sock.close(linger=0)
+
+    def _open(self, endpoint: str, data: bytes, nonce: bytes) -> bytes | HandshakeError:
+        """The reply body: ``data`` itself unless we seal and it is sealed (then checked)."""
+        if self.auth is None or not is_sealed(data):
+            return data
+        try:
+            return self.auth.open_reply(Label.SIDE_CHANNEL, nonce, data)
+        except AuthError as exc:
+            return HandshakeError("auth", f"{endpoint}: {exc.reason}")

@@ -19,6 +19,12 @@ Invariants:
   are unchanged.
 * ``incarnation`` is random per store, i.e. per engine process start, so a
   client tells a restarted engine at the same address from the old one.
+* With a cluster secret (``auth``, :mod:`kvbridge.auth`) a request that is not
+  sealed with it, is replayed, or comes from a clock outside the window gets
+  one unsealed ``auth`` error reply and nothing else: no metadata, no status,
+  not even whether a rank registered. Replies to members are sealed, bound to
+  their request. Without a secret the server binds loopback only, unless its
+  owner passes ``insecure_no_auth``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import replace
 
 import zmq
 
+from kvbridge.auth import HEADER_BYTES, AuthError, ClusterAuth, Label, check_bind, is_sealed
 from kvbridge.handshake.address import format_address, zmq_endpoint
 from kvbridge.handshake.errors import HandshakeError
 from kvbridge.handshake.schema import (
@@ -89,6 +96,7 @@ class MetadataStore:
     def __init__(self, engine_id: str, spec: KVCacheSpec, topology: ParallelTopology,
                  transfer_mode: TransferMode = TransferMode.PULL, *,
                  incarnation: str | None = None,
+                 auth: ClusterAuth | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  monotonic_clock: Callable[[], float] = time.monotonic) -> None:
         try:
@@ -110,6 +118,10 @@ class MetadataStore:
         self._ranks: dict[RankKey, AgentMetadata] = {}
         self._generation = 0
         self._doc_cache: dict[_Selection, tuple[int, bytes]] = {}
+        #: the cluster secret's seal (None: unauthenticated, loopback only)
+        self.auth = auth
+        #: requests refused because they did not authenticate
+        self.auth_refused = 0
         #: requests that hit a bug of ours (answered "internal error"; rate-limited log)
         self.internal_errors = 0
         self._last_internal_log = -math.inf
@@ -178,7 +190,35 @@ class MetadataStore:
 
     def handle_request(self, data: bytes) -> bytes:
         """Reply bytes for request bytes. Never raises; errors become an ErrorReply."""
-        return encode_reply(self.respond(data))
+        return self.answer(data)[1]
+
+    def answer(self, data: bytes) -> tuple[Reply, bytes]:
+        """The typed reply to wire bytes and the bytes to send (sealed for a member).
+
+        With a secret, ``data`` must be a sealed request; anything else is answered
+        by an unsealed ``auth`` error that says nothing about this engine.
+        Without one, a sealed request is refused too (the client would refuse
+        our unsealed answer anyway), naming why.
+        """
+        auth = self.auth
+        sealed = is_sealed(data)
+        if auth is None:
+            if sealed:
+                reply: Reply = ErrorReply(peek_request_id(data[HEADER_BYTES:]), self.clock(),
+                                          "auth",
+                                          "this engine has no cluster secret configured")
+                return reply, encode_reply(reply)
+            reply = self.respond(data)
+            return reply, encode_reply(reply)
+        try:
+            opened = auth.open_request(Label.SIDE_CHANNEL, data)
+        except AuthError as exc:
+            self.auth_refused += 1
+            rid = peek_request_id(data[HEADER_BYTES:] if sealed else data)
+            reply = ErrorReply(rid, self.clock(), "auth", exc.reason, retryable=exc.retryable)
+            return reply, encode_reply(reply)
+        reply = self.respond(opened.body)
+        return reply, auth.seal_reply(Label.SIDE_CHANNEL, opened.nonce, encode_reply(reply))
 
     def respond(self, data: bytes) -> Reply:
         """The typed reply to request bytes. Never raises."""
@@ -253,15 +293,18 @@ class HandshakeServer:
     many (``MAX_CONNECTIONS``) is disconnected. The reply goes back with the
     envelope the request came with (a REQ peer's empty delimiter). Use either
     ``start()`` (own thread) or ``bind()`` + ``poll()`` (the owner's loop), not both.
+    A store without a secret is served on loopback only: ``bind`` raises
+    :class:`~kvbridge.auth.BindRefused` for another host unless ``insecure_no_auth``.
     """
 
     def __init__(self, store: MetadataStore, host: str = "127.0.0.1", port: int = 0, *,
                  context: zmq.Context | None = None, poll_interval_s: float = 0.05,
-                 bind_retry_s: float = 1.0) -> None:
+                 bind_retry_s: float = 1.0, insecure_no_auth: bool = False) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise HandshakeError("port", f"expected 0..65535 (0 = any free port), got {port!r}")
         self.store = store
         self.host = host
+        self.insecure_no_auth = insecure_no_auth
         self._requested_port = port
         self._context = context or zmq.Context.instance()
         self._poll_interval_s = poll_interval_s
@@ -301,6 +344,11 @@ class HandshakeServer:
 
     def bind(self) -> int:
         """Create and bind the socket in the calling thread; returns the bound port."""
+        try:
+            check_bind(self.host, self.store.auth is not None, self.insecure_no_auth,
+                       "the side channel")
+        except ValueError as exc:
+            raise HandshakeError("host", str(exc)) from None
         if self._socket is not None:
             return self.port
         sock = self._context.socket(zmq.STREAM)
@@ -407,15 +455,16 @@ class HandshakeServer:
         envelope, body = frames[:split], frames[split:]
         reply: Reply
         if len(body) == 1:
-            reply = self.store.respond(body[0])
+            reply, out = self.store.answer(body[0])
         else:
             reply = ErrorReply(0, self.store.clock(), "frames",
                                f"expected one payload frame, got {len(body)}")
+            out = encode_reply(reply)
         self.requests_served += 1
         if isinstance(reply, ErrorReply):
             self.error_replies += 1
             logger.debug("handshake: rejected a request: %s: %s", reply.field, reply.message)
-        if not self._send(sock, peer_id, encode_message([*envelope, encode_reply(reply)])):
+        if not self._send(sock, peer_id, encode_message([*envelope, out])):
             self.replies_dropped += 1
 
     # ------------------------------------------------------------------ thread mode

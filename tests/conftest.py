@@ -68,6 +68,24 @@ def stop_process(proc: subprocess.Popen[str]) -> int:
         raise
 
 
+def plaintext_env() -> dict[str, str]:
+    """This environment without a cluster secret: for a process a ``plaintext`` test
+    starts from a fixture wider than the test (the autouse fixture below runs later)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("KVBRIDGE_SECRET", "KVBRIDGE_SECRET_FILE")}
+
+
+@pytest.fixture(autouse=True)
+def _plaintext_without_secret(request: pytest.FixtureRequest,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``plaintext`` test drives a socket's own protocol (raw frames, vLLM's replay),
+    which a cluster secret seals: it and the engines it starts run without one, also
+    when ``make test-auth`` configures one for everything else."""
+    if request.node.get_closest_marker("plaintext") is not None:
+        monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+        monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
+
+
 @pytest.fixture
 def tcp_port() -> Iterator[int]:
     yield free_port()

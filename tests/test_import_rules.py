@@ -39,11 +39,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "kvbridge"
 
-# Top-level packages at the bottom: they import nothing of kvbridge (not even
-# each other). backends/ holds the thin NIXL/Mooncake adapters and environment
-# defaults that connectors, offload, engine and tools share; auth/ the
-# credentials every layer above may check.
-BOTTOM = frozenset({"layouts", "events", "backends", "auth"})
+# auth/ (the cluster secret and sealed messages) is the floor: it imports nothing
+# of kvbridge, and every package may use it (events/ seals its replay socket).
+# Above it, the packages at the bottom import nothing else of kvbridge (not each
+# other). backends/ holds the thin NIXL/Mooncake adapters and environment
+# defaults that connectors, offload, engine and tools share.
+FLOOR = frozenset({"auth"})
+BOTTOM = frozenset({"layouts", "events", "backends"}) | FLOOR
 _MIDDLE = BOTTOM | {"handshake", "offload"}
 _ALL = _MIDDLE | {"connectors", "engine", "integrations", "tools"}
 
@@ -53,7 +55,7 @@ _ALL = _MIDDLE | {"connectors", "engine", "integrations", "tools"}
 # it imports nothing of kvbridge. Importing the root itself is allowed anywhere.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "": frozenset(),
-    **{name: frozenset() for name in BOTTOM},
+    **{name: FLOOR - {name} for name in BOTTOM},
     "handshake": BOTTOM,
     "offload": BOTTOM,
     "connectors": _MIDDLE,
@@ -393,7 +395,7 @@ def test_checker_names_an_upward_import_with_module_line_and_rule(tmp_path: Path
     problems = layer_violations(scan(root))
     assert problems == [
         "layouts/spec.py:3: kvbridge.layouts.spec imports kvbridge.connectors.api "
-        f"(module level): layouts may import only nothing of kvbridge, not connectors ({_RULE})"]
+        f"(module level): layouts may import only auth, not connectors ({_RULE})"]
 
 
 def test_checker_counts_deferred_lazy_and_type_only_imports_for_layers(tmp_path: Path) -> None:

@@ -102,11 +102,12 @@ class _RawReader:
     def __init__(self, address: str, total: int, into: Any = None) -> None:
         import torch
 
+        from kvbridge.auth import resolve_auth
         from kvbridge.backends.nixl import load_nixl_api
         from kvbridge.handshake import HandshakeClient
 
         api = load_nixl_api()
-        self.meta = HandshakeClient(timeout_s=5).fetch(address).metadata.rank(0)
+        self.meta = HandshakeClient(timeout_s=5, auth=resolve_auth()).fetch(address).metadata.rank(0)
         self.agent = api.nixl_agent(f"raw-bench-{time.monotonic_ns()}",
                                     api.nixl_agent_config(enable_prog_thread=False,
                                                           backends=["UCX"]))

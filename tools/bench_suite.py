@@ -19,6 +19,9 @@ Paths (``PATHS``):
   async path's round trip (lookup -> probes on the worker pool -> MISS verdict) vs the
   synchronous ``os.stat`` it replaces; the Mooncake client's ``batch_exists`` vs the
   raw ``batch_is_exist`` of the same keys.
+* ``auth``     -- the cluster secret's cost (:mod:`kvbridge.tools.bench_auth`): here
+  "kvbridge" is with a secret and "raw" without, same run: a side-channel fetch
+  (full and conditional) and the NIXL connector's load with both engines sealed.
 
 Every path returns rows of one shape (:func:`row`), so the table, the JSON file
 and the plot treat them alike::
@@ -61,6 +64,7 @@ DEFAULT_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "mooncake": ((64, 2 << 20), (256, 256 << 10), (4096, 16 << 10)),
     "offload": ((32, 2 << 20), (128, 256 << 10)),
     "nixl-scale": ((100_000, 16),),  # blocks per layer x bytes of one layer's block
+    "auth": ((64, 2 << 20),),  # the NIXL transfer measured with and without a secret
 }
 #: --quick: small enough for a test or a smoke run (seconds, not minutes)
 QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
@@ -68,6 +72,7 @@ QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "mooncake": ((16, 64 << 10),),
     "offload": ((8, 64 << 10),),
     "nixl-scale": ((2000, 16),),
+    "auth": ((16, 64 << 10),),
 }
 
 
@@ -308,6 +313,38 @@ def bench_events(num_events: int, batch_sizes: Sequence[int]) -> dict[str, Any]:
     return {"rows": rows, "detail": raw}
 
 
+def bench_auth(patterns: Sequence[tuple[int, int]], iters: int, quick: bool
+               ) -> dict[str, Any]:
+    """The cluster secret on and off (kvbridge = with it, raw = without), same run."""
+    from kvbridge.tools.bench_auth import handshake_times, nixl_with_and_without, seal_open_us
+
+    times = handshake_times(20 if quick else 200)
+    rows = [row("auth", f"handshake {kind}", "fetch", "ms", times["on"][kind],
+                times["off"][kind], "no secret", lower_is_better=True)
+            for kind in ("full", "conditional")]
+    seal_us = seal_open_us(2000 if quick else 20_000)
+    detail: dict[str, Any] = {"handshake_ms": times, "seal_open_us": round(seal_us, 2)}
+    try:
+        from kvbridge.backends.nixl import load_nixl_api
+
+        load_nixl_api()
+    except Exception as exc:
+        detail["nixl"] = f"skipped: NIXL cannot load: {exc}"
+        return {"rows": rows, "detail": detail}
+    nixl = nixl_with_and_without(patterns, iters)
+    for off, on in zip(nixl["off"], nixl["on"], strict=True):
+        rows.append(row("auth", f"{off['num_blocks']}x{size_label(off['block_bytes'])}",
+                        "READ", "GB/s", on["kvbridge_gbps"], off["kvbridge_gbps"],
+                        "connector without a secret", num_blocks=off["num_blocks"],
+                        block_bytes=off["block_bytes"],
+                        limit=memcpy_gbps(off["num_blocks"] * off["block_bytes"]),
+                        limit_name="torch copy",
+                        verified=not on.get("mismatched_bytes")
+                        and not off.get("mismatched_bytes")))
+    detail["nixl"] = nixl
+    return {"rows": rows, "detail": detail}
+
+
 def _stat_probe_us(num_keys: int, iterations: int) -> dict[str, float]:
     """Per-key µs of ``os.stat`` on existing and absent block files: a synchronous probe."""
     with tempfile.TemporaryDirectory(prefix="kvb-lookup-") as root:
@@ -455,7 +492,7 @@ def _mooncake_exists(num_keys: int, iterations: int, master: str | None,
             "keys": num_keys, "iterations": iterations}
 
 
-PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup")
+PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup", "auth")
 
 
 def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | None = None,
@@ -493,6 +530,8 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
                 result = bench_events(events or (2000 if quick else 50_000), batch_sizes)
             elif name == "lookup":
                 result = bench_lookup(quick, master, metadata)
+            elif name == "auth":
+                result = bench_auth(chosen, iters, quick)
             else:
                 raise ValueError(f"unknown bench path {name!r}; expected one of {PATHS}")
             entry: dict[str, Any] = {"status": "ok", **result}

@@ -80,6 +80,7 @@ def library_error_code(exc: BaseException) -> int | None:
     are failures (1). None: not one of kvbridge's errors (let it propagate).
     Imports happen here, after the fact, so start-up stays cheap.
     """
+    from kvbridge.auth import BindRefused, SecretError
     from kvbridge.connectors.errors import (
         ConfigError,
         KVBridgeError,
@@ -91,7 +92,8 @@ def library_error_code(exc: BaseException) -> int | None:
     from kvbridge.layouts import LayoutError
     from kvbridge.offload.types import OffloadError
 
-    if isinstance(exc, LayoutError | ConfigError | TransferParamsError | RoleError):
+    if isinstance(exc, LayoutError | ConfigError | TransferParamsError | RoleError
+                  | SecretError | BindRefused):
         return EXIT_USAGE
     if isinstance(exc, KVBridgeError | HandshakeError | EventsError | OffloadError):
         return EXIT_FAILURE

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from kvbridge.auth import resolve_auth
 from kvbridge.handshake import (
     MAX_MESSAGE_BYTES,
     CompatibilityReport,
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         print("kvbridge diff: --timeout must be > 0", file=sys.stderr)
         return EXIT_USAGE
-    client = HandshakeClient(timeout_s=args.timeout, retries=1)
+    client = HandshakeClient(timeout_s=args.timeout, retries=1, auth=resolve_auth())
     try:
         a = load_metadata(args.a, client)
         b = load_metadata(args.b, client)

@@ -101,6 +101,9 @@ _FIXES = {
                        "`kvbridge mooncake master --metadata-only --host ADDR --http-port P` beside it, or firewall "
                        "the port. Clients' transfer-engine ports also listen on every interface: "
                        "firewall them on shared networks",
+    "auth": "make a secret once (`kvbridge auth new-secret --out FILE`, mode 0600), copy it to "
+            "every host and set KVBRIDGE_SECRET_FILE=FILE (or the connector's "
+            "auth_secret_file); `kvbridge auth show` compares fingerprints",
     "mooncake": "pip install mooncake-transfer-engine-non-cuda (no GPU driver) or "
                 "mooncake-transfer-engine (with libcuda.so.1), then apt-get install "
                 "libibverbs1 librdmacm1 libnuma1 libcurl4",
@@ -125,6 +128,21 @@ def _timed(name: str, required: bool, fn: Callable[[], str], fix: str) -> Check:
     except Exception as exc:
         return Check(name, False, required, f"{type(exc).__name__}: {exc}", fix,
                      time.monotonic() - start)
+
+
+def check_auth() -> str:
+    """Which cluster secret this host's engines would use (never the secret itself)."""
+    from kvbridge.auth import INSECURE_ENV, insecure_from_env, resolve_secret
+
+    secret = resolve_secret()  # raises on a misconfigured one: the check fails
+    if secret is not None:
+        return (f"cluster secret from {secret.source}, fingerprint {secret.fingerprint}: "
+                "side channel, control port, events replay and NIXL hellos take members only")
+    if insecure_from_env():
+        raise RuntimeError(f"{INSECURE_ENV}=1 without a cluster secret: engines serve "
+                           "strangers on any address they are given")
+    return ("no cluster secret: engines serve loopback only, unauthenticated (a "
+            "non-loopback bind is refused)")
 
 
 def check_torch() -> str:
@@ -314,6 +332,7 @@ def run_checks(timeout_s: float, mooncake_master: str | None = None,
         _timed("mooncake", "mooncake" in required, lambda: check_mooncake(timeout_s),
                _FIXES["mooncake"]),
         _timed("rdma", False, check_rdma, _FIXES["rdma"]),
+        _timed("auth", False, check_auth, _FIXES["auth"]),
     ]
     listen_rows: list[dict[str, object]] = []
     if mooncake_master is None and not checks[4].ok:

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from kvbridge.auth import resolve_auth
 from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -246,7 +247,12 @@ def _tail(args: argparse.Namespace) -> int:
     )
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     batches = 0
-    with KVEventSubscriber(config) as subscriber:
+    try:  # replay requests are sealed with the cluster secret of the environment
+        auth = resolve_auth()
+    except ValueError as exc:
+        print(f"kvbridge events tail: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    with KVEventSubscriber(config, auth=auth) as subscriber:
         while args.count is None or batches < args.count:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:

@@ -9,6 +9,7 @@ import sys
 import threading
 from dataclasses import replace
 
+from kvbridge.auth import insecure_from_env, resolve_auth
 from kvbridge.handshake import HandshakeError, HandshakeServer, TransferMode
 from kvbridge.handshake.example import example_store
 from kvbridge.layouts import KVCacheSpec, LayoutError, load_spec
@@ -72,8 +73,10 @@ def run_serve_example(args: argparse.Namespace) -> int:
         spec.validate_topology(topology)
         store = example_store(spec, topology, args.engine_id, TransferMode(args.mode),
                               num_blocks=args.num_blocks)
-        server = HandshakeServer(store, args.host, args.port).start()
-    except (LayoutError, HandshakeError) as exc:
+        store.auth = resolve_auth()  # the cluster secret of the environment, as an engine's
+        server = HandshakeServer(store, args.host, args.port,
+                                 insecure_no_auth=insecure_from_env()).start()
+    except (LayoutError, HandshakeError, ValueError) as exc:
         print(f"kvbridge handshake serve-example: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, LayoutError) else EXIT_FAILURE
     stop = threading.Event()

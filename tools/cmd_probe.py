@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvbridge.auth import resolve_auth
 from kvbridge.handshake import (
     FetchResult,
     HandshakeClient,
@@ -123,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         print("kvbridge probe: --timeout must be > 0 and --retries >= 0", file=sys.stderr)
         return EXIT_USAGE
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-    client = HandshakeClient(timeout_s=args.timeout, retries=args.retries)
+    # sealed with the cluster secret of the environment (KVBRIDGE_SECRET_FILE), if any
+    client = HandshakeClient(timeout_s=args.timeout, retries=args.retries, auth=resolve_auth())
     try:
         result = client.fetch(address)
     except HandshakeError as exc:

@@ -4,10 +4,14 @@ This is how an operator checks a real link between two machines: on host A
 ``kvbridge serve --role producer --host A --port 5600`` (side channel on 5600,
 engine control on 5601), on host B ``kvbridge demo --producer-addr A:5600``
 (only the consumer runs there); ``kvbridge probe A:5600`` shows the metadata.
-The control socket accepts the msgpack protocol of :mod:`kvbridge.engine.server`
-from any client: firewall it (and the NIXL/UCX ports) to the peers you trust.
-Its ``shutdown`` op is honoured only on a loopback ``--host`` (or with
-``--allow-remote-shutdown``).
+With a cluster secret (``--secret-file``, or ``KVBRIDGE_SECRET_FILE`` /
+``KVBRIDGE_SECRET`` in the environment; :mod:`kvbridge.auth`) the side channel,
+the control socket, the events replay socket and every NIXL peer's hello take
+sealed requests from members only, and a non-loopback ``--host`` is served.
+Without one, ``--host`` must be loopback unless ``--insecure-no-auth`` says to
+serve anyone who can reach it (then firewall it, and the NIXL/UCX ports, to
+the peers you trust). The control socket's ``shutdown`` op is honoured only on
+a loopback ``--host`` (or with ``--allow-remote-shutdown``).
 
 Signals: SIGINT and SIGTERM stop the engine cleanly (exit 0); so does SIGHUP
 (the terminal closed) unless it is ignored, as under ``nohup``: then the engine
@@ -19,12 +23,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import json
+import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    check_bind,
+    insecure_from_env,
+    is_loopback,
+    resolve_auth,
+)
 from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
 from kvbridge.layouts import LayoutError, load_spec, preset_names
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE
@@ -37,11 +50,14 @@ SERVE_DIMS = ("tp", "pp")  # the sizes serve takes one per flag (all: --topology
 
 EPILOG = """\
 examples:
-  kvbridge serve --role producer --host 10.0.0.5 --port 5600
+  kvbridge auth new-secret --out /etc/kvbridge/cluster.secret   # once; copy to every host
+  kvbridge serve --role producer --host 10.0.0.5 --port 5600 \\
+      --secret-file /etc/kvbridge/cluster.secret
   kvbridge serve --role producer --model tiny-hybrid --tp 2 --mode push --port 5600 --json
-  # then, on another machine:
-  kvbridge demo --producer-addr 10.0.0.5:5600 --consumer tp=1
-  kvbridge probe 10.0.0.5:5600
+  # then, on another machine (KVBRIDGE_SECRET_FILE names the same secret there):
+  KVBRIDGE_SECRET_FILE=/etc/kvbridge/cluster.secret \\
+      kvbridge demo --producer-addr 10.0.0.5:5600 --consumer tp=1
+  KVBRIDGE_SECRET_FILE=/etc/kvbridge/cluster.secret kvbridge probe 10.0.0.5:5600
 
 --json prints one ready line {"role", "mode", "model", "engine_id", "side_channel",
 "control"} once the engine listens.
@@ -73,6 +89,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=5600, help="side-channel port (default 5600)")
     parser.add_argument("--control-port", type=int, default=None,
                         help="engine control port (default PORT+1)")
+    parser.add_argument("--secret-file", metavar="FILE", default=None,
+                        help="the cluster secret (one line; `kvbridge auth new-secret` makes "
+                             "one); default KVBRIDGE_SECRET_FILE or KVBRIDGE_SECRET")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="without a secret, serve a non-loopback --host anyway: anyone "
+                             "who reaches its ports may fetch its metadata and drive it")
     parser.add_argument("--allow-remote-shutdown", action="store_true",
                         help="honour the control port's shutdown op on a non-loopback --host "
                              "(default: only on loopback)")
@@ -82,7 +104,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from kvbridge.tools.events_flags import add_events_arguments, with_engine_events
 
     add_events_arguments(parser)  # --events-endpoint / --events-replay-endpoint
-    parser.set_defaults(func=with_engine_events(run))
+    parser.set_defaults(func=_with_secret_file(with_engine_events(run)))
+
+
+def _with_secret_file(run: Callable[[argparse.Namespace], int]
+                      ) -> Callable[[argparse.Namespace], int]:
+    """``run`` with ``--secret-file`` made this process's secret (``KVBRIDGE_SECRET_FILE``),
+    so the side channel, the control port and the events replay socket all use it."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        if args.secret_file:
+            os.environ.pop(SECRET_ENV, None)
+            os.environ[SECRET_FILE_ENV] = args.secret_file
+        return run(args)
+
+    return wrapped
 
 
 def build_config(args: argparse.Namespace) -> EngineConfig:
@@ -93,6 +129,10 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     if not isinstance(extra, dict):
         raise ConfigError("kv_config", "expected a JSON object")
     extra.update({"mode": args.mode, "host": args.host, "port": args.port})
+    if args.secret_file:
+        extra["auth_secret_file"] = args.secret_file
+    if args.insecure_no_auth:
+        extra["insecure_no_auth"] = True
     role = KVRole.PRODUCER if args.role == "producer" else KVRole.CONSUMER
     connector = ConnectorConfig.from_dict({"kv_connector": "nixl", "kv_role": role.value,
                                            "engine_id": args.engine_id,
@@ -134,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_ports(args.port, control_port)
         config = build_config(args)
+        auth = resolve_auth(file=args.secret_file)
+        insecure = args.insecure_no_auth or insecure_from_env()
+        check_bind(args.host, auth is not None, insecure, "kvbridge serve")
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"kvbridge serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -150,8 +193,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(config, host=args.host, port=control_port,
               ready_stream=_Announce(args, control_port),
-              allow_shutdown=args.allow_remote_shutdown or _is_loopback(args.host),
-              exit_with_parent=False)
+              allow_shutdown=args.allow_remote_shutdown or is_loopback(args.host),
+              exit_with_parent=False, auth=auth, insecure_no_auth=insecure)
     except KeyboardInterrupt:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
             print("kvbridge serve: stopped", file=sys.stderr)
@@ -168,10 +211,3 @@ def _check_ports(side_port: int, control_port: int) -> None:
     if side_port == control_port:
         raise ConfigError("control_port", f"{control_port} is also the side-channel --port; "
                                           f"give each its own port")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

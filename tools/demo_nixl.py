@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-import msgpack
 import zmq
 
+from kvbridge.auth import resolve_auth
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode, TransferParams
 from kvbridge.connectors.nixl.worker import histogram_percentile
 from kvbridge.engine.core import EngineConfig
@@ -33,6 +33,7 @@ from kvbridge.engine.harness import (
     EngineProcess,
     EngineProcessError,
     connect_control,
+    control_exchange,
 )
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
@@ -83,6 +84,7 @@ class RemoteEngine(ControlCalls):
     def __init__(self, host: str, port: int, *, call_timeout_s: float = 30.0) -> None:
         self.host, self.port = host, port
         self.call_timeout_s = call_timeout_s
+        self.auth = resolve_auth()  # the cluster secret of this host's environment
         self._context = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._connect()
@@ -100,8 +102,7 @@ class RemoteEngine(ControlCalls):
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         assert self._sock is not None
         try:
-            self._sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
-            reply = msgpack.unpackb(self._sock.recv(), raw=False)
+            reply = control_exchange(self._sock, self.auth, op, fields)
         except zmq.Again:
             self._connect()
             raise EngineProcessError(f"producer control {self.host}:{self.port}: no reply to "

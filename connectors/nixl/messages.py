@@ -9,7 +9,9 @@ send nothing but plain msgpack scalars, lists, maps and bytes (never pickle).
 Kinds (``C`` = consumer rank, ``P`` = producer rank):
 
 * ``hello`` C->P: the consumer rank's encoded ``AgentMetadata`` (so the
-  producer can add it as a NIXL peer to answer, and in push mode write to it).
+  producer can add it as a NIXL peer to answer, and in push mode write to it),
+  sealed when a cluster secret is configured (:mod:`kvbridge.auth`; a producer
+  with one ignores any other hello, so only a member becomes its peer).
 * ``read`` C->P (pull): the notification of a READ (or a standalone "I will not
   read" with ``read=False``: full prefix hit, abort). ``expected`` is how many
   consumer ranks will notify this producer rank for the request.

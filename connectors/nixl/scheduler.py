@@ -142,15 +142,19 @@ class NixlScheduler(SchedulerConnector):
     # ------------------------------------------------------------------ handshake
 
     def set_handshake_metadata(self, per_worker: Mapping[int, bytes]) -> None:
+        auth = self.settings.cluster_auth()
         store = MetadataStore(self.ctx.engine_id, self.ctx.spec, self.ctx.topology,
-                              WireMode(self.settings.mode.value))
+                              WireMode(self.settings.mode.value), auth=auth)
         for _index, blob in sorted(per_worker.items()):
             store.publish(decode_agent(blob))
-        server = HandshakeServer(store, self.settings.host, self.settings.port)
+        server = HandshakeServer(store, self.settings.host, self.settings.port,
+                                 insecure_no_auth=self.settings.serves_strangers)
         server.start()
         self._store, self._server = store, server
-        logger.info("nixl: engine %s (%s, %s) side channel on %s", self.ctx.engine_id,
-                    self.ctx.role.value, self.settings.mode.value, server.address)
+        logger.info("nixl: engine %s (%s, %s) side channel on %s (%s)", self.ctx.engine_id,
+                    self.ctx.role.value, self.settings.mode.value, server.address,
+                    f"cluster secret {auth.secret.fingerprint}" if auth else
+                    "no cluster secret: unauthenticated")
 
     def endpoint(self) -> tuple[str, int] | None:
         if self._server is None:

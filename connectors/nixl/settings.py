@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.auth import ClusterAuth, SecretError, insecure_from_env, resolve_secret
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
 from kvbridge.connectors.verify_config import VERIFY_KEYS, VerifySettings, parse_verify
@@ -39,6 +40,12 @@ class NixlSettings(VerifySettings):
     load that cannot be checked (a producer that offers no digests, head slices
     at heterogeneous TP) is still served, counted as ``blocks_unverified``;
     False fails it instead. (Fields of :class:`VerifySettings`.)
+    ``auth_secret_file``: a file holding the cluster secret (:mod:`kvbridge.auth`)
+    that seals the side channel and the ``hello`` of every NIXL peer; default
+    the environment (``KVBRIDGE_SECRET_FILE`` or ``KVBRIDGE_SECRET``). The value
+    itself is not a setting: engines log their config. Without a secret the side
+    channel listens on loopback only, unless ``insecure_no_auth`` (or
+    ``KVBRIDGE_INSECURE_NO_AUTH=1``) says to serve strangers too.
     """
 
     mode: TransferMode = TransferMode.PULL
@@ -54,6 +61,8 @@ class NixlSettings(VerifySettings):
     revalidate_s: float = 5.0
     idle_progress_ms: float = 5.0
     busy_progress_ms: float = 0.2
+    auth_secret_file: str | None = None
+    insecure_no_auth: bool = False
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -62,6 +71,20 @@ class NixlSettings(VerifySettings):
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    def cluster_auth(self) -> ClusterAuth | None:
+        """The configured secret's seal (read now: the file or the environment), or None."""
+        try:
+            secret = resolve_secret(file=self.auth_secret_file)
+        except SecretError as exc:
+            raise ConfigError("kv_connector_extra_config.auth_secret_file"
+                              if self.auth_secret_file else exc.source, exc.reason) from None
+        return ClusterAuth(secret) if secret is not None else None
+
+    @property
+    def serves_strangers(self) -> bool:
+        """Whether the operator asked to serve a non-loopback side channel unauthenticated."""
+        return self.insecure_no_auth or insecure_from_env()
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> NixlSettings:
@@ -81,6 +104,14 @@ class NixlSettings(VerifySettings):
                     raise ConfigError(where, f"expected 'pull' or 'push', got {value!r}") from None
             elif key in VERIFY_KEYS:
                 continue  # below, together
+            elif key == "auth_secret_file":
+                if value is not None and (not isinstance(value, str) or not value):
+                    raise ConfigError(where, f"expected a file path, got {value!r}")
+                values[key] = value
+            elif key == "insecure_no_auth":
+                if not isinstance(value, bool):
+                    raise ConfigError(where, f"expected true or false, got {value!r}")
+                values[key] = value
             elif key in ("host", "advertise_host"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ConfigError(where, f"expected a host name or address, got {value!r}")

@@ -55,6 +55,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
+from kvbridge.auth import AuthError, Label, is_sealed
 from kvbridge.backends.fence import Fence, record_fence
 from kvbridge.backends.nixl import (
     DescList,
@@ -296,9 +297,10 @@ class NixlWorker(WorkerConnector):
         self.memory: dict[int, LayerMemory] = {}
         self._agent_doc = b""
         self._executor: ThreadPoolExecutor | None = None
+        self.auth = self.settings.cluster_auth()
         self._client = HandshakeClient(timeout_s=self.settings.handshake_timeout_s,
                                        retries=self.settings.handshake_retries,
-                                       expected=self.header)
+                                       expected=self.header, auth=self.auth)
         self._sessions: dict[SessionKey, PeerSession] = {}
         self._connecting: dict[SessionKey, _Connecting] = {}
         self._abandoned: list[Future[PeerSession]] = []  # handshakes past their deadline
@@ -614,7 +616,7 @@ class NixlWorker(WorkerConnector):
         assert self.transport is not None
         future = self._pool().submit(
             open_session, key, self.transport, self._client, self.header, self.ctx.spec,
-            self.sizes, self.rank, self.memory, self._agent_doc, self._local_cache)
+            self.sizes, self.rank, self.memory, self._hello_doc(), self._local_cache)
         self._connecting[key] = _Connecting(future, now)
         self._counters["handshakes"] += 1
 
@@ -1183,9 +1185,25 @@ class NixlWorker(WorkerConnector):
                        "(%s; logged once per agent, counted in notifs_rejected)",
                        self.ctx.engine_id, self.rank_index, sender[:128], reason)
 
+    def _hello_doc(self) -> bytes:
+        """What our ``hello`` carries: our agent record, sealed afresh with the secret."""
+        if self.auth is None:
+            return self._agent_doc
+        return self.auth.seal_request(Label.NIXL_HELLO, self._agent_doc)[0]
+
     def _on_hello(self, sender: str, msg: messages.Hello, now: float) -> None:
         assert self.transport is not None
-        meta = decode_agent(msg.agent)
+        agent = msg.agent
+        if self.auth is not None:  # only a member becomes a peer (and may then be answered)
+            try:
+                agent = self.auth.open_request(Label.NIXL_HELLO, agent).body
+            except AuthError as exc:
+                self._reject(sender, f"its hello does not authenticate: {exc.reason}")
+                return
+        elif is_sealed(agent):
+            self._reject(sender, "its hello is sealed with a cluster secret; this rank has none")
+            return
+        meta = decode_agent(agent)
         if meta.agent_name != sender:
             raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")
         known = self._consumers.get(sender)

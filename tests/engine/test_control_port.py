@@ -28,7 +28,10 @@ from kvbridge.engine.control import (
     split_submit,
 )
 from kvbridge.engine.request import RequestSpec
-from tests.conftest import free_port, ready_line, require, stop_process
+from tests.conftest import free_port, plaintext_env, ready_line, require, stop_process
+
+#: raw frames below the cluster secret's seal (tests/engine/test_control_auth.py: above it)
+pytestmark = pytest.mark.plaintext
 
 NUM_BLOCKS = 32  # tiny-gqa: 16 tokens a block, so the pool holds 512 tokens of one request
 POOL_TOKENS = NUM_BLOCKS * 16
@@ -97,7 +100,7 @@ def served() -> Iterator[Served]:
         [sys.executable, "-m", "kvbridge.tools.cli", "serve", "--role", "producer",
          "--port", str(free_port()), "--control-port", str(control),
          "--num-blocks", str(NUM_BLOCKS), "--json"],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True, env=plaintext_env())
     try:
         ready = ready_line(proc)
         assert ready["control"] == f"127.0.0.1:{control}"

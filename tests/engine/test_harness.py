@@ -43,6 +43,7 @@ def test_pd_through_two_processes(tmp_path: Path) -> None:
     assert stats["producer"]["idle_problems"] == [] and stats["consumer"]["idle_problems"] == []
 
 
+@pytest.mark.plaintext  # raw garbage below the seal
 def test_server_answers_bad_requests_and_keeps_serving() -> None:
     with EngineProcess(EngineConfig(load_spec("tiny-gqa"), num_blocks=16), name="solo",
                        call_timeout_s=20) as proc:

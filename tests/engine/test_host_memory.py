@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from kvbridge.auth import is_loopback as _is_loopback
 from kvbridge.connectors import ConfigError
 from kvbridge.engine import Engine, EngineConfig
 from kvbridge.engine.core import (
@@ -17,7 +18,6 @@ from kvbridge.engine.core import (
 )
 from kvbridge.engine.server import _handle_frames
 from kvbridge.layouts import ParallelTopology, load_spec
-from kvbridge.tools.cmd_serve import _is_loopback
 
 
 @pytest.mark.parametrize(("preset", "topology"), [

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvbridge.auth import resolve_auth
 from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -29,7 +30,8 @@ from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 @pytest.fixture
 def publisher() -> Iterator[KVEventPublisher]:
-    pub = KVEventPublisher(PublisherConfig(topic="kv-events"))
+    # sealed like an engine's when the environment has a cluster secret (make test-auth)
+    pub = KVEventPublisher(PublisherConfig(topic="kv-events"), auth=resolve_auth())
     yield pub
     pub.close(timeout_s=1.0)
 
@@ -64,7 +66,7 @@ def test_tail_json_prints_replayed_batches(
 
 
 def test_tail_text_marks_lost_batches(capsys: pytest.CaptureFixture[str]) -> None:
-    pub = KVEventPublisher(PublisherConfig(replay_buffer_batches=1))
+    pub = KVEventPublisher(PublisherConfig(replay_buffer_batches=1), auth=resolve_auth())
     try:
         _publish_three(pub)
         assert pub.replay_endpoint is not None

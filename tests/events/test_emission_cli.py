@@ -18,7 +18,9 @@ import msgpack
 import pytest
 import zmq
 
+from kvbridge.auth import resolve_auth
 from kvbridge.engine import make_requests
+from kvbridge.engine.harness import control_exchange
 from kvbridge.events import (
     BlockStored,
     KVEvent,
@@ -96,8 +98,7 @@ def test_serve_publishes_its_engine_events(tmp_path: Path) -> None:
     sock.setsockopt(zmq.SNDTIMEO, 30_000)
 
     def call(op: str, **fields: Any) -> dict[str, Any]:
-        sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
-        reply: dict[str, Any] = msgpack.unpackb(sock.recv(), raw=False)
+        reply: dict[str, Any] = control_exchange(sock, resolve_auth(), op, fields)
         assert reply["ok"], reply
         return reply
 
@@ -105,7 +106,8 @@ def test_serve_publishes_its_engine_events(tmp_path: Path) -> None:
     try:
         ready = _ready_line(proc, 120)
         assert ready["control"].endswith(f":{control}")
-        with KVEventSubscriber(SubscriberConfig(endpoint, replay, start_seq=0)) as sub:
+        with KVEventSubscriber(SubscriberConfig(endpoint, replay, start_seq=0),
+                               auth=resolve_auth()) as sub:
             sock.connect(f"tcp://127.0.0.1:{control}")
             token = call("submit", requests=[r.to_dict() for r in requests])["token"]
             done: list[Any] = []
@@ -141,6 +143,7 @@ def _rss_of(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
+@pytest.mark.plaintext  # vLLM's plain replay requests, below the seal
 def test_serve_replay_router_stays_bounded_under_unread_requests(tmp_path: Path) -> None:
     """The served engine's replay ROUTER had SNDHWM 0: a client sending 3,000
     replay requests and reading none made `serve` queue every reply. Now its

@@ -44,6 +44,8 @@ from typing import Any
 import msgpack
 import pytest
 
+from kvbridge.auth import Label, Secret
+from kvbridge.auth.seal import open_sealed, seal
 from kvbridge.connectors import ConnectorMetadata, TransferMode, TransferParams
 from kvbridge.connectors.metadata_wire import decode_metadata, encode_metadata
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
@@ -520,6 +522,41 @@ VECTORS += [
            lambda data: [control.decode_frames([b], _CONTROL_LIMITS)
                          for b in msgpack.unpackb(data)]),
 ]
+
+
+# ---------------------------------------------------------------- sealed messages (issue 17)
+
+_SEAL_SECRET = Secret.from_value("golden-cluster-secret-0123456789", "golden")
+_SEAL_LABELS = [Label.SIDE_CHANNEL, Label.CONTROL, Label.EVENTS_REPLAY, Label.NIXL_HELLO]
+
+
+def _sealed() -> list[tuple[bytes, bytes, int, bytes]]:
+    """(label, body, sent_ms, nonce) of one request per socket, then a side-channel reply
+    bound to the first request's nonce (label "side-channel/reply")."""
+    rows = [(label.value, f"body of {label.value.decode()}".encode(), 1_767_225_600_000 + i,
+             bytes([i]) * 16) for i, label in enumerate(_SEAL_LABELS)]
+    return [*rows, (b"side-channel/reply", b"reply body", 1_767_225_600_100, bytes([9]) * 16)]
+
+
+def _seal_encode(rows: list[tuple[bytes, bytes, int, bytes]]) -> bytes:
+    bound = [b""] * len(_SEAL_LABELS) + [rows[0][3]]
+    return _pack([seal(_SEAL_SECRET, label, body, bound=b, sent_ms=sent, nonce=nonce)[0]
+                  for (label, body, sent, nonce), b in zip(rows, bound, strict=True)])
+
+
+def _seal_decode(data: bytes) -> list[tuple[bytes, bytes, int, bytes]]:
+    wires = msgpack.unpackb(data)
+    labels = [label.value for label in _SEAL_LABELS] + [b"side-channel/reply"]
+    bound = [b""] * len(_SEAL_LABELS)
+    out = []
+    for wire, label in zip(wires, labels, strict=True):
+        opened = open_sealed(_SEAL_SECRET, label, wire,
+                             bound=bound[0] if len(out) < len(bound) else out[0][3])
+        out.append((label, opened.body, opened.sent_ms, opened.nonce))
+    return out
+
+
+VECTORS += [Vector("auth_sealed.hex", _sealed, _seal_encode, _seal_decode)]
 _BY_NAME = {v.name: v for v in VECTORS}
 
 

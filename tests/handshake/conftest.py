@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvbridge.auth import resolve_auth
 from kvbridge.handshake import HandshakeServer, MetadataStore, TransferMode
 from kvbridge.handshake.example import example_store
 from kvbridge.layouts import ParallelTopology, load_spec
@@ -27,7 +28,12 @@ def serve() -> Iterator[Callable[..., HandshakeServer]]:
     """Start servers on their own threads; every one is stopped at teardown."""
     servers: list[HandshakeServer] = []
 
-    def start(store: MetadataStore, port: int = 0) -> HandshakeServer:
+    def start(store: MetadataStore, port: int = 0, *, env_secret: bool = False
+              ) -> HandshakeServer:
+        """``env_secret``: seal with the environment's cluster secret, as a served engine
+        does (for the CLI, which takes it from there too)."""
+        if env_secret:
+            store.auth = resolve_auth()
         server = HandshakeServer(store, "127.0.0.1", port).start()
         servers.append(server)
         return server

@@ -10,7 +10,7 @@ from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 def test_probe_prints_every_rank_and_saves_a_document(make_store, serve, capsys, tmp_path):
     store = make_store(model="tiny-hybrid", tp=2, pp=2, engine_id="prefill-0")
-    server = serve(store)
+    server = serve(store, env_secret=True)
     saved = tmp_path / "prefill.kvmeta"
     assert main(["probe", server.address, "--json", "--save", str(saved)]) == EXIT_OK
     out = json.loads(capsys.readouterr().out)
@@ -36,9 +36,10 @@ def test_probe_exit_codes(capsys):
 
 
 def test_diff_live_against_saved_and_exit_codes(make_store, serve, capsys, tmp_path):
-    decode = serve(make_store(tp=1, engine_id="decode-0"))
-    prefill = serve(make_store(tp=4, engine_id="prefill-0"))
-    push = serve(make_store(tp=2, engine_id="prefill-push", mode=TransferMode.PUSH))
+    decode = serve(make_store(tp=1, engine_id="decode-0"), env_secret=True)
+    prefill = serve(make_store(tp=4, engine_id="prefill-0"), env_secret=True)
+    push = serve(make_store(tp=2, engine_id="prefill-push", mode=TransferMode.PUSH),
+                 env_secret=True)
     saved = tmp_path / "p.kvmeta"
     assert main(["probe", prefill.address, "--save", str(saved)]) == EXIT_OK
     capsys.readouterr()

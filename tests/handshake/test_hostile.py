@@ -18,6 +18,7 @@ import msgpack
 import pytest
 import zmq
 
+from kvbridge.auth import resolve_auth
 from kvbridge.handshake import (
     EngineMetadata,
     ErrorReply,
@@ -221,7 +222,8 @@ def test_served_side_channel_holds_no_unfinished_multipart_messages(
     try:
         ready = ready_line(serve)
         assert ready["side_channel"] == f"127.0.0.1:{port}"
-        client = HandshakeClient(timeout_s=5.0, retries=1)
+        # a served engine takes the environment's cluster secret (make test-auth): so do we
+        client = HandshakeClient(timeout_s=5.0, retries=1, auth=resolve_auth())
         before = client.fetch(f"127.0.0.1:{port}")
         rss_before = _rss_kib(serve.pid)
         # MORE | LONG, 8-byte size, then the body; the message is never finished

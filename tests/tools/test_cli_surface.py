@@ -41,6 +41,8 @@ JSON_TESTS: dict[str, tuple[str, str]] = {
     "serve": ("connectors/nixl/test_cli.py", '"serve"'),
     "bench": ("tools/test_bench_suite.py", '"bench"'),
     "trace": ("tools/test_cmd_trace.py", '"trace"'),
+    "auth new-secret": ("tools/test_cmd_auth.py", '"auth", "new-secret"'),
+    "auth show": ("tools/test_cmd_auth.py", '"auth", "show"'),
 }
 
 

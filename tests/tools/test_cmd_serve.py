@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 import zmq
 
+from kvbridge.auth import new_secret, resolve_auth
+from kvbridge.engine.harness import control_exchange
 from tests.conftest import free_port, ready_line, require, stop_process
 
 CLI = [sys.executable, "-m", "kvbridge.tools.cli"]
@@ -34,12 +35,13 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT_BYTES, AS_LIMIT_BYTES))
 
 
-def _serve_usage_error(*args: str) -> str:
+def _serve_usage_error(*args: str, env: dict[str, str] | None = None) -> str:
     """stderr of a ``kvbridge serve`` that must stop at once with exit code 2."""
     port = free_port()
     try:
         proc = subprocess.run([*CLI, "serve", "--port", str(port), *args], capture_output=True,
-                              text=True, timeout=240, preexec_fn=_limit_memory)
+                              text=True, timeout=240, preexec_fn=_limit_memory,
+                              env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as exc:  # killed by run()
         raise AssertionError(f"serve {args} kept running: not refused") from exc
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
@@ -76,11 +78,31 @@ def test_tp_zero_is_refused_not_run_as_tp_1() -> None:
     # before: a ZMQError traceback (192.0.2.1 is TEST-NET-1: no address of this host;
     # a bind sends no traffic)
     (["--events-endpoint", "tcp://192.0.2.1:5557"], "events_endpoint: cannot bind"),
+    # without a cluster secret a non-loopback replay endpoint is refused before a bind
     (["--events-endpoint", "tcp://127.0.0.1:*", "--events-replay-endpoint",
-      "tcp://192.0.2.1:5657"], "events_replay_endpoint: cannot bind tcp://192.0.2.1:5657"),
+      "tcp://192.0.2.1:5657"], "events_replay_endpoint: the KV events replay endpoint: "
+                               "refusing to listen on 192.0.2.1 without a cluster secret"),
 ])
+@pytest.mark.plaintext
 def test_a_bad_events_endpoint_is_a_usage_error(flags: list[str], field: str) -> None:
     assert field in _serve_usage_error(*flags)
+
+
+def test_an_unbindable_replay_endpoint_with_a_secret_is_a_usage_error(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    new_secret(secret)
+    err = _serve_usage_error("--secret-file", str(secret), "--events-endpoint",
+                             "tcp://127.0.0.1:*", "--events-replay-endpoint",
+                             "tcp://192.0.2.1:5657",
+                             env={"KVBRIDGE_SECRET_FILE": str(secret), "KVBRIDGE_SECRET": ""})
+    assert "events_replay_endpoint: cannot bind tcp://192.0.2.1:5657" in err
+
+
+@pytest.mark.plaintext
+def test_a_non_loopback_host_without_a_secret_is_refused() -> None:
+    err = _serve_usage_error("--host", "192.0.2.1")
+    assert "refusing to listen on 192.0.2.1 without a cluster secret" in err
+    assert "--insecure-no-auth" in err
 
 
 def test_a_kv_cache_the_host_cannot_hold_is_refused_before_allocating() -> None:
@@ -103,12 +125,13 @@ def test_absurd_model_sizes_are_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- signals
 
 def _call(port: int, message: dict[str, Any], timeout_s: float = 20) -> Any:
+    """One control call, sealed with the environment's cluster secret when there is one."""
     with zmq.Context() as context, context.socket(zmq.REQ) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send(msgpack.packb(message))
-        return msgpack.unpackb(sock.recv())
+        fields = dict(message)
+        return control_exchange(sock, resolve_auth(), fields.pop("op"), fields)
 
 
 def _state(pid: int) -> str | None:

@@ -111,3 +111,15 @@ class HostedEngine(ControlCalls):
 
     def close(self, timeout_s: float = 15.0) -> int | None:
         return None
+
+
+def member_hello(agent_doc: bytes) -> Any:
+    """A ``hello`` carrying ``agent_doc``, sealed with the environment's cluster secret when
+    there is one (``make test-auth``): a hostile *member*, so the checks behind the seal
+    are what a test exercises in both modes."""
+    from kvbridge.auth import Label, resolve_auth
+    from kvbridge.connectors.nixl import messages
+
+    auth = resolve_auth()
+    sealed = agent_doc if auth is None else auth.seal_request(Label.NIXL_HELLO, agent_doc)[0]
+    return messages.Hello(sealed)

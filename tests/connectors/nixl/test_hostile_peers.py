@@ -19,6 +19,7 @@ import msgpack
 import pytest
 import torch
 
+from kvbridge.auth import Label, resolve_auth
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors import KVRole, TransferMode
 from kvbridge.connectors.nixl import messages
@@ -44,7 +45,7 @@ from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import ParallelTopology, load_spec, plan_transfer
 from kvbridge.layouts.plan import plan_consumer_rank
 from tests.conftest import forged_topology, require
-from tests.connectors.nixl.nixl_helpers import nixl_config
+from tests.connectors.nixl.nixl_helpers import member_hello, nixl_config
 from tests.connectors.nixl.test_faults import (
     MODEL,
     PULL,
@@ -91,7 +92,8 @@ def _pointing_at(params: TransferParams, engine_id: str, port: int) -> TransferP
 
 
 class _ClaimingSideChannel:
-    """A raw ROUTER on 127.0.0.1 answering every request with one fixed document."""
+    """A raw ROUTER on 127.0.0.1 answering every request with one fixed document (a
+    hostile member: it seals with the environment's cluster secret when there is one)."""
 
     def __init__(self, doc: bytes) -> None:
         import zmq
@@ -101,6 +103,7 @@ class _ClaimingSideChannel:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.doc = doc
+        self.auth = resolve_auth()
         self.served = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -111,10 +114,17 @@ class _ClaimingSideChannel:
             if not self.sock.poll(20):
                 continue
             frames = self.sock.recv_multipart()
-            request = decode_request(frames[-1])
+            raw, nonce = frames[-1], b""
+            if self.auth is not None:
+                opened = self.auth.open_request(Label.SIDE_CHANNEL, raw)
+                raw, nonce = opened.body, opened.nonce
+            request = decode_request(raw)
             reply = MetadataReply(request.request_id, ServerClock(time.time(), time.monotonic()),
                                   self.doc)
-            self.sock.send_multipart([*frames[:-1], encode_reply(reply)])
+            out = encode_reply(reply)
+            if self.auth is not None:
+                out = self.auth.seal_reply(Label.SIDE_CHANNEL, nonce, out)
+            self.sock.send_multipart([*frames[:-1], out])
             self.served += 1
 
     def close(self) -> None:
@@ -257,7 +267,7 @@ def test_push_hello_claiming_two_to_the_forty_ranks_is_refused_and_push_goes_on(
     transport.register_regions([memory])
     try:
         assert producer.endpoint is not None and consumer.endpoint is not None
-        doc = HandshakeClient(timeout_s=5.0).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
+        doc = HandshakeClient(timeout_s=5.0, auth=resolve_auth()).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
         target = doc.ranks[0]
         peer = transport.add_peer(target.agent_name, target.agent_blob)
         shape = spec.rank_shapes(ParallelTopology(tp_size=1))[0]
@@ -269,7 +279,7 @@ def test_push_hello_claiming_two_to_the_forty_ranks_is_refused_and_push_goes_on(
         record = msgpack.unpackb(encode_agent(meta), raw=False)
         record["topology"]["tp_size"] = 2 ** 40
         hello = msgpack.packb(record, use_bin_type=True)
-        transport.send_notif(peer, messages.encode(messages.Hello(hello)))
+        transport.send_notif(peer, messages.encode(member_hello(hello)))
         deadline = time.monotonic() + 30
         ticks = iter(range(1000))
         while producer.stats()["stats"]["worker_stats"].get("bad_notifs", 0) < 1:

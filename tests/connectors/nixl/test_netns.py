@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from kvbridge.auth import new_secret
 from tests.conftest import free_port, missing_backend, require
 
 pytestmark = pytest.mark.netns
@@ -96,16 +97,20 @@ class _Lines:
         raise AssertionError(f"no line within {timeout_s} s")
 
 
-def test_link_down_mid_transfer_then_back(veth_pair: dict[str, str]) -> None:
+def test_link_down_mid_transfer_then_back(veth_pair: dict[str, str], tmp_path: Path) -> None:
     require("nixl_cu12", "NIXL (nixl-cu12)")
     net = veth_pair
+    # two "hosts" on non-loopback addresses: as in production, they share a cluster secret
+    secret = tmp_path / "cluster.secret"
+    new_secret(secret)
+    env = {**VETH_ENV, "KVBRIDGE_SECRET_FILE": str(secret), "KVBRIDGE_SECRET": ""}
     port = free_port()
     kvbridge = [sys.executable, "-m", "kvbridge.tools.cli"]
     producer = subprocess.Popen(
         ["ip", "netns", "exec", net["ns_p"], *kvbridge, "serve", "--role", "producer",
          "--host", net["ip_p"], "--port", str(port), "--json",
          "--kv-config", json.dumps({"lease_s": 60, "transfer_timeout_s": 3})],
-        stdout=subprocess.PIPE, text=True, env=VETH_ENV)
+        stdout=subprocess.PIPE, text=True, env=env)
     consumer: subprocess.Popen[str] | None = None
     try:
         ready = _Lines(producer).next(120)
@@ -113,7 +118,7 @@ def test_link_down_mid_transfer_then_back(veth_pair: dict[str, str]) -> None:
         consumer = subprocess.Popen(
             ["ip", "netns", "exec", net["ns_c"], sys.executable, str(DRIVER),
              "--producer", f"{net['ip_p']}:{port}", "--host", net["ip_c"], "--deadline", "3"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=VETH_ENV)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         lines = _Lines(consumer)
         assert consumer.stdin is not None
         warm = lines.next(120)

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from kvbridge.auth import resolve_auth
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.worker import MAX_DEFERRED_PER_AGENT
@@ -26,6 +27,7 @@ from kvbridge.engine.request import RequestSpec
 from kvbridge.engine.workload import make_requests
 from kvbridge.handshake import AgentMetadata, EngineMetadata, HandshakeClient, encode_agent
 from kvbridge.layouts import ParallelTopology, load_spec
+from tests.connectors.nixl.nixl_helpers import member_hello
 from tests.connectors.nixl.test_faults import (
     MODEL,
     Stepper,
@@ -44,7 +46,7 @@ GRACE_S = 1.0
 
 def _producer_doc(producer: EngineProcess) -> EngineMetadata:
     assert producer.endpoint is not None
-    return HandshakeClient(timeout_s=5.0).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
+    return HandshakeClient(timeout_s=5.0, auth=resolve_auth()).fetch(f"127.0.0.1:{producer.endpoint[1]}").metadata
 
 
 def _held_request(producer: EngineProcess, rogue: NixlTransport, seed: int, prefix: str
@@ -140,7 +142,7 @@ def test_a_peer_cannot_speak_for_another_consumer_rank_or_miscount_the_ranks() -
                        for i, layer in enumerate(shape.layer_ids)}
         meta = AgentMetadata.build("claimer", rogue.name, rogue.agent_metadata(),
                                    spec_model, me, layer_addrs, 1)
-        hello = messages.Hello(encode_agent(meta))
+        hello = member_hello(encode_agent(meta))
         # rank 0 notifies both producer ranks of a TP 1 consumer: each expects 1
         _send_all(rogue, peers, [hello, messages.ReadDone(rid, 3, 1),
                                  messages.ReadDone(rid, 0, 9), messages.Begin(rid, 5)])
@@ -192,7 +194,7 @@ def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded(
         held_ids = params.block_ids[0]
         stray = max(held_ids) + 1
         _send_all(rogue, peers, [
-            messages.Hello(encode_agent(meta)),
+            member_hello(encode_agent(meta)),
             messages.Begin(rid, 0, ((held_ids[0], stray),), "xxh3-64"),   # one not held
             messages.Begin(rid, 0, ((held_ids[0],),), "xxh3-64"),         # held: answered
             messages.Begin("never-held", 0, ((1, 2, 3),), "xxh3-64")])    # waits, bounded
