@@ -416,6 +416,16 @@ class ServerGroup:
         self.stop_all()
 
 
+#: vLLM's prompt-token counters by source (a consumer's /metrics)
+LOCAL_TOKENS = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+
+
+def prompt_token_sources(metrics: Mapping[str, float]) -> tuple[float, float]:
+    """(computed locally, loaded through the KV connector) prompt tokens of a server."""
+    return metrics.get(LOCAL_TOKENS, 0), metrics.get(EXTERNAL_TOKENS, 0)
+
+
 @contextlib.contextmanager
 def server_group(log_dir: Path, python: str | None = None) -> Iterator[ServerGroup]:
     group = ServerGroup(log_dir, python)
