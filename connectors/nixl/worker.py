@@ -1149,7 +1149,11 @@ class NixlWorker(WorkerConnector):
                 return
             lease_s, reason = self._leases.guarantee(msg.request_id, now)
             digests: tuple[bytes, ...] = ()
-            if msg.digest_ids and lease_s is not None:
+            # digests even without a promise: a READ that beat the hold's start (the router
+            # is faster than the producer's next step) completes the lease as the hold
+            # starts, before this early begin is answered; the digests taken then still
+            # describe the blocks it read (the ack decides whether they were still held)
+            if msg.digest_ids:
                 digests, why = self._slice_digests_for(msg, consumer) \
                     if msg.algorithm == SLICE_ALGORITHM else self._digests_for(msg)
                 reason = reason or why
