@@ -124,3 +124,23 @@ def test_ranges_and_block_ids_outside_the_tensors_are_refused() -> None:
         digester.slice_digests(((0, ((0, 8),)),), [3])
     with pytest.raises(LayoutError, match="no span for layer 9"):
         digester.slice_digests(((9, ((0, 8),)),), [0])
+
+
+def test_evenly_spaced_ranges_gathered_at_once_hash_the_same_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many ranges of one length at one step (NHD rows) are gathered with one strided
+    copy: the digest is still that of the concatenated bytes, as streamed."""
+    from kvbridge.layouts import digests
+
+    digester, buffers = _rank_buffers("tiny-gqa", ParallelTopology())
+    nbytes = load_spec("tiny-gqa").rank_shapes(ParallelTopology())[0].block_bytes_per_layer
+    rows = tuple((64 + i * 512, 128) for i in range(16))
+    assert digests._progression(rows) == (64, 128, 512, 16)  # the gathered path
+    b = 2
+    want = combine([digest_bytes(b"".join(bytes(buffers[1][b * nbytes + o:][:n])
+                                          for o, n in rows))])
+    gathered = digester.slice_digests(((1, rows),), [b, 0])
+    assert gathered[0] == want
+    monkeypatch.setattr(digests, "_GATHER_RANGES", 1 << 30)  # every range streamed
+    assert digests._progression(rows) is None
+    assert digester.slice_digests(((1, rows),), [b, 0]) == gathered
