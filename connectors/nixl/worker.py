@@ -1617,21 +1617,30 @@ class NixlWorker(WorkerConnector):
         if plan is None:
             return (), f"consumer rank {topology.describe()} reads nothing of producer rank " \
                        f"{self.rank_index}"
-        mine = self._hold_slices.get(begin.request_id, {}).get(topology)
-        if mine is None:  # the consumer rank was not known as the hold started
-            if len(begin.digest_ids) > len(held):
-                return (), f"asked for {len(begin.digest_ids)} regions; the request has " \
-                           f"{len(held)}"
-            asked = [[b for b in ids if b in held[r]]
-                     for r, ids in enumerate(begin.digest_ids)]
-            if sum(len(ids) for ids in asked) > MAX_ASK_BLOCKS:
+        taken = self._hold_slices.setdefault(begin.request_id, {})
+        mine = taken.get(topology)
+        if len(begin.digest_ids) > len(held):
+            return (), f"asked for {len(begin.digest_ids)} regions; the request has {len(held)}"
+        # the consumer rank was not known as the hold started: hash the asked blocks it
+        # holds that were not hashed for this consumer topology yet (kept: a repeated ask
+        # costs nothing more), at most one answer's worth
+        missing = [[b for b in ids if b in held[r] and r not in plan.whole
+                    and (mine is None or b not in mine[r])]
+                   for r, ids in enumerate(begin.digest_ids)]
+        if mine is None or any(missing):
+            if sum(len(ids) for ids in missing) > MAX_ASK_BLOCKS:
                 return (), f"more than {MAX_ASK_BLOCKS} digests asked"
             started = time.perf_counter()
             try:
-                mine = take_slice_digests(self._digester, plan, asked, held)
+                new = take_slice_digests(self._digester, plan, missing, held)
             except LayoutError as exc:
                 return (), f"no slice digests: {exc}"
-            self._count_slices(started, plan, asked, "slice_digests_at_begin")
+            self._count_slices(started, plan, missing, "slice_digests_at_begin")
+            mine = tuple(held[r] if r in plan.whole else
+                         {**(mine[r] if mine is not None and r < len(mine) else {}),
+                          **(new[r] if r < len(new) else {})}
+                         for r in range(len(held)))
+            taken[topology] = mine
         answer = answer_ask(mine, begin.digest_ids)
         if isinstance(answer, str):
             return (), answer
@@ -1665,7 +1674,10 @@ class NixlWorker(WorkerConnector):
         if not target.slice_digests:
             return f"no {SLICE_ALGORITHM} digests on producer rank {self.rank_index}"
         reg = target.register
+        # a region this consumer rank reads nothing of from this rank (another rank's
+        # replicated region) is answered empty: the consumer checks it against that rank
         asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
+                 if r < len(target.slice_digests) and target.slice_digests[r] else ()
                  for r, start in enumerate(reg.start)]
         answer = answer_ask(target.slice_digests, asked)
         if not isinstance(answer, str):

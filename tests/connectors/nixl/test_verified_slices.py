@@ -231,3 +231,25 @@ def test_push_head_slices_are_verified_and_a_byte_flipped_before_the_write_fails
     finally:
         consumer.shutdown()
         producer.shutdown()
+
+
+@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(2, 1), (2, 4)])
+def test_push_hybrid_slices_and_another_ranks_replicated_region_are_verified(
+        producer_tp: int, consumer_tp: int) -> None:
+    """Push, tiny-hybrid (a SPLIT and a REPLICATE region): a consumer rank registers
+    every region with each producer rank it reads from, but reads the replicated region
+    from one of them only; the others answer that region empty, so every block of both
+    regions is verified on every consumer rank, none unverified."""
+    producer, consumer = _pair(PUSH, producer_tp, consumer_tp, "tiny-hybrid")
+    try:
+        router = InProcessRouter(producer, consumer, PUSH)
+        specs = make_requests(3, prompt_tokens=48, max_tokens=2, seed=31, prefix="hybrid")
+        _run(router, specs)
+        assert check_outputs(router.results, specs) == []
+        assert all(r.num_recomputed_tokens == 0 for r in router.results)
+        totals = _totals(consumer)
+        assert totals["blocks_unverified"] == 0 and totals["digest_mismatches"] == 0
+        assert totals["blocks_verified"] == _loaded_blocks(router) * 2 * consumer_tp > 0
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
