@@ -31,7 +31,11 @@ slice digests as the hold starts for the consumer ranks it knows (their
 ``hello`` gave their topology, hence the plan); for a consumer rank it meets
 later (its first request) it takes them when the ``begin`` comes, so a
 corruption of the held blocks between the hold's start and that ``begin`` is
-not seen for those blocks (counted in ``slice_digests_at_begin``). Pure: no I/O.
+not seen for those blocks (counted in ``slice_digests_at_begin``). Push: a
+``register`` asks with the same algorithm; the producer takes the slice digests
+of that consumer rank's registered blocks once every layer is final, before its
+remaining WRITEs, and answers a region that rank reads from another producer
+rank empty. Pure: no I/O.
 """
 
 from __future__ import annotations
