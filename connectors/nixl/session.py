@@ -77,6 +77,8 @@ class PeerSession:
     #: producer rank -> regions whose blocks are checked against its digests, or why none
     #: (worked out once per session: see ``connectors.nixl.verify``)
     digest_regions: dict[int, tuple[frozenset[int], str]] = field(default_factory=dict)
+    #: producer rank -> the digest algorithm this rank asks it for (None: none in common)
+    digest_algorithms: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def sources(self) -> tuple[int, ...]:

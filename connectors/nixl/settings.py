@@ -9,6 +9,7 @@ from typing import Any
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
 from kvbridge.connectors.verify_config import VERIFY_KEYS, VerifySettings, parse_verify
+from kvbridge.layouts.digests import ALGORITHMS
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class NixlSettings(VerifySettings):
     load that cannot be checked (a producer that offers no digests, head slices
     at heterogeneous TP) is still served, counted as ``blocks_unverified``;
     False fails it instead. (Fields of :class:`VerifySettings`.)
+    ``verify_algorithms``: the digest algorithms this rank computes and asks
+    for, preferred first (``layouts.digests``: ``xxh3-64``, ``torch-mix64-v1``);
+    empty (default): both, XXH3-64 first; XXH3-64 is left out when the KV is in
+    GPU memory (the torch one runs on the tensors' device). A consumer asks a
+    producer for the first of its own that the producer offers.
     """
 
     mode: TransferMode = TransferMode.PULL
@@ -54,6 +60,7 @@ class NixlSettings(VerifySettings):
     revalidate_s: float = 5.0
     idle_progress_ms: float = 5.0
     busy_progress_ms: float = 0.2
+    verify_algorithms: tuple[str, ...] = ()
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -81,6 +88,13 @@ class NixlSettings(VerifySettings):
                     raise ConfigError(where, f"expected 'pull' or 'push', got {value!r}") from None
             elif key in VERIFY_KEYS:
                 continue  # below, together
+            elif key == "verify_algorithms":
+                if (not isinstance(value, list | tuple) or not value
+                        or not all(isinstance(v, str) for v in value)
+                        or any(v not in ALGORITHMS for v in value)):
+                    raise ConfigError(where, f"expected a non-empty list of digest algorithms "
+                                             f"of {list(ALGORITHMS)}, got {value!r}")
+                values[key] = tuple(dict.fromkeys(value))
             elif key in ("host", "advertise_host"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ConfigError(where, f"expected a host name or address, got {value!r}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.layouts.digests import BlockDigester, VerifyPolicy, unpack
+from kvbridge.layouts.digests import Digester, VerifyPolicy, unpack
 from kvbridge.layouts.errors import LayoutError
 from kvbridge.layouts.plan import RankPlan
 
@@ -108,7 +108,7 @@ def plan_ask(policy: VerifyPolicy, request_id: str, regions: frozenset[int],
                      tuple(len(ids) for ids in consumer_ids))
 
 
-def take_hold_digests(digester: BlockDigester, block_ids: Sequence[Sequence[int]]
+def take_hold_digests(digester: Digester, block_ids: Sequence[Sequence[int]]
                       ) -> tuple[dict[int, int], ...]:
     """Producer: ``block id -> digest`` per region of a request it starts to hold (its
     layers are final: prefill is done), answered later to any consumer that asks."""
@@ -138,7 +138,7 @@ def answer_ask(held: Sequence[dict[int, int]], asked: Sequence[Sequence[int]]
     return tuple(out)
 
 
-def check_answer(ask: DigestAsk, packed: Sequence[bytes], digester: BlockDigester,
+def check_answer(ask: DigestAsk, packed: Sequence[bytes], digester: Digester,
                  whole_load: bool = False) -> tuple[int, list[tuple[int, int]]]:
     """Consumer: (blocks verified, ``(region, consumer block id)`` of every mismatch).
 

@@ -105,8 +105,16 @@ from kvbridge.handshake import (
 )
 from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import LayerMemory, LayoutError, ParallelTopology
-from kvbridge.layouts.digests import ALGORITHM, BlockDigester, LayerSpan
+from kvbridge.layouts.digests import (
+    ALGORITHM,
+    BlockDigester,
+    Digester,
+    LayerSpan,
+    digest_algorithms,
+    pick_algorithm,
+)
 from kvbridge.layouts.plan import plan_consumer_rank, plan_transfer, rank_index
+from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +251,8 @@ class _PushJob:
     started_at: float = 0.0
     #: block id -> digest per region, taken once every layer is final (issue 18)
     digests: tuple[dict[int, int], ...] | None = None
+    #: the same in the producer's other algorithms consumers ask for (not the first)
+    alg_digests: dict[str, tuple[dict[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -356,8 +366,16 @@ class NixlWorker(WorkerConnector):
         #: consumer: loads finished on the producers' ``held`` promises before their acks
         #: came, (producer engine id, producer request id) -> (request id, forget at)
         self._done_on_promise: dict[tuple[str, str], tuple[str, float]] = {}
-        #: digests of this rank's blocks in host memory (None: GPU memory, not taken here)
-        self._digester: BlockDigester | None = None
+        #: the digesters of the algorithms this rank offers, in its preference order
+        #: (host memory: XXH3-64 and torch-mix64-v1; GPU memory: torch-mix64-v1 only)
+        self._digesters: dict[str, Digester] = {}
+        #: the first of them, whose digests a producer takes as every hold starts (None:
+        #: verification off)
+        self._digester: Digester | None = None
+        #: producer: other algorithms consumers asked for, taken as holds start too
+        self._hold_algs: set[str] = set()
+        #: producer: (request id, algorithm) -> digests per region in a non-first algorithm
+        self._alg_digests: dict[tuple[str, str], tuple[dict[int, int], ...]] = {}
         #: producer: block id -> digest per region of each request held (taken when the
         #: hold starts), to answer the digest asks of consumers
         self._hold_digests: dict[str, tuple[dict[int, int], ...]] = {}
@@ -398,19 +416,41 @@ class NixlWorker(WorkerConnector):
                                           name=f"kvb-nixl-pump-r{self.rank_index}")
             self._pump.start()
         mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
-        if mem_type == "DRAM" and self.settings.verify_policy.enabled:
-            spans = {layer: LayerSpan(mem.base_addr, mem.block_stride,
-                                      caches.shapes[caches.region_index_of_layer(layer)]
-                                      .block_bytes_per_layer, mem.num_blocks)
-                     for layer, mem in self.memory.items()}
-            self._digester = BlockDigester(spans, [s.layer_ids for s in caches.shapes],
-                                           owner=tensors)
+        if self.settings.verify_policy.enabled:
+            self._digesters = self._make_digesters(caches, tensors, mem_type == "DRAM")
+            self._digester = next(iter(self._digesters.values()), None)
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
                                    max(num_blocks) if num_blocks else 0, strides,
                                    mem_type=mem_type, device_id=device_id,
-                                   digests=(ALGORITHM,) if self._digester is not None else ())
+                                   digests=tuple(self._digesters))
         self._agent_doc = encode_agent(meta)
+
+    def _make_digesters(self, caches: KVCaches, tensors: list[Any], host_memory: bool
+                        ) -> dict[str, Digester]:
+        """The digesters of every algorithm this rank offers (``verify_algorithms``, less
+        XXH3-64 when the KV is not in host memory), in preference order."""
+        regions = [s.layer_ids for s in caches.shapes]
+        out: dict[str, Digester] = {}
+        for alg in digest_algorithms(host_memory, self.settings.verify_algorithms):
+            block_bytes = {layer: caches.shapes[caches.region_index_of_layer(layer)]
+                           .block_bytes_per_layer for layer in self.memory}
+            if alg == ALGORITHM:
+                out[alg] = BlockDigester(
+                    {layer: LayerSpan(mem.base_addr, mem.block_stride, block_bytes[layer],
+                                      mem.num_blocks) for layer, mem in self.memory.items()},
+                    regions, owner=tensors)
+            else:  # torch-mix64-v1: on the tensors' own device (GPU memory included)
+                out[alg] = TorchBlockDigester(
+                    {layer: TensorSpan(caches.layers[layer], mem.block_stride,
+                                       block_bytes[layer], mem.num_blocks)
+                     for layer, mem in self.memory.items()}, regions)
+        if self.settings.verify_algorithms and not out:
+            logger.warning("nixl: engine=%s rank=%d: none of verify_algorithms %s can digest "
+                           "this rank's KV (XXH3-64 needs host memory); it offers no digests",
+                           self.ctx.engine_id, self.rank_index,
+                           list(self.settings.verify_algorithms))
+        return out
 
     def get_handshake_metadata(self) -> bytes | None:
         return self._agent_doc
@@ -530,6 +570,8 @@ class NixlWorker(WorkerConnector):
             done_sending.add(rid)
             self._drop_push_job(rid)
             self._hold_digests.pop(rid, None)
+            for alg in self._hold_algs:
+                self._alg_digests.pop((rid, alg), None)
         self._counters["finished_sending"] += len(done_sending)
         done_recving, self._done_recving = self._done_recving, set()
         # failures reported with *these* finished ids only: the pump may fail more
@@ -759,7 +801,7 @@ class NixlWorker(WorkerConnector):
                         if p in session.rank_plan.sources else None
                     reg = messages.Register(rid, self.rank_index, session.expected[p],
                                             recv.start, recv.consumer_block_ids,
-                                            algorithm=ALGORITHM if ask else "")
+                                            algorithm=recv.digest_algorithms[p] if ask else "")
                     self.transport.send_notif(session.peers[p], messages.encode(reg))
         except Exception as exc:
             self._fail(recv, f"posting failed: {exc}", now)
@@ -1130,7 +1172,7 @@ class NixlWorker(WorkerConnector):
                 reason = reason or why
             self._send_to(sender, messages.Held(msg.request_id, self.rank_index,
                                                 lease_s is not None, lease_s or 0.0, reason,
-                                                digests, ALGORITHM if digests else ""))
+                                                digests, msg.algorithm if digests else ""))
 
     def _expected_from(self, consumer: _ConsumerPeer) -> int:
         """How many ranks of ``consumer``'s engine notify this producer rank per request."""
@@ -1331,7 +1373,8 @@ class NixlWorker(WorkerConnector):
         ask = self._ask_for(recv, session, p)
         if ask is None:
             return messages.Begin(rid, self.rank_index)
-        return messages.Begin(rid, self.rank_index, ask.producer_ids, ALGORITHM)
+        return messages.Begin(rid, self.rank_index, ask.producer_ids,
+                              recv.digest_algorithms[p])
 
     def _ask_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> DigestAsk | None:
         """The blocks of ``recv`` this rank checks against producer rank ``p``'s digests
@@ -1355,6 +1398,9 @@ class NixlWorker(WorkerConnector):
         if not ask.num_blocks:
             return None
         recv.digest_asks[p] = ask
+        alg = session.digest_algorithms.get(p)
+        assert alg is not None  # regions are checked only with an algorithm in common
+        recv.digest_algorithms[p] = alg
         return ask
 
     def _count_digests(self, started: float, block_ids: Sequence[Sequence[int]]) -> None:
@@ -1368,7 +1414,7 @@ class NixlWorker(WorkerConnector):
         """The first answer of ``producer_rank`` to this load's digest ask (held, pushed)."""
         if producer_rank not in recv.digest_asks or producer_rank in recv.digests:
             return
-        ok = bool(digests) and algorithm == ALGORITHM
+        ok = bool(digests) and algorithm == recv.digest_algorithms.get(producer_rank)
         recv.digests[producer_rank] = digests if ok else None
         if not ok:
             self._unverified(recv, recv.digest_asks[producer_rank].num_blocks,
@@ -1390,11 +1436,14 @@ class NixlWorker(WorkerConnector):
         """The regions this rank checks against producer rank ``p``'s digests (and why
         not the others): the same for every load of the session."""
         remote = next((m for m in session.metadata.ranks if m.rank_index == p), None)
-        if self._digester is None:
-            return frozenset(), "this rank's KV is not in host memory"
-        if remote is None or ALGORITHM not in remote.digests:
-            return frozenset(), (f"producer rank {p} offers no {ALGORITHM} digests (an older "
-                                 f"kvbridge, GPU memory, or verification off there)")
+        if not self._digesters:
+            return frozenset(), "this rank computes no digests"
+        alg = session.digest_algorithms[p] = self._digest_algorithm(remote)
+        if remote is None or alg is None:
+            return frozenset(), (f"producer rank {p} offers no digests this rank computes "
+                                 f"({list(remote.digests) if remote else []} against "
+                                 f"{list(self._digesters)}: an older kvbridge, verification "
+                                 f"off there, or GPU memory against XXH3-64 only)")
         regions = whole_block_regions(
             session.rank_plan, p, [s.block_bytes_per_layer
                                    for s in self.ctx.spec.rank_shapes(self.rank)],
@@ -1402,6 +1451,11 @@ class NixlWorker(WorkerConnector):
             [s.layer_ids for s in self.ctx.spec.rank_shapes(remote.topology)])
         return regions, "blocks not copied whole from one producer rank (head slices at " \
                         "another TP, or another pipeline split)"
+
+    def _digest_algorithm(self, remote: AgentMetadata | None) -> str | None:
+        """The algorithm this consumer rank asks producer rank ``remote`` for: the first of
+        its own (preference-ordered, computable here) that the producer offers."""
+        return pick_algorithm(list(self._digesters), remote.digests) if remote else None
 
     def _unverified(self, recv: RecvTransfer, num_blocks: int, why: str) -> None:
         recv.unverified += num_blocks
@@ -1422,9 +1476,9 @@ class NixlWorker(WorkerConnector):
             packed = recv.digests.get(p)
             if packed is None:
                 continue  # counted unverified when the answer came
-            assert self._digester is not None
+            digester = self._digesters[recv.digest_algorithms[p]]
             started = time.perf_counter()
-            verified, mismatched = check_answer(ask, packed, self._digester,
+            verified, mismatched = check_answer(ask, packed, digester,
                                                 whole_load=recv.params.mode is TransferMode.PUSH)
             self._count_digests(started, ask.consumer_ids)
             self._counters["blocks_verified"] += verified
@@ -1443,14 +1497,20 @@ class NixlWorker(WorkerConnector):
             started = time.perf_counter()
             self._hold_digests[request_id] = take_hold_digests(self._digester, block_ids)
             self._count_digests(started, block_ids)
+            for alg in self._hold_algs:  # other algorithms consumers asked for before
+                started = time.perf_counter()
+                self._alg_digests[(request_id, alg)] = take_hold_digests(
+                    self._digesters[alg], block_ids)
+                self._count_digests(started, block_ids)
         except LayoutError as exc:  # a block id outside the tensors: no digests, said why
             logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                            self.ctx.engine_id, self.rank_index, request_id, exc)
 
     def _digests_for(self, begin: messages.Begin) -> tuple[tuple[bytes, ...], str]:
         """Producer: digests of the blocks a ``begin`` asks for, or () and why not."""
-        held = self._hold_digests.get(begin.request_id)
-        if self._digester is None or begin.algorithm != ALGORITHM:
+        held = self._held_digests(begin.request_id, begin.algorithm,
+                                  self._hold_digests.get(begin.request_id))
+        if begin.algorithm not in self._digesters:
             return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
         if held is None:
             return (), f"no digests of request {begin.request_id} (not held)"
@@ -1459,6 +1519,25 @@ class NixlWorker(WorkerConnector):
             return (), answer
         self._counters["digests_served"] += sum(len(g) for g in begin.digest_ids)
         return answer, ""
+
+    def _held_digests(self, request_id: str, alg: str,
+                      first: tuple[dict[int, int], ...] | None
+                      ) -> tuple[dict[int, int], ...] | None:
+        """Producer: the digests in ``alg`` of a request whose digests in the first
+        algorithm are ``first`` (None: none). An algorithm no consumer asked for before
+        is taken now, of the same blocks, and from then on as every hold starts."""
+        digester = self._digesters.get(alg)
+        if digester is None or first is None or digester is self._digester:
+            return first
+        have = self._alg_digests.get((request_id, alg))
+        if have is None:
+            self._hold_algs.add(alg)
+            block_ids = [tuple(ids) for ids in first]
+            started = time.perf_counter()
+            have = take_hold_digests(digester, block_ids)
+            self._count_digests(started, block_ids)
+            self._alg_digests[(request_id, alg)] = have
+        return have
 
     # ------------------------------------------------------------------ producer: push
 
@@ -1525,6 +1604,13 @@ class NixlWorker(WorkerConnector):
                 started = time.perf_counter()
                 job.digests = take_hold_digests(self._digester, job.block_ids)
                 self._count_digests(started, job.block_ids)
+                asked = {t.register.algorithm for t in job.targets.values()}
+                for alg in (self._hold_algs | asked) & self._digesters.keys():
+                    if self._digesters[alg] is not self._digester:
+                        started = time.perf_counter()
+                        job.alg_digests[alg] = take_hold_digests(self._digesters[alg],
+                                                                 job.block_ids)
+                        self._count_digests(started, job.block_ids)
             except LayoutError as exc:
                 logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                                self.ctx.engine_id, self.rank_index, job.request_id, exc)
@@ -1620,20 +1706,34 @@ class NixlWorker(WorkerConnector):
                 digests = answer
         self._send_to(target.peer.name, messages.Pushed(job.request_id, self.rank_index, ok,
                                                         reason, digests,
-                                                        ALGORITHM if digests else ""))
+                                                        reg.algorithm if digests else ""))
         self._leases.notify(job.request_id, reg.consumer_rank, reg.expected, target.peer.name,
                             now)
 
     def _push_digests(self, job: _PushJob, reg: messages.Register) -> tuple[bytes, ...] | str:
         """Producer: digests of every block written for ``reg``, or why there are none."""
-        if reg.algorithm != ALGORITHM or not job.digests:
+        if reg.algorithm not in self._digesters or not job.digests:
             return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
         asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
                  for r, start in enumerate(reg.start)]
-        answer = answer_ask(job.digests, asked)
+        answer = answer_ask(self._push_alg_digests(job, reg.algorithm), asked)
         if not isinstance(answer, str):
             self._counters["digests_served"] += sum(len(g) for g in asked)
         return answer
+
+    def _push_alg_digests(self, job: _PushJob, alg: str) -> tuple[dict[int, int], ...]:
+        """Producer: a push job's digests in ``alg`` (taken now when no target asked for
+        it as the last layer was final; the layers are final, so the same bytes)."""
+        assert job.digests is not None
+        if self._digesters[alg] is self._digester:
+            return job.digests
+        have = job.alg_digests.get(alg)
+        if have is None:
+            self._hold_algs.add(alg)
+            started = time.perf_counter()
+            have = job.alg_digests[alg] = take_hold_digests(self._digesters[alg], job.block_ids)
+            self._count_digests(started, job.block_ids)
+        return have
 
     def _drop_push_job(self, rid: str) -> None:
         """Forget a push request (its lists belong to the consumer peer and stay)."""
