@@ -19,6 +19,9 @@ Paths (``PATHS``):
   async path's round trip (lookup -> probes on the worker pool -> MISS verdict) vs the
   synchronous ``os.stat`` it replaces; the Mooncake client's ``batch_exists`` vs the
   raw ``batch_is_exist`` of the same keys.
+* ``digests``  -- ``torch-mix64-v1`` block digests (tensor reductions on the KV's own
+  device: what GPU memory is verified with) vs ``xxh3-64`` (the C hash of host memory)
+  on the same bytes (:mod:`kvbridge.tools.bench_digests`); limit: torch copy.
 
 Every path returns rows of one shape (:func:`row`), so the table, the JSON file
 and the plot treat them alike::
@@ -61,6 +64,7 @@ DEFAULT_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "mooncake": ((64, 2 << 20), (256, 256 << 10), (4096, 16 << 10)),
     "offload": ((32, 2 << 20), (128, 256 << 10)),
     "nixl-scale": ((100_000, 16),),  # blocks per layer x bytes of one layer's block
+    "digests": ((4096, 16 << 10), (32, 2 << 20)),
 }
 #: --quick: small enough for a test or a smoke run (seconds, not minutes)
 QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
@@ -68,6 +72,7 @@ QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "mooncake": ((16, 64 << 10),),
     "offload": ((8, 64 << 10),),
     "nixl-scale": ((2000, 16),),
+    "digests": ((64, 16 << 10),),
 }
 
 
@@ -328,6 +333,20 @@ def _stat_probe_us(num_keys: int, iterations: int) -> dict[str, float]:
             "p99": samples[min(len(samples) - 1, int(len(samples) * 0.99))]}
 
 
+def bench_digests(patterns: Sequence[tuple[int, int]], iters: int) -> dict[str, Any]:
+    """torch-mix64-v1 (the digests of GPU memory) against xxh3-64 on the same bytes."""
+    from kvbridge.tools.bench_digests import digest_rates
+
+    detail = [digest_rates(nb, bb, iters=iters) for nb, bb in patterns]
+    rows = [row("digests", f"{d['num_blocks']}x{size_label(d['block_bytes'])}",
+                "torch-mix64-v1", "GB/s", d["torch_mix64_gbps"], d["xxh3_gbps"], "xxh3-64",
+                num_blocks=d["num_blocks"], block_bytes=d["block_bytes"],
+                limit=memcpy_gbps(d["num_blocks"] * d["block_bytes"]), limit_name="torch copy",
+                verified=d["same_on_cpu"])
+            for d in detail]
+    return {"rows": rows, "detail": detail}
+
+
 def bench_lookup(quick: bool, master: str | None = None,
                  metadata: str | None = None) -> dict[str, Any]:
     from kvbridge.offload.bench import _lookup_latency
@@ -455,7 +474,7 @@ def _mooncake_exists(num_keys: int, iterations: int, master: str | None,
             "keys": num_keys, "iterations": iterations}
 
 
-PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup")
+PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup", "digests")
 
 
 def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | None = None,
@@ -493,6 +512,8 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
                 result = bench_events(events or (2000 if quick else 50_000), batch_sizes)
             elif name == "lookup":
                 result = bench_lookup(quick, master, metadata)
+            elif name == "digests":
+                result = bench_digests(chosen, iters)
             else:
                 raise ValueError(f"unknown bench path {name!r}; expected one of {PATHS}")
             entry: dict[str, Any] = {"status": "ok", **result}
@@ -714,7 +735,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"all, or one of: {', '.join(PATHS)}")
     parser.add_argument("--pattern", action="append", metavar="NUMxSIZE",
                         help="blocks x block size, e.g. 64x2MiB (repeatable; nixl, mooncake, "
-                             "offload; default: a few block sizes)")
+                             "offload, digests; default: a few block sizes)")
     parser.add_argument("--iters", type=int, default=5, metavar="N",
                         help="timed iterations / rounds per case (default 5)")
     parser.add_argument("--quick", action="store_true",
