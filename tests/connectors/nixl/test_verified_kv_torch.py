@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvbridge.backends.nixl import VRAM, NixlTransport
 from kvbridge.connectors import KVRole, TransferMode
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.nixl.settings import NixlSettings
@@ -101,6 +102,23 @@ def _flip_and_load(producer: Engine, consumer: Engine, spec: RequestSpec,
     assert result.state is RequestState.FINISHED_LENGTH, result
     assert check_outputs(results, [spec]) == [] and result.mismatched_bytes == 0
     return result, invalid
+
+
+def test_a_rank_announcing_gpu_memory_offers_only_the_torch_algorithm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport's memory type (VRAM for CUDA tensors) decides: it stands in for a
+    CUDA registration while the engine is built, as in test_peer_memory_type."""
+    with monkeypatch.context() as patch:
+        patch.setattr(NixlTransport, "memory_type", property(lambda self: (VRAM, 0)))
+        gpu = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PULL))
+        xxh3_only = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PULL,
+                                       verify_algorithms=[ALGORITHM]))
+    try:
+        assert _offered(gpu) == (TORCH_ALGORITHM,)
+        assert _offered(xxh3_only) == ()  # nothing it can compute: no digests offered
+    finally:
+        gpu.shutdown()
+        xxh3_only.shutdown()
 
 
 def test_a_host_rank_offers_both_algorithms_and_a_setting_narrows_it() -> None:
