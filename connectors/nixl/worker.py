@@ -431,10 +431,10 @@ class NixlWorker(WorkerConnector):
         """The digesters of every algorithm this rank offers (``verify_algorithms``, less
         XXH3-64 when the KV is not in host memory), in preference order."""
         regions = [s.layer_ids for s in caches.shapes]
+        block_bytes = {layer: caches.shapes[caches.region_index_of_layer(layer)]
+                       .block_bytes_per_layer for layer in self.memory}
         out: dict[str, Digester] = {}
         for alg in digest_algorithms(host_memory, self.settings.verify_algorithms):
-            block_bytes = {layer: caches.shapes[caches.region_index_of_layer(layer)]
-                           .block_bytes_per_layer for layer in self.memory}
             if alg == ALGORITHM:
                 out[alg] = BlockDigester(
                     {layer: LayerSpan(mem.base_addr, mem.block_stride, block_bytes[layer],
