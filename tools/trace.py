@@ -153,7 +153,10 @@ def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[st
                         want = list(unpack(bytes(packed[r]), len(ids)))
                 except Exception:
                     pass  # malformed: shown as no digest (the load failed these blocks)
-            have = worker._digester.block_digests(r, ids)
+            # the digester of the algorithm asked of that producer rank (torch-mix64-v1
+            # when either side's KV is in GPU memory)
+            digester = worker._digesters.get(recv.digest_algorithms.get(p), worker._digester)
+            have = digester.block_digests(r, ids)
             for block, expected, actual in zip(ids, want, have, strict=True):
                 blocks.append({"region": r, "block": block, "producer_rank": p,
                                "expected": None if expected is None else f"{expected:016x}",
