@@ -80,6 +80,8 @@ class PeerSession:
     digest_regions: dict[int, tuple[frozenset[int], str]] = field(default_factory=dict)
     #: the regions checked with slice digests (head slices at another TP), worked out once
     slice_check: SliceCheck | None = None
+    #: producer rank -> the digest algorithm this rank asks it for (None: none in common)
+    digest_algorithms: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def sources(self) -> tuple[int, ...]:

@@ -49,6 +49,7 @@ from kvbridge.layouts.digests import (
     ALGORITHM,
     SLICE_ALGORITHM,
     BlockDigester,
+    Digester,
     SliceLayer,
     VerifyPolicy,
     merge_ranges,
@@ -161,7 +162,7 @@ def plan_ask(policy: VerifyPolicy, request_id: str, regions: frozenset[int],
                      tuple(wanted))
 
 
-def take_hold_digests(digester: BlockDigester, block_ids: Sequence[Sequence[int]]
+def take_hold_digests(digester: Digester, block_ids: Sequence[Sequence[int]]
                       ) -> tuple[dict[int, int], ...]:
     """Producer: ``block id -> digest`` per region of a request it starts to hold (its
     layers are final: prefill is done), answered later to any consumer that asks."""
@@ -191,7 +192,7 @@ def answer_ask(held: Sequence[dict[int, int]], asked: Sequence[Sequence[int]]
     return tuple(out)
 
 
-def check_answer(ask: DigestAsk, packed: Sequence[bytes], digester: BlockDigester,
+def check_answer(ask: DigestAsk, packed: Sequence[bytes], digester: Digester,
                  whole_load: bool = False) -> tuple[int, list[tuple[int, int]]]:
     """Consumer: (blocks verified, ``(region, consumer block id)`` of every mismatch).
 

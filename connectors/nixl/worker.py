@@ -114,8 +114,18 @@ from kvbridge.handshake import (
 )
 from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import LayerMemory, LayoutError, ParallelTopology
-from kvbridge.layouts.digests import ALGORITHM, SLICE_ALGORITHM, BlockDigester, LayerSpan
+from kvbridge.layouts.digests import (
+    ALGORITHM,
+    SLICE_ALGORITHM,
+    TORCH_ALGORITHM,
+    BlockDigester,
+    Digester,
+    LayerSpan,
+    digest_algorithms,
+    pick_algorithm,
+)
 from kvbridge.layouts.plan import plan_consumer_rank, plan_transfer, rank_index
+from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +175,11 @@ MAX_EARLY_REGISTERS = 4096
 MAX_EARLY_BEGIN_IDS = 1 << 18
 #: senders whose rejected notifications were logged (each once), remembered
 MAX_LOGGED_SENDERS = 1024
-#: the digest algorithms a rank with KV in host memory offers (its handshake record)
-OFFERED_DIGESTS = (ALGORITHM, SLICE_ALGORITHM)
+#: the digest algorithms this version may offer (its handshake record, see _offered_digests);
+#: slice digests (``xxh3-64-slices``) come right after XXH3-64, whose digester computes
+#: them: host memory, by default ``("xxh3-64", "xxh3-64-slices", "torch-mix64-v1")``; a
+#: GPU rank offers ``torch-mix64-v1`` alone (no head-slice digests without a host digester)
+OFFERED_DIGESTS = (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM)
 #: consumer-rank plans a producer rank takes slice digests for as a hold starts, at most
 #: (more known consumer topologies: the others' are taken when their ``begin`` comes)
 MAX_HOLD_SLICE_PLANS = 16
@@ -259,6 +272,8 @@ class _PushJob:
     started_at: float = 0.0
     #: block id -> digest per region, taken once every layer is final (issue 18)
     digests: tuple[dict[int, int], ...] | None = None
+    #: the same in the producer's other algorithms consumers ask for (not the first)
+    alg_digests: dict[str, tuple[dict[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -373,8 +388,16 @@ class NixlWorker(WorkerConnector):
         #: consumer: loads finished on the producers' ``held`` promises before their acks
         #: came, (producer engine id, producer request id) -> (request id, forget at)
         self._done_on_promise: dict[tuple[str, str], tuple[str, float]] = {}
-        #: digests of this rank's blocks in host memory (None: GPU memory, not taken here)
-        self._digester: BlockDigester | None = None
+        #: the digesters of the algorithms this rank offers, in its preference order
+        #: (host memory: XXH3-64 and torch-mix64-v1; GPU memory: torch-mix64-v1 only)
+        self._digesters: dict[str, Digester] = {}
+        #: the first of them, whose digests a producer takes as every hold starts (None:
+        #: verification off)
+        self._digester: Digester | None = None
+        #: producer: other algorithms consumers asked for, taken as holds start too
+        self._hold_algs: set[str] = set()
+        #: producer: (request id, algorithm) -> digests per region in a non-first algorithm
+        self._alg_digests: dict[tuple[str, str], tuple[dict[int, int], ...]] = {}
         #: producer: block id -> digest per region of each request held (taken when the
         #: hold starts), to answer the digest asks of consumers
         self._hold_digests: dict[str, tuple[dict[int, int], ...]] = {}
@@ -423,19 +446,58 @@ class NixlWorker(WorkerConnector):
                                           name=f"kvb-nixl-pump-r{self.rank_index}")
             self._pump.start()
         mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
-        if mem_type == "DRAM" and self.settings.verify_policy.enabled:
-            spans = {layer: LayerSpan(mem.base_addr, mem.block_stride,
-                                      caches.shapes[caches.region_index_of_layer(layer)]
-                                      .block_bytes_per_layer, mem.num_blocks)
-                     for layer, mem in self.memory.items()}
-            self._digester = BlockDigester(spans, [s.layer_ids for s in caches.shapes],
-                                           owner=tensors)
+        if self.settings.verify_policy.enabled:
+            self._digesters = self._make_digesters(caches, tensors, mem_type == "DRAM")
+            self._digester = next(iter(self._digesters.values()), None)
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
                                    max(num_blocks) if num_blocks else 0, strides,
                                    mem_type=mem_type, device_id=device_id,
-                                   digests=OFFERED_DIGESTS if self._digester is not None else ())
+                                   digests=self._offered_digests())
         self._agent_doc = encode_agent(meta)
+
+    def _make_digesters(self, caches: KVCaches, tensors: list[Any], host_memory: bool
+                        ) -> dict[str, Digester]:
+        """The digesters of every algorithm this rank offers (``verify_algorithms``, less
+        XXH3-64 when the KV is not in host memory), in preference order."""
+        regions = [s.layer_ids for s in caches.shapes]
+        block_bytes = {layer: caches.shapes[caches.region_index_of_layer(layer)]
+                       .block_bytes_per_layer for layer in self.memory}
+        out: dict[str, Digester] = {}
+        for alg in digest_algorithms(host_memory, self.settings.verify_algorithms):
+            if alg == ALGORITHM:
+                out[alg] = BlockDigester(
+                    {layer: LayerSpan(mem.base_addr, mem.block_stride, block_bytes[layer],
+                                      mem.num_blocks) for layer, mem in self.memory.items()},
+                    regions, owner=tensors)
+            else:  # torch-mix64-v1: on the tensors' own device (GPU memory included)
+                out[alg] = TorchBlockDigester(
+                    {layer: TensorSpan(caches.layers[layer], mem.block_stride,
+                                       block_bytes[layer], mem.num_blocks)
+                     for layer, mem in self.memory.items()}, regions)
+        if self.settings.verify_algorithms and not out:
+            logger.warning("nixl: engine=%s rank=%d: none of verify_algorithms %s can digest "
+                           "this rank's KV (XXH3-64 needs host memory); it offers no digests",
+                           self.ctx.engine_id, self.rank_index,
+                           list(self.settings.verify_algorithms))
+        return out
+
+    @property
+    def _xxh3(self) -> BlockDigester | None:
+        """This rank's XXH3-64 digester (host memory), which also takes slice digests."""
+        digester = self._digesters.get(ALGORITHM)
+        return digester if isinstance(digester, BlockDigester) else None
+
+    def _offered_digests(self) -> tuple[str, ...]:
+        """The algorithms this rank's handshake offers: its digesters' (preference order),
+        with ``xxh3-64-slices`` right after ``xxh3-64`` (the same host digester)."""
+        out: list[str] = []
+        for alg in self._digesters:
+            if alg in OFFERED_DIGESTS:
+                out.append(alg)
+            if alg == ALGORITHM and SLICE_ALGORITHM in OFFERED_DIGESTS:
+                out.append(SLICE_ALGORITHM)
+        return tuple(out)
 
     def get_handshake_metadata(self) -> bytes | None:
         return self._agent_doc
@@ -556,6 +618,8 @@ class NixlWorker(WorkerConnector):
             self._drop_push_job(rid)
             self._hold_digests.pop(rid, None)
             self._hold_slices.pop(rid, None)
+            for alg in self._hold_algs:
+                self._alg_digests.pop((rid, alg), None)
         self._counters["finished_sending"] += len(done_sending)
         done_recving, self._done_recving = self._done_recving, set()
         # failures reported with *these* finished ids only: the pump may fail more
@@ -1406,7 +1470,13 @@ class NixlWorker(WorkerConnector):
                                                    f"load")
         if not ask.num_blocks:
             return None
+        if ask.algorithm != SLICE_ALGORITHM:  # whole blocks only: the session's choice
+            alg = session.digest_algorithms.get(p)
+            assert alg is not None  # regions are checked only with an algorithm in common
+            ask = replace(ask, algorithm=alg)
+        # xxh3-64-slices covers the whole ask (a region read whole: its XXH3-64 digest)
         recv.digest_asks[p] = ask
+        recv.digest_algorithms[p] = ask.algorithm
         return ask
 
     def _count_digests(self, started: float, block_ids: Sequence[Sequence[int]]) -> None:
@@ -1442,11 +1512,14 @@ class NixlWorker(WorkerConnector):
         """The regions this rank checks against producer rank ``p``'s digests (and why
         not the others): the same for every load of the session."""
         remote = next((m for m in session.metadata.ranks if m.rank_index == p), None)
-        if self._digester is None:
-            return frozenset(), "this rank's KV is not in host memory"
-        if remote is None or ALGORITHM not in remote.digests:
-            return frozenset(), (f"producer rank {p} offers no {ALGORITHM} digests (an older "
-                                 f"kvbridge, GPU memory, or verification off there)")
+        if not self._digesters:
+            return frozenset(), "this rank computes no digests"
+        alg = session.digest_algorithms[p] = self._digest_algorithm(remote)
+        if remote is None or alg is None:
+            return frozenset(), (f"producer rank {p} offers no digests this rank computes "
+                                 f"({list(remote.digests) if remote else []} against "
+                                 f"{list(self._digesters)}: an older kvbridge, verification "
+                                 f"off there, or GPU memory against XXH3-64 only)")
         regions = whole_block_regions(
             session.rank_plan, p, [s.block_bytes_per_layer
                                    for s in self.ctx.spec.rank_shapes(self.rank)],
@@ -1454,6 +1527,11 @@ class NixlWorker(WorkerConnector):
             [s.layer_ids for s in self.ctx.spec.rank_shapes(remote.topology)])
         return regions, "blocks not copied whole from one producer rank (head slices at " \
                         "another TP, or another pipeline split)"
+
+    def _digest_algorithm(self, remote: AgentMetadata | None) -> str | None:
+        """The algorithm this consumer rank asks producer rank ``remote`` for: the first of
+        its own (preference-ordered, computable here) that the producer offers."""
+        return pick_algorithm(list(self._digesters), remote.digests) if remote else None
 
     def _unverified(self, recv: RecvTransfer, num_blocks: int, why: str) -> None:
         recv.unverified += num_blocks
@@ -1474,9 +1552,10 @@ class NixlWorker(WorkerConnector):
             packed = recv.digests.get(p)
             if packed is None:
                 continue  # counted unverified when the answer came
-            assert self._digester is not None
+            alg = recv.digest_algorithms[p]  # a slice ask's whole regions: XXH3-64 digests
+            digester = self._digesters[ALGORITHM if alg == SLICE_ALGORITHM else alg]
             started = time.perf_counter()
-            verified, mismatched = check_answer(ask, packed, self._digester,
+            verified, mismatched = check_answer(ask, packed, digester,
                                                 whole_load=recv.params.mode is TransferMode.PUSH)
             self._count_digests(started, [() if r in ask.slices else ids
                                           for r, ids in enumerate(ask.consumer_ids)])
@@ -1497,6 +1576,11 @@ class NixlWorker(WorkerConnector):
             started = time.perf_counter()
             self._hold_digests[request_id] = take_hold_digests(self._digester, block_ids)
             self._count_digests(started, block_ids)
+            for alg in self._hold_algs:  # other algorithms consumers asked for before
+                started = time.perf_counter()
+                self._alg_digests[(request_id, alg)] = take_hold_digests(
+                    self._digesters[alg], block_ids)
+                self._count_digests(started, block_ids)
         except LayoutError as exc:  # a block id outside the tensors: no digests, said why
             logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                            self.ctx.engine_id, self.rank_index, request_id, exc)
@@ -1505,8 +1589,9 @@ class NixlWorker(WorkerConnector):
 
     def _digests_for(self, begin: messages.Begin) -> tuple[tuple[bytes, ...], str]:
         """Producer: digests of the blocks a ``begin`` asks for, or () and why not."""
-        held = self._hold_digests.get(begin.request_id)
-        if self._digester is None or begin.algorithm != ALGORITHM:
+        held = self._held_digests(begin.request_id, begin.algorithm,
+                                  self._hold_digests.get(begin.request_id))
+        if begin.algorithm not in self._digesters:
             return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
         if held is None:
             return (), f"no digests of request {begin.request_id} (not held)"
@@ -1516,14 +1601,34 @@ class NixlWorker(WorkerConnector):
         self._counters["digests_served"] += sum(len(g) for g in begin.digest_ids)
         return answer, ""
 
+    def _held_digests(self, request_id: str, alg: str,
+                      first: tuple[dict[int, int], ...] | None
+                      ) -> tuple[dict[int, int], ...] | None:
+        """Producer: the digests in ``alg`` of a request whose digests in the first
+        algorithm are ``first`` (None: none). An algorithm no consumer asked for before
+        is taken now, of the same blocks, and from then on as every hold starts."""
+        digester = self._digesters.get(alg)
+        if digester is None or first is None or digester is self._digester:
+            return first
+        have = self._alg_digests.get((request_id, alg))
+        if have is None:
+            self._hold_algs.add(alg)
+            block_ids = [tuple(ids) for ids in first]
+            started = time.perf_counter()
+            have = take_hold_digests(digester, block_ids)
+            self._count_digests(started, block_ids)
+            self._alg_digests[(request_id, alg)] = have
+        return have
+
     # ------------------------------------------------------------------ slice digests
 
     def _slice_check(self, session: PeerSession) -> SliceCheck:
         """Consumer: the regions of ``session``'s plan checked with slice digests (those
         no producer rank covers whole, each of whose sources offers them); once."""
         if session.slice_check is None:
-            if self._digester is None:
-                session.slice_check = SliceCheck()
+            if self._xxh3 is None:
+                session.slice_check = SliceCheck(why="this rank computes no XXH3-64 digests "
+                                                     "(GPU memory): head slices need them")
             else:
                 whole = {}
                 for p in session.rank_plan.sources:
@@ -1542,7 +1647,8 @@ class NixlWorker(WorkerConnector):
         asks = {p: a for p, a in recv.digest_asks.items() if a.slices}
         if not asks:
             return
-        assert self._digester is not None
+        xxh3 = self._xxh3
+        assert xxh3 is not None  # slice regions are chosen only with it
         matched: dict[int, list[tuple[int, int]]] = {}
         failed: set[tuple[int, int]] = set()
         started = time.perf_counter()
@@ -1551,7 +1657,7 @@ class NixlWorker(WorkerConnector):
             packed = recv.digests.get(p)
             if packed is None:
                 continue  # no answer: its parts stay unchecked (counted below)
-            matched[p], mismatched = check_slices(ask, packed, self._digester,
+            matched[p], mismatched = check_slices(ask, packed, xxh3,
                                                   whole_load=recv.params.mode is TransferMode.PUSH)
             failed.update(mismatched)
             nbytes += sum(len(ask.consumer_ids[r]) * slice_bytes(ask.slice_ranges[r])
@@ -1588,8 +1694,10 @@ class NixlWorker(WorkerConnector):
         """Producer, as a hold starts: slice digests of the request's blocks for every
         consumer rank this rank knows that reads head slices of it (its hello listed
         ``xxh3-64-slices``), at most :data:`MAX_HOLD_SLICE_PLANS` plans."""
-        assert self._digester is not None
-        held = self._hold_digests[request_id]
+        xxh3 = self._xxh3
+        if xxh3 is None:
+            return  # no slice digests offered (GPU memory)
+        held: tuple[dict[int, int], ...] | None = None
         taken: dict[ParallelTopology, tuple[dict[int, int], ...]] = {}
         for consumer in self._consumers.values():
             topology = consumer.meta.topology
@@ -1600,9 +1708,13 @@ class NixlWorker(WorkerConnector):
                 continue
             if len(taken) >= MAX_HOLD_SLICE_PLANS:
                 break
-            started = time.perf_counter()
             try:
-                taken[topology] = take_slice_digests(self._digester, plan, block_ids, held)
+                if held is None:  # XXH3-64 block digests: the slices of regions read whole
+                    held = self._held_digests(request_id, ALGORITHM,
+                                              self._hold_digests[request_id])
+                    assert held is not None
+                started = time.perf_counter()
+                taken[topology] = take_slice_digests(xxh3, plan, block_ids, held)
             except LayoutError as exc:
                 logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice "
                                "digests: %s", self.ctx.engine_id, self.rank_index,
@@ -1625,9 +1737,14 @@ class NixlWorker(WorkerConnector):
         """Producer: slice digests of the blocks a ``begin`` asks for, as read by the
         consumer rank that sent it: those taken at hold start, else taken now (only of
         asked blocks this rank holds for the request), or () and why not."""
-        held = self._hold_digests.get(begin.request_id)
-        if self._digester is None:
+        xxh3 = self._xxh3
+        if xxh3 is None:
             return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
+        try:  # the XXH3-64 block digests (the slices of regions read whole)
+            held = self._held_digests(begin.request_id, ALGORITHM,
+                                      self._hold_digests.get(begin.request_id))
+        except LayoutError as exc:
+            return (), f"no slice digests: {exc}"
         if held is None:
             return (), f"no digests of request {begin.request_id} (not held)"
         topology = consumer.meta.topology
@@ -1650,7 +1767,7 @@ class NixlWorker(WorkerConnector):
                 return (), f"more than {MAX_ASK_BLOCKS} digests asked"
             started = time.perf_counter()
             try:
-                new = take_slice_digests(self._digester, plan, missing, held)
+                new = take_slice_digests(xxh3, plan, missing, held)
             except LayoutError as exc:
                 return (), f"no slice digests: {exc}"
             self._count_slices(started, plan, missing, "slice_digests_at_begin")
@@ -1668,7 +1785,8 @@ class NixlWorker(WorkerConnector):
     def _take_push_slices(self, job: _PushJob, target: _PushTarget) -> None:
         """Producer, push: slice digests of the blocks registered by ``target`` (every
         layer is final), before its remaining WRITEs are posted."""
-        assert self._digester is not None and job.digests
+        xxh3 = self._xxh3
+        assert xxh3 is not None and job.digests
         consumer = self._consumers.get(target.peer.name)
         plan = self._slice_plan(consumer.meta.topology) if consumer is not None else None
         target.slice_digests = ()
@@ -1679,7 +1797,8 @@ class NixlWorker(WorkerConnector):
                if r < len(job.block_ids) else () for r, start in enumerate(reg.start)]
         started = time.perf_counter()
         try:
-            target.slice_digests = take_slice_digests(self._digester, plan, ids, job.digests)
+            held = self._push_alg_digests(job, ALGORITHM)  # the slices of regions read whole
+            target.slice_digests = take_slice_digests(xxh3, plan, ids, held)
         except LayoutError as exc:
             logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice digests: %s",
                            self.ctx.engine_id, self.rank_index, job.request_id, exc)
@@ -1767,13 +1886,21 @@ class NixlWorker(WorkerConnector):
                 started = time.perf_counter()
                 job.digests = take_hold_digests(self._digester, job.block_ids)
                 self._count_digests(started, job.block_ids)
+                asked = {ALGORITHM if t.register.algorithm == SLICE_ALGORITHM
+                         else t.register.algorithm for t in job.targets.values()}
+                for alg in (self._hold_algs | asked) & self._digesters.keys():
+                    if self._digesters[alg] is not self._digester:
+                        started = time.perf_counter()
+                        job.alg_digests[alg] = take_hold_digests(self._digesters[alg],
+                                                                 job.block_ids)
+                        self._count_digests(started, job.block_ids)
             except LayoutError as exc:
                 logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                                self.ctx.engine_id, self.rank_index, job.request_id, exc)
                 job.digests = ()
         for target in job.targets.values():
             if (job.digests and target.slice_digests is None and not target.finished
-                    and target.register.algorithm == SLICE_ALGORITHM):
+                    and target.register.algorithm == SLICE_ALGORITHM and self._xxh3 is not None):
                 self._take_push_slices(job, target)
         for target in job.targets.values():
             if (target.finished or target.cancelled or target.local is None
@@ -1873,14 +2000,28 @@ class NixlWorker(WorkerConnector):
 
     def _push_digests(self, job: _PushJob, reg: messages.Register) -> tuple[bytes, ...] | str:
         """Producer: digests of every block written for ``reg``, or why there are none."""
-        if reg.algorithm != ALGORITHM or not job.digests:
+        if reg.algorithm not in self._digesters or not job.digests:
             return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
         asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
                  for r, start in enumerate(reg.start)]
-        answer = answer_ask(job.digests, asked)
+        answer = answer_ask(self._push_alg_digests(job, reg.algorithm), asked)
         if not isinstance(answer, str):
             self._counters["digests_served"] += sum(len(g) for g in asked)
         return answer
+
+    def _push_alg_digests(self, job: _PushJob, alg: str) -> tuple[dict[int, int], ...]:
+        """Producer: a push job's digests in ``alg`` (taken now when no target asked for
+        it as the last layer was final; the layers are final, so the same bytes)."""
+        assert job.digests is not None
+        if self._digesters[alg] is self._digester:
+            return job.digests
+        have = job.alg_digests.get(alg)
+        if have is None:
+            self._hold_algs.add(alg)
+            started = time.perf_counter()
+            have = job.alg_digests[alg] = take_hold_digests(self._digesters[alg], job.block_ids)
+            self._count_digests(started, job.block_ids)
+        return have
 
     def _drop_push_job(self, rid: str) -> None:
         """Forget a push request (its lists belong to the consumer peer and stay)."""

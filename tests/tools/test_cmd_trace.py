@@ -145,3 +145,19 @@ def test_trace_shows_each_checked_blocks_digests(nixl: None,
     assert verify["detail"]["unverified"] == 0 and verify["detail"]["verified"] == 3
     assert sorted(b["producer_rank"] for b in blocks) == [0, 0, 0, 1, 1, 1]
     assert all(b["ok"] and b["slice"] and b["expected"] == b["actual"] for b in blocks)
+    assert verify["detail"]["unverified"] == 3 and verify["detail"]["blocks"] == []
+
+
+def test_trace_shows_torch_mix64_digests_when_both_sides_use_them(
+        nixl: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """The algorithm of GPU-memory ranks (forced here on host memory): the trace's landed
+    digests are taken with the algorithm asked of the producer, and equal its answer."""
+    extra = ("--kv-config", '{"verify": "full", "verify_algorithms": ["torch-mix64-v1"]}')
+    rc, report = _trace(capsys, "--prompt-tokens", "48", *extra)
+    assert rc == EXIT_OK and report["ok"]
+    (verify,) = [e for e in report["events"] if e["kind"] == "verify"]
+    blocks = verify["detail"]["blocks"]
+    assert len(blocks) == 3 and all(b["ok"] and b["expected"] == b["actual"] for b in blocks)
+    sent = [e["detail"] for e in report["events"] if e["kind"] == "notif_sent"
+            and e["detail"]["type"] == "Held"]
+    assert sent and sent[0]["algorithm"] == "torch-mix64-v1"
