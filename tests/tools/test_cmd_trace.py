@@ -145,7 +145,6 @@ def test_trace_shows_each_checked_blocks_digests(nixl: None,
     assert verify["detail"]["unverified"] == 0 and verify["detail"]["verified"] == 3
     assert sorted(b["producer_rank"] for b in blocks) == [0, 0, 0, 1, 1, 1]
     assert all(b["ok"] and b["slice"] and b["expected"] == b["actual"] for b in blocks)
-    assert verify["detail"]["unverified"] == 3 and verify["detail"]["blocks"] == []
 
 
 def test_trace_shows_torch_mix64_digests_when_both_sides_use_them(

@@ -125,13 +125,14 @@ def test_a_host_rank_offers_both_algorithms_and_a_setting_narrows_it() -> None:
     producer, consumer = _pair(PULL, TORCH_ONLY, None)
     try:
         assert _offered(producer) == (TORCH_ALGORITHM,)
-        assert _offered(consumer) == (ALGORITHM, TORCH_ALGORITHM)
+        # slice digests right after XXH3-64 (the same host digester); none on torch alone
+        assert _offered(consumer) == (ALGORITHM, "xxh3-64-slices", TORCH_ALGORITHM)
     finally:
         consumer.shutdown()
         producer.shutdown()
     assert NixlSettings.parse({"verify_algorithms": [TORCH_ALGORITHM, ALGORITHM]}) \
         .verify_algorithms == (TORCH_ALGORITHM, ALGORITHM)
-    for bad in (["md5"], [], "xxh3-64", [1]):
+    for bad in (["md5"], [], "xxh3-64", [1], ["xxh3-64-slices"], [ALGORITHM, "xxh3-64-slices"]):
         with pytest.raises(ConfigError, match="verify_algorithms"):
             NixlSettings.parse({"verify_algorithms": bad})
 
