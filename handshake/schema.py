@@ -555,7 +555,7 @@ class AgentMetadata:
     mem_type: str = "DRAM"  # one of MEM_TYPES
     device_id: int = 0  # CUDA device of VRAM (0 for DRAM)
     #: block digest algorithms this rank computes for a consumer that asks (issue 18;
-    #: ``layouts.digests``), preferred first; empty: none (an older kvbridge, GPU memory)
+    #: ``layouts.digests``), preferred first; empty: none (an older kvbridge, verify off)
     digests: tuple[str, ...] = ()
 
     @classmethod

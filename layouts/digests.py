@@ -21,10 +21,50 @@ memoryview in place (no copy, no per-byte Python).
 A digest compares one rank's block with a block of the same geometry (the
 same heads, the same bytes per layer): the offload tiers and the Mooncake
 store always read back what the same rank wrote; NIXL pairs of equal
-per-rank geometry (equal TP, or a replicated region) compare directly.
+per-rank geometry (equal TP, or a replicated region) compare directly; head
+slices read at another TP are compared with *slice digests*, over exactly the
+bytes one consumer rank reads from one producer rank
+(:meth:`BlockDigester.slice_digests`, :data:`SLICE_ALGORITHM`).
+
+A second algorithm, ``torch-mix64-v1`` (:data:`TORCH_ALGORITHM`), is computed
+by integer tensor reductions on whatever device the KV tensor lives on (GPU
+memory included: no host copy of the bytes), in ``layouts.torch_digests``;
+this module defines it (:func:`mix64_digest`, a numpy reference of the same
+function over host bytes). Its unit and layering are the same as above: a
+layer digest of each block's span in one layer tensor, and a block digest of
+the packed little-endian layer digests, both with the same function. A rank
+offers the algorithms it can compute (XXH3-64 needs host memory): a host
+rank offers both, preferring XXH3-64 (faster on a CPU core), a GPU rank only
+the torch one; a consumer picks the first of its own preference list that
+the producer offers.
+
+``torch-mix64-v1`` of bytes ``B`` (``n = len(B)``), all arithmetic mod 2^64
+on unsigned 64-bit values, ``>>`` a logical shift:
+
+- ``B`` zero-padded to ``W = ceil(n / 8)`` little-endian words ``w_0..w_{W-1}``
+  (positions counted from the first byte of the span);
+- per word: ``x = w_i ^ (w_i >> 32)``; ``x = x * c_i`` with the odd,
+  position-dependent multiplier ``c_i = splitmix64((i + 1) * G) | 1``
+  (``G = 0x9E3779B97F4A7C15``, splitmix64 = its finalizer :func:`_mix`);
+  ``x = x ^ (x >> 29)``;
+- ``S = sum of x over i``; the digest is ``splitmix64(S + (n + 1) * G)``.
+
+Each per-word step is a bijection of the word (an xor-shift, a multiplication
+by an odd number), so any change confined to one aligned 8-byte word (every
+single flipped bit among them) changes ``S`` and so the digest, with
+certainty; the multiplier differs per position, so words swapped or moved
+change it too (with probability ~1 - 2^-64, not certainty), and ``n`` enters
+the finaliser, so zero padding is not mistaken for data. Only integer
+operations, and the reduction is an integer sum mod 2^64, which is
+associative and commutative: any order, tiling or thread split of the sum
+(CPU threads, a CUDA tree reduction, the column chunks of
+``layouts.torch_digests``) gives the same ``S``, so the same bytes give the
+same digest on every device by construction. Golden vectors:
+``tests/golden/vectors/block_digests_torch_mix64.txt``.
 
 Pure: no sockets, no threads, nothing else of kvbridge. Digests of GPU memory
-are not taken here (a host pointer is required).
+are taken by ``layouts.torch_digests`` (the XXH3-64 digester here needs a host
+pointer).
 """
 
 from __future__ import annotations
@@ -34,15 +74,20 @@ import enum
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
 
 from kvbridge.layouts.errors import LayoutError
 
-#: the one algorithm this version computes; the name travels on the wire
+#: the host-memory algorithm (and the only one before ``torch-mix64-v1``); the name
+#: travels on the wire
 ALGORITHM = "xxh3-64"
-ALGORITHMS: tuple[str, ...] = (ALGORITHM,)
+#: the algorithm computed by tensor reductions on the KV tensor's own device
+TORCH_ALGORITHM = "torch-mix64-v1"
+#: every algorithm this version knows; index + 1 is the id of the Mooncake records
+ALGORITHMS: tuple[str, ...] = (ALGORITHM, TORCH_ALGORITHM)
 DIGEST_BYTES = 8
 #: version of the digest definition (unit, order, packing); golden vectors pin it
 DIGEST_VERSION = 1
@@ -156,6 +201,65 @@ def combine(layer_digests: Sequence[int] | np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(packed)
 
 
+def mix64_keys(start: int, count: int) -> np.ndarray:
+    """The multipliers ``c_start .. c_{start+count-1}`` of ``torch-mix64-v1`` (uint64, odd)."""
+    with np.errstate(over="ignore"):
+        x = (np.arange(start, start + count, dtype=np.uint64) + np.uint64(1)) \
+            * np.uint64(_GOLDEN)
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x | np.uint64(1)
+
+
+def mix64_finish(total: int, nbytes: int) -> int:
+    """``torch-mix64-v1``'s finaliser: the digest from the word sum ``S`` of ``nbytes``."""
+    return _mix((total + (nbytes + 1) * _GOLDEN) & _MASK64)
+
+
+def mix64_sum(words: np.ndarray, start: int = 0) -> int:
+    """``S`` of ``torch-mix64-v1`` over ``words`` (uint64) at positions ``start..``."""
+    with np.errstate(over="ignore"):
+        x = words.astype(np.uint64, copy=True)
+        x ^= x >> np.uint64(32)
+        x *= mix64_keys(start, len(words))
+        x ^= x >> np.uint64(29)
+        return int(x.sum(dtype=np.uint64))
+
+
+def mix64_digest(data: bytes | bytearray | memoryview) -> int:
+    """``torch-mix64-v1`` of host bytes (the module docstring defines it): the numpy
+    reference of ``layouts.torch_digests``, which computes the same on a tensor's device."""
+    raw = bytes(data)
+    padded = raw + b"\0" * (-len(raw) % 8)
+    return mix64_finish(mix64_sum(np.frombuffer(padded, dtype="<u8")), len(raw))
+
+
+def mix64_combine(layer_digests: Sequence[int] | np.ndarray) -> int:
+    """The ``torch-mix64-v1`` block digest from its layer digests (in layer order)."""
+    return mix64_digest(pack(layer_digests))
+
+
+def digest_algorithms(host_memory: bool, preference: Sequence[str] = ()) -> tuple[str, ...]:
+    """The algorithms a rank offers, in its preference order: ``preference`` (default:
+    XXH3-64 then ``torch-mix64-v1``) less those it cannot compute (XXH3-64 reads host
+    memory; the torch one runs on any device)."""
+    for name in preference:
+        if name not in ALGORITHMS:
+            raise LayoutError("verify_algorithms", f"unknown digest algorithm {name!r}; "
+                                                   f"expected some of {list(ALGORITHMS)}")
+    wanted = tuple(dict.fromkeys(preference)) if preference else ALGORITHMS
+    return tuple(name for name in wanted if host_memory or name != ALGORITHM)
+
+
+def pick_algorithm(preference: Sequence[str], offered: Sequence[str]) -> str | None:
+    """The consumer's choice: the first of its own ``preference`` the producer ``offered``
+    (None: no common algorithm, the loads are unverified)."""
+    return next((name for name in preference if name in offered), None)
+
+
 def pack(digests: Sequence[int] | np.ndarray) -> bytes:
     """Digests as little-endian u64s: their wire and file form."""
     return np.asarray(digests, dtype="<u8").tobytes()
@@ -187,6 +291,19 @@ class LayerSpan:
     num_blocks: int
 
 
+class Digester(Protocol):
+    """What a reader or writer of digests needs of one rank's digester, whatever the
+    algorithm: :class:`BlockDigester` (XXH3-64, host memory) or
+    ``layouts.torch_digests.TorchBlockDigester`` (``torch-mix64-v1``, any device)."""
+
+    @property
+    def algorithm(self) -> str: ...
+
+    def block_bytes(self, region: int) -> int: ...
+
+    def block_digests(self, region: int, block_ids: Sequence[int]) -> list[int]: ...
+
+
 class BlockDigester:
     """Digests of one rank's blocks in host memory, straight from its KV tensors.
 
@@ -195,6 +312,8 @@ class BlockDigester:
     with the digester). Reads the memory in place: a digest taken while a
     writer is still writing the block is a digest of whatever was there.
     """
+
+    algorithm = ALGORITHM
 
     def __init__(self, layers: Mapping[int, LayerSpan], regions: Sequence[Sequence[int]],
                  owner: object = None) -> None:
@@ -248,6 +367,121 @@ class BlockDigester:
         return [digest(pack(*[digest(view[b * stride:b * stride + nbytes])
                               for view, stride, nbytes in spans]))
                 for b in block_ids]
+
+    def slice_digests(self, layers: Sequence[SliceLayer], block_ids: Sequence[int]
+                      ) -> list[int]:
+        """The slice digest of each of ``block_ids`` over the byte ranges ``layers`` names.
+
+        Definition (version :data:`SLICE_DIGEST_VERSION`): for each layer of ``layers``
+        in ascending layer id, its *layer slice digest* is XXH3-64 (seed 0) of the
+        concatenation of the block's bytes ``[offset, offset + length)`` of that layer,
+        in the order the ranges are given; the block's slice digest is XXH3-64 of the
+        packed little-endian layer slice digests (as :func:`combine`). How the ranges
+        are cut does not matter, only the byte sequence: adjacent ranges are merged, so a
+        layer whose single range is its whole block has its layer digest, and a slice of
+        every layer of a region, each whole, is the block digest. NIXL slices (see
+        ``connectors.nixl.verify``) list the bytes a consumer rank reads from one
+        producer rank in ascending order of their offset in the *consumer's* block, the
+        producer with its source offsets, the consumer with its destination offsets:
+        both hash the same bytes in the same order when they arrived intact.
+        """
+        return _slice_digests(self, layers, block_ids)
+
+
+#: Slice digests (issue 18, heterogeneous TP): one block's digest over exactly the bytes
+#: one consumer rank reads of it from one producer rank, so that a block assembled from
+#: head slices of several producer ranks, or a sub-slice of one producer rank's block, is
+#: compared part by part. Negotiated under its own name (a peer that does not list it
+#: is never asked for it).
+SLICE_ALGORITHM = "xxh3-64-slices"
+#: version of the slice digest definition (:meth:`BlockDigester.slice_digests`)
+SLICE_DIGEST_VERSION = 1
+
+#: one layer's part of a slice: ``(layer id, ((offset, length), ...))``, byte ranges
+#: within that layer's block, in the order they are hashed
+SliceLayer = tuple[int, tuple[tuple[int, int], ...]]
+
+
+def merge_ranges(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``ranges`` in the same order with each range that starts where the previous one
+    ends merged into it, empty ones dropped: the same byte sequence in fewer pieces."""
+    out: list[tuple[int, int]] = []
+    for offset, length in ranges:
+        if length <= 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == offset:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((int(offset), int(length)))
+    return tuple(out)
+
+
+#: a layer with at least this many ranges of one length at one step (NHD rows of a head
+#: slice) is gathered with one strided copy per block and hashed at once: the same
+#: bytes in the same order as streaming each range, without a Python call per range
+_GATHER_RANGES = 8
+
+
+def _progression(ranges: tuple[tuple[int, int], ...]) -> tuple[int, int, int, int] | None:
+    """``(first offset, length, step, count)`` when ``ranges`` are evenly spaced ranges
+    of one length (and enough of them to gather), else None."""
+    if len(ranges) < _GATHER_RANGES:
+        return None
+    first, length = ranges[0]
+    step = ranges[1][0] - first
+    if step <= length or any(n != length or o != first + i * step
+                             for i, (o, n) in enumerate(ranges)):
+        return None
+    return first, length, step, len(ranges)
+
+
+def _slice_digests(digester: BlockDigester, layers: Sequence[SliceLayer],
+                   block_ids: Sequence[int]) -> list[int]:
+    """:meth:`BlockDigester.slice_digests` (a function so the class body stays as it was)."""
+    prepared = []
+    num_blocks = None
+    for layer, ranges in sorted(layers, key=lambda item: item[0]):
+        if layer not in digester._views:
+            raise LayoutError("slice", f"no span for layer {layer}")
+        view, stride, nbytes, blocks = digester._views[layer]
+        merged = merge_ranges(ranges)
+        bad = next(((o, n) for o, n in merged if o < 0 or o + n > nbytes), None)
+        if bad is not None:
+            raise LayoutError("slice", f"range {bad} of layer {layer} outside its "
+                                       f"{nbytes}-byte block")
+        num_blocks = blocks if num_blocks is None else min(num_blocks, blocks)
+        prepared.append((view, stride, merged, _progression(merged)))
+    if block_ids and num_blocks is not None:
+        bad_id = next((b for b in block_ids if not 0 <= b < num_blocks), None)
+        if bad_id is not None:
+            raise LayoutError("block_id", f"block {bad_id} outside [0, {num_blocks})")
+    pack = struct.Struct(f"<{len(prepared)}Q").pack
+    digest = xxhash.xxh3_64_intdigest
+    stream = xxhash.xxh3_64()
+    out = []
+    arrays = {id(view): np.frombuffer(view, dtype=np.uint8) for view, _s, _m, p in prepared
+              if p is not None}
+    for b in block_ids:
+        layer_digests = []
+        for view, stride, merged, progression in prepared:
+            base = b * stride
+            if len(merged) == 1:
+                offset, length = merged[0]
+                layer_digests.append(digest(view[base + offset:base + offset + length]))
+                continue
+            if progression is not None:  # e.g. NHD rows: one strided copy, one hash
+                first, length, step, count = progression
+                rows = np.lib.stride_tricks.as_strided(
+                    arrays[id(view)][base + first:], (count, length), (step, 1),
+                    writeable=False)
+                layer_digests.append(digest(np.ascontiguousarray(rows).reshape(-1).data))
+                continue
+            stream.reset()
+            for offset, length in merged:  # memoryview slices: hashed in place, no copy
+                stream.update(view[base + offset:base + offset + length])
+            layer_digests.append(stream.intdigest())
+        out.append(digest(pack(*layer_digests)))
+    return out
 
 
 def mismatched(expected: Sequence[int], actual: Sequence[int]) -> list[int]:

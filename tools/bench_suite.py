@@ -22,6 +22,9 @@ Paths (``PATHS``):
 * ``auth``     -- the cluster secret's cost (:mod:`kvbridge.tools.bench_auth`): here
   "kvbridge" is with a secret and "raw" without, same run: a side-channel fetch
   (full and conditional) and the NIXL connector's load with both engines sealed.
+* ``digests``  -- ``torch-mix64-v1`` block digests (tensor reductions on the KV's own
+  device: what GPU memory is verified with) vs ``xxh3-64`` (the C hash of host memory)
+  on the same bytes (:mod:`kvbridge.tools.bench_digests`); limit: torch copy.
 
 Every path returns rows of one shape (:func:`row`), so the table, the JSON file
 and the plot treat them alike::
@@ -65,6 +68,7 @@ DEFAULT_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "offload": ((32, 2 << 20), (128, 256 << 10)),
     "nixl-scale": ((100_000, 16),),  # blocks per layer x bytes of one layer's block
     "auth": ((64, 2 << 20),),  # the NIXL transfer measured with and without a secret
+    "digests": ((4096, 16 << 10), (32, 2 << 20)),
 }
 #: --quick: small enough for a test or a smoke run (seconds, not minutes)
 QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
@@ -73,6 +77,7 @@ QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
     "offload": ((8, 64 << 10),),
     "nixl-scale": ((2000, 16),),
     "auth": ((16, 64 << 10),),
+    "digests": ((64, 16 << 10),),
 }
 
 
@@ -365,6 +370,20 @@ def _stat_probe_us(num_keys: int, iterations: int) -> dict[str, float]:
             "p99": samples[min(len(samples) - 1, int(len(samples) * 0.99))]}
 
 
+def bench_digests(patterns: Sequence[tuple[int, int]], iters: int) -> dict[str, Any]:
+    """torch-mix64-v1 (the digests of GPU memory) against xxh3-64 on the same bytes."""
+    from kvbridge.tools.bench_digests import digest_rates
+
+    detail = [digest_rates(nb, bb, iters=iters) for nb, bb in patterns]
+    rows = [row("digests", f"{d['num_blocks']}x{size_label(d['block_bytes'])}",
+                "torch-mix64-v1", "GB/s", d["torch_mix64_gbps"], d["xxh3_gbps"], "xxh3-64",
+                num_blocks=d["num_blocks"], block_bytes=d["block_bytes"],
+                limit=memcpy_gbps(d["num_blocks"] * d["block_bytes"]), limit_name="torch copy",
+                verified=d["same_on_cpu"])
+            for d in detail]
+    return {"rows": rows, "detail": detail}
+
+
 def bench_lookup(quick: bool, master: str | None = None,
                  metadata: str | None = None) -> dict[str, Any]:
     from kvbridge.offload.bench import _lookup_latency
@@ -492,7 +511,7 @@ def _mooncake_exists(num_keys: int, iterations: int, master: str | None,
             "keys": num_keys, "iterations": iterations}
 
 
-PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup", "auth")
+PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup", "auth", "digests")
 
 
 def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | None = None,
@@ -532,6 +551,8 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
                 result = bench_lookup(quick, master, metadata)
             elif name == "auth":
                 result = bench_auth(chosen, iters, quick)
+            elif name == "digests":
+                result = bench_digests(chosen, iters)
             else:
                 raise ValueError(f"unknown bench path {name!r}; expected one of {PATHS}")
             entry: dict[str, Any] = {"status": "ok", **result}
@@ -753,7 +774,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"all, or one of: {', '.join(PATHS)}")
     parser.add_argument("--pattern", action="append", metavar="NUMxSIZE",
                         help="blocks x block size, e.g. 64x2MiB (repeatable; nixl, mooncake, "
-                             "offload; default: a few block sizes)")
+                             "offload, digests; default: a few block sizes)")
     parser.add_argument("--iters", type=int, default=5, metavar="N",
                         help="timed iterations / rounds per case (default 5)")
     parser.add_argument("--quick", action="store_true",

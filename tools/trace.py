@@ -28,7 +28,8 @@ Event kinds (``TraceEvent.kind``) and their ``detail`` fields:
 ``freed``          blocks released by the producer (done sending)
 ``loaded``         request finished loading on the consumer rank (done recving)
 ``verify``         per checked block: region, block, producer rank, the producer's
-                   digest and the landed bytes' digest, ok; and the counts
+                   digest and the landed bytes' digest, ok, slice (a head slice:
+                   the part from that rank, once per rank); and the counts
                    (verified, mismatched, unverified) of the load
 ``failure``        reason (the connector's own words)
 ``log``            level, message (warnings of the nixl connector)
@@ -135,7 +136,7 @@ def _msg_fields(msg: Any) -> tuple[str, dict[str, Any]]:
 def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[str, Any]:
     """Each checked block of a finished load: the producer's digest against the digest
     of the bytes that landed (taken again here: the trace pays for it, not the load)."""
-    from kvbridge.layouts.digests import unpack
+    from kvbridge.layouts.digests import ALGORITHM, SLICE_ALGORITHM, unpack
 
     blocks = []
     for p, ask in sorted(recv.digest_asks.items()):
@@ -153,13 +154,23 @@ def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[st
                         want = list(unpack(bytes(packed[r]), len(ids)))
                 except Exception:
                     pass  # malformed: shown as no digest (the load failed these blocks)
-            have = worker._digester.block_digests(r, ids)
+            # the digester of the algorithm asked of that producer rank (torch-mix64-v1
+            # when either side's KV is in GPU memory; XXH3-64 for head slices)
+            sliced = r in getattr(ask, "slices", ())  # head slices: the part from p
+            alg = recv.digest_algorithms.get(p)
+            digester = worker._digesters.get(ALGORITHM if sliced or alg == SLICE_ALGORITHM
+                                             else alg, worker._digester)
+            have = (cast(Any, digester).slice_digests(ask.slice_ranges[r], ids) if sliced
+                    else digester.block_digests(r, ids))
             for block, expected, actual in zip(ids, want, have, strict=True):
                 blocks.append({"region": r, "block": block, "producer_rank": p,
                                "expected": None if expected is None else f"{expected:016x}",
-                               "actual": f"{actual:016x}", "ok": (r, block) not in bad})
-    return {"blocks": blocks, "verified": sum(b["ok"] and b["expected"] is not None
-                                              for b in blocks),
+                               "actual": f"{actual:016x}", "ok": (r, block) not in bad,
+                               "slice": sliced})
+    # a block assembled from several producer ranks' slices is listed once per rank
+    # and counted once
+    return {"blocks": blocks, "verified": len({(b["region"], b["block"]) for b in blocks
+                                               if b["ok"] and b["expected"] is not None}),
             "mismatched": len(bad), "unverified": recv.unverified}
 
 

@@ -35,6 +35,7 @@ from kvbridge.connectors.nixl.routing import (
     notify_targets,
     producer_table,
 )
+from kvbridge.connectors.nixl.verify import SliceCheck
 from kvbridge.handshake import (
     CompatHeader,
     EngineMetadata,
@@ -77,6 +78,10 @@ class PeerSession:
     #: producer rank -> regions whose blocks are checked against its digests, or why none
     #: (worked out once per session: see ``connectors.nixl.verify``)
     digest_regions: dict[int, tuple[frozenset[int], str]] = field(default_factory=dict)
+    #: the regions checked with slice digests (head slices at another TP), worked out once
+    slice_check: SliceCheck | None = None
+    #: producer rank -> the digest algorithm this rank asks it for (None: none in common)
+    digest_algorithms: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def sources(self) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from kvbridge.auth import ClusterAuth, SecretError, insecure_from_env, resolve_s
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
 from kvbridge.connectors.verify_config import VERIFY_KEYS, VerifySettings, parse_verify
+from kvbridge.layouts.digests import ALGORITHM, ALGORITHMS, SLICE_ALGORITHM
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ class NixlSettings(VerifySettings):
     itself is not a setting: engines log their config. Without a secret the side
     channel listens on loopback only, unless ``insecure_no_auth`` (or
     ``KVBRIDGE_INSECURE_NO_AUTH=1``) says to serve strangers too.
+    ``verify_algorithms``: the digest algorithms this rank computes and asks
+    for, preferred first (``layouts.digests``: ``xxh3-64``, ``torch-mix64-v1``);
+    empty (default): both, XXH3-64 first; XXH3-64 is left out when the KV is in
+    GPU memory (the torch one runs on the tensors' device). A consumer asks a
+    producer for the first of its own that the producer offers. Head-slice
+    digests (``xxh3-64-slices``) are not listed here: a rank that computes
+    ``xxh3-64`` offers and asks for them too (listing them is an error).
     """
 
     mode: TransferMode = TransferMode.PULL
@@ -63,6 +71,7 @@ class NixlSettings(VerifySettings):
     busy_progress_ms: float = 0.2
     auth_secret_file: str | None = None
     insecure_no_auth: bool = False
+    verify_algorithms: tuple[str, ...] = ()
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -112,6 +121,17 @@ class NixlSettings(VerifySettings):
                 if not isinstance(value, bool):
                     raise ConfigError(where, f"expected true or false, got {value!r}")
                 values[key] = value
+            elif key == "verify_algorithms":
+                if isinstance(value, list | tuple) and SLICE_ALGORITHM in value:
+                    raise ConfigError(where, f"{SLICE_ALGORITHM!r} is not a block digest "
+                                             f"algorithm: it is offered with {ALGORITHM!r} "
+                                             f"(the same host digester); list {ALGORITHM!r}")
+                if (not isinstance(value, list | tuple) or not value
+                        or not all(isinstance(v, str) for v in value)
+                        or any(v not in ALGORITHMS for v in value)):
+                    raise ConfigError(where, f"expected a non-empty list of digest algorithms "
+                                             f"of {list(ALGORITHMS)}, got {value!r}")
+                values[key] = tuple(dict.fromkeys(value))
             elif key in ("host", "advertise_host"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ConfigError(where, f"expected a host name or address, got {value!r}")

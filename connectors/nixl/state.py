@@ -82,6 +82,8 @@ class RecvTransfer:
     digest_asks: dict[int, DigestAsk] = field(default_factory=dict)
     #: producer rank -> its ``held`` answer's packed digests (None: it sent none)
     digests: dict[int, tuple[bytes, ...] | None] = field(default_factory=dict)
+    #: producer rank -> the digest algorithm of its ask (``layouts.digests``)
+    digest_algorithms: dict[int, str] = field(default_factory=dict)
     unverified: int = 0  # blocks of this load that are not checked (counted, see verify)
     #: regions some producer rank's digests cover, and why the others are not checked
     checked_regions: set[int] = field(default_factory=set)

@@ -50,7 +50,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -90,10 +90,18 @@ from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
 from kvbridge.connectors.nixl.verify import (
     MAX_ASK_BLOCKS,
     DigestAsk,
+    SliceCheck,
+    SlicePlan,
     answer_ask,
     check_answer,
+    check_slices,
+    count_slices,
     plan_ask,
+    plan_slice_check,
+    producer_slice_plan,
+    slice_bytes,
     take_hold_digests,
+    take_slice_digests,
     whole_block_regions,
 )
 from kvbridge.connectors.params import TransferMode, TransferParams
@@ -106,8 +114,18 @@ from kvbridge.handshake import (
 )
 from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import LayerMemory, LayoutError, ParallelTopology
-from kvbridge.layouts.digests import ALGORITHM, BlockDigester, LayerSpan
+from kvbridge.layouts.digests import (
+    ALGORITHM,
+    SLICE_ALGORITHM,
+    TORCH_ALGORITHM,
+    BlockDigester,
+    Digester,
+    LayerSpan,
+    digest_algorithms,
+    pick_algorithm,
+)
 from kvbridge.layouts.plan import plan_consumer_rank, plan_transfer, rank_index
+from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +175,14 @@ MAX_EARLY_REGISTERS = 4096
 MAX_EARLY_BEGIN_IDS = 1 << 18
 #: senders whose rejected notifications were logged (each once), remembered
 MAX_LOGGED_SENDERS = 1024
+#: the digest algorithms this version may offer (its handshake record, see _offered_digests);
+#: slice digests (``xxh3-64-slices``) come right after XXH3-64, whose digester computes
+#: them: host memory, by default ``("xxh3-64", "xxh3-64-slices", "torch-mix64-v1")``; a
+#: GPU rank offers ``torch-mix64-v1`` alone (no head-slice digests without a host digester)
+OFFERED_DIGESTS = (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM)
+#: consumer-rank plans a producer rank takes slice digests for as a hold starts, at most
+#: (more known consumer topologies: the others' are taken when their ``begin`` comes)
+MAX_HOLD_SLICE_PLANS = 16
 
 #: Upper bounds (ms) of the latency histogram reported in stats as ``latency_ms_le_<bound>``
 #: counters: counts add up across ranks (percentiles would not), so the engine-wide
@@ -229,6 +255,8 @@ class _PushTarget:
     finished: bool = False
     cancelled: bool = False
     runs: int = 0  # contiguous runs posted (what NIXL moves after merging)
+    #: slice digests per region of the blocks registered (``xxh3-64-slices`` asked)
+    slice_digests: tuple[dict[int, int], ...] | None = None
 
 
 @dataclass
@@ -244,6 +272,8 @@ class _PushJob:
     started_at: float = 0.0
     #: block id -> digest per region, taken once every layer is final (issue 18)
     digests: tuple[dict[int, int], ...] | None = None
+    #: the same in the producer's other algorithms consumers ask for (not the first)
+    alg_digests: dict[str, tuple[dict[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -358,8 +388,16 @@ class NixlWorker(WorkerConnector):
         #: consumer: loads finished on the producers' ``held`` promises before their acks
         #: came, (producer engine id, producer request id) -> (request id, forget at)
         self._done_on_promise: dict[tuple[str, str], tuple[str, float]] = {}
-        #: digests of this rank's blocks in host memory (None: GPU memory, not taken here)
-        self._digester: BlockDigester | None = None
+        #: the digesters of the algorithms this rank offers, in its preference order
+        #: (host memory: XXH3-64 and torch-mix64-v1; GPU memory: torch-mix64-v1 only)
+        self._digesters: dict[str, Digester] = {}
+        #: the first of them, whose digests a producer takes as every hold starts (None:
+        #: verification off)
+        self._digester: Digester | None = None
+        #: producer: other algorithms consumers asked for, taken as holds start too
+        self._hold_algs: set[str] = set()
+        #: producer: (request id, algorithm) -> digests per region in a non-first algorithm
+        self._alg_digests: dict[tuple[str, str], tuple[dict[int, int], ...]] = {}
         #: producer: block id -> digest per region of each request held (taken when the
         #: hold starts), to answer the digest asks of consumers
         self._hold_digests: dict[str, tuple[dict[int, int], ...]] = {}
@@ -369,6 +407,14 @@ class NixlWorker(WorkerConnector):
         #: ``early_grace_s``; bounded like early registrations
         self._early_begins: dict[str, list[tuple[float, str, messages.Begin]]] = {}
         self._early_begin_ids = 0  # block ids those begins ask for, bounded
+        #: producer: per consumer rank topology, what it reads from this rank (slices)
+        self._slice_plans: dict[ParallelTopology, SlicePlan | None] = {}
+        #: producer: per request held, per consumer rank topology known at hold start,
+        #: block id -> slice digest per region (head slices at another TP)
+        self._hold_slices: dict[str, dict[ParallelTopology, tuple[dict[int, int], ...]]] = {}
+        # blocks x consumer-rank plans slice-digested as a hold started, or later (the
+        # consumer rank was not known yet: its ``begin`` came first)
+        self._counters.update({"slice_digests_at_hold": 0, "slice_digests_at_begin": 0})
 
     # ------------------------------------------------------------------ registration
 
@@ -400,19 +446,58 @@ class NixlWorker(WorkerConnector):
                                           name=f"kvb-nixl-pump-r{self.rank_index}")
             self._pump.start()
         mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
-        if mem_type == "DRAM" and self.settings.verify_policy.enabled:
-            spans = {layer: LayerSpan(mem.base_addr, mem.block_stride,
-                                      caches.shapes[caches.region_index_of_layer(layer)]
-                                      .block_bytes_per_layer, mem.num_blocks)
-                     for layer, mem in self.memory.items()}
-            self._digester = BlockDigester(spans, [s.layer_ids for s in caches.shapes],
-                                           owner=tensors)
+        if self.settings.verify_policy.enabled:
+            self._digesters = self._make_digesters(caches, tensors, mem_type == "DRAM")
+            self._digester = next(iter(self._digesters.values()), None)
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,
                                    max(num_blocks) if num_blocks else 0, strides,
                                    mem_type=mem_type, device_id=device_id,
-                                   digests=(ALGORITHM,) if self._digester is not None else ())
+                                   digests=self._offered_digests())
         self._agent_doc = encode_agent(meta)
+
+    def _make_digesters(self, caches: KVCaches, tensors: list[Any], host_memory: bool
+                        ) -> dict[str, Digester]:
+        """The digesters of every algorithm this rank offers (``verify_algorithms``, less
+        XXH3-64 when the KV is not in host memory), in preference order."""
+        regions = [s.layer_ids for s in caches.shapes]
+        block_bytes = {layer: caches.shapes[caches.region_index_of_layer(layer)]
+                       .block_bytes_per_layer for layer in self.memory}
+        out: dict[str, Digester] = {}
+        for alg in digest_algorithms(host_memory, self.settings.verify_algorithms):
+            if alg == ALGORITHM:
+                out[alg] = BlockDigester(
+                    {layer: LayerSpan(mem.base_addr, mem.block_stride, block_bytes[layer],
+                                      mem.num_blocks) for layer, mem in self.memory.items()},
+                    regions, owner=tensors)
+            else:  # torch-mix64-v1: on the tensors' own device (GPU memory included)
+                out[alg] = TorchBlockDigester(
+                    {layer: TensorSpan(caches.layers[layer], mem.block_stride,
+                                       block_bytes[layer], mem.num_blocks)
+                     for layer, mem in self.memory.items()}, regions)
+        if self.settings.verify_algorithms and not out:
+            logger.warning("nixl: engine=%s rank=%d: none of verify_algorithms %s can digest "
+                           "this rank's KV (XXH3-64 needs host memory); it offers no digests",
+                           self.ctx.engine_id, self.rank_index,
+                           list(self.settings.verify_algorithms))
+        return out
+
+    @property
+    def _xxh3(self) -> BlockDigester | None:
+        """This rank's XXH3-64 digester (host memory), which also takes slice digests."""
+        digester = self._digesters.get(ALGORITHM)
+        return digester if isinstance(digester, BlockDigester) else None
+
+    def _offered_digests(self) -> tuple[str, ...]:
+        """The algorithms this rank's handshake offers: its digesters' (preference order),
+        with ``xxh3-64-slices`` right after ``xxh3-64`` (the same host digester)."""
+        out: list[str] = []
+        for alg in self._digesters:
+            if alg in OFFERED_DIGESTS:
+                out.append(alg)
+            if alg == ALGORITHM and SLICE_ALGORITHM in OFFERED_DIGESTS:
+                out.append(SLICE_ALGORITHM)
+        return tuple(out)
 
     def get_handshake_metadata(self) -> bytes | None:
         return self._agent_doc
@@ -532,6 +617,9 @@ class NixlWorker(WorkerConnector):
             done_sending.add(rid)
             self._drop_push_job(rid)
             self._hold_digests.pop(rid, None)
+            self._hold_slices.pop(rid, None)
+            for alg in self._hold_algs:
+                self._alg_digests.pop((rid, alg), None)
         self._counters["finished_sending"] += len(done_sending)
         done_recving, self._done_recving = self._done_recving, set()
         # failures reported with *these* finished ids only: the pump may fail more
@@ -761,7 +849,7 @@ class NixlWorker(WorkerConnector):
                         if p in session.rank_plan.sources else None
                     reg = messages.Register(rid, self.rank_index, session.expected[p],
                                             recv.start, recv.consumer_block_ids,
-                                            algorithm=ALGORITHM if ask else "")
+                                            algorithm=ask.algorithm if ask else "")
                     self.transport.send_notif(session.peers[p], messages.encode(reg))
         except Exception as exc:
             self._fail(recv, f"posting failed: {exc}", now)
@@ -1127,12 +1215,17 @@ class NixlWorker(WorkerConnector):
                 return
             lease_s, reason = self._leases.guarantee(msg.request_id, now)
             digests: tuple[bytes, ...] = ()
-            if msg.digest_ids and lease_s is not None:
-                digests, why = self._digests_for(msg)
+            # digests even without a promise: a READ that beat the hold's start (the router
+            # is faster than the producer's next step) completes the lease as the hold
+            # starts, before this early begin is answered; the digests taken then still
+            # describe the blocks it read (the ack decides whether they were still held)
+            if msg.digest_ids:
+                digests, why = self._slice_digests_for(msg, consumer) \
+                    if msg.algorithm == SLICE_ALGORITHM else self._digests_for(msg)
                 reason = reason or why
             self._send_to(sender, messages.Held(msg.request_id, self.rank_index,
                                                 lease_s is not None, lease_s or 0.0, reason,
-                                                digests, ALGORITHM if digests else ""))
+                                                digests, msg.algorithm if digests else ""))
 
     def _expected_from(self, consumer: _ConsumerPeer) -> int:
         """How many ranks of ``consumer``'s engine notify this producer rank per request."""
@@ -1349,7 +1442,7 @@ class NixlWorker(WorkerConnector):
         ask = self._ask_for(recv, session, p)
         if ask is None:
             return messages.Begin(rid, self.rank_index)
-        return messages.Begin(rid, self.rank_index, ask.producer_ids, ALGORITHM)
+        return messages.Begin(rid, self.rank_index, ask.producer_ids, ask.algorithm)
 
     def _ask_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> DigestAsk | None:
         """The blocks of ``recv`` this rank checks against producer rank ``p``'s digests
@@ -1361,18 +1454,29 @@ class NixlWorker(WorkerConnector):
         if known is None:
             known = session.digest_regions[p] = self._digest_regions(session, p)
         regions, why = known
-        recv.checked_regions |= regions
-        recv.unchecked_why = recv.unchecked_why or why
+        check = self._slice_check(session)
+        slices = check.regions & check.regions_of(p)
+        recv.checked_regions |= regions | slices
+        recv.unchecked_why = recv.unchecked_why or (check.why if regions else "") or why
         # push: the producer maps registered blocks to its own (ids unused here)
         pull = recv.params.mode is TransferMode.PULL
         ask = plan_ask(policy, recv.request_id, regions, recv.consumer_block_ids,
-                       recv.producer_block_ids if pull else recv.consumer_block_ids)
+                       recv.producer_block_ids if pull else recv.consumer_block_ids, slices)
+        if slices:
+            ask = replace(ask, slice_ranges=check.ranges[p],
+                          slice_sources={r: check.sources[r] for r in slices})
         if ask.unverified:
             self._unverified(recv, ask.unverified, f"more than {MAX_ASK_BLOCKS} blocks in one "
                                                    f"load")
         if not ask.num_blocks:
             return None
+        if ask.algorithm != SLICE_ALGORITHM:  # whole blocks only: the session's choice
+            alg = session.digest_algorithms.get(p)
+            assert alg is not None  # regions are checked only with an algorithm in common
+            ask = replace(ask, algorithm=alg)
+        # xxh3-64-slices covers the whole ask (a region read whole: its XXH3-64 digest)
         recv.digest_asks[p] = ask
+        recv.digest_algorithms[p] = ask.algorithm
         return ask
 
     def _count_digests(self, started: float, block_ids: Sequence[Sequence[int]]) -> None:
@@ -1386,10 +1490,10 @@ class NixlWorker(WorkerConnector):
         """The first answer of ``producer_rank`` to this load's digest ask (held, pushed)."""
         if producer_rank not in recv.digest_asks or producer_rank in recv.digests:
             return
-        ok = bool(digests) and algorithm == ALGORITHM
+        ok = bool(digests) and algorithm == recv.digest_asks[producer_rank].algorithm
         recv.digests[producer_rank] = digests if ok else None
-        if not ok:
-            self._unverified(recv, recv.digest_asks[producer_rank].num_blocks,
+        if not ok:  # its slice-region blocks are counted once per block in _verify_slices
+            self._unverified(recv, recv.digest_asks[producer_rank].whole_blocks,
                              f"producer rank {producer_rank} sent no digests "
                              f"({reason or 'no reason given'})")
 
@@ -1408,11 +1512,14 @@ class NixlWorker(WorkerConnector):
         """The regions this rank checks against producer rank ``p``'s digests (and why
         not the others): the same for every load of the session."""
         remote = next((m for m in session.metadata.ranks if m.rank_index == p), None)
-        if self._digester is None:
-            return frozenset(), "this rank's KV is not in host memory"
-        if remote is None or ALGORITHM not in remote.digests:
-            return frozenset(), (f"producer rank {p} offers no {ALGORITHM} digests (an older "
-                                 f"kvbridge, GPU memory, or verification off there)")
+        if not self._digesters:
+            return frozenset(), "this rank computes no digests"
+        alg = session.digest_algorithms[p] = self._digest_algorithm(remote)
+        if remote is None or alg is None:
+            return frozenset(), (f"producer rank {p} offers no digests this rank computes "
+                                 f"({list(remote.digests) if remote else []} against "
+                                 f"{list(self._digesters)}: an older kvbridge, verification "
+                                 f"off there, or GPU memory against XXH3-64 only)")
         regions = whole_block_regions(
             session.rank_plan, p, [s.block_bytes_per_layer
                                    for s in self.ctx.spec.rank_shapes(self.rank)],
@@ -1420,6 +1527,11 @@ class NixlWorker(WorkerConnector):
             [s.layer_ids for s in self.ctx.spec.rank_shapes(remote.topology)])
         return regions, "blocks not copied whole from one producer rank (head slices at " \
                         "another TP, or another pipeline split)"
+
+    def _digest_algorithm(self, remote: AgentMetadata | None) -> str | None:
+        """The algorithm this consumer rank asks producer rank ``remote`` for: the first of
+        its own (preference-ordered, computable here) that the producer offers."""
+        return pick_algorithm(list(self._digesters), remote.digests) if remote else None
 
     def _unverified(self, recv: RecvTransfer, num_blocks: int, why: str) -> None:
         recv.unverified += num_blocks
@@ -1440,14 +1552,17 @@ class NixlWorker(WorkerConnector):
             packed = recv.digests.get(p)
             if packed is None:
                 continue  # counted unverified when the answer came
-            assert self._digester is not None
+            alg = recv.digest_algorithms[p]  # a slice ask's whole regions: XXH3-64 digests
+            digester = self._digesters[ALGORITHM if alg == SLICE_ALGORITHM else alg]
             started = time.perf_counter()
-            verified, mismatched = check_answer(ask, packed, self._digester,
+            verified, mismatched = check_answer(ask, packed, digester,
                                                 whole_load=recv.params.mode is TransferMode.PUSH)
-            self._count_digests(started, ask.consumer_ids)
+            self._count_digests(started, [() if r in ask.slices else ids
+                                          for r, ids in enumerate(ask.consumer_ids)])
             self._counters["blocks_verified"] += verified
             self._counters["digest_mismatches"] += len(mismatched)
             bad.update(mismatched)
+        self._verify_slices(recv, bad)
         if recv.unverified and not self.settings.verify_allow_unverified:
             bad |= set(recv.local_blocks)
         return bad
@@ -1461,14 +1576,22 @@ class NixlWorker(WorkerConnector):
             started = time.perf_counter()
             self._hold_digests[request_id] = take_hold_digests(self._digester, block_ids)
             self._count_digests(started, block_ids)
+            for alg in self._hold_algs:  # other algorithms consumers asked for before
+                started = time.perf_counter()
+                self._alg_digests[(request_id, alg)] = take_hold_digests(
+                    self._digesters[alg], block_ids)
+                self._count_digests(started, block_ids)
         except LayoutError as exc:  # a block id outside the tensors: no digests, said why
             logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                            self.ctx.engine_id, self.rank_index, request_id, exc)
+            return
+        self._take_hold_slices(request_id, block_ids)
 
     def _digests_for(self, begin: messages.Begin) -> tuple[tuple[bytes, ...], str]:
         """Producer: digests of the blocks a ``begin`` asks for, or () and why not."""
-        held = self._hold_digests.get(begin.request_id)
-        if self._digester is None or begin.algorithm != ALGORITHM:
+        held = self._held_digests(begin.request_id, begin.algorithm,
+                                  self._hold_digests.get(begin.request_id))
+        if begin.algorithm not in self._digesters:
             return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
         if held is None:
             return (), f"no digests of request {begin.request_id} (not held)"
@@ -1477,6 +1600,226 @@ class NixlWorker(WorkerConnector):
             return (), answer
         self._counters["digests_served"] += sum(len(g) for g in begin.digest_ids)
         return answer, ""
+
+    def _held_digests(self, request_id: str, alg: str,
+                      first: tuple[dict[int, int], ...] | None
+                      ) -> tuple[dict[int, int], ...] | None:
+        """Producer: the digests in ``alg`` of a request whose digests in the first
+        algorithm are ``first`` (None: none). An algorithm no consumer asked for before
+        is taken now, of the same blocks, and from then on as every hold starts."""
+        digester = self._digesters.get(alg)
+        if digester is None or first is None or digester is self._digester:
+            return first
+        have = self._alg_digests.get((request_id, alg))
+        if have is None:
+            self._hold_algs.add(alg)
+            block_ids = [tuple(ids) for ids in first]
+            started = time.perf_counter()
+            have = take_hold_digests(digester, block_ids)
+            self._count_digests(started, block_ids)
+            self._alg_digests[(request_id, alg)] = have
+        return have
+
+    # ------------------------------------------------------------------ slice digests
+
+    def _slice_check(self, session: PeerSession) -> SliceCheck:
+        """Consumer: the regions of ``session``'s plan checked with slice digests (those
+        no producer rank covers whole, each of whose sources offers them); once."""
+        if session.slice_check is None:
+            if self._xxh3 is None:
+                session.slice_check = SliceCheck(why="this rank computes no XXH3-64 digests "
+                                                     "(GPU memory): head slices need them")
+            else:
+                whole = {}
+                for p in session.rank_plan.sources:
+                    known = session.digest_regions.get(p)
+                    if known is None:
+                        known = session.digest_regions[p] = self._digest_regions(session, p)
+                    whole[p] = known[0]
+                offering = [m.rank_index for m in session.metadata.ranks
+                            if SLICE_ALGORITHM in m.digests]
+                session.slice_check = plan_slice_check(session.rank_plan, whole, offering)
+        return session.slice_check
+
+    def _verify_slices(self, recv: RecvTransfer, bad: set[tuple[int, int]]) -> None:
+        """Consumer: check and count the slice-region blocks of a finished load; each
+        block counts once, verified only when every producer rank it came from matched."""
+        asks = {p: a for p, a in recv.digest_asks.items() if a.slices}
+        if not asks:
+            return
+        xxh3 = self._xxh3
+        assert xxh3 is not None  # slice regions are chosen only with it
+        matched: dict[int, list[tuple[int, int]]] = {}
+        failed: set[tuple[int, int]] = set()
+        started = time.perf_counter()
+        nbytes = 0
+        for p, ask in asks.items():
+            packed = recv.digests.get(p)
+            if packed is None:
+                continue  # no answer: its parts stay unchecked (counted below)
+            matched[p], mismatched = check_slices(ask, packed, xxh3,
+                                                  whole_load=recv.params.mode is TransferMode.PUSH)
+            failed.update(mismatched)
+            nbytes += sum(len(ask.consumer_ids[r]) * slice_bytes(ask.slice_ranges[r])
+                          for r in ask.slices)
+        self._counters["digest_time_s"] += time.perf_counter() - started
+        self._counters["digest_bytes"] += nbytes
+        verified, unverified = count_slices(asks, matched, failed)
+        self._counters["blocks_verified"] += verified
+        self._counters["digest_mismatches"] += len(failed)
+        bad.update(failed)
+        if unverified:
+            self._unverified(recv, unverified, "a producer rank sent no slice digests for "
+                                               "head slices it was asked for")
+
+    def _slice_plan(self, topology: ParallelTopology) -> SlicePlan | None:
+        """Producer: what consumer rank ``topology`` reads from this rank (None: nothing,
+        or a topology this model cannot be served to)."""
+        if topology not in self._slice_plans:
+            if len(self._slice_plans) >= MAX_CONSUMER_PEERS:
+                self._slice_plans.clear()  # bounded: recomputed on demand
+            try:
+                sub = plan_consumer_rank(self.ctx.spec, self.sizes,
+                                         topology).for_producer(self.rank_index)
+            except LayoutError:
+                self._slice_plans[topology] = None
+            else:
+                shapes = self.ctx.spec.rank_shapes(self.rank)
+                self._slice_plans[topology] = producer_slice_plan(
+                    sub, self.rank_index, [s.block_bytes_per_layer for s in shapes],
+                    [s.layer_ids for s in shapes]) if sub.num_descriptors else None
+        return self._slice_plans[topology]
+
+    def _take_hold_slices(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        """Producer, as a hold starts: slice digests of the request's blocks for every
+        consumer rank this rank knows that reads head slices of it (its hello listed
+        ``xxh3-64-slices``), at most :data:`MAX_HOLD_SLICE_PLANS` plans."""
+        xxh3 = self._xxh3
+        if xxh3 is None:
+            return  # no slice digests offered (GPU memory)
+        held: tuple[dict[int, int], ...] | None = None
+        taken: dict[ParallelTopology, tuple[dict[int, int], ...]] = {}
+        for consumer in self._consumers.values():
+            topology = consumer.meta.topology
+            if topology in taken or SLICE_ALGORITHM not in consumer.meta.digests:
+                continue
+            plan = self._slice_plan(topology)
+            if plan is None or not plan.needed:
+                continue
+            if len(taken) >= MAX_HOLD_SLICE_PLANS:
+                break
+            try:
+                if held is None:  # XXH3-64 block digests: the slices of regions read whole
+                    held = self._held_digests(request_id, ALGORITHM,
+                                              self._hold_digests[request_id])
+                    assert held is not None
+                started = time.perf_counter()
+                taken[topology] = take_slice_digests(xxh3, plan, block_ids, held)
+            except LayoutError as exc:
+                logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice "
+                               "digests: %s", self.ctx.engine_id, self.rank_index,
+                               request_id, exc)
+                return
+            self._count_slices(started, plan, block_ids, "slice_digests_at_hold")
+        if taken:
+            self._hold_slices[request_id] = taken
+
+    def _count_slices(self, started: float, plan: SlicePlan,
+                      block_ids: Sequence[Sequence[int]], counter: str) -> None:
+        hashed = [(r, len(ids)) for r, ids in enumerate(block_ids)
+                  if r < len(plan.layers) and plan.layers[r] and r not in plan.whole]
+        self._counters["digest_time_s"] += time.perf_counter() - started
+        self._counters["digest_bytes"] += sum(n * slice_bytes(plan.layers[r]) for r, n in hashed)
+        self._counters[counter] += sum(n for _r, n in hashed)
+
+    def _slice_digests_for(self, begin: messages.Begin, consumer: _ConsumerPeer
+                           ) -> tuple[tuple[bytes, ...], str]:
+        """Producer: slice digests of the blocks a ``begin`` asks for, as read by the
+        consumer rank that sent it: those taken at hold start, else taken now (only of
+        asked blocks this rank holds for the request), or () and why not."""
+        xxh3 = self._xxh3
+        if xxh3 is None:
+            return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
+        try:  # the XXH3-64 block digests (the slices of regions read whole)
+            held = self._held_digests(begin.request_id, ALGORITHM,
+                                      self._hold_digests.get(begin.request_id))
+        except LayoutError as exc:
+            return (), f"no slice digests: {exc}"
+        if held is None:
+            return (), f"no digests of request {begin.request_id} (not held)"
+        topology = consumer.meta.topology
+        plan = self._slice_plan(topology)
+        if plan is None:
+            return (), f"consumer rank {topology.describe()} reads nothing of producer rank " \
+                       f"{self.rank_index}"
+        taken = self._hold_slices.setdefault(begin.request_id, {})
+        mine = taken.get(topology)
+        if len(begin.digest_ids) > len(held):
+            return (), f"asked for {len(begin.digest_ids)} regions; the request has {len(held)}"
+        # the consumer rank was not known as the hold started: hash the asked blocks it
+        # holds that were not hashed for this consumer topology yet (kept: a repeated ask
+        # costs nothing more), at most one answer's worth
+        missing = [[b for b in ids if b in held[r] and r not in plan.whole
+                    and (mine is None or b not in mine[r])]
+                   for r, ids in enumerate(begin.digest_ids)]
+        if mine is None or any(missing):
+            if sum(len(ids) for ids in missing) > MAX_ASK_BLOCKS:
+                return (), f"more than {MAX_ASK_BLOCKS} digests asked"
+            started = time.perf_counter()
+            try:
+                new = take_slice_digests(xxh3, plan, missing, held)
+            except LayoutError as exc:
+                return (), f"no slice digests: {exc}"
+            self._count_slices(started, plan, missing, "slice_digests_at_begin")
+            mine = tuple(held[r] if r in plan.whole else
+                         {**(mine[r] if mine is not None and r < len(mine) else {}),
+                          **(new[r] if r < len(new) else {})}
+                         for r in range(len(held)))
+            taken[topology] = mine
+        answer = answer_ask(mine, begin.digest_ids)
+        if isinstance(answer, str):
+            return (), answer
+        self._counters["digests_served"] += sum(len(g) for g in begin.digest_ids)
+        return answer, ""
+
+    def _take_push_slices(self, job: _PushJob, target: _PushTarget) -> None:
+        """Producer, push: slice digests of the blocks registered by ``target`` (every
+        layer is final), before its remaining WRITEs are posted."""
+        xxh3 = self._xxh3
+        assert xxh3 is not None and job.digests
+        consumer = self._consumers.get(target.peer.name)
+        plan = self._slice_plan(consumer.meta.topology) if consumer is not None else None
+        target.slice_digests = ()
+        if plan is None:
+            return
+        reg = target.register
+        ids = [job.block_ids[r][start:start + len(reg.block_ids[r])]
+               if r < len(job.block_ids) else () for r, start in enumerate(reg.start)]
+        started = time.perf_counter()
+        try:
+            held = self._push_alg_digests(job, ALGORITHM)  # the slices of regions read whole
+            target.slice_digests = take_slice_digests(xxh3, plan, ids, held)
+        except LayoutError as exc:
+            logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice digests: %s",
+                           self.ctx.engine_id, self.rank_index, job.request_id, exc)
+            return
+        self._count_slices(started, plan, ids, "slice_digests_at_hold")
+
+    def _push_slice_digests(self, job: _PushJob, target: _PushTarget
+                            ) -> tuple[bytes, ...] | str:
+        """Producer: slice digests of every block written for ``target``, or why none."""
+        if not target.slice_digests:
+            return f"no {SLICE_ALGORITHM} digests on producer rank {self.rank_index}"
+        reg = target.register
+        # a region this consumer rank reads nothing of from this rank (another rank's
+        # replicated region) is answered empty: the consumer checks it against that rank
+        asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
+                 if r < len(target.slice_digests) and target.slice_digests[r] else ()
+                 for r, start in enumerate(reg.start)]
+        answer = answer_ask(target.slice_digests, asked)
+        if not isinstance(answer, str):
+            self._counters["digests_served"] += sum(len(g) for g in asked)
+        return answer
 
     # ------------------------------------------------------------------ producer: push
 
@@ -1543,10 +1886,22 @@ class NixlWorker(WorkerConnector):
                 started = time.perf_counter()
                 job.digests = take_hold_digests(self._digester, job.block_ids)
                 self._count_digests(started, job.block_ids)
+                asked = {ALGORITHM if t.register.algorithm == SLICE_ALGORITHM
+                         else t.register.algorithm for t in job.targets.values()}
+                for alg in (self._hold_algs | asked) & self._digesters.keys():
+                    if self._digesters[alg] is not self._digester:
+                        started = time.perf_counter()
+                        job.alg_digests[alg] = take_hold_digests(self._digesters[alg],
+                                                                 job.block_ids)
+                        self._count_digests(started, job.block_ids)
             except LayoutError as exc:
                 logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
                                self.ctx.engine_id, self.rank_index, job.request_id, exc)
                 job.digests = ()
+        for target in job.targets.values():
+            if (job.digests and target.slice_digests is None and not target.finished
+                    and target.register.algorithm == SLICE_ALGORITHM and self._xxh3 is not None):
+                self._take_push_slices(job, target)
         for target in job.targets.values():
             if (target.finished or target.cancelled or target.local is None
                     or target.remote is None):
@@ -1631,27 +1986,42 @@ class NixlWorker(WorkerConnector):
         digests: tuple[bytes, ...] = ()
         reg = target.register
         if ok and reg.algorithm:
-            answer = self._push_digests(job, reg)
+            answer = self._push_slice_digests(job, target) \
+                if reg.algorithm == SLICE_ALGORITHM else self._push_digests(job, reg)
             if isinstance(answer, str):
                 reason = answer
             else:
                 digests = answer
         self._send_to(target.peer.name, messages.Pushed(job.request_id, self.rank_index, ok,
                                                         reason, digests,
-                                                        ALGORITHM if digests else ""))
+                                                        reg.algorithm if digests else ""))
         self._leases.notify(job.request_id, reg.consumer_rank, reg.expected, target.peer.name,
                             now)
 
     def _push_digests(self, job: _PushJob, reg: messages.Register) -> tuple[bytes, ...] | str:
         """Producer: digests of every block written for ``reg``, or why there are none."""
-        if reg.algorithm != ALGORITHM or not job.digests:
+        if reg.algorithm not in self._digesters or not job.digests:
             return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
         asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
                  for r, start in enumerate(reg.start)]
-        answer = answer_ask(job.digests, asked)
+        answer = answer_ask(self._push_alg_digests(job, reg.algorithm), asked)
         if not isinstance(answer, str):
             self._counters["digests_served"] += sum(len(g) for g in asked)
         return answer
+
+    def _push_alg_digests(self, job: _PushJob, alg: str) -> tuple[dict[int, int], ...]:
+        """Producer: a push job's digests in ``alg`` (taken now when no target asked for
+        it as the last layer was final; the layers are final, so the same bytes)."""
+        assert job.digests is not None
+        if self._digesters[alg] is self._digester:
+            return job.digests
+        have = job.alg_digests.get(alg)
+        if have is None:
+            self._hold_algs.add(alg)
+            started = time.perf_counter()
+            have = job.alg_digests[alg] = take_hold_digests(self._digesters[alg], job.block_ids)
+            self._count_digests(started, job.block_ids)
+        return have
 
     def _drop_push_job(self, rid: str) -> None:
         """Forget a push request (its lists belong to the consumer peer and stay)."""

@@ -17,7 +17,8 @@ abort, the ops without fields), connector metadata (``connectors.metadata_wire``
 transfer params (JSON and msgpack of ``to_dict()``), KV events (both event wire
 forms, the live frames, the replay extension), store key strings
 (``layouts.namespaces``) and chained block hashes (``layouts.hashing``). Block digests
-(``layouts.digests``) have their own vectors, checked by ``tests/layouts/test_digests.py``.
+(``layouts.digests``) have their own vectors, checked by ``tests/layouts/test_digests.py``
+(and ``test_slice_digests.py``).
 
 Regenerating (deliberately)
 ---------------------------
@@ -510,6 +511,28 @@ def _digest_notifs() -> list[notifs.Notif]:
     ]
 
 
+def _slice_notifs() -> list[notifs.Notif]:
+    """Slice digests (issue 18, head slices at another TP): the same optional fields
+    with ``alg = "xxh3-64-slices"`` (asked only of a producer that lists it)."""
+    return [
+        notifs.Begin("req-3", 0, ((6, 7), (8,)), "xxh3-64-slices"),
+        notifs.Held("req-3", 1, True, 29.5, "", (bytes(range(16)), bytes(8)),
+                    "xxh3-64-slices"),
+        notifs.Register("req-4", 1, 1, (0, 2), ((1, 2), (3,)), algorithm="xxh3-64-slices"),
+        notifs.Pushed("req-4", 0, True, "", (bytes(range(16)), bytes(8)), "xxh3-64-slices"),
+    ]
+
+
+VECTORS += [
+    # a rank that also takes slice digests (what a current kvbridge with host KV offers)
+    Vector("handshake_agent_slices.hex",
+           lambda: dataclasses.replace(_rank(0), digests=("xxh3-64", "xxh3-64-slices")),
+           encode_agent, decode_agent),
+    Vector("nixl_notifications_slices.hex", _slice_notifs,
+           lambda ms: _pack([notifs.encode(m) for m in ms]),
+           lambda data: [notifs.decode(b) for b in msgpack.unpackb(data)]),
+]
+
 VECTORS += [
     Vector("nixl_notifications.hex", _notifs,
            lambda ms: _pack([notifs.encode(m) for m in ms]),
@@ -609,8 +632,10 @@ def test_every_vector_file_is_checked() -> None:
     names = {v.name for v in VECTORS}
     assert len(names) == len(VECTORS)
     on_disk = {p.name for p in VECTORS_DIR.iterdir() if p.is_file()}
-    # block digests are not a message: tests/layouts/test_digests.py checks their file
-    assert on_disk - {"block_digests.txt"} == names
+    # block digests are not a message: tests/layouts/test_digests.py and
+    # test_torch_digests.py check their files (test_slice_digests.py the slice digests')
+    assert on_disk - {"block_digests.txt", "block_digests_torch_mix64.txt",
+                      "slice_digests.txt"} == names
 
 
 def test_events_vectors_are_the_formats_vllm_reads() -> None:

@@ -24,6 +24,10 @@ Checks (``--checks`` selects; default all, in this order):
   memory (``torch.set_default_device`` through a ``sitecustomize`` on the
   children's path); outputs verified, the producer's handshake must announce
   VRAM.
+* ``digests``    -- ``torch-mix64-v1`` block digests (issue 18) of KV on the device
+  equal those of a CPU copy of the same bytes and the numpy reference (padded
+  pages, a tail word, an unaligned span), a bit flipped on the device changes
+  exactly its block's digest; GB/s on the device against XXH3-64 of host bytes.
 
 Usage: ``python3 tests/gpu/gpu_checks.py [--checks env,cuda_ipc,...] [--json FILE]
 [--quick]`` from the repository root with ``kvbridge`` importable.
@@ -44,7 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("env", "cuda_ipc", "transfers", "connector")
+CHECKS = ("env", "cuda_ipc", "transfers", "connector", "digests")
 #: (num_blocks, block_bytes) moved by the transfers check
 PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
 QUICK_PATTERNS = ((16, 1 << 20),)
@@ -373,9 +377,49 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def check_digests(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from kvbridge.layouts.digests import mix64_combine, mix64_digest
+    from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
+    from kvbridge.tools.bench_digests import digest_rates
+
+    device = torch.device(args.device)
+    rng = np.random.default_rng(18)
+    cases = {"page": (0, 256, 320), "tail": (0, 253, 320), "unaligned": (3, 248, 319)}
+    num_blocks, ids = 8, [5, 0, 3, 7, 1]
+    for name, (offset, block_bytes, stride) in cases.items():
+        raw = rng.integers(0, 256, size=offset + num_blocks * stride + 8, dtype=np.uint8)
+        host = torch.from_numpy(raw)[offset:]
+        here = host.to(device)
+
+        def digester(t: Any, stride: int = stride, nbytes: int = block_bytes
+                     ) -> TorchBlockDigester:
+            return TorchBlockDigester({0: TensorSpan(t, stride, nbytes, num_blocks),
+                                       1: TensorSpan(t, stride, nbytes, num_blocks)}, [(0, 1)])
+
+        want = [mix64_combine([mix64_digest(raw[offset + b * stride:offset + b * stride
+                                                + block_bytes].tobytes())] * 2) for b in ids]
+        on_device, on_cpu = digester(here).block_digests(0, ids), digester(host).block_digests(0, ids)
+        if not on_device == on_cpu == want:
+            raise RuntimeError(f"{name}: device {on_device} cpu {on_cpu} reference {want}")
+        here[3 * stride + block_bytes - 1] ^= 0x80  # last byte of block 3 (a tail byte)
+        flipped = digester(here).block_digests(0, ids)
+        changed = [b for b, x, y in zip(ids, on_device, flipped, strict=True) if x != y]
+        if changed != [3]:
+            raise RuntimeError(f"{name}: a bit flipped in block 3 changed blocks {changed}")
+    patterns = QUICK_PATTERNS if args.quick else ((4096, 16 << 10), (64, 2 << 20))
+    rates = [digest_rates(nb, bb, iters=args.iters, device=args.device) for nb, bb in patterns]
+    if not all(r["same_on_cpu"] for r in rates):
+        raise RuntimeError(f"device digests differ from the CPU's: {rates}")
+    return {"device": str(device), "cases": sorted(cases), "rates": [
+        {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rates]}
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "env": check_env, "cuda_ipc": check_cuda_ipc, "transfers": check_transfers,
-    "connector": check_connector}
+    "connector": check_connector, "digests": check_digests}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

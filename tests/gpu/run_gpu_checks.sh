@@ -2,7 +2,8 @@
 # GPU checks of kvbridge's NIXL path (issue 15): VRAM registration, VRAM->VRAM READ/WRITE
 # between two processes (every byte verified, GB/s of kvbridge vs raw NIXL vs a torch
 # device-to-device copy, the UCX protocol selected), CUDA IPC between two processes on one
-# GPU, and the nixl connector's pull and push with KV in CUDA memory.
+# GPU, the nixl connector's pull and push with KV in CUDA memory, and torch-mix64-v1 digests
+# of device KV against a CPU copy (issue 18).
 #
 # NOT part of the test suite (CI has no GPU). Run it on a host with an NVIDIA GPU, from
 # anywhere:   tests/gpu/run_gpu_checks.sh [--wheels DIR] [--out DIR] [--python PY]

@@ -97,3 +97,10 @@ def test_dry_run_on_host_memory_moves_verified_bytes(tmp_path: Path) -> None:
     assert pattern["kvbridge_read_gbps"] > 0 and pattern["raw_nixl_read_gbps"] > 0
     assert entry["detail"]["ucx_protocols"]  # UCX_PROTO_INFO lines were seen and counted
     assert "[ok  ] transfers" in (tmp_path / "gpu_checks.log").read_text()
+
+
+def test_the_digests_check_runs_on_cpu_tensors() -> None:
+    """The same code as on a GPU host, with the device a CPU: digests of the device
+    tensors equal the CPU copy's and the reference, a flipped bit is seen."""
+    assert gpu_checks.main(["--checks", "digests", "--device", "cpu", "--quick",
+                            "--iters", "1"]) == 0

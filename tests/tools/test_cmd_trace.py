@@ -123,7 +123,8 @@ def test_recorder_and_log_capture_are_bounded_and_ordered() -> None:
 def test_trace_shows_each_checked_blocks_digests(nixl: None,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """TP1 -> TP1 pull: every block is checked; the trace lists each with the producer's
-    digest and the landed bytes', equal. TP2 -> TP1 (head slices) shows them unverified."""
+    digest and the landed bytes', equal. TP2 -> TP1 (head slices): each block's two
+    halves with each producer rank's slice digest, equal; each block counted once."""
     full = ("--kv-config", '{"verify": "full"}')
     rc, report = _trace(capsys, "--prompt-tokens", "48", *full)
     assert rc == EXIT_OK and report["ok"]
@@ -140,4 +141,22 @@ def test_trace_shows_each_checked_blocks_digests(nixl: None,
                         "--prompt-tokens", "48", *full)
     assert rc == EXIT_OK
     (verify,) = [e for e in report["events"] if e["kind"] == "verify"]
-    assert verify["detail"]["unverified"] == 3 and verify["detail"]["blocks"] == []
+    blocks = verify["detail"]["blocks"]
+    assert verify["detail"]["unverified"] == 0 and verify["detail"]["verified"] == 3
+    assert sorted(b["producer_rank"] for b in blocks) == [0, 0, 0, 1, 1, 1]
+    assert all(b["ok"] and b["slice"] and b["expected"] == b["actual"] for b in blocks)
+
+
+def test_trace_shows_torch_mix64_digests_when_both_sides_use_them(
+        nixl: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """The algorithm of GPU-memory ranks (forced here on host memory): the trace's landed
+    digests are taken with the algorithm asked of the producer, and equal its answer."""
+    extra = ("--kv-config", '{"verify": "full", "verify_algorithms": ["torch-mix64-v1"]}')
+    rc, report = _trace(capsys, "--prompt-tokens", "48", *extra)
+    assert rc == EXIT_OK and report["ok"]
+    (verify,) = [e for e in report["events"] if e["kind"] == "verify"]
+    blocks = verify["detail"]["blocks"]
+    assert len(blocks) == 3 and all(b["ok"] and b["expected"] == b["actual"] for b in blocks)
+    sent = [e["detail"] for e in report["events"] if e["kind"] == "notif_sent"
+            and e["detail"]["type"] == "Held"]
+    assert sent and sent[0]["algorithm"] == "torch-mix64-v1"

@@ -210,7 +210,7 @@ def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded(
         assert all(not h.ok and not h.digests and "not held" in h.reason
                    for h in by_rid["never-held"])
         _load_and_check(stepper, spec, params)
-        totals = _worker_totals(consumer)  # TP 2 -> 1: head slices, counted unverified
+        totals = _worker_totals(consumer)  # TP 2 -> 1: head slices, checked with slice digests
         assert sum(t["digest_mismatches"] for t in totals) == 0
     finally:
         rogue.close(strict=False)

@@ -193,12 +193,23 @@ def test_sample_mode_checks_a_deterministic_fraction_and_off_checks_nothing(
             producer.shutdown()
 
 
-def test_head_slices_at_another_tp_are_counted_unverified_or_refused() -> None:
-    """TP2 -> TP1 reads half of each consumer block from each producer rank: no
-    producer digest covers a consumer block, so the loads are counted unverified;
-    with ``verify_allow_unverified: false`` they fail and the engine recomputes them."""
+def test_head_slices_from_an_older_producer_are_counted_unverified_or_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP2 -> TP1 reads half of each consumer block from each producer rank. A producer
+    that offers no slice digests (an older kvbridge: its handshake lists ``xxh3-64``
+    only) is not asked for them: no digest it has covers a consumer block, so the loads
+    are counted unverified; with ``verify_allow_unverified: false`` they fail and the
+    engine recomputes them. (A current producer's slices are verified:
+    ``test_verified_slices.py``.)"""
+    from kvbridge.connectors.nixl import worker as worker_module
+
     for allow in (True, False):
-        producer, consumer = _pair(producer_tp=2, consumer_tp=1, verify_allow_unverified=allow)
+        with monkeypatch.context() as patch:  # only the producer's handshake record
+            patch.setattr(worker_module, "OFFERED_DIGESTS", ("xxh3-64",))
+            producer = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(tp_size=2),
+                                          PULL, lease_s=60.0))
+        consumer = Engine(nixl_config(MODEL, KVRole.CONSUMER, ParallelTopology(tp_size=1),
+                                      PULL, verify="full", verify_allow_unverified=allow))
         try:
             router = InProcessRouter(producer, consumer, PULL)
             specs = make_requests(2, prompt_tokens=48, max_tokens=2, seed=17,
@@ -207,7 +218,8 @@ def test_head_slices_at_another_tp_are_counted_unverified_or_refused() -> None:
             assert check_outputs(router.results, specs) == []
             totals = _totals(consumer)
             assert totals["blocks_verified"] == 0
-            assert totals["blocks_unverified"] > 0
+            assert totals["blocks_unverified"] == sum(48 // BLOCK_TOKENS for _ in specs)
+            assert _totals(producer)["digests_served"] == 0
             if allow:
                 assert all(r.num_external_tokens > 0 for r in router.results)
             else:

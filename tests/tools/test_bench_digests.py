@@ -1,0 +1,33 @@
+"""`kvbridge bench digests`: torch-mix64-v1 against xxh3-64 on the same bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbridge.tools.bench_digests import digest_rates
+from kvbridge.tools.cli import EXIT_OK, main
+
+
+def test_digest_rates_measure_both_algorithms_over_the_same_blocks() -> None:
+    out = digest_rates(8, 4096, iters=1)
+    assert out["num_blocks"] == 8 and out["block_bytes"] == 4096 and out["device"] == "cpu"
+    assert out["xxh3_gbps"] > 0 and out["torch_mix64_gbps"] > 0 and out["same_on_cpu"] is True
+    with pytest.raises(ValueError, match="multiple of 8"):
+        digest_rates(8, 4095)
+
+
+def test_bench_digests_prints_one_row_per_pattern(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "digests.json"
+    rc = main(["bench", "digests", "--pattern", "4x16KiB", "--pattern", "2x64KiB",
+               "--iters", "1", "--json", str(path)])
+    assert rc == EXIT_OK
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["path"], r["op"], r["raw_name"], r["block_bytes"]) for r in rows] == [
+        ("digests", "torch-mix64-v1", "xxh3-64", 16 << 10), ("digests", "torch-mix64-v1",
+                                                             "xxh3-64", 64 << 10)]
+    assert all(r["verified"] and r["kvbridge"] > 0 and r["raw"] > 0 for r in rows)
+    assert "torch-mix64-v1" in capsys.readouterr().out
