@@ -102,7 +102,7 @@ class DigestMode(str, enum.Enum):
 
 
 #: The defaults, chosen by measurement (``kvbridge bench nixl|mooncake``, ``kvbridge
-#: offload bench --verify``; numbers in the README): checking every block costs 30-50 %
+#: offload bench --verify``; numbers in docs/verified-kv.md): checking every block costs 30-50 %
 #: of a host-memory NIXL READ or Mooncake get here (hashing runs at about memcpy speed),
 #: so readers check a deterministic 1/16 of each request's blocks (a few % at 16 KiB
 #: blocks, ~1 % at 2 MiB), which finds a systematic fault (wrong blocks, a reused block,

@@ -614,6 +614,34 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(report: dict[str, Any]) -> str:
+    """The suite's table as markdown, headed by the machine and the date it ran on (the
+    README's performance table is this, rendered from a saved ``--json`` report)."""
+    machine = report.get("machine", {})
+    lines = [f"Measured {str(machine.get('time', '?'))[:10]} on {machine.get('cpus', '?')} CPUs, "
+             f"{machine.get('platform', '?')}, Python {machine.get('python', '?')}"
+             + (" (`--quick`: smoke sizes)" if report.get("quick") else "") + ":", "",
+             "| path | case | op | unit | kvbridge | raw | ratio | limit | raw is |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in report["rows"]:
+        lines.append(f"| {r['path']} | {r['case']} | {r['op']} | {r['unit']} | "
+                     f"{_num(r['kvbridge'])} | {_num(r['raw'])} | {r['ratio']:.2f} | "
+                     f"{_num(r['limit'])} | {r['raw_name']}"
+                     + ("" if r["verified"] else " (NOT verified)") + " |")
+    for name, entry in report["paths"].items():
+        if entry["status"] != "ok":
+            lines.append(f"\n{name}: {entry['status']}: {entry.get('reason', '')}")
+    return "\n".join(lines)
+
+
+def slim_report(report: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`format_markdown` reads: the machine, each path's status, the rows."""
+    return {"machine": report.get("machine", {}), "quick": report.get("quick", False),
+            "paths": {name: {key: entry[key] for key in ("status", "reason") if key in entry}
+                      for name, entry in report["paths"].items()},
+            "rows": report["rows"]}
+
+
 def format_nixl_detail(detail: dict[str, Any]) -> str:
     """The nixl path's own columns (raw READ into a fresh buffer and into the KV cache)."""
     head = (f"{'pattern':>16} {'raw NIXL':>9} {'raw->KV':>9} {'kvbridge':>9} {'torch cp':>9} "
@@ -757,6 +785,7 @@ examples:
   kvbridge bench events                  # KV events/s vs raw pyzmq
   kvbridge bench lookup                  # scheduler-side lookup latency per key
   kvbridge bench all --quick             # small sizes: a smoke run in seconds
+  kvbridge bench all --report docs/bench.json --markdown   # the README's table, rendered
 
 --json [FILE] prints (or writes to FILE) {"machine", "quick", "iters", "paths":
 {NAME: {"status": ok|skipped|failed, "seconds", "rows", "detail"|"reason"}},
@@ -805,6 +834,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "layer: slow and memory-hungry at real sizes)")
     parser.add_argument("--progress", action="store_true",
                         help="progress on stderr even when it is not a terminal")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the table as markdown, headed by the machine and date")
+    parser.add_argument("--report", metavar="FILE.json",
+                        help="render a report saved with --json instead of running (PATH "
+                             "all: every path in it; a name: that path's rows)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -833,6 +867,18 @@ def run(args: argparse.Namespace) -> int:
                   "(or pip install matplotlib)", file=sys.stderr)
             return EXIT_USAGE
     names = PATHS if args.name == "all" else (args.name,)
+    if args.report:
+        try:
+            with open(args.report) as handle:
+                saved = json.load(handle)
+            saved["rows"] = [r for r in saved["rows"] if r["path"] in names]
+            saved["paths"] = {k: v for k, v in saved["paths"].items() if k in names}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"kvbridge bench: --report {args.report}: not a saved bench report: {exc}",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        print(format_markdown(saved) if args.markdown else format_table(saved))
+        return EXIT_OK if suite_ok(saved) else EXIT_FAILURE
     progress = Progress("bench", force=args.progress)
     report = run_suite(names, patterns=patterns, iters=args.iters, quick=args.quick,
                        events=args.events, batch_sizes=sizes, master=args.master,
@@ -842,6 +888,11 @@ def run(args: argparse.Namespace) -> int:
     progress.done()
     if args.json == "-":
         print(json.dumps(report, indent=2))
+    elif args.markdown:
+        print(format_markdown(report))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=2)
     else:
         print(format_table(report))
         details = format_details(report)

@@ -29,7 +29,7 @@ Keys (all optional except the two addresses)::
                           its writer put next to it before it is reported loaded;
                           "full": every loaded block; "off": nothing is checked (and
                           no record is fetched). The default is measured: full costs
-                          15-55 % of a get here (see the README). A writer puts a
+                          15-55 % of a get here (docs/verified-kv.md). A writer puts a
                           record with every block unless this is "off" (see
                           :mod:`.records`; readers then load its blocks unverified).
     verify_sample         the fraction checked in "sample" mode, in (0, 1] (default 1/16)

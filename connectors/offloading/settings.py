@@ -28,7 +28,7 @@ Keys:
   KV against the block digests taken where it was written
   (``kvbridge.layouts.digests``): ``off`` (no digest taken or checked),
   ``sample`` (a deterministic fraction of blocks checked) or ``full`` (every
-  block); given, it applies to every tier. The defaults are measured (README):
+  block); given, it applies to every tier. The defaults are measured (docs/verified-kv.md):
   full costs ~30-45 % of a CPU-tier copy and ~130 us of scheduler time per
   1 MiB CPU hit, nothing measurable on an O_DIRECT disk. A block whose bytes
   do not match is a failed load (recomputed); its stored copy is removed.

@@ -107,3 +107,45 @@ def test_patterns_rows_and_table() -> None:
     assert "x: skipped: no backend" in table and "0.90" in table
     assert not bench_suite.suite_ok({"rows": [{**fast, "verified": False}], "paths": {}})
     assert not bench_suite.suite_ok({"rows": [], "paths": {"y": {"status": "failed"}}})
+
+
+def _saved_report(tmp_path: Path, verified: bool = True) -> Path:
+    rows = [bench_suite.row("offload", "8x64KiB", "store", "GB/s", 1.5, 2.0, "plain write",
+                            num_blocks=8, block_bytes=64 << 10, limit=9.0, limit_name="copy",
+                            verified=verified),
+            bench_suite.row("events", "batch 16", "pub->sub", "events/s", 1000.0, 2000.0,
+                            "raw pyzmq")]
+    report = {"machine": {"time": "2026-12-01T21:51:52Z", "cpus": 2, "platform": "Linux-x",
+                          "python": "3.11.7"}, "quick": False,
+              "paths": {"offload": {"status": "ok", "rows": rows[:1]},
+                        "events": {"status": "ok", "rows": rows[1:]},
+                        "mooncake": {"status": "skipped", "reason": "no wheel", "rows": []}},
+              "rows": rows}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(bench_suite.slim_report(report)))
+    return path
+
+
+def test_report_renders_a_saved_run_as_markdown_naming_the_machine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = _saved_report(tmp_path)
+    assert main(["bench", "all", "--report", str(saved), "--markdown"]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert text.startswith("Measured 2026-12-01 on 2 CPUs, Linux-x, Python 3.11.7:")
+    assert "| offload | 8x64KiB | store | GB/s | 1.500 | 2.000 | 0.75 | 9.000 | plain write |" \
+        in text
+    assert "mooncake: skipped: no wheel" in text
+    assert main(["bench", "events", "--report", str(saved), "--markdown"]) == EXIT_OK
+    one = capsys.readouterr().out
+    assert "| events |" in one and "| offload |" not in one and "mooncake" not in one
+
+
+def test_report_of_unverified_rows_exits_1_and_bad_files_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = _saved_report(tmp_path, verified=False)
+    assert main(["bench", "all", "--report", str(saved), "--markdown"]) == 1
+    assert "(NOT verified)" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["bench", "all", "--report", str(bad)]) == EXIT_USAGE
+    assert "not a saved bench report" in capsys.readouterr().err
