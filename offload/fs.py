@@ -190,6 +190,7 @@ class FsTier(SecondaryTier):
     medium = Medium.STORAGE.value
     locality = Locality.LOCAL.value
     carries_digests = True
+    split_jobs = True
 
     def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
                  use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,

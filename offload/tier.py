@@ -8,7 +8,11 @@ and inherits the scheduler-side bookkeeping from ``SecondaryTier``:
   per ``step``; results applied in ``drain_results`` on the scheduler thread);
 * ``submit_load``/``submit_store`` run jobs on separate read and write pools,
   so reads (promotions, which a request waits for) are never queued behind
-  writes (cascades, which nobody waits for);
+  writes (cascades, which nobody waits for). A tier whose blocks are independent
+  (``split_jobs``: fs, one file per block) runs a job as one part per thread of
+  its pool, so one request's promotion uses every read thread; the parts' results
+  make one record for the job (a failure stops its own part only: blocks of the
+  other parts still load, and the engine uses the prefix before the first failure);
 * ``get_finished_jobs`` (scheduler thread) reports each job once and, for a
   failed load, flips exactly the failed keys to a miss with ``mark_miss`` —
   the tier corrects its own cache from its own jobs; the manager has no
@@ -48,6 +52,7 @@ never lets a buffer be reused while something may still write into it):
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import math
 import queue
@@ -108,6 +113,42 @@ class _Done:
     mismatches: int = 0
 
 
+class _Gather:
+    """The parts of a split job: when the last one ends, one record for the whole job.
+
+    Block positions are the job's (a part's are offset by where it starts); the
+    digests of the loaded keys stay in key order; the job's fence, if any part has
+    one, passes when every part's has.
+    """
+
+    def __init__(self, job_id: int, kind: JobKind, num_parts: int, num_keys: int,
+                 finish: Callable[[_Done], None]) -> None:
+        #: keys of the whole job (what a part's log lines count against)
+        self.num_keys = num_keys
+        self._job_id = job_id
+        self._kind = kind
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._left = num_parts
+        self._parts: list[tuple[int, _Done]] = []
+
+    def add(self, start: int, part: _Done) -> None:
+        with self._lock:
+            self._parts.append((start, part))
+            self._left -= 1
+            if self._left:
+                return
+            parts = sorted(self._parts, key=lambda p: p[0])
+        fences = [p.fence for _, p in parts if p.fence is not None]
+        self._finish(_Done(
+            self._job_id, self._kind, all(p.ok for _, p in parts),
+            frozenset(start + i for start, p in parts for i in p.failed),
+            tuple(d for _, p in parts for d in p.deleted),
+            None if not fences else (lambda: all(fence() for fence in fences)),
+            tuple(d for _, p in parts for d in p.digests),
+            sum(p.mismatches for _, p in parts)))
+
+
 def _positive_seconds(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
             or not math.isfinite(value):
@@ -122,6 +163,10 @@ class SecondaryTier(abc.ABC):
     locality: str = Locality.LOCAL.value
     #: True: ``store_batch`` takes ``digests=`` and ``load_batch`` takes ``digests_out=``
     carries_digests: bool = False
+    #: True: a job's blocks are independent (one file each), so a job runs as one part
+    #: per thread of its pool; False: one call per job (a tier that batches a job into
+    #: one request, obj)
+    split_jobs: bool = False
 
     def __init__(self, name: str, block_bytes: int, read_threads: int = 2, write_threads: int = 1,
                  *, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
@@ -238,14 +283,46 @@ class SecondaryTier(abc.ABC):
         self._job_keys[job_id] = (kind, tuple(keys))
         pool = self._read_pool if kind is JobKind.LOAD else self._write_pool
         frozen = tuple(keys)
-        pool.submit(lambda: self._run_job(kind, job_id, frozen, buffers, digests))
+        parts = self._split(len(frozen), pool.num_threads)
+        if len(parts) == 1:
+            pool.submit(lambda: self._finish(self._run_job(kind, job_id, frozen, buffers,
+                                                           digests)))
+            return
+        gather = _Gather(job_id, kind, len(parts), len(frozen), self._finish)
+        for start, end in parts:
+            part_keys = frozen[start:end]
+            part_buffers = buffers[start:end]
+            part_digests = None if digests is None else digests[start:end]
+            pool.submit(functools.partial(self._run_part, gather, start, job_id, kind,
+                                          part_keys, part_buffers, part_digests))
+
+    def _split(self, num_keys: int, num_threads: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` parts a job of ``num_keys`` runs as: one per thread of its
+        pool (``split_jobs`` tiers, whose blocks are independent), else one."""
+        if not self.split_jobs or num_threads < 2 or num_keys < 2:
+            return [(0, num_keys)]
+        size = -(-num_keys // min(num_threads, num_keys))
+        return [(start, min(start + size, num_keys)) for start in range(0, num_keys, size)]
+
+    def _run_part(self, gather: _Gather, start: int, job_id: int, kind: JobKind,
+                  keys: tuple[OffloadKey, ...], buffers: BlockBuffers,
+                  digests: Sequence[LayerDigests | None] | None) -> None:
+        """Worker thread: one part of a split job; the last part to end posts the job."""
+        gather.add(start, self._run_job(kind, job_id, keys, buffers, digests, start,
+                                        gather.num_keys))
+
+    def _finish(self, done: _Done) -> None:
+        self._done.put(done)
+        self._done_event.set()
 
     def _run_job(self, kind: JobKind, job_id: int, keys: tuple[OffloadKey, ...],
                  buffers: BlockBuffers,
-                 digests: Sequence[LayerDigests | None] | None = None) -> None:
-        """Worker thread: run the batch and post exactly one completion record."""
+                 digests: Sequence[LayerDigests | None] | None = None, offset: int = 0,
+                 total: int | None = None) -> _Done:
+        """Worker thread: run the batch (a job, or the part of a split job that starts at
+        block ``offset`` of ``total``); its record, in the batch's own block positions."""
+        total = len(keys) if total is None else total
         loaded: list[LayerDigests | None] = []
-        done = _Done(job_id, kind, True)
         try:
             if kind is JobKind.LOAD:
                 if self.carries_digests:
@@ -256,7 +333,7 @@ class SecondaryTier(abc.ABC):
                 self.store_batch(keys, buffers, digests=digests)  # type: ignore[call-arg]
             else:
                 self.store_batch(keys, buffers)
-            done = _Done(job_id, kind, True, digests=tuple(loaded))
+            return _Done(job_id, kind, True, digests=tuple(loaded))
         except BatchIOError as exc:
             stop = exc.num_succeeded
             causes: dict[int, BaseException] = dict(exc.skipped)
@@ -269,18 +346,16 @@ class SecondaryTier(abc.ABC):
             # path / key / layer for a digest mismatch)
             for i, cause in sorted(exc.skipped.items()):
                 logger.warning("%s %s job %d: block %d of %d failed (the batch went on): %s",
-                               self.name, kind.value, job_id, i, len(keys), cause)
+                               self.name, kind.value, job_id, offset + i, total, cause)
             if stop < len(keys):
                 logger.warning("%s %s job %d failed at block %d of %d: %s", self.name,
-                               kind.value, job_id, stop, len(keys), exc.cause)
+                               kind.value, job_id, offset + stop, total, exc.cause)
             failed = frozenset(exc.skipped) | frozenset(range(stop, len(keys)))
-            done = _Done(job_id, kind, False, failed, deleted, exc.fence, tuple(loaded),
+            return _Done(job_id, kind, False, failed, deleted, exc.fence, tuple(loaded),
                          sum(isinstance(c, DigestMismatchError) for c in causes.values()))
         except BaseException as exc:  # a bug in a tier must still finish the job
             logger.exception("%s %s job %d failed: %s", self.name, kind.value, job_id, exc)
-            done = _Done(job_id, kind, False, frozenset(range(len(keys))))
-        self._done.put(done)
-        self._done_event.set()
+            return _Done(job_id, kind, False, frozenset(range(len(keys))))
 
     def wait_for_finished(self, timeout_s: float) -> bool:
         """Block until a job or probe may have finished since the last ``get_finished_jobs``

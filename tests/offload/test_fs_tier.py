@@ -301,7 +301,8 @@ def test_batched_partial_load_failure_keeps_loaded_blocks(make_fs) -> None:
 
 
 def test_batched_load_first_block_fails_marks_whole_batch(make_fs) -> None:
-    tier = make_fs(faults=FaultPlan(per_key={k(0): FaultKind.ELOOP}))
+    # one read thread: the job runs as one part, which stops at its first failure
+    tier = make_fs(faults=FaultPlan(per_key={k(0): FaultKind.ELOOP}), read_threads=1)
     keys = [k(0), k(1)]
     store(tier, keys)
     for key in keys:
@@ -310,6 +311,59 @@ def test_batched_load_first_block_fails_marks_whole_batch(make_fs) -> None:
     result = finish(tier, 3)
     assert not result.success and result.successful_keys == ()
     assert [tier.lookup("r1", key) for key in keys] == [False, False]
+
+
+def test_a_job_runs_as_one_part_per_thread_and_a_failure_stays_in_its_part(make_fs) -> None:
+    """8 blocks on 4 read threads: 4 parts of 2 run at once (a gate holds every read
+    until 4 are inside it); with an EIO on block 2, blocks 2 and 3 (its part) fail
+    only; positions, digests and bytes of the others are the job's."""
+    inside = threading.Semaphore(0)
+    release = threading.Event()
+    peak = []
+
+    class GatedReads(FsIO):
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+            self.now = 0
+
+        def readv(self, fd: int, views: list[memoryview]) -> int:
+            with self.lock:
+                self.now += 1
+                peak.append(self.now)
+            inside.release()
+            release.wait(10)
+            try:
+                return super().readv(fd, views)
+            finally:
+                with self.lock:
+                    self.now -= 1
+
+    gated = GatedReads()
+    tier = make_fs(io=gated, read_threads=4)
+    keys = [k(i) for i in range(8)]
+    store(tier, keys)
+    bufs = Buffers(8)
+    tier.submit_load(5, keys, bufs.lists(8))
+    for _ in range(4):                       # four reads at once: four parts in flight
+        assert inside.acquire(timeout=10)
+    release.set()
+    result = finish(tier, 5)
+    assert max(peak) == 4 and result.success and len(result.digests) == 8
+    for i in range(8):
+        assert bytes(bufs.block(i)) == block_content(keys[i], BLOCK)
+
+    faulty = make_fs(read_threads=4, faults=FaultPlan(per_key={k(2): FaultKind.EIO}))
+    bufs = Buffers(8)
+    faulty.submit_load(6, keys, bufs.lists(8))
+    result = finish(faulty, 6)
+    assert not result.success
+    assert result.successful_keys == (k(0), k(1), k(4), k(5), k(6), k(7))
+    assert len(result.digests) == 6
+    for i in (0, 1, 4, 5, 6, 7):
+        assert bytes(bufs.block(i)) == block_content(keys[i], BLOCK)
+    tier = faulty
+    assert tier.stats.loads_ok == 6 and tier.stats.loads_failed == 2
+    assert tier.stats.load_jobs_failed == 1     # still one job
 
 
 def test_reads_are_not_starved_by_writes(make_fs) -> None:
