@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.fs_io import O_DIRECT
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.testing import block_content
@@ -121,7 +121,8 @@ def _timed_jobs(tier: FsTier, kind: str, keys: list[bytes], batches: list[list[i
 
 def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
                       block_bytes: int = 1 << 20, batch_blocks: int = 8, rounds: int = 3,
-                      read_threads: int = 2, write_threads: int = 2, use_o_direct: bool = True,
+                      read_threads: int = DEFAULT_READ_THREADS,
+                      write_threads: int = DEFAULT_WRITE_THREADS, use_o_direct: bool = True,
                       lookup_keys: int = 64, lookup_iterations: int = 400,
                       timeout_s: float = 300.0) -> dict[str, object]:
     """Run the benchmark in a temp dir under ``directory``; returns a JSON-able dict.

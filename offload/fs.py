@@ -102,6 +102,10 @@ FINGERPRINT_RE = re.compile(r"^[0-9a-f]{8,64}$")
 #: block file name: <hash>.<fingerprint>.kvb
 BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
 HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
+#: I/O threads of the tier by default (reads: promotions; writes: stores), chosen by
+#: ``python -m kvbridge.integrations.vllm.bench_fs`` (docs/offload.md)
+DEFAULT_READ_THREADS = 4
+DEFAULT_WRITE_THREADS = 4
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
 #: load errors that say nothing about the file itself: never counted towards quarantine.
@@ -193,8 +197,9 @@ class FsTier(SecondaryTier):
     split_jobs = True
 
     def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
-                 use_o_direct: bool = True, fsync: bool = False, read_threads: int = 2,
-                 write_threads: int = 2, io: FsIO | None = None,
+                 use_o_direct: bool = True, fsync: bool = False,
+                 read_threads: int = DEFAULT_READ_THREADS,
+                 write_threads: int = DEFAULT_WRITE_THREADS, io: FsIO | None = None,
                  faults: FaultPlan | None = None, name: str = "fs",
                  probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
                  quarantine_after: int = 3,

@@ -130,6 +130,8 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
             if settings.fs_dir is not None:
                 secondaries.append(FsTier(settings.fs_dir, nbytes, fingerprint,
                                           use_o_direct=settings.fs_o_direct,
+                                          read_threads=settings.fs_read_threads,
+                                          write_threads=settings.fs_write_threads,
                                           faults=settings.fs_faults,
                                           quarantine_after=settings.fs_quarantine_after,
                                           probe_timeout_s=settings.probe_timeout_s,

@@ -6,6 +6,9 @@ Keys:
 * ``policy`` ("lru"): CPU eviction policy, ``lru`` or ``arc``.
 * ``fs_dir`` (none): directory of the ``fs`` secondary tier; none = no fs tier.
 * ``fs_o_direct`` (true): use O_DIRECT where the store directory allows it.
+* ``fs_read_threads`` / ``fs_write_threads`` (4 / 4): the fs tier's I/O threads;
+  a job (one request's promotion or store) runs on all of its pool's threads at once
+  (``kvbridge.offload.fs``).
 * ``fs_faults`` (none): fault injection around the real fs I/O, e.g.
   ``{"rate": 0.05, "kinds": ["eio", "eloop", "short_read"], "seed": 1}``, and/or
   ``"per_key": {"<key hex>": "eio"}`` (a fault on every open of that block's
@@ -51,9 +54,14 @@ from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.verify_config import parse_verify
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.faults import FaultKind, FaultPlan
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS
+
+#: no fs tier runs more I/O threads per pool than this (a bound on what a config starts)
+MAX_FS_THREADS = 64
 
 _PREFIX = "kv_connector_extra_config"
-KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_faults", "obj", "shm_dir",
+KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_read_threads",
+         "fs_write_threads", "fs_faults", "obj", "shm_dir",
          "probe_timeout_s", "load_timeout_s", "fs_quarantine_after", "verify", "verify_sample",
          "verify_allow_unverified")
 
@@ -76,6 +84,8 @@ class OffloadSettings:
     #: what the fs tier checks: ``verify`` when it is given, else every block (the
     #: disk is the bottleneck: full costs nothing measurable with O_DIRECT)
     fs_verify: VerifyPolicy = field(default_factory=lambda: VerifyPolicy(DigestMode.FULL))
+    fs_read_threads: int = DEFAULT_READ_THREADS
+    fs_write_threads: int = DEFAULT_WRITE_THREADS
 
 
 def _faults(value: object) -> FaultPlan:
@@ -164,7 +174,17 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
     if isinstance(quarantine, bool) or not isinstance(quarantine, int) or quarantine < 1:
         raise ConfigError(f"{_PREFIX}.fs_quarantine_after",
                           f"expected a count >= 1 of failed loads, got {quarantine!r}")
+    threads = {}
+    for name, default in (("fs_read_threads", DEFAULT_READ_THREADS),
+                          ("fs_write_threads", DEFAULT_WRITE_THREADS)):
+        value = extra.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 1 <= value <= MAX_FS_THREADS:
+            raise ConfigError(f"{_PREFIX}.{name}", f"expected a number of threads in "
+                                                   f"[1, {MAX_FS_THREADS}], got {value!r}")
+        threads[name] = value
     return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj, shm_dir,
                            timeouts["probe_timeout_s"], timeouts["load_timeout_s"], quarantine,
                            parse_verify(extra, _PREFIX),
-                           parse_verify(extra, _PREFIX, DigestMode.FULL))
+                           parse_verify(extra, _PREFIX, DigestMode.FULL),
+                           threads["fs_read_threads"], threads["fs_write_threads"])

@@ -83,6 +83,10 @@ def test_replicated_heads_share_a_part_and_only_the_writer_stores() -> None:
     ({"verify_sample": 1.5}, "verify_sample"),
     ({"verify_sample": True}, "verify_sample"),
     ({"verify_allow_unverified": "yes"}, "verify_allow_unverified"),
+    ({"fs_read_threads": 0}, "fs_read_threads"),
+    ({"fs_write_threads": 65}, "fs_write_threads"),
+    ({"fs_read_threads": True}, "fs_read_threads"),
+    ({"fs_write_threads": 2.0}, "fs_write_threads"),
 ])
 def test_settings_errors_name_the_key(extra: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -116,6 +120,27 @@ def test_deadline_and_quarantine_settings_are_parsed_and_validated() -> None:
                      ("fs_quarantine_after", 2.5)):
         with pytest.raises(ConfigError, match=key):
             parse_settings({key: bad})
+
+
+def test_fs_thread_settings_reach_the_fs_tier(tmp_path) -> None:
+    from kvbridge.connectors.offloading.scheduler import build_managers
+    from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS
+
+    defaults = parse_settings({})
+    assert (defaults.fs_read_threads, defaults.fs_write_threads) == (
+        DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS)
+    spec = load_spec("tiny-gqa")
+    table = build_part_table(spec, ParallelTopology())
+    settings = parse_settings({"fs_dir": str(tmp_path), "fs_o_direct": False,
+                               "fs_read_threads": 3, "fs_write_threads": 1, "cpu_blocks": 4})
+    managers, client = build_managers(spec, table, settings)
+    try:
+        assert client is None
+        fs = managers[0].secondaries[0]
+        assert fs._read_pool.num_threads == 3 and fs._write_pool.num_threads == 1
+    finally:
+        for manager in managers:
+            manager.shutdown()
 
 
 def test_verify_settings_defaults_are_measured_and_reach_every_tier(tmp_path) -> None:
