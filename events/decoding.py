@@ -237,7 +237,6 @@ def decode_event(raw: object, where: str = "event") -> KVEvent:
     raise EventDecodeError(_path(where, TAG_KEY), f"unknown event type {tag!r}")
 
 
-
 def _decode_batch_checked(payload: bytes) -> EventBatch:
     """``decode_batch`` by the Python checks alone (the reference behaviour)."""
     try:

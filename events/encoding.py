@@ -42,7 +42,6 @@ class EventWireFormat(enum.Enum):
     ARRAY = "array"  # vLLM before PR #42892: tagged positional arrays
 
 
-
 # ---------------------------------------------------------------- encoding
 
 

@@ -45,7 +45,6 @@ def decode_seq(frame: bytes, field: str = "seq") -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
-
 # ---------------------------------------------------------------- frames
 
 

@@ -3,7 +3,7 @@
 Owns ``DEFAULT_ENDPOINT``, :class:`PublisherConfig` (endpoints, topic, wire
 format, the replay ring's size, and the bounds on queues, replay requests,
 replies under way and stalled clients), checked once when it is built, and
-:class:`PublisherStats`. Pure data: no sockets, nothing of zmq.
+:class:`PublisherStats`. Pure data: this module imports no socket library.
 
 May not touch: how the bounds are applied (:mod:`~kvbridge.events.publisher`
 states the invariants and enforces them), the wire format it names

@@ -3,8 +3,7 @@
 Owns :class:`ReceivedBatch`, :class:`GapDetected`, :class:`GapLost`,
 :class:`PublisherRestarted`, :class:`MalformedFrame` and their union
 :data:`StreamItem`: what a router consuming kvbridge's (or vLLM's) KV events
-sees of the stream, in order. Pure data: a consumer can match on these without
-importing zmq.
+sees of the stream, in order. Pure data: this module imports no socket library.
 
 May not touch: when each item is produced (:mod:`~kvbridge.events.subscriber`
 and :mod:`~kvbridge.events.sequencer` decide), the batch inside

@@ -5,7 +5,7 @@ that keep a hostile or broken replay endpoint from costing memory or stalling
 the live stream: frame size, pending batches and bytes per reply, chunks per
 gap, replay backoff), checked once when it is built, and
 :class:`SubscriberStats` with ``_Counters``, its mutable twin inside the
-subscriber. Pure data: no sockets, nothing of zmq.
+subscriber. Pure data: this module imports no socket library.
 
 May not touch: how the bounds are applied (:mod:`~kvbridge.events.subscriber`
 describes and enforces them), the items the subscriber hands out

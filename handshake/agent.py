@@ -53,6 +53,8 @@ from kvbridge.layouts import (
 from kvbridge.layouts.limits import MAX_PARALLEL_SIZE
 from kvbridge.layouts.plan import LayerMemory, rank_index
 
+# --------------------------------------------------------------------------- per rank
+
 
 class RankKey(NamedTuple):
     """Coordinates of one rank inside an engine; orders like ParallelTopology.ranks()."""
@@ -67,10 +69,6 @@ class RankKey(NamedTuple):
 
     def describe(self) -> str:
         return f"pp{self.pp_rank}/pcp{self.pcp_rank}/tp{self.tp_rank}"
-
-
-
-# --------------------------------------------------------------------------- per rank
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,14 @@ from kvbridge.handshake.errors import HandshakeError
 from kvbridge.layouts import Interior, KVCacheSpec, RegionLayout
 from kvbridge.layouts.spec import MAX_FORMAT_CHARS, MAX_FORMAT_KEYS
 
+# --------------------------------------------------------------------------- header
+
 
 class TransferMode(str, Enum):
     """Who moves the bytes: the consumer READs (pull) or the producer WRITEs (push)."""
 
     PULL = "pull"
     PUSH = "push"
-
-
-
-# --------------------------------------------------------------------------- header
 
 
 @dataclass(frozen=True)
