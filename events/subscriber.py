@@ -44,6 +44,15 @@ memory or stall the live stream):
   ``replay_backoff_s``, doubling per consecutive failure up to
   ``replay_backoff_max_s``; gaps in that window are reported lost at once and
   live batches keep flowing. One successful replay resets the backoff.
+
+This file owns :class:`KVEventSubscriber`: its SUB socket and connect monitor,
+the live path, the replay path (what to ask for, reading one reply within the
+bounds above, delivering it) and the incarnation. It may not touch what it is
+configured with and reports (:mod:`~kvbridge.events.subscriber_config`), the
+items it hands out (:mod:`~kvbridge.events.stream`; both re-exported here), the
+replay DEALER, sealing and backoff (:mod:`~kvbridge.events.replay_dealer`),
+sequencing decisions (:mod:`~kvbridge.events.sequencer`), or the bytes of
+frames and payloads (:mod:`~kvbridge.events.wire`).
 """
 
 from __future__ import annotations
@@ -54,16 +63,25 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvbridge.auth import ClusterAuth, Label
+from kvbridge.auth import ClusterAuth
 
 from .errors import EventDecodeError
-from .schema import EventBatch
+from .replay_dealer import ReplayDealer
 from .sequencer import Gap, LiveVerdict, ReplayVerdict, SequenceTracker
+from .stream import (
+    GapDetected,
+    GapLost,
+    MalformedFrame,
+    PublisherRestarted,
+    ReceivedBatch,
+    StreamItem,
+)
+from .subscriber_config import SubscriberConfig, SubscriberStats, _Counters
 from .wire import (
     ReplayInfo,
     ReplayRequest,
@@ -77,120 +95,6 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SubscriberConfig:
-    endpoint: str
-    replay_endpoint: str | None = None
-    #: ZMQ prefix filter on the topic frame ("" receives every topic).
-    topic: str = ""
-    #: None: start with whatever arrives live. 0 (or N): first replay the
-    #: publisher's buffered history from that seq (a late joiner catching up).
-    start_seq: int | None = None
-    replay_timeout_s: float = 2.0
-    #: ZMQ receive high-water mark, in messages (batches).
-    rcvhwm: int = 100_000
-    #: Ask a kvbridge publisher for its incarnation after every reconnect.
-    check_incarnation_on_reconnect: bool = True
-    #: After this long without live traffic, ask the replay endpoint whether
-    #: batches were published that never arrived (a gap at the tail of the stream
-    #: is otherwise invisible until the next live batch). None disables it.
-    idle_resync_s: float | None = 1.0
-    #: Largest frame accepted from the publisher or its replay endpoint, in bytes
-    #: (ZMQ MAXMSGSIZE; a peer sending more is disconnected). -1: unlimited.
-    max_message_bytes: int = 16 << 20
-    #: Receive high-water mark of the replay DEALER, in messages.
-    replay_rcvhwm: int = 256
-    #: Most messages (batches) one replay reply may hand over before it is cut.
-    max_pending_batches: int = 10_000
-    #: Most payload bytes one replay reply may hand over before it is cut.
-    max_pending_bytes: int = 64 << 20
-    #: Most replies (chunks) one gap or catch-up is repaired with; the rest is lost.
-    max_replay_chunks: int = 100
-    #: No replay for this long after a failed one; doubles per consecutive failure.
-    replay_backoff_s: float = 1.0
-    replay_backoff_max_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_pending_batches", "max_pending_bytes", "replay_rcvhwm",
-                     "max_replay_chunks"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected a positive number")
-        if not self.replay_timeout_s > 0:
-            raise ValueError("replay_timeout_s: expected > 0 seconds")
-        if self.replay_backoff_s < 0 or self.replay_backoff_max_s < self.replay_backoff_s:
-            raise ValueError(
-                "replay_backoff_s / replay_backoff_max_s: expected 0 <= backoff <= max"
-            )
-        if self.max_message_bytes < -1 or self.max_message_bytes == 0:
-            raise ValueError("max_message_bytes: expected a positive byte count or -1")
-
-
-@dataclass(frozen=True)
-class ReceivedBatch:
-    seq: int
-    batch: EventBatch
-    topic: bytes
-    replayed: bool = False
-
-
-@dataclass(frozen=True)
-class GapDetected:
-    start_seq: int
-    end_seq: int  # exclusive
-
-    @property
-    def num_batches(self) -> int:
-        return self.end_seq - self.start_seq
-
-
-@dataclass(frozen=True)
-class GapLost:
-    start_seq: int
-    end_seq: int  # exclusive
-    reason: str
-
-    @property
-    def num_batches(self) -> int:
-        return self.end_seq - self.start_seq
-
-
-@dataclass(frozen=True)
-class PublisherRestarted:
-    previous_incarnation: int | None
-    incarnation: int | None
-    last_seq: int | None  # last seq delivered from the previous incarnation
-    seq: int  # the seq that revealed the restart
-    reason: str
-
-
-@dataclass(frozen=True)
-class MalformedFrame:
-    source: str  # "live" or "replay"
-    reason: str
-    seq: int | None = None
-
-
-StreamItem: TypeAlias = ReceivedBatch | GapDetected | GapLost | PublisherRestarted | MalformedFrame
-
-
-@dataclass(frozen=True)
-class SubscriberStats:
-    received_batches: int
-    received_events: int
-    replayed_batches: int
-    duplicates_dropped: int
-    gaps: int
-    lost_batches: int
-    restarts: int
-    malformed_frames: int
-    replay_requests: int
-    replay_timeouts: int
-    #: Replies cut at ``max_pending_batches`` / ``max_pending_bytes``.
-    replay_overruns: int = 0
-    #: Replay requests not sent because of the backoff after failures.
-    replays_skipped: int = 0
-
-
 @dataclass
 class _ReplayResult:
     info: ReplayInfo | None
@@ -200,22 +104,6 @@ class _ReplayResult:
     failure: str | None = None
     #: The subscriber asked for less than the caller's range (chunked): ask again.
     truncated: bool = False
-
-
-class _Counters:
-    def __init__(self) -> None:
-        self.received_batches = 0
-        self.received_events = 0
-        self.replayed_batches = 0
-        self.duplicates_dropped = 0
-        self.gaps = 0
-        self.lost_batches = 0
-        self.restarts = 0
-        self.malformed_frames = 0
-        self.replay_requests = 0
-        self.replay_timeouts = 0
-        self.replay_overruns = 0
-        self.replays_skipped = 0
 
 
 class KVEventSubscriber:
@@ -240,7 +128,7 @@ class KVEventSubscriber:
         if config.replay_endpoint is not None and config.check_incarnation_on_reconnect:
             self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._sub.connect(config.endpoint)
-        self._dealer: zmq.Socket[Any] | None = None
+        self._replay = ReplayDealer(config, self._ctx, auth)
         self._tracker = SequenceTracker(config.start_seq)
         self._ready: deque[StreamItem] = deque()
         self._counters = _Counters()
@@ -255,8 +143,6 @@ class KVEventSubscriber:
         self._last_activity = time.monotonic()
         self._last_monitor_check = 0.0
         self._resync_interval = config.idle_resync_s
-        self._replay_failures = 0  # consecutive
-        self._replay_blocked_until = 0.0
 
     # ------------------------------------------------------------ public API
 
@@ -361,9 +247,7 @@ class KVEventSubscriber:
                 self._sub.disable_monitor()
             self._monitor.close(linger=0)
         self._sub.close(linger=0)
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
+        self._replay.close()
 
     def __enter__(self) -> KVEventSubscriber:
         return self
@@ -561,57 +445,30 @@ class KVEventSubscriber:
                 self._declare_lost(self._tracker.skip_to(seq), "not in the publisher's replay ring")
             self._deliver(seq, payload, topic if topic is not None else b"", replayed=True)
 
-    def _sealed(self, request: bytes) -> bytes:
-        return request if self._auth is None else \
-            self._auth.seal_request(Label.EVENTS_REPLAY, request)[0]
-
-    def _dealer_socket(self) -> zmq.Socket[Any]:
-        if self._dealer is None:
-            assert self.config.replay_endpoint is not None
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.RCVHWM, self.config.replay_rcvhwm)
-            self._dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-            self._dealer.connect(self.config.replay_endpoint)
-        return self._dealer
-
-    def _discard_dealer(self) -> None:
-        # Late replies to an abandoned request must never be read as a new answer.
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
-
     def _replay_failed(self, result: _ReplayResult) -> _ReplayResult:
         """Start (or extend) the backoff after a timed-out or overrun replay."""
-        self._replay_failures += 1
-        config = self.config
-        backoff = min(
-            config.replay_backoff_max_s,
-            config.replay_backoff_s * 2 ** min(self._replay_failures - 1, 32),
-        )
-        self._replay_blocked_until = time.monotonic() + backoff
-        self._discard_dealer()  # late replies to this request must never be read
+        backoff = self._replay.failed()  # also discards the DEALER: late replies unread
         logger.warning(
             "KV event replay failed (%s); no replay for %.1f s (%d failures in a row)",
             result.failure,
             backoff,
-            self._replay_failures,
+            self._replay.failures,
         )
         return result
 
     def _request_replay(self, start: int, end: int | None) -> _ReplayResult:
         config = self.config
         now = time.monotonic()
-        if now < self._replay_blocked_until:
+        if now < self._replay.blocked_until:
             self._counters.replays_skipped += 1
             reason = (
-                f"replay endpoint backing off after {self._replay_failures} failed replays "
-                f"(next try in {self._replay_blocked_until - now:.1f} s)"
+                f"replay endpoint backing off after {self._replay.failures} failed replays "
+                f"(next try in {self._replay.blocked_until - now:.1f} s)"
             )
             return _ReplayResult(None, [], complete=False, failure=reason)
         self._counters.replay_requests += 1
         use_ext = self.publisher_supports_incarnation is not False or self._auth is not None
-        sock = self._dealer_socket()
+        sock = self._replay.socket()
         # Ask a kvbridge publisher for no more than one reply may hold; the caller
         # asks again for the rest (a vLLM publisher always replays to its newest).
         asked_end = end
@@ -621,7 +478,7 @@ class KVEventSubscriber:
             request = ReplayRequest(
                 start_seq=start, end_seq=asked_end, incarnation=self.incarnation
             )
-            sock.send_multipart((b"", self._sealed(encode_replay_request(request))))
+            sock.send_multipart((b"", self._replay.seal(encode_replay_request(request))))
         else:
             sock.send_multipart((b"", encode_seq(start)))
         info: ReplayInfo | None = None
@@ -654,7 +511,7 @@ class KVEventSubscriber:
                     # any size: an honest large gap is cut here, then asked for
                     # again from the next seq (no backoff: this round made progress;
                     # max_replay_chunks bounds the rounds per gap).
-                    self._discard_dealer()
+                    self._replay.discard()
                     return _ReplayResult(info, batches, complete=False, truncated=True)
                 return self._replay_failed(
                     _ReplayResult(info, batches, complete=False, failure=failure)
@@ -693,7 +550,7 @@ class KVEventSubscriber:
                     use_ext = False
                     sock.send_multipart((b"", encode_seq(start)))
                     continue
-                self._replay_failures = 0
+                self._replay.succeeded()
                 # A kvbridge publisher caps each reply (and so do we, by asking for
                 # at most max_pending_batches): more may follow when this reply
                 # stopped short of the caller's range (not just of the chunk asked
