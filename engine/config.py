@@ -48,4 +48,3 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", "expected >= 1")
         self.spec.validate_topology(self.topology)
-

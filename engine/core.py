@@ -121,7 +121,13 @@ logger = logging.getLogger(__name__)
 
 
 class Engine(Scheduling):
-    """A paged-KV engine with all its ranks in this process. Not thread-safe."""
+    """A paged-KV engine with all its ranks in this process. Not thread-safe.
+
+    Its phases are its bases, one module each (see the module docstring):
+    :class:`~kvbridge.engine.scheduling.Scheduling` ->
+    :class:`~kvbridge.engine.loads.LoadHandling` ->
+    :class:`~kvbridge.engine.state.EngineState`.
+    """
 
     def __init__(self, config: EngineConfig, event_sink: EventSink | None = None, *,
                  events: EngineEventsConfig | None = None,
@@ -258,7 +264,6 @@ class Engine(Scheduling):
                    for r in range(self.num_regions)]
         self.aggregator = OutputAggregator(len(self.workers), holders=holders)
 
-
     # ------------------------------------------------------------------ client API
 
     @property
@@ -348,7 +353,6 @@ class Engine(Scheduling):
                 time.sleep(idle_sleep_s)
         return self.pop_results()
 
-
     # ------------------------------------------------------------------ the step
 
     def step(self) -> StepReport:
@@ -434,7 +438,6 @@ class Engine(Scheduling):
         return StepReport(self.step_id, len(items), num_tokens, frozenset(preempted),
                           tuple(finished), output)
 
-
     # ------------------------------------------------------------------ events
 
     def _take_pool_events(self) -> list[KVEvent]:
@@ -448,7 +451,6 @@ class Engine(Scheduling):
             self.event_sink.publish(events)
         if self.keep_events:
             self.events.extend(events)
-
 
     # ------------------------------------------------------------------ inspection
 

@@ -140,7 +140,6 @@ class LoadHandling(EngineState):
             logger.error("engine %s: request %s: %d mismatched bytes in loaded tokens [%d, %d)",
                          self.engine_id, req.request_id, req.mismatched_bytes, start, end)
 
-
     def _handle_finished_transfers(self, output: ConnectorOutput) -> None:
         for request_id in output.finished_recving:
             req = self.requests.get(request_id)
@@ -206,4 +205,3 @@ class LoadHandling(EngineState):
                     self._quarantine(r, ids)
                 req.block_ids = [[] for _ in range(self.num_regions)]
                 self.requests.pop(request_id, None)
-

@@ -31,7 +31,11 @@ from kvbridge.engine.request import (
 
 
 class Scheduling(LoadHandling):
-    """Scheduling and block allocation of one engine step."""
+    """Scheduling and block allocation of one engine step.
+
+    Built on :class:`LoadHandling` because scheduling a request whose async receive
+    finished first turns the receive into computed tokens (``_finish_remote_load``).
+    """
 
     def _allocate_for(self, req: EngineRequest, total_tokens: int) -> bool:
         """Grow every region's block list to cover ``total_tokens``; all or nothing."""
@@ -178,4 +182,3 @@ class Scheduling(LoadHandling):
         for r in range(self.num_regions):
             self.pools[r].free(req.block_ids[r])
             req.block_ids[r] = []
-

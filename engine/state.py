@@ -82,7 +82,6 @@ class EngineState:
         if self.config.record_hooks:
             self.hook_log.append(HookCall(self.step_id, side, worker, hook, request_id))
 
-
     def _cache_full_blocks(self, req: EngineRequest) -> None:
         if not self.config.enable_prefix_caching:
             return
@@ -94,11 +93,9 @@ class EngineState:
             self.pools[r].cache_full_blocks(req.block_ids[r], req.hashes[r], req.token_ids,
                                             full, extra)
 
-
     def _quarantine(self, region: int, block_ids: list[int]) -> None:
         """Keep blocks referenced forever: a late transfer may still write them."""
         self._quarantined.extend((region, b) for b in block_ids)
-
 
     def _finish(self, req: EngineRequest, state: RequestState) -> None:
         receiving = (req.state is RequestState.WAITING_FOR_REMOTE_KVS
@@ -127,4 +124,3 @@ class EngineState:
             self._invalid_refs -= {(r, b) for b in ids}
         req.block_ids = [[] for _ in range(self.num_regions)]
         self.requests.pop(req.request_id, None)
-

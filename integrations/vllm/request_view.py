@@ -69,4 +69,3 @@ class _HashChain:
                 chain.append(parent)
             out.append(tuple(chain))
         return tuple(out)
-

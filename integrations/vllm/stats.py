@@ -136,4 +136,3 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         failed = transfer_stats_data.get("failed", 0)
         if failed:
             self.failed[engine_idx].inc(failed)
-

@@ -62,13 +62,11 @@ class WorkerSide(KVConnectorBase_V1):
             raise RuntimeError("kvbridge: worker hook called on a scheduler-role connector")
         return self._worker
 
-
     def _kvb_ids(self, vllm_ids: Iterable[str] | None) -> frozenset[str]:
         return frozenset(self._to_kvb.get(i, i) for i in vllm_ids or ())
 
     def _vllm_ids(self, kvb_ids: Iterable[str]) -> set[str]:
         return {self._to_vllm.get(i, i) for i in kvb_ids}
-
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self.kvbridge_worker
@@ -217,4 +215,3 @@ class WorkerSide(KVConnectorBase_V1):
                            ) -> KVConnectorPromMetrics | None:
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames,
                                    per_engine_labelvalues)
-
