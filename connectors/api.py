@@ -54,6 +54,14 @@ Rules a connector can rely on and must keep:
 * ``block_ids`` are local block ids per region (:data:`BlockIds`); a block of
   region ``r`` covers ``ctx.block_tokens(r)`` tokens of the request.
 * Nothing here imports an engine; the types are kvbridge's own.
+
+The records live in their own modules, re-exported here (import them from
+here or from :mod:`kvbridge.connectors`): :mod:`kvbridge.connectors.step`
+(requests and steps, as the scheduler half sees them),
+:mod:`kvbridge.connectors.context` (:class:`ConnectorContext`, :class:`KVCaches`),
+:mod:`kvbridge.connectors.outputs` (worker reports and their aggregation). This
+module owns the contract itself: the two halves, the plugin, and
+:class:`ConnectorMetadata` (its class path is part of the metadata wire format).
 """
 
 from __future__ import annotations
@@ -62,14 +70,26 @@ import logging
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbridge.connectors.config import ConnectorConfig, KVRole, LoadFailurePolicy
+from kvbridge.connectors.context import ConnectorContext, KVCaches
 from kvbridge.connectors.errors import ConfigError, ContractError, RoleError
+from kvbridge.connectors.outputs import (
+    BlockRef,
+    ConnectorOutput,
+    OutputAggregator,
+    WorkerOutput,
+)
+from kvbridge.connectors.outputs import Stats as Stats  # public here before the split
 from kvbridge.connectors.params import BlockIds, TransferMode, TransferParams
+from kvbridge.connectors.step import (
+    ConnectorRequest,
+    ScheduledRequest,
+    SchedulerStep,
+    block_range,
+)
 from kvbridge.events import EventBuffer, KVEvent
-from kvbridge.layouts import BlockHash, KVCacheSpec, ParallelTopology, RankRegionShape
 
 if TYPE_CHECKING:
     import torch
@@ -100,88 +120,6 @@ __all__ = [
     "block_range",
 ]
 
-#: A block of one region: ``(region_index, block_id)``. Load errors are reported as these.
-BlockRef = tuple[int, int]
-
-Stats = Mapping[str, int | float]
-
-
-def block_range(block_tokens: int, start_token: int, end_token: int) -> range:
-    """Indices (into a request's block list of one region) of the blocks that hold
-    tokens ``[start_token, end_token)`` when each block covers ``block_tokens`` tokens."""
-    if end_token <= start_token:
-        return range(0)
-    return range(start_token // block_tokens, -(-end_token // block_tokens))
-
-
-# --------------------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class ConnectorRequest:
-    """What a connector sees of a request: an immutable view built per hook call.
-
-    ``token_ids`` are all tokens so far (prompt, then generated ones).
-    ``block_hashes[r]`` are the chained hashes (``kvbridge.layouts.hash_blocks``)
-    of every *full* key of region ``r`` over ``token_ids``, where a key covers
-    ``ctx.block_tokens(r)`` tokens (``block_size * dcp_size`` for token-sharded
-    regions); extra keys include ``cache_salt`` when set.
-    ``num_computed_tokens`` is how many leading tokens have valid KV in this
-    engine (local prefix-cache hits and computed tokens) when the view was made.
-
-    ``transfer_params``: where this request's KV comes from (consumer; pull or
-    push), or, on a producer in push mode, where to write it.
-    ``remote_decode``: the router asked this engine (a producer) to prefill and
-    hand the KV to a remote decoder: ``request_finished`` should hold the
-    blocks (pull) and return the ``TransferParams`` for the router.
-    """
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    num_prompt_tokens: int
-    block_hashes: tuple[tuple[BlockHash, ...], ...]
-    num_computed_tokens: int = 0
-    transfer_params: TransferParams | None = None
-    remote_decode: bool = False
-    cache_salt: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def prompt_token_ids(self) -> tuple[int, ...]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request scheduled in a step, as the scheduler connector sees it.
-
-    ``block_ids``: all blocks of the request now, per region.
-    ``num_computed_tokens``: tokens with valid KV before this step's compute
-    (including tokens a connector loads synchronously this step).
-    ``num_scheduled_tokens``: tokens computed this step, from
-    ``num_computed_tokens`` on. ``is_new``: first schedule (or first after a
-    preemption, which dropped the old blocks): ``block_ids`` are a fresh list.
-    """
-
-    request: ConnectorRequest
-    block_ids: BlockIds
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    is_new: bool
-
-
-@dataclass(frozen=True)
-class SchedulerStep:
-    """What the scheduler decided this step (the argument of ``build_connector_meta``)."""
-
-    step_id: int
-    scheduled: tuple[ScheduledRequest, ...]
-    finished_request_ids: frozenset[str] = frozenset()
-    preempted_request_ids: frozenset[str] = frozenset()
-
 
 class ConnectorMetadata:
     """Base of the per-step message from a scheduler connector to its workers.
@@ -192,289 +130,6 @@ class ConnectorMetadata:
     processes send :func:`kvbridge.connectors.metadata_wire.encode_metadata`'s
     msgpack bytes, so its fields must be of the types that codec names.
     """
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-@dataclass(frozen=True)
-class KVCaches:
-    """The KV tensors of one worker rank, as registered with its connector.
-
-    ``layers[layer_id]`` has shape ``shapes[r].tensor_shape(num_blocks[r])`` for
-    the region ``r`` that owns ``layer_id``. Only this pipeline stage's layers
-    are present.
-    """
-
-    shapes: tuple[RankRegionShape, ...]
-    num_blocks: tuple[int, ...]
-    layers: Mapping[int, torch.Tensor]
-
-    def region_index_of_layer(self, layer_id: int) -> int:
-        for index, shape in enumerate(self.shapes):
-            if layer_id in shape.layer_ids:
-                return index
-        raise ContractError("layer_id", f"layer {layer_id} is not held by this rank")
-
-    def region_layers(self, region_index: int) -> tuple[tuple[int, torch.Tensor], ...]:
-        """``(layer_id, tensor)`` of one region's layers on this rank, in layer order."""
-        return tuple((layer, self.layers[layer]) for layer in self.shapes[region_index].layer_ids)
-
-    def block_stride(self, layer_id: int) -> int:
-        """Bytes from one block of a layer to the next: the tensor's own dim-0 stride
-        (larger than a block for padded pages, e.g. vLLM's hybrid or MLA caches)."""
-        tensor = self.layers[layer_id]
-        return int(tensor.stride(0)) * int(tensor.element_size())
-
-    def backing_spans(self) -> list[tuple[int, int]]:
-        """``(addr, nbytes)`` of each distinct backing storage of the layer tensors, once.
-
-        Tensors that alias (vLLM's hybrid allocator puts layer i of every KV cache
-        group on the same bytes) or are views of one allocation share a storage,
-        which a transport must register once.
-        """
-        spans: dict[int, int] = {}
-        for tensor in self.layers.values():
-            storage = tensor.untyped_storage()
-            spans[int(storage.data_ptr())] = int(storage.nbytes())
-        return sorted(spans.items())
-
-
-@dataclass(frozen=True)
-class WorkerOutput:
-    """What one rank reports after a step.
-
-    ``failed_recving`` is always a subset of ``finished_recving`` (a failed
-    receive is finished: enforced on construction). ``invalid_block_ids`` are
-    local blocks whose load failed (their bytes must not be used).
-    """
-
-    worker_index: int
-    finished_sending: frozenset[str] = frozenset()
-    finished_recving: frozenset[str] = frozenset()
-    failed_recving: frozenset[str] = frozenset()
-    invalid_block_ids: frozenset[BlockRef] = frozenset()
-    stats: Stats = field(default_factory=dict)
-    events: tuple[KVEvent, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "finished_sending", frozenset(self.finished_sending))
-        object.__setattr__(self, "failed_recving", frozenset(self.failed_recving))
-        object.__setattr__(self, "finished_recving",
-                           frozenset(self.finished_recving) | self.failed_recving)
-        refs = frozenset(self.invalid_block_ids)
-        for ref in refs:
-            if (not isinstance(ref, tuple) or len(ref) != 2
-                    or not all(isinstance(x, int) and x >= 0 for x in ref)):
-                raise ContractError("invalid_block_ids",
-                                    f"expected (region_index, block_id) pairs, got {ref!r}")
-        object.__setattr__(self, "invalid_block_ids", refs)
-        object.__setattr__(self, "events", tuple(self.events))
-
-
-@dataclass(frozen=True)
-class ConnectorOutput:
-    """The engine-wide result of one step, given to ``update_connector_output``.
-
-    A request id appears in ``finished_sending`` / ``finished_recving`` once,
-    in the step where the last participating rank reported it. It is in
-    ``failed_recving`` if any rank reported it failed. ``invalid_block_ids``
-    is the union over ranks, reported as soon as any rank reports it.
-    ``worker_stats`` holds each rank's latest cumulative stats (index = worker).
-    """
-
-    finished_sending: frozenset[str] = frozenset()
-    finished_recving: frozenset[str] = frozenset()
-    failed_recving: frozenset[str] = frozenset()
-    invalid_block_ids: frozenset[BlockRef] = frozenset()
-    worker_stats: tuple[Stats, ...] = ()
-    events: tuple[KVEvent, ...] = ()
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.events)
-
-    def merged_stats(self) -> dict[str, int | float]:
-        """Sum of every numeric stat over ranks (engine-wide cumulative counters)."""
-        total: dict[str, int | float] = {}
-        for stats in self.worker_stats:
-            for key, value in stats.items():
-                total[key] = total.get(key, 0) + value
-        return total
-
-
-class OutputAggregator:
-    """Combines the ranks' :class:`WorkerOutput` into one :class:`ConnectorOutput` per step.
-
-    Stateful across steps: rank 0 may report a request finished in step 5 and
-    rank 1 in step 6; the request is finished (once) in step 6. Invariant: a
-    request is finished only when every one of ``num_workers`` ranks reported
-    it; it is failed if any rank reported it failed.
-
-    KV events (as vLLM aggregates worker events): an event is emitted once every
-    rank that *holds* its block reported an equal event -- ``holders[g]`` are the
-    worker indices holding layers of region (KV-cache group) ``g``, for events
-    with ``group_idx == g``; all ranks for other events or without ``holders``.
-    Reports from ranks outside the holders are ignored. Reports are counted, not
-    just noted: an event that every holder reported ``k`` times is emitted ``k``
-    times (a block stored, removed and stored again is announced twice), even
-    when one rank reports both before another reports the first.
-    """
-
-    def __init__(self, num_workers: int,
-                 holders: Sequence[frozenset[int]] | None = None) -> None:
-        if num_workers < 1:
-            raise ConfigError("num_workers", f"expected >= 1, got {num_workers}")
-        self.num_workers = num_workers
-        self._holders = tuple(frozenset(h) for h in holders) if holders is not None else ()
-        everyone = frozenset(range(num_workers))
-        for group, ranks in enumerate(self._holders):
-            if not ranks or not ranks <= everyone:
-                raise ConfigError("holders", f"group {group}: expected a non-empty subset of "
-                                             f"worker indices 0..{num_workers - 1}, got "
-                                             f"{sorted(ranks)}")
-        self._everyone = everyone
-        self._sending: dict[str, set[int]] = {}
-        self._recving: dict[str, set[int]] = {}
-        self._failed: set[str] = set()
-        # event -> reports per worker index not yet matched by every holder (insertion
-        # ordered: events complete in the order they were first reported)
-        self._events: dict[KVEvent, dict[int, int]] = {}
-
-    def aggregate(self, outputs: Sequence[WorkerOutput]) -> ConnectorOutput:
-        sending_done: set[str] = set()
-        recving_done: set[str] = set()
-        invalid: set[BlockRef] = set()
-        events: list[KVEvent] = []
-        stats: list[Stats] = [{} for _ in range(self.num_workers)]
-        for output in outputs:
-            worker = output.worker_index
-            if not 0 <= worker < self.num_workers:
-                raise ContractError("worker_index", f"expected 0..{self.num_workers - 1}, "
-                                                    f"got {worker}")
-            stats[worker] = output.stats
-            invalid |= output.invalid_block_ids
-            self._failed |= output.failed_recving
-            for request_id in output.finished_sending:
-                if self._add(self._sending, request_id, worker):
-                    sending_done.add(request_id)
-            for request_id in output.finished_recving:
-                if self._add(self._recving, request_id, worker):
-                    recving_done.add(request_id)
-            for event in output.events:
-                if worker in self._holders_of(event):
-                    counts = self._events.setdefault(event, {})
-                    counts[worker] = counts.get(worker, 0) + 1
-        events.extend(self._complete_events())
-        failed = frozenset(recving_done & self._failed)
-        self._failed -= recving_done
-        return ConnectorOutput(
-            finished_sending=frozenset(sending_done),
-            finished_recving=frozenset(recving_done),
-            failed_recving=failed,
-            invalid_block_ids=frozenset(invalid),
-            worker_stats=tuple(stats),
-            events=tuple(events),
-        )
-
-    def _holders_of(self, event: KVEvent) -> frozenset[int]:
-        group = getattr(event, "group_idx", None)
-        if isinstance(group, int) and 0 <= group < len(self._holders):
-            return self._holders[group]
-        return self._everyone
-
-    def _complete_events(self) -> list[KVEvent]:
-        out: list[KVEvent] = []
-        for event, counts in list(self._events.items()):
-            holders = self._holders_of(event)
-            rounds = min(counts.get(w, 0) for w in holders)
-            if rounds == 0:
-                continue
-            out.extend([event] * rounds)
-            left = {w: n - rounds for w, n in counts.items() if n > rounds}
-            if left:
-                self._events[event] = left
-            else:
-                del self._events[event]
-        return out
-
-    @property
-    def num_pending_events(self) -> int:
-        """Distinct worker events some holder has not reported yet."""
-        return len(self._events)
-
-    def _add(self, table: dict[str, set[int]], request_id: str, worker: int) -> bool:
-        ranks = table.setdefault(request_id, set())
-        ranks.add(worker)
-        if len(ranks) == self.num_workers:
-            del table[request_id]
-            return True
-        return False
-
-    def pending(self) -> dict[str, dict[str, int]]:
-        """Requests some but not all ranks reported: ``{"sending": {id: n}, "recving": ...}``."""
-        return {"sending": {k: len(v) for k, v in self._sending.items()},
-                "recving": {k: len(v) for k, v in self._recving.items()}}
-
-
-# --------------------------------------------------------------------------- context
-
-
-@dataclass(frozen=True)
-class ConnectorContext:
-    """Everything a connector half is given about its engine.
-
-    ``topology`` is the engine's parallel sizes (ranks 0). ``rank`` and
-    ``worker_index`` are set for worker halves only (``worker_index`` is the
-    rank's position in ``topology.ranks()``). ``extra`` is the plugin's parsed
-    form of ``config.extra`` (``ConnectorPlugin.parse_extra``).
-    ``num_blocks[r]`` is the engine's block-pool size of region ``r``.
-    ``events`` is this half's own :class:`kvbridge.events.EventBuffer` (thread-safe):
-    append ``kvbridge.events`` records (``BlockStored`` ...) to it; the engine
-    takes them once per step (scheduler: ``take_events``; worker: into its
-    :class:`WorkerOutput`).
-    """
-
-    spec: KVCacheSpec
-    topology: ParallelTopology
-    config: ConnectorConfig
-    num_blocks: tuple[int, ...]
-    extra: Any = None
-    events: EventBuffer = field(default_factory=EventBuffer)
-    rank: ParallelTopology | None = None
-    worker_index: int | None = None
-
-    @property
-    def role(self) -> KVRole:
-        return self.config.role
-
-    @property
-    def engine_id(self) -> str:
-        return self.config.engine_id
-
-    @property
-    def is_worker(self) -> bool:
-        return self.rank is not None
-
-    @property
-    def num_workers(self) -> int:
-        return self.topology.world_size
-
-    def block_tokens(self, region_index: int) -> int:
-        """Tokens covered by one block (and one hash key) of region ``region_index``."""
-        return self.spec.regions[region_index].tokens_per_key(self.topology.dcp_size)
-
-    def rank_shapes(self) -> tuple[RankRegionShape, ...]:
-        if self.rank is None:
-            raise ContractError("rank", "rank_shapes() is for worker halves only")
-        return self.spec.rank_shapes(self.rank)
-
-    def require_role(self, call: str, *allowed: KVRole) -> None:
-        """Raise :class:`RoleError` unless this engine's role is one of ``allowed``."""
-        if self.role not in allowed:
-            raise RoleError("kv_role", f"{call} needs role {' or '.join(r.value for r in allowed)}"
-                                       f"; this engine is {self.role.value}")
 
 
 # --------------------------------------------------------------------------- the two halves

@@ -37,205 +37,97 @@ Bounded by construction: a request waiting for remote KV longer than
 quarantined, never reused, because a late transfer could still write them),
 and counted in ``stats()["remote_kv_timeouts"]`` -- a correct connector never
 lets that happen, which the conformance suite checks.
+
+Where each part lives (one idea per file; this module builds the engine and runs
+the step loop, and re-exports the names others import from here):
+
+* :mod:`kvbridge.engine.config` -- :class:`EngineConfig`;
+* :mod:`kvbridge.engine.host_memory` -- the KV cache's size and whether this host
+  can hold it (checked before anything is allocated);
+* :mod:`kvbridge.engine.records` -- :class:`StepReport`, :class:`HookCall`;
+* :mod:`kvbridge.engine.state` -- the bookkeeping the phases share, and how a
+  request ends (free now, delay the free, hold while receiving);
+* :mod:`kvbridge.engine.scheduling` -- phase 1;
+* :mod:`kvbridge.engine.loads` -- what phases 4 and 5 do with the aggregated
+  output (load errors -> recompute, finished transfers) and the engine-side
+  timeouts;
+* here -- construction (connector halves, handshake metadata, the aggregator),
+  the client API, phases 2, 3, the aggregation of 4, 6 and 7 (metadata, workers,
+  advance, events), inspection and shutdown. May not touch what the modules
+  above own.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from kvbridge.connectors import (
     ConfigError,
-    ConnectorConfig,
     ConnectorContext,
     ConnectorMetadata,
     ConnectorOutput,
     ContractError,
     EventBuffer,
     KVRole,
-    LoadFailurePolicy,
     OutputAggregator,
     RoleError,
     ScheduledRequest,
-    SchedulerConnector,
     SchedulerStep,
     WorkerConnector,
     WorkerOutput,
     registry,
 )
 from kvbridge.engine.block_pool import BlockPool
+from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.content import next_token
 from kvbridge.engine.control import ControlLimits
-from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
-from kvbridge.engine.request import (
-    EngineRequest,
-    RequestResult,
-    RequestSpec,
-    RequestState,
-    blocks_needed,
-    common_hit_tokens,
+from kvbridge.engine.host_memory import (
+    BLOCK_OVERHEAD_BYTES,
+    HOST_MEMORY_FRACTION,
+    available_memory_bytes,
+    cgroup_memory_room,
+    check_host_memory,
+    kv_cache_bytes,
 )
+from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
+from kvbridge.engine.records import HookCall, StepReport
+from kvbridge.engine.request import EngineRequest, RequestResult, RequestSpec, RequestState
+from kvbridge.engine.scheduling import Scheduling
 from kvbridge.engine.worker import ComputeItem, Worker
 from kvbridge.events import AllBlocksCleared, EventSink, KVEvent, KVEventPublisher
-from kvbridge.layouts import KVCacheSpec, ParallelTopology
+
+__all__ = [  # the engine, and what other modules import from here since before the split
+    "BLOCK_OVERHEAD_BYTES",
+    "HOST_MEMORY_FRACTION",
+    "Engine",
+    "EngineConfig",
+    "HookCall",
+    "StepReport",
+    "available_memory_bytes",
+    "cgroup_memory_room",
+    "check_host_memory",
+    "engines_idle_problems",
+    "kv_cache_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Settings of one reference engine. ``num_blocks`` is per region (every rank)."""
+class Engine(Scheduling):
+    """A paged-KV engine with all its ranks in this process. Not thread-safe.
 
-    spec: KVCacheSpec
-    topology: ParallelTopology = field(default_factory=ParallelTopology)
-    num_blocks: int = 256
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
-    connector: ConnectorConfig | None = None
-    enable_prefix_caching: bool = True
-    verify_loads: bool = True
-    remote_kv_timeout_s: float = 60.0
-    engine_id: str | None = None
-    record_hooks: bool = False
-    #: emit the block pools' KV events (medium GPU), as vLLM's ``enable_kv_cache_events``;
-    #: connector events are always collected
-    enable_kv_cache_events: bool = False
-    #: hand each allocation's blocks out in ascending id order (True), or in the free
-    #: queue's order as vLLM does (False). The blocks chosen are the same either way
-    #: (least recently freed first); only their order in the request differs. Sorted,
-    #: a request's blocks form contiguous runs, so a NIXL transfer merges them
-    #: (measured 4096 x 16 KiB: ~2x the bandwidth); vLLM's order, after a request
-    #: freed its blocks tail first, runs downwards and nothing merges.
-    sorted_allocation: bool = True
-
-    def __post_init__(self) -> None:
-        if self.num_blocks < 1:
-            raise ConfigError("num_blocks", f"expected >= 1, got {self.num_blocks}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_batched_tokens", "expected >= 1")
-        if self.max_num_seqs < 1:
-            raise ConfigError("max_num_seqs", "expected >= 1")
-        self.spec.validate_topology(self.topology)
-
-
-#: Bytes of bookkeeping per block and region besides its KV (block pool lists, hashes).
-BLOCK_OVERHEAD_BYTES = 256
-#: Share of the host's available memory one engine's KV cache may take.
-HOST_MEMORY_FRACTION = 0.8
-
-
-def kv_cache_bytes(config: EngineConfig) -> int:
-    """Bytes an engine of ``config`` allocates for its KV cache, every rank and region,
-    plus its block pools' bookkeeping (the reference engine keeps every rank in memory)."""
-    per_block = 0
-    for rank in config.topology.sizes().ranks():
-        per_block += sum(shape.block_bytes for shape in config.spec.rank_shapes(rank))
-    return config.num_blocks * (per_block + BLOCK_OVERHEAD_BYTES * len(config.spec.regions))
-
-
-def available_memory_bytes(root: str = "/") -> int:
-    """What this host could give a new allocation now: ``MemAvailable`` (Linux), else
-    all physical memory; at most what this process's cgroup still allows (its memory
-    limit less its usage, cgroup v2 or v1: a container's limit is often far below the
-    host's memory). ``root``: where ``proc`` and ``sys`` are looked up (tests)."""
-    have: int | None = None
-    try:
-        with open(os.path.join(root, "proc/meminfo")) as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    have = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if have is None:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    room = cgroup_memory_room(root)
-    return have if room is None else min(have, room)
-
-
-def cgroup_memory_room(root: str = "/") -> int | None:
-    """Bytes this process's memory cgroup still allows (limit - usage), None if unlimited
-    or unknown. Reads the cgroup of ``/proc/self/cgroup`` under ``/sys/fs/cgroup``."""
-    try:
-        with open(os.path.join(root, "proc/self/cgroup")) as f:
-            entries = [line.strip().split(":", 2) for line in f if line.strip()]
-    except OSError:
-        return None
-    base = os.path.join(root, "sys/fs/cgroup")
-    for entry in entries:
-        if len(entry) != 3:
-            continue
-        _hierarchy, controllers, path = entry
-        if controllers == "":  # v2: one unified hierarchy
-            pairs = [(os.path.join(base, path.lstrip("/")), "memory.max", "memory.current")]
-        elif "memory" in controllers.split(","):
-            pairs = [(os.path.join(base, "memory", path.lstrip("/")),
-                      "memory.limit_in_bytes", "memory.usage_in_bytes")]
-        else:
-            continue
-        for directory, limit_file, usage_file in pairs:
-            try:
-                with open(os.path.join(directory, limit_file)) as f:
-                    limit_text = f.read().strip()
-                with open(os.path.join(directory, usage_file)) as f:
-                    usage = int(f.read().strip())
-            except (OSError, ValueError):
-                continue
-            if limit_text == "max":
-                return None
-            try:
-                limit = int(limit_text)
-            except ValueError:
-                continue
-            if limit >= 1 << 60:  # v1's "unlimited" (a page-rounded LONG_MAX)
-                return None
-            return max(0, limit - usage)
-    return None
-
-
-def check_host_memory(config: EngineConfig) -> None:
-    """Refuse (``num_blocks`` named) a KV cache this host could not hold, before any of
-    it is allocated: too many blocks must be a usage error, not an engine that
-    allocates until the machine runs out."""
-    need = kv_cache_bytes(config)
-    have = int(available_memory_bytes() * HOST_MEMORY_FRACTION)
-    if need > have:
-        raise ConfigError("num_blocks", f"{config.num_blocks} blocks of this model on "
-                                        f"{config.topology.sizes().describe()} need "
-                                        f"{need / 2**30:.1f} GiB of KV memory; this host can "
-                                        f"give {have / 2**30:.1f} GiB "
-                                        f"({HOST_MEMORY_FRACTION:.0%} of what is available): "
-                                        f"use fewer blocks, ranks or a smaller model")
-
-
-@dataclass(frozen=True)
-class HookCall:
-    step: int
-    side: str  # "scheduler" or "worker"
-    worker: int | None
-    hook: str
-    request_id: str | None
-
-
-@dataclass(frozen=True)
-class StepReport:
-    step_id: int
-    num_scheduled: int
-    num_tokens: int
-    preempted: frozenset[str]
-    finished: tuple[str, ...]
-    output: ConnectorOutput | None
-
-
-class Engine:
-    """A paged-KV engine with all its ranks in this process. Not thread-safe."""
+    Its phases are its bases, one module each (see the module docstring):
+    :class:`~kvbridge.engine.scheduling.Scheduling` ->
+    :class:`~kvbridge.engine.loads.LoadHandling` ->
+    :class:`~kvbridge.engine.state.EngineState`.
+    """
 
     def __init__(self, config: EngineConfig, event_sink: EventSink | None = None, *,
                  events: EngineEventsConfig | None = None,
@@ -295,28 +187,27 @@ class Engine:
                                 sorted_allocation=config.sorted_allocation)
                       for r, (n, t) in enumerate(zip(num_blocks, self.tokens_per_block,
                                                      strict=True))]
-        self.hook_log: list[HookCall] = []
+        self.hook_log = []
         #: each step's aggregated connector output (kept when ``record_hooks``)
         self.output_log: list[ConnectorOutput] = []
         #: called as ``hook(engine, step)`` after ``build_connector_meta``, before the
         #: workers run (fault injection and tests)
         self.step_hooks: list[Callable[[Engine, SchedulerStep], None]] = []
-        #: requests whose connector load (``num_external_tokens > 0``) starts this step
-        self.loads_started: set[str] = set()
+        self.loads_started = set()
         self.step_id = 0
-        self.requests: dict[str, EngineRequest] = {}
-        self.waiting: deque[EngineRequest] = deque()
-        self.running: list[EngineRequest] = []
-        self.results: list[RequestResult] = []
+        self.requests = {}
+        self.waiting = deque()
+        self.running = []
+        self.results = []
         self.events: list[KVEvent] = []
-        self._finished_since_last_step: set[str] = set()
-        self._delayed: dict[str, tuple[EngineRequest, float]] = {}  # delayed frees
-        self._free_on_recv: dict[str, EngineRequest] = {}  # aborted while receiving
-        self._recv_done: dict[str, bool] = {}  # request id -> failed
-        self._ignore_recv: set[str] = set()
-        self._invalid_refs: set[tuple[int, int]] = set()
-        self._quarantined: list[tuple[int, int]] = []
-        self._stats: dict[str, int] = {
+        self._finished_since_last_step = set()
+        self._delayed = {}  # delayed frees
+        self._free_on_recv = {}  # aborted while receiving
+        self._recv_done = {}  # request id -> failed
+        self._ignore_recv = set()
+        self._invalid_refs = set()
+        self._quarantined = []
+        self._stats = {
             "steps": 0, "preemptions": 0, "tokens_computed": 0, "local_hit_tokens": 0,
             "external_tokens": 0, "recomputed_tokens": 0, "failed_loads": 0,
             "remote_kv_timeouts": 0, "lookup_timeouts": 0, "lookups_deferred": 0,
@@ -325,8 +216,8 @@ class Engine:
             "mismatched_bytes": 0, "aborted": 0, "finished": 0,
         }
         self._worker_stats: dict[str, int | float] = {}
-        self.scheduler_connector: SchedulerConnector | None = None
-        self.workers: list[Worker] = []
+        self.scheduler_connector = None
+        self.workers = []
         self.aggregator: OutputAggregator | None = None
         self._shut_down = False
         ranks = list(self.sizes.ranks())
@@ -374,10 +265,6 @@ class Engine:
         self.aggregator = OutputAggregator(len(self.workers), holders=holders)
 
     # ------------------------------------------------------------------ client API
-
-    def _record(self, side: str, worker: int | None, hook: str, request_id: str | None) -> None:
-        if self.config.record_hooks:
-            self.hook_log.append(HookCall(self.step_id, side, worker, hook, request_id))
 
     @property
     def max_request_tokens(self) -> int:
@@ -551,272 +438,7 @@ class Engine:
         return StepReport(self.step_id, len(items), num_tokens, frozenset(preempted),
                           tuple(finished), output)
 
-    # ------------------------------------------------------------------ scheduling
-
-    def _allocate_for(self, req: EngineRequest, total_tokens: int) -> bool:
-        """Grow every region's block list to cover ``total_tokens``; all or nothing."""
-        needs = [blocks_needed(total_tokens, t) - len(req.block_ids[r])
-                 for r, t in enumerate(self.tokens_per_block)]
-        if any(need > self.pools[r].num_free for r, need in enumerate(needs)):
-            return False
-        for r, need in enumerate(needs):
-            if need > 0:
-                req.block_ids[r].extend(self.pools[r].allocate(need))
-        return True
-
-    def _schedule_running(self, items: list[tuple[EngineRequest, int, bool]],
-                          preempted: set[str]) -> None:
-        budget = self.config.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            req = self.running[index]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
-                index += 1
-                continue
-            while not self._allocate_for(req, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is req:
-                    break
-            if req.request_id in preempted:
-                break
-            items.append((req, n, False))
-            budget -= n
-            index += 1
-
-    def _preempt(self, req: EngineRequest) -> None:
-        self._stats["preemptions"] += 1
-        for r, ids in enumerate(req.block_ids):
-            self.pools[r].free(ids)
-        req.block_ids = [[] for _ in range(self.num_regions)]
-        req.num_computed_tokens = 0
-        req.state = RequestState.PREEMPTED
-        req.waiting_since = time.monotonic()
-        self.waiting.appendleft(req)
-
-    def _local_hit(self, req: EngineRequest) -> tuple[int, list[list[int]]]:
-        if not self.config.enable_prefix_caching:
-            return 0, [[] for _ in range(self.num_regions)]
-        found = [self.pools[r].find_prefix(req.hashes[r]) for r in range(self.num_regions)]
-        tokens = common_hit_tokens([len(f) for f in found], self.tokens_per_block)
-        # at least one token must be computed to produce the next token
-        while tokens >= req.num_tokens and tokens > 0:
-            tokens = common_hit_tokens([tokens // t - 1 for t in self.tokens_per_block],
-                                       self.tokens_per_block)
-        blocks = [f[:tokens // t] for f, t in zip(found, self.tokens_per_block, strict=True)]
-        return tokens, blocks
-
-    def _schedule_waiting(self, items: list[tuple[EngineRequest, int, bool]]) -> None:
-        budget = self.config.max_num_batched_tokens - sum(n for _, n, _ in items)
-        skipped: deque[EngineRequest] = deque()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
-            from_remote = False
-            if req.state is RequestState.WAITING_FOR_REMOTE_KVS:
-                if req.request_id not in self._recv_done:
-                    skipped.append(req)
-                    continue
-                if not self._finish_remote_load(req):
-                    continue  # failed with the FAIL policy: finished
-                from_remote = True
-            if req.num_computed_tokens == 0 and not any(req.block_ids):
-                local, hit_blocks = self._local_hit(req)
-            else:
-                local, hit_blocks = req.num_computed_tokens, None
-            ext, load_async = 0, False
-            connector = self.scheduler_connector
-            if connector is not None and not from_remote and not req.connector_done:
-                self._record("scheduler", None, "get_num_new_matched_tokens", req.request_id)
-                matched, load_async = connector.get_num_new_matched_tokens(req.view(local), local)
-                if matched is None:
-                    self._stats["lookups_deferred"] += 1
-                    if req.state is not RequestState.WAITING_FOR_LOOKUP:
-                        req.waiting_since = time.monotonic()
-                    req.state = RequestState.WAITING_FOR_LOOKUP
-                    skipped.append(req)
-                    continue
-                if matched < 0 or local + matched > req.num_tokens:
-                    raise ContractError("get_num_new_matched_tokens",
-                                        f"request {req.request_id}: {matched} new tokens after "
-                                        f"{local} computed of {req.num_tokens}")
-                ext = matched
-            if hit_blocks is not None:
-                for r, ids in enumerate(hit_blocks):
-                    self.pools[r].touch(ids)
-                    req.block_ids[r] = list(ids)
-            if load_async and ext > 0:
-                if not self._allocate_for(req, local + ext):
-                    self._undo_hit(req, hit_blocks)
-                    self.waiting.appendleft(req)
-                    break
-                if hit_blocks is not None:
-                    req.num_local_hit_tokens = local
-                    self._stats["local_hit_tokens"] += local
-                req.num_computed_tokens = local
-                req.pending_external_tokens = ext
-                self._record("scheduler", None, "update_state_after_alloc", req.request_id)
-                assert connector is not None
-                connector.update_state_after_alloc(req.view(local), req.frozen_block_ids(), ext)
-                self.loads_started.add(req.request_id)
-                req.state = RequestState.WAITING_FOR_REMOTE_KVS
-                req.waiting_since = time.monotonic()
-                skipped.append(req)
-                continue
-            if local + ext >= req.num_tokens:
-                ext = max(0, req.num_tokens - 1 - local)  # recompute the last token
-            n = min(req.num_tokens - local - ext, budget)
-            if not self._allocate_for(req, local + ext + n):
-                self._undo_hit(req, hit_blocks)
-                self.waiting.appendleft(req)
-                break
-            if hit_blocks is not None:
-                req.num_local_hit_tokens = local
-                self._stats["local_hit_tokens"] += local
-            if connector is not None and not from_remote and not req.connector_done:
-                self._record("scheduler", None, "update_state_after_alloc", req.request_id)
-                connector.update_state_after_alloc(req.view(local), req.frozen_block_ids(), ext)
-            if ext:
-                self.loads_started.add(req.request_id)
-                req.sync_load = (local, local + ext)
-                req.num_external_tokens += ext
-                self._stats["external_tokens"] += ext
-            is_new = req.state in (RequestState.WAITING, RequestState.PREEMPTED,
-                                   RequestState.WAITING_FOR_LOOKUP) or from_remote
-            req.num_computed_tokens = local + ext
-            req.state = RequestState.RUNNING
-            self.running.append(req)
-            items.append((req, n, is_new))
-            budget -= n
-        # requests that could not start keep their place ahead of later arrivals
-        self.waiting.extendleft(reversed(skipped))
-
-    def _undo_hit(self, req: EngineRequest, hit_blocks: list[list[int]] | None) -> None:
-        if hit_blocks is None:
-            return
-        for r in range(self.num_regions):
-            self.pools[r].free(req.block_ids[r])
-            req.block_ids[r] = []
-
-    # ------------------------------------------------------------------ loads
-
-    def _first_invalid_token(self, req: EngineRequest, start: int, end: int,
-                             refs: set[tuple[int, int]]) -> int | None:
-        """First token in ``[start, end)`` held by a block in ``refs`` (None: all valid)."""
-        first: int | None = None
-        for r, t in enumerate(self.tokens_per_block):
-            ids = req.block_ids[r]
-            for index in range(start // t, min(len(ids), -(-end // t))):
-                if (r, ids[index]) in refs:
-                    token = max(start, index * t)
-                    first = token if first is None else min(first, token)
-                    break
-        return first
-
-    def _handle_sync_load_errors(self, items: list[tuple[EngineRequest, int, bool]],
-                                 output: ConnectorOutput) -> set[str]:
-        refs = set(output.invalid_block_ids)
-        self._invalid_refs |= refs
-        invalidated: set[str] = set()
-        claimed: set[tuple[int, int]] = set()
-        for req, _n, _ in items:
-            if req.sync_load is None:
-                continue
-            start, end = req.sync_load
-            own = {(r, b) for r, ids in enumerate(req.block_ids) for b in ids}
-            claimed |= own & refs
-            first = self._first_invalid_token(req, start, end, refs)
-            if first is None:
-                continue
-            invalidated.add(req.request_id)
-            self._stats["failed_loads"] += 1
-            lost = end - first
-            req.num_recomputed_tokens += lost
-            req.num_external_tokens -= lost
-            self._stats["recomputed_tokens"] += lost
-            self._stats["external_tokens"] -= lost
-            logger.warning("engine %s: request %s: load of tokens [%d, %d) failed from token %d; "
-                           "recomputing", self.engine_id, req.request_id, start, end, first)
-            self._verify_load(req, start, first)
-            req.sync_load = None
-            req.num_computed_tokens = first  # tokens computed this step are discarded too
-            if self.config.connector is not None and \
-                    self.config.connector.load_failure_policy is LoadFailurePolicy.FAIL:
-                self.running.remove(req)
-                req.error = f"load of tokens [{first}, {end}) failed"
-                self._finish(req, RequestState.FINISHED_ERROR)
-        if not refs:
-            return invalidated
-        waiting_blocks = {(r, b) for req in self.requests.values()
-                          if req.state is RequestState.WAITING_FOR_REMOTE_KVS
-                          for r, ids in enumerate(req.block_ids) for b in ids}
-        waiting_blocks |= {(r, b) for req in self._free_on_recv.values()
-                           for r, ids in enumerate(req.block_ids) for b in ids}
-        stray = refs - claimed - waiting_blocks
-        self._stats["stray_invalid_blocks"] += len(stray)
-        # refs of sync loads are consumed now; async ones wait for finished_recving
-        self._invalid_refs -= claimed | stray
-        return invalidated
-
-    def _finish_remote_load(self, req: EngineRequest) -> bool:
-        """Turn a finished async receive into computed tokens. False if the request ended."""
-        failed = self._recv_done.pop(req.request_id)
-        start = req.num_computed_tokens
-        end = start + req.pending_external_tokens
-        own = {(r, b) for r, ids in enumerate(req.block_ids) for b in ids}
-        refs = self._invalid_refs & own
-        self._invalid_refs -= refs
-        first = self._first_invalid_token(req, start, end, refs)
-        if failed and first is None:
-            first = start  # failed without naming blocks: trust none of them
-        valid_end = end if first is None else first
-        req.pending_external_tokens = 0
-        if first is not None:
-            self._stats["failed_loads"] += 1
-            lost = end - first
-            req.num_recomputed_tokens += lost
-            self._stats["recomputed_tokens"] += lost
-            logger.warning("engine %s: request %s: async load of tokens [%d, %d) failed from "
-                           "token %d; recomputing", self.engine_id, req.request_id, start, end,
-                           first)
-            if self.config.connector is not None and \
-                    self.config.connector.load_failure_policy is LoadFailurePolicy.FAIL:
-                req.error = f"load of tokens [{first}, {end}) failed"
-                req.state = RequestState.WAITING  # the receive is over
-                self._finish(req, RequestState.FINISHED_ERROR)
-                return False
-        self._verify_load(req, start, valid_end)
-        req.num_external_tokens += valid_end - start
-        self._stats["external_tokens"] += valid_end - start
-        req.num_computed_tokens = min(valid_end, req.num_tokens - 1)
-        self._cache_full_blocks(req)
-        req.state = RequestState.WAITING
-        return True
-
-    def _verify_load(self, req: EngineRequest, start: int, end: int) -> None:
-        if not self.config.verify_loads or end <= start:
-            return
-        for worker in self.workers:
-            verified, mismatched = worker.verify(req.block_ids, req.token_ids, start, end)
-            req.verified_bytes += verified
-            req.mismatched_bytes += mismatched
-            self._stats["verified_bytes"] += verified
-            self._stats["mismatched_bytes"] += mismatched
-        if req.mismatched_bytes:
-            logger.error("engine %s: request %s: %d mismatched bytes in loaded tokens [%d, %d)",
-                         self.engine_id, req.request_id, req.mismatched_bytes, start, end)
-
-    def _cache_full_blocks(self, req: EngineRequest) -> None:
-        if not self.config.enable_prefix_caching:
-            return
-        # what besides the tokens went into each block's hash (see update_hashes)
-        extra: tuple[object, ...] | None = (req.spec.cache_salt,) if req.spec.cache_salt \
-            else None
-        for r, t in enumerate(self.tokens_per_block):
-            full = min(req.num_computed_tokens // t, len(req.hashes[r]), len(req.block_ids[r]))
-            self.pools[r].cache_full_blocks(req.block_ids[r], req.hashes[r], req.token_ids,
-                                            full, extra)
+    # ------------------------------------------------------------------ events
 
     def _take_pool_events(self) -> list[KVEvent]:
         return [event for pool in self.pools for event in pool.take_events()]
@@ -829,106 +451,6 @@ class Engine:
             self.event_sink.publish(events)
         if self.keep_events:
             self.events.extend(events)
-
-    def _handle_finished_transfers(self, output: ConnectorOutput) -> None:
-        for request_id in output.finished_recving:
-            req = self.requests.get(request_id)
-            if request_id in self._free_on_recv:
-                held = self._free_on_recv.pop(request_id)
-                self._release(held)
-            elif request_id in self._ignore_recv:
-                self._ignore_recv.discard(request_id)
-            elif req is not None and req.state is RequestState.WAITING_FOR_REMOTE_KVS:
-                self._recv_done[request_id] = request_id in output.failed_recving
-            else:
-                self._stats["stray_finished_recving"] += 1
-                logger.warning("engine %s: finished_recving for %s, which is not receiving",
-                               self.engine_id, request_id)
-        for request_id in output.finished_sending:
-            held_entry = self._delayed.pop(request_id, None)
-            if held_entry is not None:
-                self._release(held_entry[0])
-            else:
-                self._stats["stray_finished_sending"] += 1
-                logger.warning("engine %s: finished_sending for %s, whose free was not delayed",
-                               self.engine_id, request_id)
-
-    def _check_remote_timeouts(self) -> None:
-        timeout = self.config.remote_kv_timeout_s
-        now = time.monotonic()
-        for req in list(self.waiting):
-            if (req.state is RequestState.WAITING_FOR_REMOTE_KVS
-                    and req.request_id not in self._recv_done
-                    and now - req.waiting_since > timeout):
-                self._stats["remote_kv_timeouts"] += 1
-                logger.error("engine %s: request %s waited %.1f s for remote KV; the connector "
-                             "never reported it: recomputing, quarantining its blocks",
-                             self.engine_id, req.request_id, now - req.waiting_since)
-                local = req.num_computed_tokens
-                for r, t in enumerate(self.tokens_per_block):
-                    keep = local // t
-                    self._quarantine(r, req.block_ids[r][keep:])
-                    req.block_ids[r] = req.block_ids[r][:keep]
-                req.num_recomputed_tokens += req.pending_external_tokens
-                req.pending_external_tokens = 0
-                req.state = RequestState.WAITING
-                req.connector_done = True
-                self._ignore_recv.add(req.request_id)
-                req.sync_load = None
-            elif (req.state is RequestState.WAITING_FOR_LOOKUP
-                    and now - req.waiting_since > timeout):
-                self._stats["lookup_timeouts"] += 1
-                logger.error("engine %s: request %s: the connector answered 'ask again' for "
-                             "%.1f s; treating it as a miss", self.engine_id, req.request_id,
-                             now - req.waiting_since)
-                req.connector_done = True
-                req.state = RequestState.WAITING
-        for request_id, req in list(self._free_on_recv.items()):
-            if now - req.waiting_since > timeout:
-                # aborted while receiving and the receive never ended: never reuse its blocks
-                self._stats["remote_kv_timeouts"] += 1
-                logger.error("engine %s: aborted request %s: its receive never finished; "
-                             "quarantining its blocks", self.engine_id, request_id)
-                del self._free_on_recv[request_id]
-                self._ignore_recv.add(request_id)
-                for r, ids in enumerate(req.block_ids):
-                    self._quarantine(r, ids)
-                req.block_ids = [[] for _ in range(self.num_regions)]
-                self.requests.pop(request_id, None)
-
-    def _quarantine(self, region: int, block_ids: list[int]) -> None:
-        """Keep blocks referenced forever: a late transfer may still write them."""
-        self._quarantined.extend((region, b) for b in block_ids)
-
-    # ------------------------------------------------------------------ finishing
-
-    def _finish(self, req: EngineRequest, state: RequestState) -> None:
-        receiving = (req.state is RequestState.WAITING_FOR_REMOTE_KVS
-                     and req.request_id not in self._recv_done)
-        self._recv_done.pop(req.request_id, None)
-        req.state = state
-        self._stats["aborted" if state is RequestState.FINISHED_ABORTED else "finished"] += 1
-        delay = False
-        if self.scheduler_connector is not None:
-            self._record("scheduler", None, "request_finished", req.request_id)
-            delay, params = self.scheduler_connector.request_finished(
-                req.view(), req.frozen_block_ids())
-            req.transfer_params_out = params
-        self._finished_since_last_step.add(req.request_id)
-        if receiving:
-            self._free_on_recv[req.request_id] = req  # a transfer may still write them
-        elif delay:
-            self._delayed[req.request_id] = (req, time.monotonic())
-        else:
-            self._release(req)
-        self.results.append(req.result())
-
-    def _release(self, req: EngineRequest) -> None:
-        for r, ids in enumerate(req.block_ids):
-            self.pools[r].free(ids)
-            self._invalid_refs -= {(r, b) for b in ids}
-        req.block_ids = [[] for _ in range(self.num_regions)]
-        self.requests.pop(req.request_id, None)
 
     # ------------------------------------------------------------------ inspection
 

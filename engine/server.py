@@ -308,6 +308,10 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
     engine's endpoints (closed at shutdown), or nowhere. Each but the last turns
     the block pool's events on. Nothing accumulates in memory in a long run.
     """
+    try:  # before the engine exists: a refused bind allocates nothing
+        check_bind(host, auth is not None, insecure_no_auth, "the control port")
+    except ValueError as exc:
+        raise ConfigError("control_port", str(exc)) from None
     parent = os.getppid()
     if event_sink is not None:
         config = replace(config, enable_kv_cache_events=True)
@@ -317,11 +321,6 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
     publisher = engine.publisher or (event_sink if isinstance(event_sink, KVEventPublisher)
                                      else None)
     limits = engine.control_limits()
-    try:
-        check_bind(host, auth is not None, insecure_no_auth, "the control port")
-    except ValueError as exc:
-        engine.shutdown()
-        raise ConfigError("control_port", str(exc)) from None
     context = zmq.Context()
     sock = context.socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)

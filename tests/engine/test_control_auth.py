@@ -86,3 +86,18 @@ def test_a_captured_message_cannot_be_sent_again(engine: EngineProcess) -> None:
                            raw=False)["engine_id"] == engine.engine_id
     again = msgpack.unpackb(_raw(engine.port, [wire]), raw=False)
     assert again["type"] == "AuthError" and "replayed" in again["error"]
+
+
+def test_a_refused_bind_is_refused_before_any_engine_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.connectors import ConfigError
+    from kvbridge.engine import server
+
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("serve built an engine before checking its bind address")
+
+    monkeypatch.setattr(server, "Engine", no_engine)
+    with pytest.raises(ConfigError) as info:
+        server.serve(EngineConfig(load_spec("tiny-gqa"), num_blocks=16), host="192.0.2.1")
+    assert info.value.field == "control_port"
+    assert "refusing to listen on 192.0.2.1 without a cluster secret" in str(info.value)
