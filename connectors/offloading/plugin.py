@@ -14,6 +14,7 @@ from kvbridge.connectors.api import (
     WorkerConnector,
 )
 from kvbridge.connectors.config import ConnectorConfig, KVRole
+from kvbridge.connectors.offloading.faults import install_load_faults
 from kvbridge.connectors.offloading.scheduler import OffloadingScheduler
 from kvbridge.connectors.offloading.settings import OffloadSettings, parse_settings
 from kvbridge.connectors.offloading.worker import OffloadingWorker
@@ -51,7 +52,7 @@ def fail_worker_loads(engine: Any, step: Any) -> None:
     for worker in engine.workers:
         connector = worker.connector
         if isinstance(connector, OffloadingWorker):
-            connector.fail_loads_of_next_step()
+            install_load_faults(connector).fail_loads_of_next_step()
 
 
 def offloading_cases() -> tuple[ConformanceCase, ...]:
@@ -108,7 +109,7 @@ def multi_cases() -> tuple[ConformanceCase, ...]:
                 multi = worker.connector
                 for child in getattr(multi, "children", ()):
                     if isinstance(child, OffloadingWorker):
-                        child.fail_loads_of_next_step()
+                        install_load_faults(child).fail_loads_of_next_step()
         return break_loads
 
     @contextmanager
@@ -139,7 +140,7 @@ def multi_cases() -> tuple[ConformanceCase, ...]:
                     if inject is not None:
                         inject()
                     if isinstance(child, OffloadingWorker):
-                        child.fail_loads_of_next_step()
+                        install_load_faults(child).fail_loads_of_next_step()
 
         yield CaseEnv(producer=pair(KVRole.PRODUCER, tmp / "offload-producer"),
                       consumer=pair(KVRole.CONSUMER, offload), break_loads=break_loads,

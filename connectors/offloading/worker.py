@@ -10,9 +10,10 @@ is computed); both finish inside the step, so the scheduler completes them in
 The slot memory is the scheduler's CPU tier, found through a process-local
 registry by the token in the metadata when the worker runs in the scheduler's
 process; otherwise (setting ``shm_dir``) the worker maps the tier's backing
-files named in the metadata (``SlotMemory.attach``). A load that cannot copy (no slot memory, an injected copy fault)
-reports its blocks in ``get_block_ids_with_load_errors``; the engine then
-recomputes from the first bad token.
+files named in the metadata (``SlotMemory.attach``). A load that cannot copy
+(no slot memory, a failed copy, or one injected by :mod:`.faults` around this
+worker) reports its blocks in ``get_block_ids_with_load_errors``; the engine
+then recomputes from the first bad token.
 
 Stores are issued only after the kernels that wrote the KV finished (issue
 15): ``wait_for_save`` records a fence (:mod:`kvbridge.backends.fence`) and
@@ -27,7 +28,6 @@ stream or a ``non_blocking`` one.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +41,6 @@ from kvbridge.connectors.offloading.scheduler import CopyItem, OffloadMetadata, 
 from kvbridge.offload.cpu import SlotMemory
 
 logger = logging.getLogger(__name__)
-
-
-class CopyFault(OSError):
-    """An injected failure of one copy (``OffloadingWorker.fail_next_loads``)."""
 
 
 class OffloadingWorker(WorkerConnector):
@@ -61,9 +57,6 @@ class OffloadingWorker(WorkerConnector):
         self._slots: dict[str, list[torch.Tensor]] = {}
         self._memories: list[SlotMemory] = []
         self._invalid: set[BlockRef] = set()
-        self._fail_loads = 0
-        self._fail_step = False
-        self._lock = threading.Lock()
         #: records the fence of a step's stores (issue 15); a test may stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
         self._stats = {"load_copies": 0, "store_copies": 0, "load_bytes": 0, "store_bytes": 0,
@@ -76,17 +69,6 @@ class OffloadingWorker(WorkerConnector):
         for tensor in caches.layers.values():
             devices.setdefault(str(tensor.device), tensor)
         self._fence_tensors = list(devices.values())  # one KV tensor per device
-
-    def fail_next_loads(self, count: int) -> None:
-        """Fault injection: the next ``count`` block loads fail as a failed DMA would
-        (nothing is copied; the blocks are reported as load errors)."""
-        with self._lock:
-            self._fail_loads += count
-
-    def fail_loads_of_next_step(self) -> None:
-        """Fault injection: every block load of the next step fails (see ``fail_next_loads``)."""
-        with self._lock:
-            self._fail_step = True
 
     def _pool_tensors(self, meta: OffloadMetadata) -> list[torch.Tensor]:
         token = meta.pools_token
@@ -168,8 +150,6 @@ class OffloadingWorker(WorkerConnector):
     def start_load_kv(self) -> None:
         meta = self.connector_metadata
         assert isinstance(meta, OffloadMetadata)
-        with self._lock:
-            fail_all, self._fail_step = self._fail_step, False
         if not meta.loads:
             return
         try:
@@ -179,21 +159,15 @@ class OffloadingWorker(WorkerConnector):
             for items in meta.loads.values():
                 self._invalid |= {(r, b) for p, r, b, _, _ in items if p in self.read_parts}
             return
-        mine: list[tuple[str, CopyItem]] = []
-        for request_id, items in meta.loads.items():
-            for item in items:
-                if item[0] not in self.read_parts:
-                    continue
-                with self._lock:
-                    injected = fail_all or self._fail_loads > 0
-                    if injected:
-                        self._fail_loads = max(0, self._fail_loads - 1)
-                if injected:
-                    self._load_failed(request_id, item, CopyFault("injected copy fault"))
-                else:
-                    mine.append((request_id, item))
-        if not mine:
-            return
+        mine = [(request_id, item) for request_id, items in meta.loads.items()
+                for item in items if item[0] in self.read_parts]
+        if mine:
+            self._load_blocks(mine, pools)
+
+    def _load_blocks(self, mine: list[tuple[str, CopyItem]], pools: list[torch.Tensor]) -> None:
+        """Copy the slots of ``mine`` (request id, item) into the engine's KV; a block
+        whose copy fails is reported (``_load_failed``), the others still load. The
+        seam :mod:`.faults` wraps to fail chosen blocks before this copy sees them."""
         try:
             self._stats["load_bytes"] += self._copy_batch([i for _, i in mine], pools, True)
             self._stats["load_copies"] += len(mine)

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from kvbridge.connectors import ConnectorConfig, KVRole
-from kvbridge.connectors.offloading import OffloadingScheduler, build_part_table, pool_fingerprint
+from kvbridge.connectors.offloading import (
+    OffloadingScheduler,
+    OffloadingWorker,
+    build_part_table,
+    pool_fingerprint,
+)
+from kvbridge.connectors.offloading.faults import install_load_faults
 from kvbridge.connectors.offloading.scheduler import _POOLS, _POOLS_LOCK
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import EngineRequest, RequestResult, RequestSpec, RequestState
@@ -356,8 +362,8 @@ def test_failed_worker_copies_are_not_counted_as_hits() -> None:
         _run(engine, specs)
         engine.reset_prefix_cache()                # next run must load from the offload store
         worker = engine.workers[0].connector
-        assert worker is not None
-        worker.fail_next_loads(3)                  # type: ignore[attr-defined]
+        assert isinstance(worker, OffloadingWorker)
+        install_load_faults(worker).fail_next_loads(3)
         results, _ = _run(engine, _again(specs, "again"))
         stats = _scheduler(engine).get_stats()
         copies = engine.stats()["worker_stats"]
@@ -368,4 +374,37 @@ def test_failed_worker_copies_are_not_counted_as_hits() -> None:
     assert stats["hit_blocks"] == copies["load_copies"]        # tp=1: one part per block
     assert stats["hits_cpu"] == copies["load_copies"]
     assert stats["engine_loads_failed"] == 3
+    assert sum(r.num_external_tokens for r in results) > 0
+
+
+def test_load_faults_wrap_one_worker_and_fail_exactly_one_step() -> None:
+    """Fault injection is a wrapper around one worker (the production class has none of
+    it): armed for a step, every load of that step fails and counts as failed, never as
+    a hit; later steps load through the real copy again."""
+    assert not any(hasattr(OffloadingWorker, name) for name in (
+        "fail_next_loads", "fail_loads_of_next_step", "inject_fault_next_loads"))
+    specs = make_requests(2, prompt_tokens=64, max_tokens=2, seed=12)
+    with _engine(None) as engine:
+        _run(engine, specs)
+        worker = engine.workers[0].connector
+        assert isinstance(worker, OffloadingWorker)
+        faults = install_load_faults(worker)
+        assert install_load_faults(worker) is faults  # installed once per worker
+        engine.reset_prefix_cache()
+        faults.fail_loads_of_next_step()
+        _run(engine, _again(specs, "failed"))
+        failed = engine.stats()["worker_stats"]
+        assert isinstance(failed, dict)
+        failed = dict(failed)  # a copy: the counters go on
+        stats = _scheduler(engine).get_stats()
+        assert failed["load_copy_errors"] > 0
+        assert stats["load_blocks_failed"] == failed["load_copy_errors"]
+        assert stats["hit_blocks"] == failed["load_copies"]  # tp=1: one part per block
+        engine.reset_prefix_cache()
+        results, _ = _run(engine, _again(specs, "healthy"))
+        after = engine.stats()["worker_stats"]
+        assert engine.stats()["mismatched_bytes"] == 0
+    assert isinstance(after, dict)
+    assert after["load_copy_errors"] == failed["load_copy_errors"]  # the fault was one step
+    assert after["load_copies"] > failed["load_copies"]
     assert sum(r.num_external_tokens for r in results) > 0

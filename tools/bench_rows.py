@@ -1,0 +1,102 @@
+"""The one row shape of ``kvbridge bench`` and the sizes each path is measured at.
+
+Owns: :func:`row` (every path's result rows, so the table, the JSON file and
+the plot treat them alike), ``--pattern`` parsing (:func:`parse_pattern`), the
+default and ``--quick`` patterns per path, :func:`memcpy_gbps` (the limit
+column of every row), :func:`size_label` and :class:`Skipped` (a path whose
+backend is missing). May not touch: any backend or path (nothing here imports
+NIXL, Mooncake or the offload store; torch only inside :func:`memcpy_gbps`),
+the CLI or the rendering.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+GB = 1e9
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30}
+
+#: (num_blocks, block_bytes) per path when --pattern is not given
+DEFAULT_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
+    "nixl": ((64, 2 << 20), (256, 256 << 10), (4096, 16 << 10)),
+    "mooncake": ((64, 2 << 20), (256, 256 << 10), (4096, 16 << 10)),
+    "offload": ((32, 2 << 20), (128, 256 << 10)),
+    "nixl-scale": ((100_000, 16),),  # blocks per layer x bytes of one layer's block
+    "auth": ((64, 2 << 20),),  # the NIXL transfer measured with and without a secret
+    "digests": ((4096, 16 << 10), (32, 2 << 20)),
+}
+#: --quick: small enough for a test or a smoke run (seconds, not minutes)
+QUICK_PATTERNS: dict[str, tuple[tuple[int, int], ...]] = {
+    "nixl": ((16, 64 << 10),),
+    "mooncake": ((16, 64 << 10),),
+    "offload": ((8, 64 << 10),),
+    "nixl-scale": ((2000, 16),),
+    "auth": ((16, 64 << 10),),
+    "digests": ((64, 16 << 10),),
+}
+
+
+class Skipped(Exception):
+    """The path's backend is not available here (reported, not a failure)."""
+
+
+def parse_pattern(text: str) -> tuple[int, int]:
+    """``"64x2MiB"`` -> ``(64, 2097152)``; ValueError naming the expected form."""
+    count, sep, size = text.strip().partition("x")
+    digits = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = size[len(digits):].lower()
+    if not sep or not count.isdigit() or not digits.isdigit() or unit not in _UNITS:
+        raise ValueError(f"--pattern: expected NUMxSIZE such as 64x2MiB or 4096x16384, "
+                         f"got {text!r}")
+    num_blocks, block_bytes = int(count), int(digits) * _UNITS[unit]
+    if num_blocks < 1 or block_bytes < 1:
+        raise ValueError(f"--pattern: needs >= 1 block of >= 1 byte, got {text!r}")
+    return num_blocks, block_bytes
+
+
+def row(path: str, case: str, op: str, unit: str, kvbridge: float, raw: float, raw_name: str,
+        *, num_blocks: int | None = None, block_bytes: int | None = None,
+        limit: float | None = None, limit_name: str | None = None,
+        verified: bool = True, lower_is_better: bool = False,
+        ratio: float | None = None) -> dict[str, Any]:
+    """One result row. ``ratio`` overrides kvbridge/raw of the two figures when the path
+    measures better itself (e.g. the median of per-round paired ratios)."""
+    if ratio is None and lower_is_better:
+        ratio = raw / kvbridge if kvbridge > 0 else 0.0
+    elif ratio is None:
+        ratio = kvbridge / raw if raw > 0 else 0.0
+    return {"path": path, "case": case, "op": op, "unit": unit,
+            "num_blocks": num_blocks, "block_bytes": block_bytes,
+            "total_bytes": num_blocks * block_bytes if num_blocks and block_bytes else None,
+            "kvbridge": round(kvbridge, 4), "raw": round(raw, 4), "raw_name": raw_name,
+            "ratio": round(ratio, 3),
+            "limit": round(limit, 4) if limit is not None else None, "limit_name": limit_name,
+            "verified": verified}
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 9) -> float:
+    """GB/s of the best of ``repeats`` contiguous torch copies of ``nbytes``.
+
+    The limit column of every path. Best, not median: it is the physical bound
+    the machine reached in this run; medians of sub-millisecond copies on a busy
+    2-core machine measure the scheduler, not the memory."""
+    import torch
+
+    src = torch.ones(max(1, nbytes), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in, untimed
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times) / GB
+
+
+def size_label(nbytes: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor}{unit}"
+    return f"{nbytes}B"
