@@ -167,10 +167,10 @@ def run_trace(opts: TraceOptions, recorder: TraceRecorder | None = None,
             _plan_events(rec, spec, producer_sizes, consumer_sizes)
             if opts.inject_failure:
                 for holder in consumer.workers:
-                    inject = getattr(holder.connector, "inject_fault_next_loads", None)
-                    if inject is None:
+                    from kvbridge.connectors.nixl.faults import fail_next_loads
+
+                    if not fail_next_loads(holder.connector):
                         raise TraceError("this NIXL worker has no fault injection")
-                    inject()
             final = _drive(rec, request, mode, engines, remote, consumer, deadline, say,
                            RequestState)
         finally:

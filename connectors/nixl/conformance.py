@@ -1,7 +1,8 @@
 """The NIXL connector's conformance cases (run by ``tests/connectors/test_conformance.py``).
 
 Both engines run in the test process with real NIXL agents (one per rank).
-``break_loads`` injects a vanished peer into the consumer ranks: the loads
+``break_loads`` injects a vanished peer into the consumer ranks
+(:func:`~kvbridge.connectors.nixl.faults.fail_next_loads`): the loads
 ordered in that step lose their NIXL peers (``remove_remote_agent``) just
 before posting, and must come back as failed receives with their block ids.
 """
@@ -20,10 +21,10 @@ from kvbridge.layouts import ParallelTopology
 
 
 def _break_loads(engine: Any, step: Any) -> None:
+    from kvbridge.connectors.nixl.faults import fail_next_loads
+
     for worker in engine.workers:
-        inject = getattr(worker.connector, "inject_fault_next_loads", None)
-        if inject is not None:
-            inject()
+        fail_next_loads(worker.connector)
 
 
 def _setup(mode: TransferMode) -> Callable[[Path], AbstractContextManager[CaseEnv]]:

@@ -192,6 +192,20 @@ def answer_ask(held: Sequence[dict[int, int]], asked: Sequence[Sequence[int]]
     return tuple(out)
 
 
+def _wanted(ask: DigestAsk, packed: Sequence[bytes], r: int, whole_load: bool
+            ) -> tuple[int, ...]:
+    """The digests an answer gives for region ``r``'s asked blocks, in the ask's order.
+
+    ``whole_load``: ``packed`` has every block of the load (push), of which the asked
+    ones are picked; else only the asked ones (pull). Raises :class:`LayoutError` for a
+    malformed answer (wrong count)."""
+    data = bytes(packed[r]) if r < len(packed) else b""
+    if whole_load:
+        every = unpack(data, ask.totals[r], f"pushed.dig[{r}]")
+        return tuple(every[i] for i in ask.positions[r])
+    return unpack(data, len(ask.consumer_ids[r]), f"held.dig[{r}]")
+
+
 def check_answer(ask: DigestAsk, packed: Sequence[bytes], digester: Digester,
                  whole_load: bool = False) -> tuple[int, list[tuple[int, int]]]:
     """Consumer: (blocks verified, ``(region, consumer block id)`` of every mismatch).
@@ -207,12 +221,7 @@ def check_answer(ask: DigestAsk, packed: Sequence[bytes], digester: Digester,
         if not ids or r in ask.slices:  # slice regions: check_slices
             continue
         try:
-            data = bytes(packed[r]) if r < len(packed) else b""
-            if whole_load:
-                every = unpack(data, ask.totals[r], f"pushed.dig[{r}]")
-                want = tuple(every[i] for i in ask.positions[r])
-            else:
-                want = unpack(data, len(ids), f"held.dig[{r}]")
+            want = _wanted(ask, packed, r, whole_load)
         except LayoutError:
             bad.extend((r, b) for b in ids)
             continue
@@ -367,12 +376,7 @@ def check_slices(ask: DigestAsk, packed: Sequence[bytes], digester: BlockDigeste
         if not ids:
             continue
         try:
-            data = bytes(packed[r]) if r < len(packed) else b""
-            if whole_load:
-                every = unpack(data, ask.totals[r], f"pushed.dig[{r}]")
-                want = tuple(every[i] for i in ask.positions[r])
-            else:
-                want = unpack(data, len(ids), f"held.dig[{r}]")
+            want = _wanted(ask, packed, r, whole_load)
         except LayoutError:
             bad.extend((r, b) for b in ids)
             continue

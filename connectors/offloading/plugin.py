@@ -134,11 +134,11 @@ def multi_cases() -> tuple[ConformanceCase, ...]:
                  "extra": {"cpu_blocks": 32, "fs_dir": str(fs_dir), "fs_o_direct": False}}]})
 
         def break_loads(engine: Any, step: Any) -> None:
+            from kvbridge.connectors.nixl.faults import fail_next_loads
+
             for worker in engine.workers:
                 for child in getattr(worker.connector, "children", ()):
-                    inject = getattr(child, "inject_fault_next_loads", None)
-                    if inject is not None:
-                        inject()
+                    fail_next_loads(child)  # a NIXL child: its loads of the next step fail
                     if isinstance(child, OffloadingWorker):
                         install_load_faults(child).fail_loads_of_next_step()
 

@@ -240,7 +240,7 @@ def test_push_loads_are_verified_and_a_byte_flipped_before_the_write_fails_its_b
     the WRITEs, and sends them in ``pushed``. A byte flipped between the two (the real
     digest taking, wrapped) reaches the consumer with the real WRITE: that block fails,
     the rest is verified, the output is right."""
-    from kvbridge.connectors.nixl import worker as worker_module
+    from kvbridge.connectors.nixl import push as push_module  # takes push digests
 
     producer = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PUSH))
     consumer = Engine(nixl_config(MODEL, KVRole.CONSUMER, ParallelTopology(), PUSH,
@@ -256,7 +256,7 @@ def test_push_loads_are_verified_and_a_byte_flipped_before_the_write_fails_its_b
         assert totals["digest_mismatches"] == 0 and totals["blocks_unverified"] == 0
 
         conn: Any = producer.workers[0].connector
-        real = worker_module.take_hold_digests
+        real = push_module.take_hold_digests
         flipped: list[int] = []
 
         def take(digester: Any, block_ids: Any) -> Any:
@@ -268,7 +268,7 @@ def test_push_loads_are_verified_and_a_byte_flipped_before_the_write_fails_its_b
             flipped.append(block)
             return answer
 
-        monkeypatch.setattr(worker_module, "take_hold_digests", take)
+        monkeypatch.setattr(push_module, "take_hold_digests", take)
         spec = make_requests(1, prompt_tokens=80, max_tokens=2, seed=29, prefix="push-flip")[0]
         router.results.clear()
         _run(router, [spec])

@@ -209,7 +209,7 @@ def test_push_with_the_torch_digests_is_verified_and_a_flipped_byte_fails_its_bl
     those digests once every layer is final (a GPU producer: its only ones; a host
     producer: besides its XXH3-64 ones) and sends them in ``pushed``. A byte flipped
     right after the torch digests were taken reaches the consumer with the WRITE."""
-    from kvbridge.connectors.nixl import worker as worker_module
+    from kvbridge.connectors.nixl import push as push_module  # takes push digests
 
     producer, consumer = _pair(PUSH, producer_algs, TORCH_ONLY)
     try:
@@ -223,7 +223,7 @@ def test_push_with_the_torch_digests_is_verified_and_a_flipped_byte_fails_its_bl
         assert totals["digest_mismatches"] == 0 and totals["blocks_unverified"] == 0
 
         conn: Any = producer.workers[0].connector
-        real = worker_module.take_hold_digests
+        real = push_module.take_hold_digests
         flipped: list[int] = []
 
         def take(digester: Any, block_ids: Any) -> Any:
@@ -236,7 +236,7 @@ def test_push_with_the_torch_digests_is_verified_and_a_flipped_byte_fails_its_bl
                 flipped.append(block)
             return answer
 
-        monkeypatch.setattr(worker_module, "take_hold_digests", take)
+        monkeypatch.setattr(push_module, "take_hold_digests", take)
         spec = make_requests(1, prompt_tokens=80, max_tokens=2, seed=61, prefix="tpush-flip")[0]
         router.results.clear()
         _run(router, [spec])

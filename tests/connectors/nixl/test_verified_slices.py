@@ -186,7 +186,7 @@ def test_push_head_slices_are_verified_and_a_byte_flipped_before_the_write_fails
     layer is final, before it posts that rank's WRITEs, and sends them in ``pushed``. A
     byte flipped right after (in consumer rank 1's heads) reaches rank 1 with the real
     WRITE: that block fails there, every other block of both ranks is verified."""
-    from kvbridge.connectors.nixl import worker as worker_module
+    from kvbridge.connectors.nixl import push as push_module  # takes push digests
 
     producer, consumer = _pair(PUSH, 1, 2)
     try:
@@ -200,7 +200,7 @@ def test_push_head_slices_are_verified_and_a_byte_flipped_before_the_write_fails
         assert _totals(producer)["slice_digests_at_hold"] > 0
 
         conn: Any = producer.workers[0].connector
-        real = worker_module.take_slice_digests
+        real = push_module.take_slice_digests
         layer = conn.ctx.spec.rank_shapes(conn.rank)[0].layer_ids[0]
         offset = 8192 // 2 + 7  # K rows of heads 4..7: consumer rank 1's slice
         flipped: list[int] = []
@@ -215,7 +215,7 @@ def test_push_head_slices_are_verified_and_a_byte_flipped_before_the_write_fails
                 flipped.append(block)
             return answer
 
-        monkeypatch.setattr(worker_module, "take_slice_digests", take)
+        monkeypatch.setattr(push_module, "take_slice_digests", take)
         spec = make_requests(1, prompt_tokens=80, max_tokens=2, seed=29, prefix="push-flip")[0]
         router.results.clear()
         _run(router, [spec])

@@ -1,0 +1,210 @@
+"""Producer rank: the digests of held blocks, taken and served (issue 18).
+
+As a pull hold starts (the KV is final) the rank takes the digests of the
+request's blocks in its first algorithm, in the others consumers asked for
+before, and the head-slice digests of the consumer ranks it knows that read
+slices of it (at most ``MAX_HOLD_SLICE_PLANS`` plans); a ``begin`` asking for
+digests is answered from them (taken then, of the asked blocks only, when its
+consumer rank or algorithm was not known as the hold started).
+
+Owns: ``_hold_digests``, ``_alg_digests``, ``_hold_algs``, ``_hold_slices``,
+``_slice_plans`` and the producer's digest counters. May not touch: the leases
+or what is sent (:mod:`.holds` answers), nor the push jobs' digests
+(:mod:`.push` takes those when every layer is final).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.verify import (
+    MAX_ASK_BLOCKS,
+    SlicePlan,
+    answer_ask,
+    producer_slice_plan,
+    slice_bytes,
+    take_hold_digests,
+    take_slice_digests,
+)
+from kvbridge.connectors.nixl.worker_state import (
+    MAX_CONSUMER_PEERS,
+    WorkerState,
+    _ConsumerPeer,
+    logger,
+)
+from kvbridge.layouts import LayoutError, ParallelTopology
+from kvbridge.layouts.digests import ALGORITHM, SLICE_ALGORITHM
+from kvbridge.layouts.plan import plan_consumer_rank
+
+#: consumer-rank plans a producer rank takes slice digests for as a hold starts, at most
+#: (more known consumer topologies: the others' are taken when their ``begin`` comes)
+MAX_HOLD_SLICE_PLANS = 16
+
+
+class HoldDigests(WorkerState):
+    """The producer's digests of held blocks, taken as holds start and served."""
+
+    def _take_hold_digests(self, request_id: str,
+                           block_ids: Sequence[Sequence[int]]) -> None:
+        """Producer: digests of a request's blocks as its hold starts (the KV is final)."""
+        if self._digester is None:
+            return
+        try:
+            started = time.perf_counter()
+            self._hold_digests[request_id] = take_hold_digests(self._digester, block_ids)
+            self._count_digests(started, block_ids)
+            for alg in self._hold_algs:  # other algorithms consumers asked for before
+                started = time.perf_counter()
+                self._alg_digests[(request_id, alg)] = take_hold_digests(
+                    self._digesters[alg], block_ids)
+                self._count_digests(started, block_ids)
+        except LayoutError as exc:  # a block id outside the tensors: no digests, said why
+            logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
+                           self.ctx.engine_id, self.rank_index, request_id, exc)
+            return
+        self._take_hold_slices(request_id, block_ids)
+
+    def _digests_for(self, begin: messages.Begin) -> tuple[tuple[bytes, ...], str]:
+        """Producer: digests of the blocks a ``begin`` asks for, or () and why not."""
+        held = self._held_digests(begin.request_id, begin.algorithm,
+                                  self._hold_digests.get(begin.request_id))
+        if begin.algorithm not in self._digesters:
+            return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
+        if held is None:
+            return (), f"no digests of request {begin.request_id} (not held)"
+        answer = answer_ask(held, begin.digest_ids)
+        if isinstance(answer, str):
+            return (), answer
+        self._counters["digests_served"] += sum(len(g) for g in begin.digest_ids)
+        return answer, ""
+
+    def _held_digests(self, request_id: str, alg: str,
+                      first: tuple[dict[int, int], ...] | None
+                      ) -> tuple[dict[int, int], ...] | None:
+        """Producer: the digests in ``alg`` of a request whose digests in the first
+        algorithm are ``first`` (None: none). An algorithm no consumer asked for before
+        is taken now, of the same blocks, and from then on as every hold starts."""
+        digester = self._digesters.get(alg)
+        if digester is None or first is None or digester is self._digester:
+            return first
+        have = self._alg_digests.get((request_id, alg))
+        if have is None:
+            self._hold_algs.add(alg)
+            block_ids = [tuple(ids) for ids in first]
+            started = time.perf_counter()
+            have = take_hold_digests(digester, block_ids)
+            self._count_digests(started, block_ids)
+            self._alg_digests[(request_id, alg)] = have
+        return have
+
+    def _slice_plan(self, topology: ParallelTopology) -> SlicePlan | None:
+        """Producer: what consumer rank ``topology`` reads from this rank (None: nothing,
+        or a topology this model cannot be served to)."""
+        if topology not in self._slice_plans:
+            if len(self._slice_plans) >= MAX_CONSUMER_PEERS:
+                self._slice_plans.clear()  # bounded: recomputed on demand
+            try:
+                sub = plan_consumer_rank(self.ctx.spec, self.sizes,
+                                         topology).for_producer(self.rank_index)
+            except LayoutError:
+                self._slice_plans[topology] = None
+            else:
+                shapes = self.ctx.spec.rank_shapes(self.rank)
+                self._slice_plans[topology] = producer_slice_plan(
+                    sub, self.rank_index, [s.block_bytes_per_layer for s in shapes],
+                    [s.layer_ids for s in shapes]) if sub.num_descriptors else None
+        return self._slice_plans[topology]
+
+    def _take_hold_slices(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        """Producer, as a hold starts: slice digests of the request's blocks for every
+        consumer rank this rank knows that reads head slices of it (its hello listed
+        ``xxh3-64-slices``), at most :data:`MAX_HOLD_SLICE_PLANS` plans."""
+        xxh3 = self._xxh3
+        if xxh3 is None:
+            return  # no slice digests offered (GPU memory)
+        held: tuple[dict[int, int], ...] | None = None
+        taken: dict[ParallelTopology, tuple[dict[int, int], ...]] = {}
+        for consumer in self._consumers.values():
+            topology = consumer.meta.topology
+            if topology in taken or SLICE_ALGORITHM not in consumer.meta.digests:
+                continue
+            plan = self._slice_plan(topology)
+            if plan is None or not plan.needed:
+                continue
+            if len(taken) >= MAX_HOLD_SLICE_PLANS:
+                break
+            try:
+                if held is None:  # XXH3-64 block digests: the slices of regions read whole
+                    held = self._held_digests(request_id, ALGORITHM,
+                                              self._hold_digests[request_id])
+                    assert held is not None
+                started = time.perf_counter()
+                taken[topology] = take_slice_digests(xxh3, plan, block_ids, held)
+            except LayoutError as exc:
+                logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice "
+                               "digests: %s", self.ctx.engine_id, self.rank_index,
+                               request_id, exc)
+                return
+            self._count_slices(started, plan, block_ids, "slice_digests_at_hold")
+        if taken:
+            self._hold_slices[request_id] = taken
+
+    def _count_slices(self, started: float, plan: SlicePlan,
+                      block_ids: Sequence[Sequence[int]], counter: str) -> None:
+        hashed = [(r, len(ids)) for r, ids in enumerate(block_ids)
+                  if r < len(plan.layers) and plan.layers[r] and r not in plan.whole]
+        self._counters["digest_time_s"] += time.perf_counter() - started
+        self._counters["digest_bytes"] += sum(n * slice_bytes(plan.layers[r]) for r, n in hashed)
+        self._counters[counter] += sum(n for _r, n in hashed)
+
+    def _slice_digests_for(self, begin: messages.Begin, consumer: _ConsumerPeer
+                           ) -> tuple[tuple[bytes, ...], str]:
+        """Producer: slice digests of the blocks a ``begin`` asks for, as read by the
+        consumer rank that sent it: those taken at hold start, else taken now (only of
+        asked blocks this rank holds for the request), or () and why not."""
+        xxh3 = self._xxh3
+        if xxh3 is None:
+            return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
+        try:  # the XXH3-64 block digests (the slices of regions read whole)
+            held = self._held_digests(begin.request_id, ALGORITHM,
+                                      self._hold_digests.get(begin.request_id))
+        except LayoutError as exc:
+            return (), f"no slice digests: {exc}"
+        if held is None:
+            return (), f"no digests of request {begin.request_id} (not held)"
+        topology = consumer.meta.topology
+        plan = self._slice_plan(topology)
+        if plan is None:
+            return (), f"consumer rank {topology.describe()} reads nothing of producer rank " \
+                       f"{self.rank_index}"
+        taken = self._hold_slices.setdefault(begin.request_id, {})
+        mine = taken.get(topology)
+        if len(begin.digest_ids) > len(held):
+            return (), f"asked for {len(begin.digest_ids)} regions; the request has {len(held)}"
+        # the consumer rank was not known as the hold started: hash the asked blocks it
+        # holds that were not hashed for this consumer topology yet (kept: a repeated ask
+        # costs nothing more), at most one answer's worth
+        missing = [[b for b in ids if b in held[r] and r not in plan.whole
+                    and (mine is None or b not in mine[r])]
+                   for r, ids in enumerate(begin.digest_ids)]
+        if mine is None or any(missing):
+            if sum(len(ids) for ids in missing) > MAX_ASK_BLOCKS:
+                return (), f"more than {MAX_ASK_BLOCKS} digests asked"
+            started = time.perf_counter()
+            try:
+                new = take_slice_digests(xxh3, plan, missing, held)
+            except LayoutError as exc:
+                return (), f"no slice digests: {exc}"
+            self._count_slices(started, plan, missing, "slice_digests_at_begin")
+            mine = tuple(held[r] if r in plan.whole else
+                         {**(mine[r] if mine is not None and r < len(mine) else {}),
+                          **(new[r] if r < len(new) else {})}
+                         for r in range(len(held)))
+            taken[topology] = mine
+        answer = answer_ask(mine, begin.digest_ids)
+        if isinstance(answer, str):
+            return (), answer
+        self._counters["digests_served"] += sum(len(g) for g in begin.digest_ids)
+        return answer, ""

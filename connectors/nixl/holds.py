@@ -1,0 +1,249 @@
+"""Producer rank: the lease/hold side of what consumer ranks send.
+
+A consumer agent becomes a peer with its ``hello`` (authenticated when a
+cluster secret is set); until then its messages wait, bounded
+(``MAX_DEFERRED_PER_AGENT``, ``MAX_DEFERRED_AGENTS``), and are rejected when no
+hello comes within ``early_grace_s``. From a peer: ``begin`` is answered with
+``held`` (a promise from the :class:`~kvbridge.connectors.nixl.leases.LeaseTable`,
+with the digests asked, :mod:`.hold_digests`), ``read`` with an ``ack``,
+heartbeats renew leases, and ``register`` goes to :mod:`.push`. A message that
+names another consumer rank than its hello, or a wrong count of notifying
+ranks, is rejected: counted, logged once per sender, never acted on.
+
+Owns: ``_consumers``, ``_deferred``, ``_pending_acks``, ``_early_begins``,
+``_rejected_senders``, ``_expected_by_sizes`` and the answers sent to consumers
+(``_send_to``). May not touch: the consumer side (loads, sessions), nor the
+push jobs beyond handing a ``register`` to :mod:`.push`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvbridge.auth import AuthError, Label, is_sealed
+from kvbridge.backends.nixl import NixlTransportError
+from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.leases import Verdict, VerdictKind
+from kvbridge.connectors.nixl.routing import expected_notifs, notify_targets
+from kvbridge.connectors.nixl.worker_state import (
+    MAX_CONSUMER_PEERS,
+    MAX_EARLY_REGISTERS,
+    WorkerState,
+    _ConsumerPeer,
+    logger,
+)
+from kvbridge.connectors.params import TransferMode
+from kvbridge.handshake import decode_agent
+from kvbridge.layouts.digests import SLICE_ALGORITHM
+from kvbridge.layouts.plan import plan_transfer
+
+#: NIXL may deliver a consumer rank's READ notification before its hello, so a
+#: producer keeps what an agent it does not know yet sends, without acting on
+#: it, for ``NixlSettings.early_grace_s`` and up to these bounds (per agent, and
+#: agents at once); what does not fit, and what its hello never follows, is
+#: rejected (``notifs_rejected``)
+MAX_DEFERRED_PER_AGENT = 64
+MAX_DEFERRED_AGENTS = 64
+#: block ids asked by digest-asking ``begin``s waiting for their hold, at most (all agents)
+MAX_EARLY_BEGIN_IDS = 1 << 18
+#: senders whose rejected notifications were logged (each once), remembered
+MAX_LOGGED_SENDERS = 1024
+
+
+class HoldSide(WorkerState):
+    """The producer's answers to consumer ranks: hello, begin, read, heartbeat."""
+
+    def _on_consumer_notif(self, sender: str, msg: messages.Notif, now: float) -> None:
+        """What consumer ranks send a producer rank, acted on only from a session.
+
+        The sender must be an agent that said hello (an unknown one's messages
+        wait for its hello, bounded, see ``MAX_DEFERRED_PER_AGENT``), and a
+        message naming a consumer rank must name the rank that agent's hello
+        described, with the count of notifying ranks this producer rank
+        computes for that consumer's topology itself. Anything else is
+        rejected: counted, logged once per sender, never acted on.
+        """
+        consumer = self._consumers.get(sender)
+        if consumer is None:
+            self._defer(sender, msg, now)
+            return
+        if isinstance(msg, messages.ReadDone | messages.Register | messages.Begin):
+            mine = consumer.meta.rank_index
+            if msg.consumer_rank != mine:
+                self._reject(sender, f"{type(msg).__name__} names consumer rank "
+                                     f"{msg.consumer_rank}, its hello said {mine}")
+                return
+        if isinstance(msg, messages.ReadDone | messages.Register):
+            expected = self._expected_from(consumer)
+            if msg.expected != expected:
+                self._reject(sender, f"{type(msg).__name__} expects {msg.expected} notifying "
+                                     f"consumer ranks; its topology gives {expected}")
+                return
+        if isinstance(msg, messages.ReadDone):
+            verdict = self._leases.notify(msg.request_id, msg.consumer_rank, msg.expected,
+                                          sender, now)
+            if verdict is not None and msg.read:
+                self._answer(verdict)
+        elif isinstance(msg, messages.Heartbeat):
+            for rid in msg.request_ids:
+                self._leases.renew(rid, now)
+        elif isinstance(msg, messages.Register):
+            self._on_register(sender, msg, now)
+        elif isinstance(msg, messages.Begin):
+            asked = sum(len(g) for g in msg.digest_ids)
+            if (msg.digest_ids and self._digester is not None
+                    and not self._leases.is_held(msg.request_id)
+                    and self._leases.ended(msg.request_id) is None
+                    and sum(len(v) for v in self._early_begins.values()) < MAX_EARLY_REGISTERS
+                    and self._early_begin_ids + asked <= MAX_EARLY_BEGIN_IDS):
+                # not held yet: answer with the digests once the hold starts
+                self._early_begins.setdefault(msg.request_id, []).append((now, sender, msg))
+                self._early_begin_ids += asked
+                return
+            lease_s, reason = self._leases.guarantee(msg.request_id, now)
+            digests: tuple[bytes, ...] = ()
+            # digests even without a promise: a READ that beat the hold's start (the router
+            # is faster than the producer's next step) completes the lease as the hold
+            # starts, before this early begin is answered; the digests taken then still
+            # describe the blocks it read (the ack decides whether they were still held)
+            if msg.digest_ids:
+                digests, why = self._slice_digests_for(msg, consumer) \
+                    if msg.algorithm == SLICE_ALGORITHM else self._digests_for(msg)
+                reason = reason or why
+            self._send_to(sender, messages.Held(msg.request_id, self.rank_index,
+                                                lease_s is not None, lease_s or 0.0, reason,
+                                                digests, msg.algorithm if digests else ""))
+
+    def _expected_from(self, consumer: _ConsumerPeer) -> int:
+        """How many ranks of ``consumer``'s engine notify this producer rank per request."""
+        sizes = consumer.meta.topology.sizes()
+        expected = self._expected_by_sizes.get(sizes)
+        if expected is None:
+            plan = plan_transfer(self.ctx.spec, self.sizes, sizes)
+            expected = expected_notifs(notify_targets(plan), self.rank_index)
+            self._expected_by_sizes[sizes] = expected
+        return expected
+
+    def _defer(self, sender: str, msg: messages.Notif, now: float) -> None:
+        waiting = self._deferred.get(sender)
+        if waiting is None:
+            if len(self._deferred) >= MAX_DEFERRED_AGENTS:
+                self._reject(sender, "no hello from it, and too many such agents at once")
+                return
+            waiting = self._deferred[sender] = []
+        if len(waiting) >= MAX_DEFERRED_PER_AGENT:
+            self._reject(sender, f"no hello from it after {MAX_DEFERRED_PER_AGENT} messages")
+            return
+        waiting.append((now, msg))
+
+    def _expire_deferred(self, now: float) -> None:
+        for rid, begins in list(self._early_begins.items()):
+            if now - begins[0][0] >= self.settings.early_grace_s:
+                del self._early_begins[rid]
+                for _at, sender, begin in begins:  # no promise, no digests: the ack decides
+                    self._early_begin_ids -= sum(len(g) for g in begin.digest_ids)
+                    self._send_to(sender, messages.Held(rid, self.rank_index, False, 0.0,
+                                                        "not held (yet)"))
+        for agent, answers in list(self._pending_acks.items()):
+            if now - answers[0][0] >= self.settings.lease_s:  # no hello again: it is gone
+                del self._pending_acks[agent]
+        for sender, waiting in list(self._deferred.items()):
+            if now - waiting[0][0] >= self.settings.early_grace_s:
+                del self._deferred[sender]
+                for _ in waiting:
+                    self._reject(sender, f"no hello from it within "
+                                         f"{self.settings.early_grace_s:g} s")
+
+    def _reject(self, sender: str, reason: str) -> None:
+        self._counters["notifs_rejected"] += 1
+        if sender in self._rejected_senders:
+            return
+        if len(self._rejected_senders) >= MAX_LOGGED_SENDERS:
+            self._rejected_senders.pop(next(iter(self._rejected_senders)))
+        self._rejected_senders[sender] = None
+        logger.warning("nixl: producer engine=%s rank=%d: rejecting notifications of agent %s "
+                       "(%s; logged once per agent, counted in notifs_rejected)",
+                       self.ctx.engine_id, self.rank_index, sender[:128], reason)
+
+    def _on_hello(self, sender: str, msg: messages.Hello, now: float) -> None:
+        assert self.transport is not None
+        agent = msg.agent
+        if self.auth is not None:  # only a member becomes a peer (and may then be answered)
+            try:
+                agent = self.auth.open_request(Label.NIXL_HELLO, agent).body
+            except AuthError as exc:
+                self._reject(sender, f"its hello does not authenticate: {exc.reason}")
+                return
+        elif is_sealed(agent):
+            self._reject(sender, "its hello is sealed with a cluster secret; this rank has none")
+            return
+        meta = decode_agent(agent)
+        if meta.agent_name != sender:
+            raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")
+        known = self._consumers.get(sender)
+        if known is None and len(self._consumers) >= MAX_CONSUMER_PEERS:
+            raise NixlTransportError(f"hello from {sender}: already {MAX_CONSUMER_PEERS} "
+                                     f"consumer agents; refused")
+        peer = self.transport.add_peer(sender, meta.agent_blob)
+        if known is not None and known.peer == peer:
+            return  # a repeated hello (the consumer re-handshook): everything is in place
+        if known is not None and known.push is not None:
+            self.transport.release_dlist(known.push.local_list)
+        consumer = _ConsumerPeer(peer, meta)
+        if self.settings.mode is TransferMode.PUSH and self.ctx.role.is_producer:
+            try:
+                consumer.push = self._prepare_push(consumer)
+            except BaseException:
+                # refused (e.g. memory its registration does not cover): forget it whole
+                self._consumers.pop(sender, None)
+                self.transport.remove_peer(peer)
+                raise
+        self._consumers[sender] = consumer
+        for _at, pending in self._pending_acks.pop(sender, []):
+            self._send_to(sender, pending)
+        for _at, waiting in self._deferred.pop(sender, []):
+            try:
+                self._on_consumer_notif(sender, waiting, now)
+            except Exception as exc:  # as in _handle_batch: one message, not the rank
+                self._counters["bad_notifs"] += 1
+                logger.warning("nixl: notification %s from %s refused: %s",
+                               type(waiting).__name__, sender, exc)
+
+    def _answer(self, verdict: Verdict) -> None:
+        if verdict.ok:
+            ack: messages.Notif = messages.Ack(verdict.request_id, self.rank_index, True)
+        else:
+            ack = messages.Ack(verdict.request_id, self.rank_index, False,
+                               f"lease {verdict.kind.value} on producer rank {self.rank_index}")
+            log = logger.warning if verdict.kind is VerdictKind.LATE else logger.info
+            log("nixl: producer engine=%s rank=%d request=%s: %s notification from "
+                           "consumer rank %d (%s)", self.ctx.engine_id, self.rank_index,
+                           verdict.request_id, verdict.kind.value, verdict.consumer_rank,
+                           verdict.peer)
+        self._send_to(verdict.peer, ack)
+
+    def _send_to(self, agent: str, msg: messages.Notif) -> None:
+        consumer = self._consumers.get(agent)
+        if consumer is None:  # answered once it says hello (again), within bounds
+            pending = self._pending_acks.get(agent)
+            if pending is None and len(self._pending_acks) < MAX_DEFERRED_AGENTS:
+                pending = self._pending_acks[agent] = []
+            if pending is not None and len(pending) < MAX_DEFERRED_PER_AGENT:
+                pending.append((time.monotonic(), msg))
+            else:
+                logger.info("nixl: no hello from %s; dropping the answer %s",
+                            agent[:128], type(msg).__name__)
+            return
+        assert self.transport is not None
+        try:
+            self.transport.send_notif(consumer.peer, messages.encode(msg))
+        except NixlTransportError as exc:
+            logger.warning("nixl: cannot answer consumer %s: %s; dropping it", agent, exc)
+            self._forget_consumer(agent)
+
+    def _forget_consumer(self, agent: str) -> None:
+        consumer = self._consumers.pop(agent, None)
+        if consumer is not None and self.transport is not None:
+            if consumer.push is not None:
+                self.transport.release_dlist(consumer.push.local_list)
+            self.transport.remove_peer(consumer.peer)  # releases its remote lists
