@@ -14,8 +14,9 @@ This module owns running one traced request (:class:`TraceOptions`,
 :mod:`kvbridge.tools.trace_instrument` (which lists the worker internals it
 wraps); every name they held when they were part of this file is still
 importable from here. May not touch: the connector's internals (the request
-is driven through the engines' public calls; ``--inject-failure`` only calls
-each consumer worker's own ``inject_fault_next_loads``).
+is driven through the engines' public calls; ``--inject-failure`` only installs
+the fault wrapper of :mod:`kvbridge.connectors.nixl.faults` around each consumer
+worker).
 
 Event kinds (``TraceEvent.kind``) and their ``detail`` fields:
 
