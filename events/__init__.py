@@ -5,7 +5,8 @@ Schema (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared`` in timestamped
 incarnation ids, a subscriber client that repairs gaps by replay, and an
 in-process ``EventBuffer`` that tiers and connectors append to.
 
-This package imports nothing else of kvbridge.
+Of the rest of kvbridge this package imports only ``kvbridge.auth`` (the floor: it
+seals the replay socket).
 """
 
 from .aggregate import WorkerEventAggregator

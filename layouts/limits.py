@@ -7,7 +7,7 @@ any planner, key lister or allocator downstream iterates over. The bounds are
 generous for real models (hundreds of layers, <= 128 KV heads, head_dim <= 576,
 tens of ranks) and small enough that planning the largest allowed pair stays
 interactive (about a second of CPU); what an engine may *allocate* is bounded
-separately, by the host's available memory (``kvbridge.engine.core.check_host_memory``).
+separately, by the host's available memory (``kvbridge.engine.host_memory.check_host_memory``).
 """
 
 from __future__ import annotations
