@@ -123,7 +123,6 @@ class _Counters:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-
 # ---- the client -----------------------------------------------------------------
 class MooncakeStoreClient:
     """A Mooncake store client with typed per-key results and bounded calls.

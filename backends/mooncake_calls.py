@@ -82,7 +82,6 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-
 def make_replicate_config(replica_num: int) -> Any:
     from mooncake.store import ReplicateConfig
 

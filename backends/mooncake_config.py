@@ -127,8 +127,6 @@ class MooncakeConfig:
         return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
-
-
 def check_ptr(ptr: object, field_name: str) -> None:
     if not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0:
         raise MooncakeConfigError(f"{field_name} must be a non-null address (int), got {ptr!r}")

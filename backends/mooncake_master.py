@@ -117,7 +117,6 @@ def find_master_binary() -> str:
     )
 
 
-
 def master_command(
     binary: str,
     ports: MasterPorts,

@@ -128,7 +128,6 @@ __all__ = [
 ]
 
 
-
 class NixlTransport:
     """One NIXL agent (UCX, no progress thread) for one worker rank.
 

@@ -70,7 +70,6 @@ class Region:
     device_id: int = 0
 
 
-
 @dataclass(frozen=True)
 class PeerHandle:
     """A remote agent added from its metadata.
