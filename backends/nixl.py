@@ -18,7 +18,6 @@ every caller would otherwise rediscover (see ``BACKENDS.md``):
   (:meth:`NixlTransport.reap`, run by every :meth:`NixlTransport.get_notifs`);
   only then is ``Transfer.quiesced`` true and its local memory safe to reuse.
 
-
 Model: memory is registered once (:meth:`register_regions`: each distinct
 backing storage once, host tensors as ``DRAM`` -- pinned ones too -- and CUDA
 tensors as ``VRAM`` with their device id); descriptor lists are prepared once
@@ -29,7 +28,8 @@ type); a transfer then only passes *indices* into those lists (:meth:`post`).
 Rows may be strided (one row for a layer's every block, see
 :mod:`.nixl_descs`). Once VRAM is registered, every thread that enters the
 transport has the registered CUDA device made current first
-(:func:`set_cuda_device`, see :mod:`.nixl_memory`).
+(:func:`set_cuda_device`, looked up in this module, where a test replaces it
+to record the calls; see :mod:`.nixl_memory`).
 
 Invariants (checked by the tests through :meth:`counters`):
 
