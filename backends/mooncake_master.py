@@ -31,6 +31,15 @@ Invariants: every process this class starts is reaped by :meth:`stop` or
 on :attr:`~MooncakeMaster.host` and kept across :meth:`restart` so clients can
 reconnect. The metadata port is bound by this process before the metadata
 child starts (it inherits the socket), so it never listens anywhere else.
+
+This file owns :class:`MooncakeMaster` (the two child processes: starting,
+readiness, signals, reaping, logs), the argv of each (:func:`master_command`,
+:func:`metadata_command`), :func:`find_master_binary` and
+:func:`master_endpoint`. Beside it, importable from here as before:
+:mod:`.mooncake_ports` (the host check, URL form, port picking and probing)
+and :mod:`.mooncake_exposure` (where a store's ports listen, for ``kvbridge
+doctor``). It may not serve metadata itself (:mod:`.mooncake_metadata` does,
+in its own process) nor import anything of kvbridge beyond ``backends``.
 """
 
 from __future__ import annotations
@@ -39,23 +48,34 @@ import contextlib
 import ctypes
 import errno
 import http.client
-import ipaddress
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
+from kvbridge.backends.mooncake_exposure import WILDCARDS as WILDCARDS
+from kvbridge.backends.mooncake_exposure import PortExposure as PortExposure
+from kvbridge.backends.mooncake_exposure import listening_addresses as listening_addresses
+from kvbridge.backends.mooncake_exposure import local_addresses as local_addresses
+from kvbridge.backends.mooncake_exposure import master_exposure as master_exposure
+from kvbridge.backends.mooncake_exposure import port_exposure as port_exposure
 from kvbridge.backends.mooncake_metadata import MetadataLimits, bind_listener
+from kvbridge.backends.mooncake_ports import (
+    LOOPBACK,
+    MasterPorts,
+    check_host,
+    port_accepts,
+    url_host,
+)
+from kvbridge.backends.mooncake_ports import pick_free_port as pick_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +86,6 @@ INSTALL_HINT = (
     "(or `mooncake-transfer-engine` where libcuda.so.1 exists); it ships `mooncake_master` "
     "and needs the Debian packages libibverbs1 librdmacm1 libnuma1 libcurl4"
 )
-LOOPBACK = "127.0.0.1"
 # Only ports we picked ourselves are re-picked when the master fails to bind them
 # (another process may grab a "free" port between our probe and the master's bind).
 _PORT_PICK_ATTEMPTS = 3
@@ -96,68 +115,6 @@ def find_master_binary() -> str:
     raise MooncakeMasterNotFound(
         f"`{MASTER_BINARY}` not found next to {sys.executable} nor on PATH; {INSTALL_HINT}"
     )
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def url_host(host: str) -> str:
-    """``host`` as it goes in a URL or ``host:port`` (IPv6 literals in brackets)."""
-    return f"[{host}]" if ":" in host else host
-
-
-def check_host(host: str) -> str:
-    """``host`` if it is an IP literal this machine can bind, else ValueError naming the flag.
-
-    Only literals: a name could resolve to several addresses, and the point is to
-    bind exactly one. ``0.0.0.0`` / ``::`` are allowed (every interface, on purpose);
-    ``kvbridge doctor`` says so.
-    """
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"host must be an IP address such as 127.0.0.1, got {host!r}") from None
-    try:
-        with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-    except OSError as exc:
-        raise ValueError(f"host {host} cannot be bound on this machine ({exc.strerror}); "
-                         "give one of its own addresses") from None
-    return host
-
-
-def pick_free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that was free a moment ago (the caller must tolerate a race)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def port_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    """True when a TCP connect to ``host:port`` succeeds within ``timeout_s``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-@dataclass(frozen=True)
-class MasterPorts:
-    """The three TCP ports of one master: RPC and metrics (``mooncake_master``), HTTP metadata (kvbridge)."""
-
-    rpc_port: int
-    http_port: int
-    metrics_port: int
-
-    @staticmethod
-    def pick(host: str = LOOPBACK) -> MasterPorts:
-        ports: set[int] = set()
-        while len(ports) < 3:
-            ports.add(pick_free_port(host))
-        rpc, http, metrics = sorted(ports)
-        return MasterPorts(rpc_port=rpc, http_port=http, metrics_port=metrics)
 
 
 def master_command(
@@ -616,141 +573,3 @@ def master_endpoint(master_address: str | None, metadata_server: str | None,
         return
     with MooncakeMaster() as master:
         yield master.rpc_address, master.metadata_url, True
-
-
-# ---- where ports listen (for `kvbridge doctor`) -------------------------------------------
-_TCP_LISTEN = "0A"  # st field of /proc/net/tcp{,6}
-WILDCARDS = ("0.0.0.0", "::")
-
-
-def listening_addresses(port: int, proc_net: str | os.PathLike[str] = "/proc/net",
-                        ) -> list[str] | None:
-    """Local addresses with a TCP socket LISTENing on ``port`` (this network namespace).
-
-    Read from ``/proc/net/tcp`` and ``tcp6``; None when neither can be read (not
-    Linux). ``0.0.0.0`` or ``::`` in the answer means every interface.
-    """
-    found: set[str] = set()
-    readable = False
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            lines = (Path(proc_net) / name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        readable = True
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 4 or fields[3] != _TCP_LISTEN:
-                continue
-            addr_hex, port_hex = fields[1].rsplit(":", 1)
-            if int(port_hex, 16) != port:
-                continue
-            raw = bytes.fromhex(addr_hex)
-            # the kernel prints each 32-bit word in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            address = socket.inet_ntop(family, raw)
-            if address.startswith("::ffff:"):
-                address = address[len("::ffff:"):]
-            found.add(address)
-    return sorted(found) if readable else None
-
-
-def local_addresses() -> list[str]:
-    """IPv4 addresses of this host's interfaces (loopback included), from SIOCGIFADDR."""
-    import fcntl
-    import struct
-
-    addresses: set[str] = set()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            request = struct.pack("256s", name.encode()[:15])
-            try:
-                answer = fcntl.ioctl(sock.fileno(), 0x8915, request)  # SIOCGIFADDR
-            except OSError:
-                continue  # no IPv4 address on this interface
-            addresses.add(socket.inet_ntoa(answer[20:24]))
-    return sorted(addresses, key=lambda a: (not a.startswith("127."), a))
-
-
-def _is_local(host: str, local: Sequence[str]) -> bool:
-    if host in WILDCARDS or host in local:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass(frozen=True)
-class PortExposure:
-    """Where one port of a Mooncake store listens, as far as this host can tell.
-
-    ``listening``: the addresses bound (from /proc), None when it cannot tell (a
-    remote host, or a port not visible in this network namespace).
-    ``accepts``: address -> whether a TCP connect succeeded (this host's own
-    addresses for a local port, the given host for a remote one).
-    ``every_interface``: True when bound to 0.0.0.0/::, or (without /proc) when
-    it accepts on a non-loopback address it was not given; None when unknown.
-    """
-
-    name: str
-    host: str
-    port: int
-    listening: list[str] | None
-    accepts: dict[str, bool]
-    every_interface: bool | None
-
-    def describe(self) -> str:
-        where = f"{self.name} {url_host(self.host)}:{self.port}"
-        if self.listening is not None and self.listening:
-            bound = ", ".join(self.listening)
-            if self.every_interface:
-                return f"{where} listens on EVERY interface ({bound})"
-            return f"{where} listens on {bound} only"
-        reached = [a for a, ok in self.accepts.items() if ok]
-        if self.every_interface:
-            return (f"{where} accepts on {', '.join(reached)}, not only the host it was given "
-                    "(likely every interface)")
-        if self.listening is not None:  # local, but not in this namespace's table
-            return f"{where}: no listener seen in /proc/net/tcp; accepts on {reached or 'nothing'}"
-        state = "accepts" if reached else "does not accept"
-        return f"{where} {state} connections; which interfaces it listens on cannot be told from here"
-
-
-def port_exposure(name: str, host: str, port: int, timeout_s: float = 0.5) -> PortExposure:
-    """:class:`PortExposure` of ``host:port``: /proc for a local host, plus connect attempts."""
-    local = local_addresses()
-    if not _is_local(host, local):
-        return PortExposure(name, host, port, None,
-                            {host: port_accepts(host, port, timeout_s)}, None)
-    listening = listening_addresses(port)
-    accepts = {addr: port_accepts(addr, port, timeout_s) for addr in local}
-    if listening:
-        every: bool | None = any(a in WILDCARDS for a in listening)
-    else:
-        # Not in /proc (another network namespace, or not Linux): judge by connecting.
-        others = [a for a, ok in accepts.items() if ok and a != host
-                  and not ipaddress.ip_address(a).is_loopback]
-        every = bool(others) if any(accepts.values()) else None
-    return PortExposure(name, host, port, listening, accepts, every)
-
-
-def master_exposure(rpc_address: str, metadata_url: str | None = None,
-                    metrics_port: int | None = None, timeout_s: float = 0.5,
-                    ) -> list[PortExposure]:
-    """Exposure of a master's RPC port, its metadata server (an ``http://`` URL) and metrics."""
-    from urllib.parse import urlsplit
-
-    host, _, port_text = rpc_address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port_text.isdigit():
-        raise ValueError(f"master address must be HOST:PORT, got {rpc_address!r}")
-    rows = [port_exposure("rpc", host, int(port_text), timeout_s)]
-    if metadata_url is not None and metadata_url.startswith("http://"):
-        parts = urlsplit(metadata_url)
-        if parts.hostname is None or parts.port is None:
-            raise ValueError(f"metadata URL must be http://HOST:PORT/metadata, got {metadata_url!r}")
-        rows.append(port_exposure("metadata", parts.hostname, parts.port, timeout_s))
-    if metrics_port is not None:
-        rows.append(port_exposure("metrics", host, metrics_port, timeout_s))
-    return rows

@@ -25,19 +25,11 @@ tensors as ``VRAM`` with their device id); descriptor lists are prepared once
 :meth:`prepare_local_descs` for sub-block / head-slice reads; remote ones with
 :meth:`prepare_remote` right after the handshake, with the *peer's* memory
 type); a transfer then only passes *indices* into those lists (:meth:`post`).
-
-Descriptor rows are ``(addr, len[, dev])`` -- one row per descriptor -- or
-NIXL's strided form ``(addr, len, dev, stride, count)`` (NIXL >= 1.5): one row
-stands for ``count`` descriptors of ``len`` bytes, ``stride`` bytes apart, and
-index ``sum(count of the rows before) + k`` names the ``k``-th of them. A
-layer's per-block list of a real cache (~10^5 blocks) is then one row to build
-and prepare instead of 10^5 (:func:`strided_descs`).
-
-CUDA: UCX disables CUDA IPC on a thread without a current CUDA context, so
-once VRAM is registered every thread that enters the transport (the engine
-thread, a handshake executor, a progress pump) has ``torch.cuda.set_device``
-called for the registered device first (:func:`set_cuda_device`), once per
-thread.
+Rows may be strided (one row for a layer's every block, see
+:mod:`.nixl_descs`). Once VRAM is registered, every thread that enters the
+transport has the registered CUDA device made current first
+(:func:`set_cuda_device`, looked up in this module, where a test replaces it
+to record the calls; see :mod:`.nixl_memory`).
 
 Invariants (checked by the tests through :meth:`counters`):
 
@@ -53,25 +45,65 @@ Invariants (checked by the tests through :meth:`counters`):
 The transport is thread-safe through one lock around the agent, because the
 agent is created with ``NIXL_THREAD_SYNC_NONE`` (no listener thread).
 
-Nothing else of kvbridge is imported here (dependency rule of ``backends``).
+This file owns :class:`NixlTransport`: the agent, its lock and tables, and
+every NIXL call on them; it stays one class (one lock around one agent, whose
+invariants above span memory, lists, peers and transfers), which is why it is
+over 600 lines. Beside it, importable from here as before: :mod:`.nixl_records`
+(errors, memory types, records), :mod:`.nixl_memory` (memory of an item,
+registrations, the CUDA-binding lock), :mod:`.nixl_descs` (descriptor rows) and
+:mod:`.nixl_load` (which NIXL build). They call no agent; nothing else of
+kvbridge is imported (dependency rule of ``backends``).
 """
 
 from __future__ import annotations
 
-import enum
-import importlib
 import itertools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import apply_env_defaults
+from .nixl_descs import MAX_LIST_DESCS as MAX_LIST_DESCS
+from .nixl_descs import (
+    DListEntry,
+    as_desc_array,
+    as_indices,
+    block_descs,
+    expand_descs,
+    strided_descs,
+    sub_block_descs,
+)
+from .nixl_load import load_nixl_api
+from .nixl_load import loaded_nixl as loaded_nixl
+from .nixl_load import nixl_candidates as nixl_candidates
+from .nixl_load import torch_cuda_major as torch_cuda_major
+from .nixl_memory import (
+    AgentLock,
+    Registration,
+    check_inside_registrations,
+    memory_of,
+    registration_of,
+    set_cuda_device,
+)
+from .nixl_memory import MemoryOf as MemoryOf
+from .nixl_records import (
+    DRAM,
+    MEM_TYPES,
+    VRAM,
+    DescList,
+    NixlTransportError,
+    NixlUnavailableError,
+    PeerHandle,
+    Region,
+    Transfer,
+    TransportCounters,
+    XferOp,
+    XferState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,443 +127,6 @@ __all__ = [
     "sub_block_descs",
 ]
 
-#: NIXL memory types kvbridge registers and prepares: host memory (pinned or not) and
-#: CUDA device memory.
-DRAM = "DRAM"
-VRAM = "VRAM"
-MEM_TYPES = (DRAM, VRAM)
-
-#: Transfers name rows by int32 index (NIXL's index arrays): a list holds at most this many.
-MAX_LIST_DESCS = (1 << 31) - 1
-
-
-class NixlTransportError(RuntimeError):
-    """A misuse of the transport (bad argument, unknown handle, closed transport)."""
-
-
-class NixlUnavailableError(NixlTransportError):
-    """NIXL cannot be imported or has no UCX backend on this machine."""
-
-
-class XferOp(str, enum.Enum):
-    """Direction of a transfer, seen from the initiator (the side that posts)."""
-
-    READ = "READ"  # remote -> local
-    WRITE = "WRITE"  # local -> remote
-
-
-class XferState(str, enum.Enum):
-    """Lifecycle of a :class:`Transfer`. Only PENDING is non-terminal."""
-
-    PENDING = "PENDING"
-    DONE = "DONE"
-    FAILED = "FAILED"
-    TIMED_OUT = "TIMED_OUT"
-
-    @property
-    def terminal(self) -> bool:
-        return self is not XferState.PENDING
-
-
-@dataclass(frozen=True)
-class Region:
-    """A registered memory region. ``region_id`` indexes :meth:`register_regions` order.
-
-    ``addr``/``nbytes`` span the item given (a tensor, or ``(addr, nbytes)``);
-    the NIXL registration behind it is the item's whole backing storage, shared
-    by every region on the same storage. ``mem_type`` is ``DRAM`` or ``VRAM``,
-    ``device_id`` the CUDA device (0 for host memory).
-    """
-
-    region_id: int
-    addr: int
-    nbytes: int
-    mem_type: str = DRAM
-    device_id: int = 0
-
-
-@dataclass(frozen=True)
-class MemoryOf:
-    """What :func:`memory_of` found about one item to register."""
-
-    addr: int
-    nbytes: int
-    mem_type: str
-    device_id: int
-    storage_addr: int  # the backing allocation, registered once for all its views
-    storage_nbytes: int
-
-
-def memory_of(item: Any, where: str = "region") -> MemoryOf:
-    """Address, size, memory type and backing storage of a tensor or raw tuple.
-
-    ``item`` is a contiguous tensor (``cpu`` -> DRAM, pinned or not; ``cuda`` ->
-    VRAM on its device), ``(addr, nbytes)`` (host memory) or ``(addr, nbytes,
-    mem_type, device_id)``. Only the tensor's attributes are read (``device``,
-    ``data_ptr``, ``untyped_storage``), so a description of a CUDA tensor
-    works on a machine without CUDA.
-    """
-    if isinstance(item, tuple):
-        if len(item) not in (2, 4):
-            raise NixlTransportError(f"{where}: expected (addr, nbytes) or (addr, nbytes, "
-                                     f"mem_type, device_id), got {item!r}")
-        addr, nbytes = int(item[0]), int(item[1])
-        mem_type, device_id = (DRAM, 0) if len(item) == 2 else (str(item[2]), int(item[3]))
-        storage_addr, storage_nbytes = addr, nbytes
-    else:
-        if not getattr(item, "is_contiguous", lambda: False)():
-            raise NixlTransportError(f"{where}: expected a contiguous tensor")
-        device = item.device
-        if device.type == "cpu":
-            mem_type, device_id = DRAM, 0
-        elif device.type == "cuda":
-            mem_type = VRAM
-            device_id = device.index if device.index is not None else _current_cuda_device()
-        else:
-            raise NixlTransportError(f"{where}: expected host (cpu) or CUDA memory, got "
-                                     f"{device}")
-        addr, nbytes = int(item.data_ptr()), int(item.numel() * item.element_size())
-        storage = item.untyped_storage()
-        storage_addr, storage_nbytes = int(storage.data_ptr()), int(storage.nbytes())
-        if not (storage_addr <= addr and addr + nbytes <= storage_addr + storage_nbytes):
-            storage_addr, storage_nbytes = addr, nbytes  # not a plain view: register itself
-    if mem_type not in MEM_TYPES:
-        raise NixlTransportError(f"{where}: mem_type must be one of {MEM_TYPES}, got "
-                                 f"{mem_type!r}")
-    if device_id < 0 or (mem_type == DRAM and device_id != 0):
-        raise NixlTransportError(f"{where}: device_id must be >= 0 (0 for DRAM), got "
-                                 f"{device_id}")
-    if addr <= 0 or nbytes <= 0:
-        raise NixlTransportError(f"{where}: expected addr > 0 and nbytes > 0, got {addr}, "
-                                 f"{nbytes}")
-    return MemoryOf(addr, nbytes, mem_type, device_id, storage_addr, storage_nbytes)
-
-
-def _current_cuda_device() -> int:
-    import torch
-
-    return int(torch.cuda.current_device())
-
-
-def set_cuda_device(device_id: int) -> None:
-    """Make ``device_id`` the current CUDA device of the calling thread (creates its
-    context). Module-level so that a test on a machine without CUDA can record the
-    calls in its place."""
-    import torch
-
-    torch.cuda.set_device(device_id)
-
-
-@dataclass(frozen=True)
-class PeerHandle:
-    """A remote agent added from its metadata.
-
-    ``generation`` increases every time a peer of the same name is (re-)added,
-    so lists prepared for an earlier incarnation are refused instead of
-    silently addressing a restarted process's memory.
-    """
-
-    name: str
-    generation: int
-
-
-@dataclass(frozen=True)
-class DescList:
-    """A prepared descriptor list; transfers refer to its rows by index.
-
-    ``peer`` is ``None`` for a local list. ``num_descs`` bounds valid indices.
-    """
-
-    list_id: int
-    num_descs: int
-    peer: PeerHandle | None
-
-
-@dataclass(frozen=True)
-class TransportCounters:
-    """Live-object counts for leak checks, plus lifetime totals."""
-
-    registrations: int
-    dlists: int
-    xfer_handles: int
-    peers: int
-    zombies: int
-    forced_releases: int
-    posted: int
-    done: int
-    failed: int
-    timed_out: int
-    bytes_done: int
-
-    @property
-    def live(self) -> int:
-        """Sum of the live counts; zero after :meth:`NixlTransport.close`."""
-        return self.registrations + self.dlists + self.xfer_handles + self.peers
-
-
-@dataclass(eq=False)  # identity semantics: each post is a distinct transfer
-class Transfer:
-    """One posted transfer. Created by :meth:`NixlTransport.post`, advanced by ``poll``.
-
-    Telemetry: ``nbytes`` and ``num_descs`` are computed from the prepared
-    lists at post time; ``duration_s`` is post-to-terminal as observed by
-    ``poll`` (so its resolution is the caller's polling interval).
-
-    ``quiesced`` is True once NIXL no longer touches this transfer's memory
-    (DONE, or an error reported by NIXL). A TIMED_OUT transfer becomes
-    quiesced later, when its zombie handle settles; until then its local
-    blocks (READ destination / WRITE source) must not be reused.
-    """
-
-    transfer_id: int
-    op: XferOp
-    peer: PeerHandle
-    nbytes: int
-    num_descs: int
-    notif: bytes
-    posted_at: float
-    deadline: float
-    state: XferState = XferState.PENDING
-    error: str | None = None
-    finished_at: float | None = None
-    quiesced: bool = False
-    _handle: Any = field(default=None, repr=False)
-
-    @property
-    def duration_s(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at - self.posted_at
-
-    @property
-    def gbps(self) -> float | None:
-        d = self.duration_s
-        return None if not d else self.nbytes / d / 1e9
-
-
-def load_nixl_api() -> Any:
-    """Return NIXL's ``_api`` module: the build that matches torch's CUDA.
-
-    The order and the reason for it come from :func:`nixl_candidates` (the
-    ``nixl`` meta package's ``nixl._api`` first: it picks the build for the
-    installed CUDA; else ``nixl_cu13`` / ``nixl_cu12``, the one matching
-    torch's CUDA major first). :func:`loaded_nixl` says which one loaded.
-    """
-    apply_env_defaults()  # UCX_MODULES and the CUDA transports must be set before an agent
-    global _LOADED
-    if _LOADED is not None:
-        return importlib.import_module(_LOADED[0])
-    errors = []
-    names, reason = nixl_candidates()
-    for name in names:
-        try:
-            module = importlib.import_module(name)
-        except Exception as exc:  # ImportError, or a shared library that fails to load
-            errors.append(f"{name}: {exc!r}")
-            continue
-        _LOADED = (name, reason + (f" ({'; '.join(errors)})" if errors else ""))
-        return module
-    raise NixlUnavailableError("NIXL is not importable (" + "; ".join(errors) + ")")
-
-
-_LOADED: tuple[str, str] | None = None
-
-
-def torch_cuda_major() -> int | None:
-    """The CUDA major version torch was built with (None for a CPU build or no torch)."""
-    try:
-        import torch
-    except Exception:
-        return None
-    version = getattr(torch.version, "cuda", None)
-    try:
-        return int(str(version).split(".")[0]) if version else None
-    except ValueError:
-        return None
-
-
-def nixl_candidates(cuda_major: int | None = None, *, from_torch: bool = True
-                    ) -> tuple[list[str], str]:
-    """NIXL modules to try, in order, and why that order (for ``kvbridge doctor``).
-
-    ``nixl._api`` (the meta package, which dispatches to the build for the
-    installed CUDA) first; then the per-CUDA wheels, the one for torch's CUDA
-    major first (a ``nixl_cu12`` next to a CUDA 13 torch links the wrong CUDA
-    runtime). A CPU torch prefers ``nixl_cu12``, the build tested here.
-    ``cuda_major`` overrides torch's (None with ``from_torch=False``: no CUDA).
-    """
-    major = torch_cuda_major() if cuda_major is None and from_torch else cuda_major
-    if major is not None and major >= 13:
-        builds, why = ["nixl_cu13._api", "nixl_cu12._api"], f"torch is built for CUDA {major}"
-    elif major is not None:
-        builds, why = ["nixl_cu12._api", "nixl_cu13._api"], f"torch is built for CUDA {major}"
-    else:
-        builds, why = ["nixl_cu12._api", "nixl_cu13._api"], "torch has no CUDA (CPU build)"
-    return ["nixl._api", *builds], (f"nixl._api (meta package) first, then "
-                                    f"{builds[0].split('.')[0]}: {why}")
-
-
-def loaded_nixl() -> tuple[str, str] | None:
-    """``(module, why)`` of the NIXL build :func:`load_nixl_api` loaded, or None yet."""
-    return _LOADED
-
-
-def strided_descs(addr: int, length: int, stride: int, count: int,
-                  device_id: int = 0) -> np.ndarray:
-    """One strided row ``(addr, length, device_id, stride, count)`` (uint64[1,5]):
-    ``count`` descriptors of ``length`` bytes at ``addr + k * stride``."""
-    if length <= 0 or count <= 0 or stride < length or device_id < 0:
-        raise NixlTransportError(f"strided descriptor: need length > 0, count > 0, stride >= "
-                                 f"length, device_id >= 0; got length={length} count={count} "
-                                 f"stride={stride} device_id={device_id}")
-    return np.array([[addr, length, device_id, stride, count]], dtype=np.uint64)
-
-
-def expand_descs(descs: Any) -> np.ndarray:
-    """Any accepted rows as one ``(addr, len, dev)`` row per descriptor (uint64[N,3]),
-    in index order: the per-block list a strided one stands for."""
-    groups = _as_groups(descs, "descs")
-    counts = groups[:, 4].astype(np.int64)
-    group = np.repeat(np.arange(groups.shape[0]), counts)
-    first = np.zeros(groups.shape[0], dtype=np.int64)
-    first[1:] = np.cumsum(counts)[:-1]
-    k = (np.arange(group.shape[0], dtype=np.int64) - first[group]).astype(np.uint64)
-    out = np.empty((group.shape[0], 3), dtype=np.uint64)
-    out[:, 0] = groups[group, 0] + k * groups[group, 3]
-    out[:, 1] = groups[group, 1]
-    out[:, 2] = groups[group, 2]
-    return out
-
-
-def block_descs(addr: int, block_bytes: int, num_blocks: int) -> np.ndarray:
-    """Rows ``(addr + i*block_bytes, block_bytes, 0)`` for ``i < num_blocks`` (uint64[N,3])."""
-    return sub_block_descs(addr, block_bytes, num_blocks, 0, block_bytes)
-
-
-def sub_block_descs(
-    addr: int, block_bytes: int, num_blocks: int, offset: int, length: int
-) -> np.ndarray:
-    """Rows for a slice ``[offset, offset+length)`` of every block (uint64[N,3]).
-
-    Heterogeneous-TP plans read a head slice of each remote block; the
-    connector prepares one such list per slice and indexes it by block id.
-    """
-    if block_bytes <= 0 or num_blocks < 0:
-        raise NixlTransportError(
-            f"block_bytes must be > 0 and num_blocks >= 0, got {block_bytes}, {num_blocks}"
-        )
-    if offset < 0 or length <= 0 or offset + length > block_bytes:
-        raise NixlTransportError(
-            f"slice offset={offset} length={length} must lie inside block_bytes={block_bytes}"
-        )
-    out = np.zeros((num_blocks, 3), dtype=np.uint64)
-    out[:, 0] = addr + offset + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
-    out[:, 1] = length
-    return out
-
-
-def _as_desc_array(descs: Any, what: str) -> np.ndarray:
-    """Validate ``descs`` as (addr, len), (addr, len, dev) or strided (addr, len, dev,
-    stride, count) rows -> uint64[N,3] or uint64[N,5] (the strided form kept)."""
-    arr = np.asarray(descs)
-    if arr.ndim != 2 or arr.shape[1] not in (2, 3, 5) or arr.shape[0] == 0:
-        raise NixlTransportError(
-            f"{what}: expected a non-empty array of shape (N, 2), (N, 3) or strided (N, 5), "
-            f"got {arr.shape}"
-        )
-    if arr.dtype.kind not in "iu":
-        raise NixlTransportError(f"{what}: expected integer rows, got dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and (arr < 0).any():
-        raise NixlTransportError(f"{what}: addresses and lengths must be >= 0")
-    out = np.zeros((arr.shape[0], 5 if arr.shape[1] == 5 else 3), dtype=np.uint64)
-    out[:, : arr.shape[1]] = arr.astype(np.uint64)
-    if (out[:, 1] == 0).any():
-        raise NixlTransportError(f"{what}: every descriptor length must be > 0")
-    if out.shape[1] == 5:
-        stride, count = out[:, 3], out[:, 4]
-        if (count == 0).any() or ((stride < out[:, 1]) & (count > 1)).any():
-            k = int(np.flatnonzero((count == 0) | ((stride < out[:, 1]) & (count > 1)))[0])
-            raise NixlTransportError(f"{what}: strided row {k}: count must be > 0 and stride "
-                                     f">= len (rows may not overlap), got {out[k].tolist()}")
-        span = stride.astype(np.float64) * (count.astype(np.float64) - 1) + out[:, 1]
-        if (out[:, 0].astype(np.float64) + span >= 2.0**63).any():
-            raise NixlTransportError(f"{what}: a strided row runs past the address space")
-        if float(count.astype(np.float64).sum()) > MAX_LIST_DESCS:
-            raise NixlTransportError(f"{what}: {int(count.sum())} descriptors exceed "
-                                     f"{MAX_LIST_DESCS} (transfers index rows with int32)")
-    elif out.shape[0] > MAX_LIST_DESCS:
-        raise NixlTransportError(f"{what}: {out.shape[0]} rows exceed {MAX_LIST_DESCS}")
-    return out
-
-
-def _as_groups(descs: Any, what: str) -> np.ndarray:
-    """Any accepted rows as strided groups uint64[M,5] (a plain row is a group of one)."""
-    arr = _as_desc_array(descs, what)
-    if arr.shape[1] == 5:
-        return arr
-    out = np.empty((arr.shape[0], 5), dtype=np.uint64)
-    out[:, :3] = arr
-    out[:, 3] = arr[:, 1]
-    out[:, 4] = 1
-    return out
-
-
-def _as_indices(idx: Any, bound: int, what: str) -> np.ndarray:
-    arr = np.ascontiguousarray(np.asarray(idx, dtype=np.int64).reshape(-1))
-    if arr.size == 0:
-        raise NixlTransportError(f"{what}: expected at least one index")
-    if arr.min() < 0 or arr.max() >= bound:
-        raise NixlTransportError(
-            f"{what}: indices must lie in [0, {bound}), got min {arr.min()} max {arr.max()}"
-        )
-    return arr.astype(np.int32)
-
-
-@dataclass
-class _DListEntry:
-    """A prepared list. Row lengths are kept per group (a strided row is one group),
-    so looking up the lengths of posted indices costs no per-descriptor memory."""
-
-    handle: Any
-    group_lengths: np.ndarray  # uint64[M]
-    group_ends: np.ndarray | None  # int64[M] cumulative counts; None: every group is one row
-    peer: PeerHandle | None
-    mem_type: str = DRAM
-
-    def lengths(self, idx: np.ndarray) -> np.ndarray:
-        if self.group_ends is None:
-            return self.group_lengths[idx]
-        return self.group_lengths[np.searchsorted(self.group_ends, idx, side="right")]
-
-
-@dataclass
-class _Registration:
-    """One NIXL registration: a distinct backing storage."""
-
-    addr: int
-    nbytes: int
-    mem_type: str
-    device_id: int
-    handle: Any
-
-
-class _AgentLock:
-    """The transport's lock; entering it also makes the registered CUDA device
-    current on the calling thread (see the module docstring)."""
-
-    def __init__(self, transport: NixlTransport) -> None:
-        self._rlock = threading.RLock()
-        self._transport = transport
-
-    def __enter__(self) -> None:
-        self._rlock.acquire()
-        try:
-            self._transport._bind_thread()
-        except BaseException:
-            self._rlock.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self._rlock.release()
-
 
 class NixlTransport:
     """One NIXL agent (UCX, no progress thread) for one worker rank.
@@ -552,7 +147,7 @@ class NixlTransport:
         self._api = api
         self._cuda_device: int | None = None  # set by the first VRAM registration
         self._thread_device = threading.local()
-        self._lock = _AgentLock(self)
+        self._lock = AgentLock(self._bind_thread)
         try:
             self._agent = api.nixl_agent(self.name, config)
         except Exception as exc:
@@ -563,8 +158,8 @@ class NixlTransport:
             )
         self._closed = False
         self._regions: list[Region] = []
-        self._registrations: list[_Registration] = []
-        self._dlists: dict[int, _DListEntry] = {}
+        self._registrations: list[Registration] = []
+        self._dlists: dict[int, DListEntry] = {}
         self._peers: dict[str, PeerHandle] = {}
         self._peer_md: dict[str, bytes] = {}
         self._generations: dict[str, int] = {}
@@ -606,7 +201,7 @@ class NixlTransport:
                     reg = self._agent.register_memory(
                         [(info.storage_addr, info.storage_nbytes, info.device_id, "")],
                         info.mem_type)
-                    self._registrations.append(_Registration(
+                    self._registrations.append(Registration(
                         info.storage_addr, info.storage_nbytes, info.mem_type, info.device_id,
                         reg))
                 region = Region(len(self._regions), info.addr, info.nbytes, info.mem_type,
@@ -615,13 +210,8 @@ class NixlTransport:
                 out.append(region)
         return out
 
-    def _registration_of(self, info: MemoryOf) -> _Registration | None:
-        for reg in self._registrations:
-            if ((reg.mem_type, reg.device_id) == (info.mem_type, info.device_id)
-                    and reg.addr <= info.addr
-                    and info.addr + info.nbytes <= reg.addr + reg.nbytes):
-                return reg
-        return None
+    def _registration_of(self, info: MemoryOf) -> Registration | None:
+        return registration_of(self._registrations, info)
 
     @property
     def memory_type(self) -> tuple[str, int]:
@@ -665,7 +255,7 @@ class NixlTransport:
         type; the device column must be that registration's device (two-column rows
         get it filled in). Transfers then name descriptors by index.
         """
-        arr = _as_desc_array(descs, "local descs")
+        arr = as_desc_array(descs, "local descs")
         mem_type = self._check_inside_regions(arr)
         return self._prep(arr, None, mem_type)
 
@@ -676,7 +266,7 @@ class NixlTransport:
         if mem_type not in MEM_TYPES:
             raise NixlTransportError(f"mem_type must be one of {MEM_TYPES}, got {mem_type!r}")
         self._check_peer(peer)
-        return self._prep(_as_desc_array(descs, "remote descs"), peer, mem_type)
+        return self._prep(as_desc_array(descs, "remote descs"), peer, mem_type)
 
     def release_dlist(self, dlist: DescList) -> None:
         """Release a prepared list (no transfer may be using it; idempotent)."""
@@ -700,10 +290,10 @@ class NixlTransport:
             if arr.shape[1] == 5:
                 ends = np.cumsum(arr[:, 4].astype(np.int64))
                 num_descs = int(ends[-1])
-                entry = _DListEntry(handle, arr[:, 1].copy(), ends, peer, mem_type)
+                entry = DListEntry(handle, arr[:, 1].copy(), ends, peer, mem_type)
             else:
                 num_descs = int(arr.shape[0])
-                entry = _DListEntry(handle, arr[:, 1].copy(), None, peer, mem_type)
+                entry = DListEntry(handle, arr[:, 1].copy(), None, peer, mem_type)
             self._dlists[list_id] = entry
             return DescList(list_id, num_descs, peer)
 
@@ -795,8 +385,8 @@ class NixlTransport:
             if remote.peer is None:
                 raise NixlTransportError("remote: expected a list from prepare_remote, got a local one")
             rentry = self._dlist(remote, want_peer=remote.peer)
-            li = _as_indices(local_idx, local.num_descs, "local_idx")
-            ri = _as_indices(remote_idx, remote.num_descs, "remote_idx")
+            li = as_indices(local_idx, local.num_descs, "local_idx")
+            ri = as_indices(remote_idx, remote.num_descs, "remote_idx")
             if li.size != ri.size:
                 raise NixlTransportError(
                     f"local_idx and remote_idx must have equal length, got {li.size} and {ri.size}"
@@ -1054,7 +644,7 @@ class NixlTransport:
             )
         return self._regions[region_id]
 
-    def _dlist(self, dlist: DescList, want_peer: PeerHandle | None) -> _DListEntry:
+    def _dlist(self, dlist: DescList, want_peer: PeerHandle | None) -> DListEntry:
         if want_peer is not None:
             self._check_peer(want_peer)  # a stale generation is the likelier cause: say so
         entry = self._dlists.get(dlist.list_id)
@@ -1065,34 +655,6 @@ class NixlTransport:
         return entry
 
     def _check_inside_regions(self, arr: np.ndarray) -> str:
-        """Every descriptor of ``arr`` inside one registration, all of one memory type,
-        with that registration's device id (filled in for two-column input, whose
-        device column is 0); returns the memory type."""
-        starts = arr[:, 0].astype(np.int64)
-        if arr.shape[1] == 5:
-            last = (arr[:, 3] * (arr[:, 4] - np.uint64(1))).astype(np.int64)
-            ends = starts + last + arr[:, 1].astype(np.int64)
-        else:
-            ends = starts + arr[:, 1].astype(np.int64)
-        owner = np.full(arr.shape[0], -1, dtype=np.int64)
-        for i, r in enumerate(self._registrations):
-            owner[(owner < 0) & (starts >= r.addr) & (ends <= r.addr + r.nbytes)] = i
-        if (owner < 0).any():
-            k = int(np.flatnonzero(owner < 0)[0])
-            raise NixlTransportError(
-                f"local descs row {k} (addr {int(starts[k]):#x}, len {int(arr[k, 1])}) "
-                "is not inside any registered region"
-            )
-        kinds = {(self._registrations[i].mem_type, self._registrations[i].device_id)
-                 for i in np.unique(owner).tolist()}
-        if len({m for m, _ in kinds}) > 1:
-            raise NixlTransportError(f"local descs span memory types {sorted(kinds)}: a list "
-                                     "is of one memory type")
-        devices = np.array([r.device_id for r in self._registrations], dtype=np.uint64)[owner]
-        wrong = (arr[:, 2] != devices) & (arr[:, 2] != 0)
-        if wrong.any():
-            k = int(np.flatnonzero(wrong)[0])
-            raise NixlTransportError(f"local descs row {k}: device {int(arr[k, 2])}, but its "
-                                     f"memory is registered on device {int(devices[k])}")
-        arr[:, 2] = devices
-        return next(iter(kinds))[0]
+        """Every descriptor of ``arr`` inside one registration, of one memory type (see
+        :func:`~.nixl_memory.check_inside_registrations`); returns the memory type."""
+        return check_inside_registrations(arr, self._registrations)

@@ -15,6 +15,8 @@ arithmetic), :mod:`.records` (the digest record format, pure), :mod:`.verify`
 (a rank's record tables and in-place digests), :mod:`.clients` (process-wide
 client pool), :mod:`.lookup` (the scheduler half's existence-check thread),
 :mod:`.metadata`, :mod:`.scheduler` and :mod:`.worker` (the two halves),
+:mod:`.plans` (the worker's region plans and batch gathering, pure),
+:mod:`.load_verify` (which blocks a load checks and what the check found),
 :mod:`.plugin`, :mod:`.bench` (``kvbridge bench mooncake``).
 """
 

@@ -44,6 +44,14 @@ contiguous slice, so each store object (one layer of one block, see
   check first, then ``op_timeout_s``). After a *timed-out* get the rank waits
   at most ``abandon_grace_s`` for the abandoned call before reporting, so a
   late write cannot land in a block the engine already gave to someone else.
+
+This file owns :class:`MooncakeStoreWorker`: the client and its buffer
+registrations, the load thread, the save and load calls with their
+timeouts, orphans and stats, and the one log line per failed load. Beside it,
+importable from here as before: :mod:`.plans` (region plans and batch
+gathering, pure) and :mod:`.load_verify` (which blocks a load checks and what
+the check found, pure). It may not grow key arithmetic or digest comparison
+back in; the engine-facing half, the scheduler, is :mod:`.scheduler`.
 """
 
 from __future__ import annotations
@@ -54,7 +62,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.backends.fence import Fence, record_fence, wait_fence
@@ -63,152 +70,22 @@ from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, Worker
 from kvbridge.connectors.errors import ContractError
 from kvbridge.connectors.load_outcomes import LoadOutcomes
 from kvbridge.connectors.mooncake_store import clients
-from kvbridge.connectors.mooncake_store.keys import layer_key_prefix
+from kvbridge.connectors.mooncake_store.load_verify import Verified, checked_blocks, verify_blocks
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
-from kvbridge.connectors.mooncake_store.records import (
-    RecordVerdict,
-    digest_key_prefix,
-    key_digest,
-)
+from kvbridge.connectors.mooncake_store.plans import Batch, RegionPlan, build_plans, gather
+from kvbridge.connectors.mooncake_store.plans import LayerSlot as LayerSlot
+from kvbridge.connectors.mooncake_store.records import key_digest
 from kvbridge.connectors.mooncake_store.scheduler import pool_key
 from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
 from kvbridge.connectors.mooncake_store.verify import RankDigests
-from kvbridge.layouts import ParallelTopology, namespace_for, write_targets
-from kvbridge.layouts.digests import DigestMode
 
 logger = logging.getLogger(__name__)
 
 _STATUS = operator.attrgetter("status")
 _NBYTES = operator.attrgetter("nbytes")
-#: a get into a slot of the wrong size: smaller objects read short (SIZE_MISMATCH), bigger
-#: ones are refused by Mooncake ("buffer too small": INVALID_PARAMS) without a write
-_WRONG_SIZE = frozenset((McStatus.SIZE_MISMATCH, McStatus.INVALID_PARAMS))
 
 #: Upper bounds (ms) of the load-latency histogram in the worker stats (``load_ms_le_<b>``).
 LATENCY_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
-
-
-@dataclass(frozen=True)
-class LayerSlot:
-    """Where one layer's blocks live in memory, and its key prefix in the store."""
-
-    layer_id: int
-    prefix: str
-    base_ptr: int
-    block_stride: int  # bytes from one block to the next (== block_nbytes: block-major)
-    block_nbytes: int
-
-
-@dataclass(frozen=True)
-class RegionPlan:
-    """What this rank stores and loads of one region (no layers: nothing on this stage)."""
-
-    region_index: int
-    num_blocks: int
-    is_writer: bool
-    layers: tuple[LayerSlot, ...]
-    digest_prefix: str = ""  # key prefix of this namespace's digest records (see .records)
-
-
-def build_plans(caches: KVCaches, ctx: ConnectorContext, rank: ParallelTopology,
-                ) -> tuple[RegionPlan, ...]:
-    """Pure: key prefixes and block addresses of every region on ``rank``."""
-    writers = {t.region: t.is_writer for t in write_targets(ctx.spec, rank)}
-    plans = []
-    for index, shape in enumerate(caches.shapes):
-        slots = []
-        digest_prefix = ""
-        if shape.layer_ids:
-            namespace = namespace_for(ctx.spec, shape.region, rank)
-            digest_prefix = digest_key_prefix(namespace)
-            for layer_id in shape.layer_ids:
-                tensor = caches.layers[layer_id]
-                if not tensor.is_contiguous():
-                    raise ContractError(f"kv_caches.layers[{layer_id}]",
-                                        "expected a contiguous block-major tensor")
-                stride = tensor.stride(0) * tensor.element_size()
-                if stride != shape.block_bytes_per_layer:
-                    raise ContractError(f"kv_caches.layers[{layer_id}]",
-                                        f"expected {shape.block_bytes_per_layer} bytes per "
-                                        f"block, got a stride of {stride}")
-                slots.append(LayerSlot(layer_id, layer_key_prefix(namespace, layer_id),
-                                       int(tensor.data_ptr()), stride,
-                                       shape.block_bytes_per_layer))
-        plans.append(RegionPlan(index, caches.num_blocks[index],
-                                writers.get(shape.region.name, False), tuple(slots),
-                                digest_prefix))
-    return tuple(plans)
-
-
-@dataclass
-class Batch:
-    """Keys, addresses and sizes of one batch call; ``owners[k]``: index of key k's block."""
-
-    keys: list[str]
-    ptrs: list[int]
-    sizes: list[int]
-    owners: list[int]
-
-
-@dataclass
-class _Verified:
-    """What the digest check of one load found (counts of blocks; ``failed``: refs)."""
-
-    verified: int = 0
-    unverified: int = 0
-    missing: int = 0
-    mismatches: int = 0
-    invalid: int = 0
-    failed: set[BlockRef] = field(default_factory=set)
-    corrupt_keys: list[str] = field(default_factory=list)
-    first: tuple[LoadBlock, str, str] | None = None  # (block, key, what): logged once
-
-    def note(self, block: LoadBlock, key: str, what: str) -> None:
-        if self.first is None:
-            self.first = (block, key, what)
-
-
-def gather(plans: Sequence[RegionPlan], blocks: Sequence[LoadBlock | SaveBlock], *,
-           writers_only: bool) -> tuple[Batch, set[int]]:
-    """Pure: the batch for ``blocks`` (grouped by region, then layer) and the indices of
-    blocks whose id lies outside their region (never addressed).
-
-    Blocks of regions this rank holds no layer of (or, with ``writers_only``, does
-    not write) contribute no key. Built with comprehensions, no per-block Python
-    loop beyond them: 4096 blocks of one layer cost ~1 ms.
-    """
-    by_region: dict[int, list[int]] = {}
-    if len({block.region_index for block in blocks}) == 1:  # the usual step: one region
-        by_region[blocks[0].region_index] = list(range(len(blocks)))
-    else:
-        for index, block in enumerate(blocks):
-            by_region.setdefault(block.region_index, []).append(index)
-    batch = Batch([], [], [], [])
-    out_of_range: set[int] = set()
-    for region_index, indices in by_region.items():
-        plan = plans[region_index]
-        if not plan.layers or (writers_only and not plan.is_writer):
-            continue
-        chosen = blocks if len(indices) == len(blocks) else [blocks[i] for i in indices]
-        ids = [block.block_id for block in chosen]
-        if min(ids) < 0 or max(ids) >= plan.num_blocks:
-            bad = {i for i, b in zip(indices, ids, strict=True) if not 0 <= b < plan.num_blocks}
-            out_of_range |= bad
-            indices = [i for i in indices if i not in bad]
-            chosen = [blocks[i] for i in indices]
-            ids = [block.block_id for block in chosen]
-        if len(plan.layers) == 1:  # one pass: no intermediate list of digests
-            prefix = plan.layers[0].prefix
-            batch.keys.extend([prefix + block.block_hash.hex() for block in chosen])
-        else:
-            digests = [block.block_hash.hex() for block in chosen]
-            batch.keys.extend([slot.prefix + d for slot in plan.layers for d in digests])
-        for slot in plan.layers:
-            base, stride = slot.base_ptr, slot.block_stride
-            batch.ptrs.extend([base + b * stride for b in ids])
-            batch.sizes.extend([slot.block_nbytes] * len(ids))
-            batch.owners.extend(indices)
-    return batch, out_of_range
 
 
 class MooncakeStoreWorker(WorkerConnector):
@@ -346,7 +223,7 @@ class MooncakeStoreWorker(WorkerConnector):
         if client is None:
             return failed | {(b.region_index, b.block_id) for b in blocks}
         num_kv_keys = len(keys)
-        checked, unchecked = self._checked_blocks(request_id, blocks, set(owners))
+        checked, unchecked = checked_blocks(self._policy, request_id, blocks, set(owners))
         digests = self.digests
         record_keys: list[str] = []
         if checked and digests is not None:  # records: same batch, after the KV keys
@@ -414,104 +291,13 @@ class MooncakeStoreWorker(WorkerConnector):
             self._remove_corrupt(request_id, outcome.corrupt_keys)
         return failed
 
-    def _checked_blocks(self, request_id: str, blocks: Sequence[LoadBlock],
-                        addressed: set[int]) -> tuple[list[int], int]:
-        """Indices (into ``blocks``) of the addressed blocks the policy checks, and how many
-        addressed blocks it does not check.
-
-        The policy's block index is the block's position among this load's blocks of
-        its region: every rank gets the same load, so the ranks check the same blocks.
-        """
-        policy = self._policy
-        if policy.mode is DigestMode.OFF:
-            return [], len(addressed)
-        ordered = sorted(addressed)
-        if policy.mode is DigestMode.FULL:
-            return ordered, 0
-        position: dict[int, int] = {}
-        chosen = []
-        for i, block in enumerate(blocks):
-            index = position.get(block.region_index, 0)
-            position[block.region_index] = index + 1
-            if i in addressed and policy.wants(request_id, block.region_index, index):
-                chosen.append(i)
-        return chosen, len(addressed) - len(chosen)
-
     def _verify(self, request_id: str, blocks: Sequence[LoadBlock], checked: Sequence[int],
                 record_keys: Sequence[str], record_results: Sequence[Any],
-                failed: set[BlockRef]) -> _Verified:
+                failed: set[BlockRef]) -> Verified:
         """Check the blocks ``checked`` whose KV arrived against the records that landed
-        (``record_keys``/``record_results``: one per checked block, empty without
-        host digests)."""
-        out = _Verified()
-        allow = self._policy.allow_unverified
-        digests = self.digests
-        if digests is None:  # no host view of the KV: nothing can be checked here
-            for i in checked:
-                ref = (blocks[i].region_index, blocks[i].block_id)
-                if ref in failed:
-                    continue
-                out.missing += 1
-                if allow:
-                    out.unverified += 1
-                else:
-                    out.failed.add(ref)
-            return out
-        by_region: dict[int, list[int]] = {}  # region -> positions in ``checked``
-        if (not failed and list(map(_STATUS, record_results)).count(KeyStatus.OK)
-                == len(record_results)):  # the usual load: every KV key and record arrived
-            if len({blocks[i].region_index for i in checked}) == 1:
-                by_region[blocks[checked[0]].region_index] = list(range(len(checked)))
-            else:
-                for n, i in enumerate(checked):
-                    by_region.setdefault(blocks[i].region_index, []).append(n)
-        else:
-            for n, (i, result) in enumerate(zip(checked, record_results, strict=True)):
-                block = blocks[i]
-                ref = (block.region_index, block.block_id)
-                if ref in failed:
-                    continue  # its KV did not arrive: already a load error
-                if result.ok:
-                    by_region.setdefault(block.region_index, []).append(n)
-                elif result.not_found:  # stored by an older version, or the record evicted
-                    out.missing += 1
-                    if allow:
-                        out.unverified += 1
-                    else:
-                        out.failed.add(ref)
-                        out.note(block, record_keys[n],
-                                 "no digest record (verify_allow_unverified is false)")
-                elif result.code in _WRONG_SIZE:  # an object of another size: not a record
-                    # of this key's geometry (a bigger one is refused, nothing written)
-                    out.invalid += 1
-                    out.failed.add(ref)
-                    out.note(block, record_keys[n], f"digest record get: {result}")
-                    out.corrupt_keys.extend(self._block_keys(block, record_keys[n]))
-                else:  # the record's get failed (transient): unchecked, so not loaded
-                    out.failed.add(ref)
-                    out.note(block, record_keys[n], f"digest record get: {result}")
-        for region_index, positions in by_region.items():
-            ids = [blocks[checked[n]].block_id for n in positions]
-            actual = digests.layer_digests(region_index, ids)
-            table = digests.load[region_index]
-            bad = table.failures(ids, [key_digest(record_keys[n]) for n in positions], actual)
-            out.verified += len(ids) - len(bad)
-            for position, check in bad:
-                n = positions[position]
-                block, block_id = blocks[checked[n]], ids[position]
-                out.failed.add((region_index, block_id))
-                if check.verdict is RecordVerdict.MISMATCH:
-                    out.mismatches += 1
-                    layer = check.layer_position
-                    slot = self.plans[region_index].layers[layer]
-                    out.note(block, slot.prefix + block.block_hash.hex(),
-                             f"layer {slot.layer_id}: stored digest "
-                             f"{table.stored_digest(block_id, layer):#018x}, loaded bytes "
-                             f"{int(actual[position][layer]):#018x}")
-                else:
-                    out.invalid += 1
-                    out.note(block, record_keys[n], f"digest record: {check.reason}")
-                out.corrupt_keys.extend(self._block_keys(block, record_keys[n]))
+        (:func:`.load_verify.verify_blocks`); logs the first failure, once per load."""
+        out = verify_blocks(self.plans, self.digests, self._policy, blocks, checked,
+                            record_keys, record_results, failed)
         if out.first is not None:
             block, key, what = out.first
             logger.error("mooncake store engine %s rank %s: request %s: %d of %d checked "
@@ -520,12 +306,6 @@ class MooncakeStoreWorker(WorkerConnector):
                          request_id, len(out.failed), len(checked), block.region_index,
                          block.block_id, key, what)
         return out
-
-    def _block_keys(self, block: LoadBlock, digest_key: str) -> list[str]:
-        """Every key of ``block`` on this rank: its layer objects and its digest record."""
-        suffix = block.block_hash.hex()
-        return [slot.prefix + suffix for slot in self.plans[block.region_index].layers] + [
-            digest_key]
 
     def _remove_corrupt(self, request_id: str, keys: list[str]) -> None:
         """Delete the keys of blocks that failed verification: a put keeps an existing

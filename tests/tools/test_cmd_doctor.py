@@ -102,9 +102,9 @@ def _mooncake_ready() -> None:
 def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests probe 127.0.0.1 only: doctor's connect attempts on this host's other
     addresses are left out (what /proc says is still read for real)."""
-    from kvbridge.backends import mooncake_master
+    from kvbridge.backends import mooncake_exposure
 
-    monkeypatch.setattr(mooncake_master, "local_addresses", lambda: ["127.0.0.1"])
+    monkeypatch.setattr(mooncake_exposure, "local_addresses", lambda: ["127.0.0.1"])
 
 
 def test_doctor_says_a_master_kvbridge_starts_listens_on_its_host_only(
@@ -130,7 +130,7 @@ def test_doctor_flags_a_metadata_server_on_every_interface(
     port's listener is 0.0.0.0 (tests never listen beyond loopback)."""
     import socket
 
-    from kvbridge.backends import mooncake_master
+    from kvbridge.backends import mooncake_exposure
 
     _mooncake_ready()
     _loopback_only(monkeypatch)
@@ -146,12 +146,12 @@ def test_doctor_flags_a_metadata_server_on_every_interface(
         rows = [real_tcp[0]] + [line.replace(local, f"00000000:{port:04X}")
                                 for line in real_tcp[1:]]
         (proc_net / "tcp").write_text("\n".join(rows) + "\n")
-        real = mooncake_master.listening_addresses
+        real = mooncake_exposure.listening_addresses
 
         def listening(p: int, proc: object = "/proc/net") -> list[str] | None:
             return real(p, proc_net) if p == port else real(p)
 
-        monkeypatch.setattr(mooncake_master, "listening_addresses", listening)
+        monkeypatch.setattr(mooncake_exposure, "listening_addresses", listening)
         url = f"http://127.0.0.1:{port}/metadata"
         assert main(["doctor", "--json", "--mooncake-master", master.rpc_address,
                      "--mooncake-metadata", url]) in (0, 1)
