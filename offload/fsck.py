@@ -98,11 +98,12 @@ class FindingKind(enum.Enum):
     LEGACY_BLOCK = "legacy_block"            # format 1 (no header, no digests): not served
     FOREIGN_FORMAT = "foreign_format"        # another block format version or geometry
     UNREADABLE_BLOCK = "unreadable_block"    # open/read failed: unchecked (kept)
+    ORPHAN_DIGEST = "orphan_digest"          # broken (obj tier): digests of no stored block
 
 
 BROKEN = frozenset({FindingKind.SHORT_BLOCK, FindingKind.OVERSIZE_BLOCK, FindingKind.ORPHAN_TEMP,
                     FindingKind.NOT_REGULAR, FindingKind.DIGEST_MISMATCH,
-                    FindingKind.CORRUPT_HEADER})
+                    FindingKind.CORRUPT_HEADER, FindingKind.ORPHAN_DIGEST})
 
 
 @dataclass

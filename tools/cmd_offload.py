@@ -1,10 +1,12 @@
-"""`kvbridge offload fsck|bench`: check an fs-tier store directory; benchmark the tiers."""
+"""`kvbridge offload fsck|bench`: check an fs-tier store directory or the obj tier's
+objects in Mooncake; benchmark the tiers."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from kvbridge.tools.flags import require_subcommand
@@ -15,6 +17,8 @@ examples:
   kvbridge offload fsck /var/cache/kvbridge
   kvbridge offload fsck /var/cache/kvbridge --repair --json
   kvbridge offload fsck /var/cache/kvbridge --fingerprint 0123456789abcdef
+  kvbridge offload fsck --obj --master 127.0.0.1:50051 \
+      --metadata http://127.0.0.1:8080/metadata --master-http 127.0.0.1:9003 --repair
   kvbridge offload bench --json
   kvbridge offload bench --dir /mnt/nvme --blocks 256 --block-kib 2048
   kvbridge offload bench --verify off,sample,full --layers 32
@@ -33,6 +37,15 @@ else is reported and left alone, among it format-1 block files without a
 header (legacy_block), a fan-out directory that cannot be listed or is a
 symlink. fsck never blocks on a FIFO, reads at most 64 KiB of a header and
 one layer span of a block at a time.
+
+--obj checks the obj tier (blocks in the Mooncake store) instead of a
+directory: the master's HTTP port (--master-http: mooncake_master's
+--metrics_port, printed as metrics_url by `kvbridge mooncake master`) lists
+the keys; each block object is read with its digest object (.dg) and checked
+against it. --repair removes both objects of a provably broken pair (bytes
+that do not match their digests, a torn digest object or another key's, a
+block of the wrong size) and a digest object whose block was evicted
+(orphan_digest). Objects outside kvbridge/offload/ are counted and left alone.
 
 --json: fsck prints {"root", "layouts", "blocks_ok", "blocks_verified",
 "blocks_unverified", "ok", "findings": [{"kind",
@@ -69,7 +82,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "layout fingerprint, misplaced and unknown files. Reports only, unless "
                     "--repair (which removes the provably broken ones).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    check.add_argument("path", metavar="PATH", help="store directory (the fs tier's root)")
+    check.add_argument("path", metavar="PATH", nargs="?",
+                       help="store directory (the fs tier's root); not with --obj")
+    check.add_argument("--obj", action="store_true",
+                       help="check the obj tier's objects in a Mooncake store instead "
+                            "(needs --master, --metadata and --master-http)")
+    check.add_argument("--master", metavar="HOST:PORT",
+                       help="--obj: the mooncake_master RPC address")
+    check.add_argument("--metadata", metavar="URL",
+                       help="--obj: its HTTP metadata server, e.g. "
+                            "http://127.0.0.1:8080/metadata")
+    check.add_argument("--master-http", metavar="HOST:PORT",
+                       help="--obj: the master's HTTP (metrics) port, which lists the keys")
     check.add_argument("--repair", action="store_true",
                        help="delete provably broken files (blocks failing their digests, torn "
                             "headers, short/oversize blocks, old temp files); without it, "
@@ -114,24 +138,71 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     require_subcommand(parser)
 
 
+def _usage(message: str) -> int:
+    print(f"kvbridge offload fsck: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _fsck_obj(args: argparse.Namespace) -> Any:
+    """The obj tier's report (``kvbridge.offload.fsck_obj``), or an int exit code."""
+    import kvbridge.backends  # noqa: F401  (Mooncake env defaults before any client)
+    from kvbridge.backends.mooncake import MooncakeConfig, MooncakeError, MooncakeStoreClient
+    from kvbridge.offload.fsck_obj import fsck_obj
+    from kvbridge.offload.types import OffloadError
+
+    missing = [flag for flag, value in (("--master", args.master), ("--metadata",
+               args.metadata), ("--master-http", args.master_http)) if not value]
+    if missing:
+        return _usage(f"--obj needs {', '.join(missing)}")
+    if args.path is not None:
+        return _usage("--obj checks the Mooncake store: give no PATH")
+    try:
+        config = MooncakeConfig(args.master, args.metadata)
+    except (TypeError, ValueError) as exc:
+        return _usage(f"--master/--metadata: {exc}")
+    progress = Progress("offload fsck")
+    try:
+        with MooncakeStoreClient(config) as client:
+            return fsck_obj(client, args.master_http, repair=args.repair,
+                            fingerprint=args.fingerprint, digests=not args.no_digests,
+                            progress=progress.update)
+    except OffloadError as exc:
+        print(f"kvbridge offload fsck: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except MooncakeError as exc:
+        print(f"kvbridge offload fsck: the Mooncake store at {args.master}: {exc}",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        progress.done()
+
+
 def run_fsck(args: argparse.Namespace) -> int:
     from kvbridge.offload.fs import FINGERPRINT_RE
     from kvbridge.offload.fsck import fsck
 
     if args.fingerprint is not None and not FINGERPRINT_RE.match(args.fingerprint):
-        print(f"kvbridge offload fsck: --fingerprint: expected 8-64 lowercase hex digits, "
-              f"got {args.fingerprint!r}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        report = fsck(args.path, repair=args.repair, fingerprint=args.fingerprint,
-                      min_temp_age_s=args.min_temp_age, digests=not args.no_digests)
-    except FileNotFoundError as exc:
-        print(f"kvbridge offload fsck: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(f"--fingerprint: expected 8-64 lowercase hex digits, "
+                      f"got {args.fingerprint!r}")
+    if args.obj:
+        report = _fsck_obj(args)
+        if isinstance(report, int):
+            return report
+    elif args.path is None:
+        return _usage("give the store directory PATH (or --obj for the Mooncake store)")
+    else:
+        try:
+            report = fsck(args.path, repair=args.repair, fingerprint=args.fingerprint,
+                          min_temp_age_s=args.min_temp_age, digests=not args.no_digests)
+        except FileNotFoundError as exc:
+            return _usage(str(exc))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         layouts = ", ".join(f"{fp} ({n} B)" for fp, n in sorted(report.layouts.items())) or "none"
+        other = getattr(report, "other_objects", None)
+        if other:
+            layouts += f"; {other} objects of other users left alone"
         print(f"store {report.root}: layouts {layouts}; {report.blocks_ok} blocks ok "
               f"({report.blocks_verified} verified against their digests, "
               f"{report.blocks_unverified} stored without digests)")
