@@ -43,8 +43,10 @@ GB = 1e9
 
 
 @contextlib.contextmanager
-def _workdir(directory: str | None) -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="kvbridge-offload-bench-", dir=directory)
+def bench_workdir(directory: str | None,
+                  prefix: str = "kvbridge-offload-bench-") -> Iterator[str]:
+    """A temp directory under ``directory`` (None: the system's), removed afterwards."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=directory)
     try:
         yield path
     finally:
@@ -141,7 +143,7 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
                                        "load": []}
     failures = 0
     verified = True
-    with _workdir(directory) as work:
+    with bench_workdir(directory) as work:
         primary = CpuTier(num_blocks, block_bytes)
         tier = FsTier(os.path.join(work, "store"), block_bytes, "be7c4be7c4be7c4b",
                       use_o_direct=use_o_direct, read_threads=read_threads,
@@ -250,7 +252,7 @@ def run_verify_bench(directory: str | None = None, *, modes: tuple[str, ...] = (
         source[i * block_bytes:i * block_bytes + 8] = i.to_bytes(8, "little")
     src = memoryview(source)
     io_mode = "buffered"
-    with _workdir(directory) as work:
+    with bench_workdir(directory) as work:
         for r in range(rounds):
             order = parsed[r % len(parsed):] + parsed[:r % len(parsed)]
             for mode in order:

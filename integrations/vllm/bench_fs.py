@@ -25,21 +25,19 @@ Run inside the vLLM venv (``make test-vllm`` builds it)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
+from kvbridge.offload.bench import bench_workdir
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fs import FsTier
 from kvbridge.offload.testing import block_content
@@ -47,6 +45,22 @@ from kvbridge.offload.testing import block_content
 GB = 1e9
 #: the tiers compared: name -> kvbridge verify mode (None: vLLM's tier)
 TIERS: dict[str, str | None] = {"vllm": None, "kvbridge": "full", "kvbridge_verify_off": "off"}
+
+
+def _wait_jobs(tier: str, finished: Callable[[], Iterable[Any]], pending: set[int],
+               wait: Callable[[], object], timeout_s: float) -> int:
+    """Poll ``finished`` until no job of ``pending`` is left; returns the failed jobs."""
+    failed = 0
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for result in finished():
+            pending.discard(result.job_id)
+            failed += not result.success
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tier}: {len(pending)} jobs unfinished")
+            wait()
+    return failed
 
 
 def _vllm_spec(block_bytes: int) -> Any:
@@ -91,17 +105,8 @@ class _VllmRunner:
                                      is_promotion=kind == "load", req_context=self._ctx)
             (self.tier.submit_store if kind == "store" else self.tier.submit_load)(job)
             pending.add(self._job_id)
-        failed = 0
-        deadline = time.monotonic() + self._timeout_s
-        while pending:
-            for result in self.tier.get_finished_jobs():
-                pending.discard(result.job_id)
-                failed += not result.success
-            if pending:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vLLM fs tier: {len(pending)} jobs unfinished")
-                time.sleep(0.0002)
-        return failed
+        return _wait_jobs("vLLM fs tier", self.tier.get_finished_jobs, pending,
+                          lambda: time.sleep(0.0002), self._timeout_s)
 
     def close(self) -> None:
         self.tier.shutdown()
@@ -128,29 +133,11 @@ class _KvbridgeRunner:
             submit(self._job_id, [tag + b"|%08d" % i for i in batch],
                    [self._buffers[i] for i in batch])
             pending.add(self._job_id)
-        failed = 0
-        deadline = time.monotonic() + self._timeout_s
-        while pending:
-            for result in self.tier.get_finished_jobs():
-                pending.discard(result.job_id)
-                failed += not result.success
-            if pending:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"kvbridge fs tier: {len(pending)} jobs unfinished")
-                self.tier.wait_for_finished(0.05)
-        return failed
+        return _wait_jobs("kvbridge fs tier", self.tier.get_finished_jobs, pending,
+                          lambda: self.tier.wait_for_finished(0.05), self._timeout_s)
 
     def close(self) -> None:
         self.tier.shutdown()
-
-
-@contextlib.contextmanager
-def _workdir(directory: str | None) -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="kvbridge-fs-vs-vllm-", dir=directory)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_fs_vs_vllm(directory: str | None = None, *, num_blocks: int = 128,
@@ -168,7 +155,7 @@ def run_fs_vs_vllm(directory: str | None = None, *, num_blocks: int = 128,
     verified = True
     batches = [list(range(s, min(s + batch_blocks, num_blocks)))
                for s in range(0, num_blocks, batch_blocks)]
-    with _workdir(directory) as work:
+    with bench_workdir(directory, "kvbridge-fs-vs-vllm-") as work:
         primary = CpuTier(num_blocks, block_bytes)
         seed = block_content(b"fs-vs-vllm", block_bytes)
         for i in range(num_blocks):

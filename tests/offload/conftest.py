@@ -52,3 +52,15 @@ def make_manager(make_fs) -> Iterator[Callable[..., OffloadManager]]:
     yield factory
     for manager in managers:
         manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mooncake_client(mooncake_master) -> Iterator[object]:
+    """A Mooncake client of the shared master (64 MiB segment), one per test module."""
+    from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient
+
+    config = MooncakeConfig(mooncake_master.rpc_address, mooncake_master.metadata_url,
+                            global_segment_size=64 << 20, local_buffer_size=16 << 20,
+                            op_timeout_s=10.0)
+    with MooncakeStoreClient(config) as store_client:
+        yield store_client

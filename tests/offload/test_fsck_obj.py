@@ -22,7 +22,7 @@ from tests.conftest import require
 
 require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
 
-from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient  # noqa: E402
+from kvbridge.backends.mooncake import MooncakeStoreClient  # noqa: E402
 from kvbridge.offload.fsck_obj import fsck_obj, list_keys  # noqa: E402
 from kvbridge.offload.obj import ObjTier  # noqa: E402
 from kvbridge.tools.cli import main as cli_main  # noqa: E402
@@ -33,12 +33,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def client(mooncake_master) -> Iterator[MooncakeStoreClient]:
-    config = MooncakeConfig(mooncake_master.rpc_address, mooncake_master.metadata_url,
-                            global_segment_size=64 * MiB, local_buffer_size=16 * MiB,
-                            op_timeout_s=10.0)
-    with MooncakeStoreClient(config) as store_client:
-        yield store_client
+def client(mooncake_client) -> MooncakeStoreClient:
+    return mooncake_client
 
 
 def master_http(master) -> str:

@@ -24,12 +24,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def client(mooncake_master) -> Iterator[MooncakeStoreClient]:
-    config = MooncakeConfig(mooncake_master.rpc_address, mooncake_master.metadata_url,
-                            global_segment_size=64 * MiB, local_buffer_size=16 * MiB,
-                            op_timeout_s=10.0)
-    with MooncakeStoreClient(config) as store_client:
-        yield store_client
+def client(mooncake_client) -> MooncakeStoreClient:
+    return mooncake_client
 
 
 @pytest.fixture
