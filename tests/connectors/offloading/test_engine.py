@@ -307,7 +307,7 @@ def test_a_batch_failing_part_way_keeps_the_blocks_loaded_before(tmp_path: Path)
     part = build_part_table(spec, ParallelTopology()).parts[0]
     bad = part.key(request.hashes[0][2])
     faults = {"per_key": {bad.hex(): "eio"}}
-    with _engine(tmp_path, fs_faults=faults) as second:
+    with _engine(tmp_path, fs_faults=faults, fs_read_threads=2) as second:
         scheduler = _scheduler(second)
         scheduler.failed_load_log = []
         results, _ = _run(second, _again(specs, "again"))
