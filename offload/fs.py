@@ -102,10 +102,13 @@ FINGERPRINT_RE = re.compile(r"^[0-9a-f]{8,64}$")
 #: block file name: <hash>.<fingerprint>.kvb
 BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
 HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
-#: I/O threads of the tier by default (reads: promotions; writes: stores), chosen by
-#: ``python -m kvbridge.integrations.vllm.bench_fs`` (docs/offload.md)
+#: I/O threads of the tier by default (reads: promotions, which a request waits for;
+#: writes: stores, which nobody waits for). A job runs one part per thread of its pool
+#: (``split_jobs``). Measured with ``python -m kvbridge.integrations.vllm.bench_fs``
+#: (docs/offload.md): more read threads speed a promotion; more write threads did not
+#: measurably speed stores on an O_DIRECT ext4 disk and cost GIL time (digests).
 DEFAULT_READ_THREADS = 4
-DEFAULT_WRITE_THREADS = 4
+DEFAULT_WRITE_THREADS = 2
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
 #: load errors that say nothing about the file itself: never counted towards quarantine.
