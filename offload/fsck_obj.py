@@ -40,20 +40,21 @@ import mmap
 import re
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.backends.mooncake import KeyResult, MooncakeStoreClient
-from kvbridge.offload.blockdigest import layer_digests
+from kvbridge.offload.blockdigest import first_mismatch, layer_digests
 from kvbridge.offload.fs_io import MAX_BLOCK_HEADER_BYTES, BadBlockHeaderError, decode_block_header
 from kvbridge.offload.fsck import MAX_SPAN_BYTES, Finding, FindingKind, FsckReport
+from kvbridge.offload.obj import OBJECT_ROOT, ObjTier
 from kvbridge.offload.types import OffloadError
 
-#: what the obj tier names its objects (``ObjTier.object_name``, ``DIGEST_SUFFIX``)
-PREFIX = "kvbridge/offload/"
-OBJECT_RE = re.compile(r"^kvbridge/offload/([0-9a-f]{8,64})/([0-9a-f]{32})(\.dg)?$")
-DIGEST_SUFFIX = ".dg"
+DIGEST_SUFFIX = ObjTier.DIGEST_SUFFIX
+#: what the obj tier names its objects (``ObjTier.object_name`` / ``digest_name``)
+OBJECT_RE = re.compile(rf"^{re.escape(OBJECT_ROOT)}([0-9a-f]{{8,64}})/([0-9a-f]{{32}})"
+                       rf"({re.escape(DIGEST_SUFFIX)})?$")
 #: the most of the master's key list that is read (a list longer than this is refused)
 MAX_KEY_LIST_BYTES = 256 << 20
 #: registered staging memory for the blocks read at once
@@ -85,7 +86,7 @@ class _Checked:
     pair: _Pair
     block_bytes: int
     num_layers: int
-    layers: tuple[int, ...] | None = field(default=None)
+    layers: tuple[int, ...] | None = None
 
 
 def list_keys(master_http: str, timeout_s: float = 10.0) -> list[str]:
@@ -142,7 +143,7 @@ def fsck_obj(client: MooncakeStoreClient, master_http: str, *, repair: bool = Fa
     report = ObjFsckReport(root=f"mooncake {master_http}")
     pairs: dict[str, _Pair] = {}
     for key in (list_keys(master_http) if keys is None else keys):
-        if not key.startswith(PREFIX):
+        if not key.startswith(OBJECT_ROOT):
             report.other_objects += 1
             continue
         match = OBJECT_RE.match(key)
@@ -183,7 +184,7 @@ def fsck_obj(client: MooncakeStoreClient, master_http: str, *, repair: bool = Fa
 def _read_headers(client: MooncakeStoreClient, checked: list[_Checked],
                   report: ObjFsckReport) -> None:
     """Read each pair's digest object; a pair that fails is a finding (``block_bytes`` 0)."""
-    per_batch = max(1, MAX_STAGING_BYTES // MAX_BLOCK_HEADER_BYTES)
+    per_batch = min(max(1, MAX_STAGING_BYTES // MAX_BLOCK_HEADER_BYTES), len(checked))
     staging = _Staging(client, per_batch * MAX_BLOCK_HEADER_BYTES) if checked else None
     try:
         for batch in _batches(checked, per_batch):
@@ -268,13 +269,13 @@ def _judge(item: _Checked, result: KeyResult, data: memoryview,
         report.blocks_unverified += 1
         return
     actual = layer_digests([data], item.num_layers)
-    for layer, (want, got) in enumerate(zip(item.layers, actual, strict=True)):
-        if want != got:
-            report.findings.append(Finding(
-                FindingKind.DIGEST_MISMATCH, name,
-                f"layer {layer} of {item.num_layers}: digest {got:016x}, its header says "
-                f"{want:016x}"))
-            return
+    layer = first_mismatch(item.layers, actual)
+    if layer is not None:
+        report.findings.append(Finding(
+            FindingKind.DIGEST_MISMATCH, name,
+            f"layer {layer} of {item.num_layers}: digest {actual[layer]:016x}, its header "
+            f"says {item.layers[layer]:016x}"))
+        return
     report.blocks_ok += 1
     report.blocks_verified += 1
 

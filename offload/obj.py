@@ -94,6 +94,10 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+#: every object name of the obj tier starts with this, then ``<fingerprint>/`` (fsck_obj)
+OBJECT_ROOT = "kvbridge/offload/"
+
+
 class ObjTier(SecondaryTier):
     """Blocks in Mooncake under ``kvbridge/offload/<fingerprint>/<hash>``.
 
@@ -124,7 +128,7 @@ class ObjTier(SecondaryTier):
                                          else load_timeout_s),
                          verify=verify, num_layers=num_layers)
         self.client = client
-        self.prefix = f"kvbridge/offload/{fingerprint}/"
+        self.prefix = f"{OBJECT_ROOT}{fingerprint}/"
         self._registered: list[int] = []
         #: fences handed out (pruned as they pass); shutdown waits for them
         self._pending_fences: list[_IdleFence] = []
