@@ -12,7 +12,10 @@ what the raw binding lacks:
   that the master's RPC port accepts (a ~70 µs TCP connect on loopback) before
   ``setup()`` and before each operation, and runs each batch call on a worker
   thread that the caller waits for at most ``op_timeout_s`` (the batch calls
-  release the GIL; ``setup()`` and ``close()`` hold it, see their docs);
+  release the GIL; ``setup()`` and ``close()`` hold it, see their docs).
+  ``start_batch_put_from``/``start_batch_get_into`` return a
+  :class:`PendingBatch` instead of waiting, so a caller can hash, or start
+  another batch, while one runs; the deadline is the same;
 - **validation** of keys, pointers and sizes at the edge, with errors that
   name the field.
 
@@ -63,6 +66,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -353,15 +357,21 @@ class MooncakeStoreClient:
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[KeyResult]:
         """Store ``sizes[i]`` bytes at ``ptrs[i]`` under ``keys[i]``; an existing key keeps its old value."""
+        return self.start_batch_put_from(keys, ptrs, sizes).results()
+
+    def start_batch_put_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> PendingBatch:
+        """:meth:`batch_put_from` on a worker thread; the caller goes on (the bytes at
+        ``ptrs`` must stay unchanged) and collects the results with
+        :meth:`PendingBatch.results`, whose deadline is ``op_timeout_s`` from now."""
         keys_l, ptrs_l, sizes_l = _check_batch(keys, ptrs, sizes)
         store, replicate = self._require_store(), self._replicate_config
-        raw = self._call(
+        return self._start(
             "batch_put_from", len(keys_l),
             lambda: store.batch_put_from(keys_l, ptrs_l, sizes_l, replicate),
+            lambda raw: interpret_put_batch(raw, sizes_l),
         )
-        if isinstance(raw, list):
-            return self._count(interpret_put_batch(raw, sizes_l))
-        return raw.results
 
     def batch_upsert_from(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
@@ -390,14 +400,26 @@ class MooncakeStoreClient:
         Per key: OK (``nbytes`` read), NOT_FOUND, or ERROR (``SIZE_MISMATCH``
         when ``exact_size`` and the object is not exactly ``sizes[i]`` bytes).
         """
+        return self.start_batch_get_into(keys, ptrs, sizes, exact_size=exact_size).results()
+
+    def start_batch_get_into(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        *,
+        exact_size: bool = True,
+    ) -> PendingBatch:
+        """:meth:`batch_get_into` on a worker thread; the caller goes on (and may not read
+        the destinations) until :meth:`PendingBatch.results`, whose deadline is
+        ``op_timeout_s`` from now."""
         keys_l, ptrs_l, sizes_l = _check_batch(keys, ptrs, sizes)
         store = self._require_store()
-        raw = self._call(
-            "batch_get_into", len(keys_l), lambda: store.batch_get_into(keys_l, ptrs_l, sizes_l)
+        return self._start(
+            "batch_get_into", len(keys_l),
+            lambda: store.batch_get_into(keys_l, ptrs_l, sizes_l),
+            lambda raw: interpret_get_batch(raw, sizes_l, exact_size),
         )
-        if isinstance(raw, list):
-            return self._count(interpret_get_batch(raw, sizes_l, exact_size))
-        return raw.results
 
     def batch_exists_results(self, keys: Sequence[str]) -> list[KeyResult]:
         """Per key: OK (exists), NOT_FOUND, or ERROR (the check itself failed)."""
@@ -434,12 +456,17 @@ class MooncakeStoreClient:
 
     def _call(self, op: str, num_keys: int, fn: Callable[[], Any]) -> list[int] | _Failed:
         """Run one batch call with the reachability check and the deadline; raw list or uniform failure."""
+        return self._start(op, num_keys, fn, None).raw()
+
+    def _start(self, op: str, num_keys: int, fn: Callable[[], Any],
+               interpret: Callable[[list[int]], list[KeyResult]] | None) -> PendingBatch:
+        """Submit one batch call (after the reachability check); its deadline starts now."""
         cfg = self.config
         with self._counters.lock:
             self._counters.calls += 1
             self._counters.keys += num_keys
         if num_keys == 0:
-            return []
+            return PendingBatch(self, op, 0, None, [], interpret)
         if cfg.check_master_before_ops and not self.is_master_reachable():
             with self._counters.lock:
                 self._counters.unreachable += 1
@@ -447,12 +474,17 @@ class MooncakeStoreClient:
             logger.warning(
                 "mooncake %s of %d keys skipped: master %s unreachable", op, num_keys, cfg.master_address
             )
-            return _Failed(uniform(num_keys, McStatus.MASTER_UNREACHABLE))
+            return PendingBatch(self, op, num_keys, None,
+                                _Failed(uniform(num_keys, McStatus.MASTER_UNREACHABLE)), interpret)
         workers = self._workers
         assert workers is not None
-        fut = workers.submit(fn)
+        return PendingBatch(self, op, num_keys, workers.submit(fn), None, interpret)
+
+    def _collect(self, op: str, num_keys: int, fut: Future[Any], deadline: float
+                 ) -> list[int] | _Failed:
+        cfg = self.config
         try:
-            raw = fut.result(timeout=cfg.op_timeout_s)
+            raw = fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             with self._counters.lock:
                 self._counters.timeouts += 1
@@ -497,3 +529,43 @@ class _Failed:
     """A call that was not made or not waited for: the same result for every key."""
 
     results: list[KeyResult]
+
+
+class PendingBatch:
+    """A batch call running on one of the client's worker threads.
+
+    :meth:`results` waits for it until ``op_timeout_s`` after it was started
+    (then every key is ``TIMEOUT`` and the call is abandoned, as for the
+    blocking calls) and returns the per-key results; it may be called again
+    (the same list) and from one thread at a time.
+    """
+
+    def __init__(self, client: MooncakeStoreClient, op: str, num_keys: int,
+                 fut: Future[Any] | None, done: list[int] | _Failed | None,
+                 interpret: Callable[[list[int]], list[KeyResult]] | None) -> None:
+        self._client, self._op, self._num_keys = client, op, num_keys
+        self._fut, self._raw = fut, done
+        self._interpret = interpret
+        self._deadline = time.monotonic() + client.config.op_timeout_s
+        self._results: list[KeyResult] | None = None
+
+    def done(self) -> bool:
+        """Has the call returned (or was it never made)? Never waits."""
+        return self._fut is None or self._fut.done()
+
+    def raw(self) -> list[int] | _Failed:
+        if self._raw is None:
+            assert self._fut is not None
+            self._raw = self._client._collect(self._op, self._num_keys, self._fut,
+                                              self._deadline)
+        return self._raw
+
+    def results(self) -> list[KeyResult]:
+        if self._results is None:
+            raw = self.raw()
+            if isinstance(raw, _Failed):
+                self._results = raw.results
+            else:
+                assert self._interpret is not None, "a raw call has no per-key results"
+                self._results = self._client._count(self._interpret(raw))
+        return self._results

@@ -18,9 +18,11 @@ XXH3-64 per block and layer, put as a companion key in the same batch); its
 get runs once per verification mode (``verify_modes``: a consumer half per
 mode with its own destination tensor): ``off`` (no record fetched, nothing
 checked), ``sample`` (the default fraction), ``full`` (every block checked).
-``connector`` in the report is ``full``, the default; ``verify`` has every
-mode and ``verify_ratio`` each mode's throughput over ``off``'s (paired per
-round like the headline ratio), i.e. what verification costs. With
+``connector`` in the report is the connector's default mode
+(:data:`~kvbridge.layouts.digests.DEFAULT_MODE`, ``sample``: what a user
+gets); ``verify`` has every mode and ``verify_ratio`` each mode's throughput
+over ``off``'s (paired per round like the headline ratio), i.e. what
+verification costs. With
 ``layers`` > 1 every block is one object per layer (as in a real model), so a
 record adds one key per ``layers`` objects instead of doubling the keys.
 
@@ -50,7 +52,7 @@ from kvbridge.connectors.mooncake_store.settings import parse_settings
 from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
 from kvbridge.events import BlockStored, Locality, Medium
 from kvbridge.layouts import KVCacheSpec, ParallelTopology, RegionLayout, RegionSpec
-from kvbridge.layouts.digests import DigestMode
+from kvbridge.layouts.digests import DEFAULT_MODE, DigestMode
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +84,14 @@ def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds:
 
     Starts a local ``mooncake_master`` unless an address is given. Returns a
     JSON-ready dict (see the module doc); ``target_ratio`` is 0.9.
-    ``verify_modes``: the connector's get is measured in each (``full`` always).
+    ``verify_modes``: the connector's get is measured in each (the default always).
     ``layers``: layers of the model, each block one object per layer (a pattern's
     bytes are per layer; a block's digest record is one more key per block).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    modes = tuple(dict.fromkeys((*(DigestMode(m).value for m in verify_modes), "full")))
+    modes = tuple(dict.fromkeys((*(DigestMode(m).value for m in verify_modes),
+                                 DEFAULT_MODE.value)))
     max_bytes = max(n * b for n, b in patterns) * layers
     segment = max(64 * MiB, 3 * max_bytes)
     report: dict[str, Any] = {"rounds": rounds, "segment_bytes": segment, "target_ratio": 0.9,
@@ -156,7 +159,7 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
     raw = client.raw_store
     prefixes = [slot.prefix for slot in producer.plans[0].layers]
     record_prefix = producer.plans[0].digest_prefix
-    raw_dst = consumers["full"][1]
+    raw_dst = consumers[DEFAULT_MODE.value][1]
     layers = len(prefixes)
     layer_bytes = num_blocks * block_bytes
     src_ptrs = [src.data_ptr() + layer * layer_bytes + i * block_bytes
@@ -239,7 +242,7 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
         return {"put_gbps": gbps(total, statistics.median(times[name]["put"])),
                 "get_gbps": gbps(total, statistics.median(times[name]["get"]))}
 
-    full = "connector:full"
+    full = f"connector:{DEFAULT_MODE.value}"  # the headline: what a user gets
     off = "connector:off" if "connector:off" in times else None
     verify_ratio = {} if off is None else {
         name.split(":", 1)[1]: {op: paired_ratio(times[off][op], times[name][op])
@@ -276,7 +279,7 @@ def format_report(report: dict[str, Any]) -> str:
     """A plain-text table of :func:`run_bench`'s result."""
     lines = [f"kvbridge bench mooncake: connector vs raw Mooncake batch put/get, "
              f"{report['rounds']} rounds, master {report['master']} (v:MODE: the "
-             f"connector with verify MODE; connector = v:full)",
+             f"connector with verify MODE; connector = v:{DEFAULT_MODE.value}, the default)",
              f"{'pattern':>14} {'side':>10} {'put GB/s':>9} {'get GB/s':>9}"]
     for p in report["patterns"]:
         pattern = f"{p['num_blocks']}x{_size(p['block_bytes'])}"

@@ -54,6 +54,18 @@ class Verified:
         if self.first is None:
             self.first = (block, key, what)
 
+    def absorb(self, other: Verified) -> None:
+        """Add what the check of another part of the same load found."""
+        self.verified += other.verified
+        self.unverified += other.unverified
+        self.missing += other.missing
+        self.mismatches += other.mismatches
+        self.invalid += other.invalid
+        self.failed |= other.failed
+        self.corrupt_keys.extend(other.corrupt_keys)
+        if self.first is None:
+            self.first = other.first
+
 
 def checked_blocks(policy: VerifyPolicy, request_id: str, blocks: Sequence[LoadBlock],
                    addressed: set[int]) -> tuple[list[int], int]:
@@ -68,6 +80,11 @@ def checked_blocks(policy: VerifyPolicy, request_id: str, blocks: Sequence[LoadB
     ordered = sorted(addressed)
     if policy.mode is DigestMode.FULL:
         return ordered, 0
+    if blocks and len({block.region_index for block in blocks}) == 1:  # positions = indices
+        chosen = policy.chosen(request_id, blocks[0].region_index, len(blocks))
+        if len(addressed) != len(blocks):
+            chosen = [i for i in chosen if i in addressed]
+        return chosen, len(addressed) - len(chosen)
     position: dict[int, int] = {}
     chosen = []
     for i, block in enumerate(blocks):

@@ -26,12 +26,15 @@ contiguous slice, so each store object (one layer of one block, see
   also when this rank holds none of its layers.
 * **Digests** (issue 18): every block put (unless ``verify`` is off) goes with a digest record of this
   rank's part of it (:mod:`.records`: XXH3-64 of the block's bytes in each
-  layer, taken from the tensor right before the zero-copy put, so from the
-  bytes put), under a companion key in the same batch. A load gets the
-  records of the blocks its policy checks (``verify``: every block, a
-  deterministic sample, or none) in the same batch as the KV, and once the
-  bytes landed digests them in place and compares before it reports a block
-  loaded. A mismatch or a record that is not this key's is a load error of
+  layer, taken from the tensor after the fence while the zero-copy put of the
+  same bytes runs), under a companion key put by a second call beside the KV
+  put. A load gets the records of the blocks its policy checks (``verify``:
+  every block, a deterministic sample, or none) in a call of their own beside
+  the KV gets, and once a block's bytes landed digests them in place and
+  compares before it reports the block loaded. A load checked in full is cut
+  into up to ``PIPELINE_PARTS`` gets of consecutive blocks, each started while
+  the blocks of the part before are hashed (XXH3 releases the GIL, as do the
+  store's calls), so hashing hides behind the transfer. A mismatch or a record that is not this key's is a load error of
   exactly that block (the engine recomputes it; blocks before it stay
   loaded), counted (``digest_mismatches``, ``digest_records_invalid``),
   logged once per load with the engine, request, block and key, and the
@@ -56,6 +59,7 @@ back in; the engine-facing half, the scheduler, is :mod:`.scheduler`.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import operator
 import queue
@@ -78,8 +82,15 @@ from kvbridge.connectors.mooncake_store.records import key_digest
 from kvbridge.connectors.mooncake_store.scheduler import pool_key
 from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
 from kvbridge.connectors.mooncake_store.verify import RankDigests
+from kvbridge.layouts.digests import DigestMode
 
 logger = logging.getLogger(__name__)
+
+#: A load checked in full is cut into up to this many gets, each running while the blocks
+#: of the one before are hashed; no part is smaller than PIPELINE_MIN_BYTES (a batch
+#: call has a fixed cost). ``kvbridge bench mooncake`` measures the effect (its v:full row).
+PIPELINE_PARTS = 4
+PIPELINE_MIN_BYTES = 4 << 20
 
 _STATUS = operator.attrgetter("status")
 _NBYTES = operator.attrgetter("nbytes")
@@ -208,70 +219,102 @@ class MooncakeStoreWorker(WorkerConnector):
             self._outcomes.finish(request_id, failed)
 
     def _load(self, request_id: str, blocks: Sequence[LoadBlock]) -> set[BlockRef]:
-        """Get every key of ``blocks`` into its tensor slot (and the digest records the
-        policy checks into their slots), verify; the blocks that failed."""
-        batch, out_of_range = gather(self.plans, blocks, writers_only=False)
+        """Get every key of ``blocks`` into its tensor slot (and, in a call beside it, the
+        digest records the policy checks into their slots), verify; the blocks that failed.
+
+        A load checked in full of many bytes is cut into up to ``PIPELINE_PARTS``
+        gets of consecutive blocks; each part's get runs while the part before it is
+        hashed, so the check hides behind the transfer.
+        """
+        bounds = self._parts(blocks)
+        parts: list[tuple[int, Batch]] = []
+        out_of_range: set[int] = set()
+        for start, stop in bounds:
+            part, bad = gather(self.plans, blocks[start:stop], writers_only=False)
+            if start:
+                part.owners[:] = [o + start for o in part.owners]
+            parts.append((start, part))
+            out_of_range |= {i + start for i in bad}
         failed: set[BlockRef] = {(blocks[i].region_index, blocks[i].block_id)
                                  for i in out_of_range}
         if out_of_range:  # never write outside the tensors
             logger.error("mooncake store: %s: %d block ids outside their regions",
                          request_id, len(out_of_range))
-        keys, ptrs, sizes, owners = batch.keys, batch.ptrs, batch.sizes, batch.owners
-        if not keys:
+        addressed = {o for _, part in parts for o in part.owners}
+        if not addressed:
             return failed
         client = self.client
         if client is None:
             return failed | {(b.region_index, b.block_id) for b in blocks}
-        num_kv_keys = len(keys)
-        checked, unchecked = checked_blocks(self._policy, request_id, blocks, set(owners))
+        checked, unchecked = checked_blocks(self._policy, request_id, blocks, addressed)
         digests = self.digests
-        record_keys: list[str] = []
-        if checked and digests is not None:  # records: same batch, after the KV keys
-            plans, tables = self.plans, digests.load
-            record_keys = [plans[blocks[i].region_index].digest_prefix
-                           + blocks[i].block_hash.hex() for i in checked]
-            keys.extend(record_keys)
-            ptrs.extend([tables[blocks[i].region_index].slot_ptr(blocks[i].block_id)
-                         for i in checked])
-            sizes.extend([tables[blocks[i].region_index].record_bytes for i in checked])
-        started = time.perf_counter()
-        results = client.batch_get_into(keys, ptrs, sizes)
-        elapsed = time.perf_counter() - started
-        not_found = 0
+        outcome = Verified()
+        num_keys = nbytes = not_found = 0
         timed_out = False
-        ok_status = KeyStatus.OK
-        kv_results = results[:num_kv_keys] if len(results) > num_kv_keys else results
-        if list(map(_STATUS, kv_results)).count(ok_status) != len(kv_results):  # else: all ok
-            for index, result in enumerate(kv_results):
-                if result.status is ok_status:
-                    continue
-                block = blocks[owners[index]]
-                failed.add((block.region_index, block.block_id))
-                not_found += result.not_found
-                timed_out = timed_out or result.code == McStatus.TIMEOUT
-        nbytes = sum(map(_NBYTES, results))
+        first_error: Any = None
+        verify_s = 0.0
+        started = time.perf_counter()
+        # the records in a call of their own, beside the KV gets (the store's cost is
+        # per key: a record is one more key per block and rank)
+        records = self._record_batch(blocks, checked)
+        records_pending = (client.start_batch_get_into(records.keys, records.ptrs,
+                                                       records.sizes) if records.keys else None)
+        pending = [client.start_batch_get_into(parts[0][1].keys, parts[0][1].ptrs,
+                                               parts[0][1].sizes)]
+        for n, (_, part) in enumerate(parts):
+            if n + 1 < len(parts) and not timed_out:  # the next get runs while this one is hashed
+                following = parts[n + 1][1]
+                pending.append(client.start_batch_get_into(following.keys, following.ptrs,
+                                                           following.sizes))
+            if n >= len(pending):  # a get before timed out: the rest are not asked for
+                failed |= {(blocks[i].region_index, blocks[i].block_id) for i in part.owners}
+                continue
+            results = pending[n].results()
+            num_keys += len(part.keys)
+            if list(map(_STATUS, results)).count(KeyStatus.OK) != len(results):  # else: all ok
+                for index, result in enumerate(results):
+                    if result.status is KeyStatus.OK:
+                        continue
+                    block = blocks[part.owners[index]]
+                    failed.add((block.region_index, block.block_id))
+                    not_found += result.not_found
+                    timed_out = timed_out or result.code == McStatus.TIMEOUT
+                    first_error = first_error or result
+            nbytes += sum(map(_NBYTES, results))
+            lo, hi = bounds[n]
+            first, last = bisect.bisect_left(checked, lo), bisect.bisect_left(checked, hi)
+            if first < last:
+                record_results = records_pending.results() if records_pending else []
+                verify_started = time.perf_counter()
+                outcome.absorb(verify_blocks(
+                    self.plans, digests, self._policy, blocks, checked[first:last],
+                    records.keys[first:last], record_results[first:last], failed))
+                failed |= outcome.failed
+                verify_s += time.perf_counter() - verify_started
+        if records_pending is not None:
+            record_results = records_pending.results()
+            num_keys += len(record_results)
+            nbytes += sum(map(_NBYTES, record_results))
+            timed_out = timed_out or any(r.code == McStatus.TIMEOUT for r in record_results)
+        elapsed = time.perf_counter() - started
         abandoned = False
         if timed_out and not client.wait_idle(self.settings.abandon_grace_s):
             abandoned = True
             logger.error("mooncake store: %s: a timed-out get is still running after %.1f s; "
                          "its blocks are reported failed anyway", request_id,
                          self.settings.abandon_grace_s)
-        if failed:
-            first = next(r for r in kv_results if not r.ok)
+        if first_error is not None:
             logger.warning("mooncake store rank %s: load for %s: %d of %d blocks failed "
-                           "(first: %s)", self.ctx.worker_index, request_id, len(failed),
-                           len(blocks), first)
-        verify_started = time.perf_counter()
-        outcome = self._verify(request_id, blocks, checked, record_keys,
-                               results[num_kv_keys:], failed)
-        verify_s = time.perf_counter() - verify_started if checked else 0.0
-        failed |= outcome.failed
-        loaded = (len(set(owners)) if not failed else
-                  len({(blocks[i].region_index, blocks[i].block_id) for i in owners} - failed))
+                           "(first: %s)", self.ctx.worker_index, request_id,
+                           len(failed - outcome.failed), len(blocks), first_error)
+        self._log_verify(request_id, outcome, len(checked))
+        loaded = (len(addressed) if not failed else
+                  len({(blocks[i].region_index, blocks[i].block_id) for i in addressed}
+                      - failed))
         with self._lock:
             s = self._stats
-            s["get_calls"] += 1
-            s["get_keys"] += len(keys)
+            s["get_calls"] += len(pending)
+            s["get_keys"] += num_keys
             s["get_bytes"] += nbytes
             s["get_time_s"] += elapsed
             s["blocks_loaded"] += loaded
@@ -291,21 +334,40 @@ class MooncakeStoreWorker(WorkerConnector):
             self._remove_corrupt(request_id, outcome.corrupt_keys)
         return failed
 
-    def _verify(self, request_id: str, blocks: Sequence[LoadBlock], checked: Sequence[int],
-                record_keys: Sequence[str], record_results: Sequence[Any],
-                failed: set[BlockRef]) -> Verified:
-        """Check the blocks ``checked`` whose KV arrived against the records that landed
-        (:func:`.load_verify.verify_blocks`); logs the first failure, once per load."""
-        out = verify_blocks(self.plans, self.digests, self._policy, blocks, checked,
-                            record_keys, record_results, failed)
+    def _parts(self, blocks: Sequence[LoadBlock]) -> list[tuple[int, int]]:
+        """``[start, stop)`` of the consecutive blocks each get of a load asks for."""
+        count = len(blocks)
+        if (count < 2 or self.digests is None or self._policy.mode is not DigestMode.FULL
+                or not self.plans):
+            return [(0, count)]
+        plan = self.plans[blocks[0].region_index]
+        per_block = sum(slot.block_nbytes for slot in plan.layers)
+        parts = max(1, min(PIPELINE_PARTS, count, count * per_block // PIPELINE_MIN_BYTES))
+        edges = [count * k // parts for k in range(parts + 1)]
+        return list(zip(edges[:-1], edges[1:], strict=True))
+
+    def _record_batch(self, blocks: Sequence[LoadBlock], checked: Sequence[int]) -> Batch:
+        """The gets of the digest records of the ``checked`` blocks, into their slots."""
+        digests = self.digests
+        if not checked or digests is None:
+            return Batch([], [], [], [])
+        plans, tables = self.plans, digests.load
+        return Batch([plans[blocks[i].region_index].digest_prefix
+                      + blocks[i].block_hash.hex() for i in checked],
+                     [tables[blocks[i].region_index].slot_ptr(blocks[i].block_id)
+                      for i in checked],
+                     [tables[blocks[i].region_index].record_bytes for i in checked],
+                     list(checked))
+
+    def _log_verify(self, request_id: str, out: Verified, num_checked: int) -> None:
+        """The one line per load naming the first block that failed its check."""
         if out.first is not None:
             block, key, what = out.first
             logger.error("mooncake store engine %s rank %s: request %s: %d of %d checked "
                          "blocks failed digest verification and are recomputed (first: region "
                          "%d block %d, key %s: %s)", self.ctx.engine_id, self.ctx.worker_index,
-                         request_id, len(out.failed), len(checked), block.region_index,
+                         request_id, len(out.failed), num_checked, block.region_index,
                          block.block_id, key, what)
-        return out
 
     def _remove_corrupt(self, request_id: str, keys: list[str]) -> None:
         """Delete the keys of blocks that failed verification: a put keeps an existing
@@ -352,12 +414,19 @@ class MooncakeStoreWorker(WorkerConnector):
         elif keys:
             client = self.client
             assert client is not None, "register_kv_caches runs before any step"
-            # after the fence: digests of the bytes put (a writer with verify off puts
-            # none: its readers load those blocks unverified, counted)
-            if self.digests is not None and self._policy.enabled:
-                self._add_records(saves, batch)
             started = time.perf_counter()
-            results = client.batch_put_from(keys, ptrs, sizes)
+            pending = client.start_batch_put_from(keys, ptrs, sizes)
+            # after the fence, while the KV put runs: digests of the bytes put, and their
+            # records' put beside it (a writer with verify off puts none: its readers load
+            # those blocks unverified, counted)
+            if self.digests is not None and self._policy.enabled:
+                records = self._records(saves, batch)
+                record_results = client.batch_put_from(records.keys, records.ptrs,
+                                                       records.sizes)
+                results = pending.results() + record_results
+                keys, owners = keys + records.keys, owners + records.owners
+            else:
+                results = pending.results()
             elapsed = time.perf_counter() - started
             orphans: list[str] = []
             ok_status = KeyStatus.OK
@@ -394,14 +463,15 @@ class MooncakeStoreWorker(WorkerConnector):
         else:
             self.ctx.events.extend([save.event for save in saves])
 
-    def _add_records(self, saves: Sequence[SaveBlock], batch: Batch) -> None:
-        """Digest the blocks of ``batch`` in place and append their records to it."""
+    def _records(self, saves: Sequence[SaveBlock], batch: Batch) -> Batch:
+        """Digest the blocks of ``batch`` in place: the batch of their digest records."""
         digests = self.digests
         assert digests is not None
         started = time.perf_counter()
         by_region: dict[int, list[int]] = {}
         for i in sorted(set(batch.owners)):
             by_region.setdefault(saves[i].region_index, []).append(i)
+        records = Batch([], [], [], [])
         for region_index, indices in by_region.items():
             prefix = self.plans[region_index].digest_prefix
             table = digests.save[region_index]
@@ -409,13 +479,14 @@ class MooncakeStoreWorker(WorkerConnector):
             record_keys = [prefix + saves[i].block_hash.hex() for i in indices]
             table.write(ids, [key_digest(k) for k in record_keys],
                         digests.layer_digests(region_index, ids))
-            batch.keys.extend(record_keys)
-            batch.ptrs.extend([table.slot_ptr(b) for b in ids])
-            batch.sizes.extend([table.record_bytes] * len(ids))
-            batch.owners.extend(indices)
+            records.keys.extend(record_keys)
+            records.ptrs.extend([table.slot_ptr(b) for b in ids])
+            records.sizes.extend([table.record_bytes] * len(ids))
+            records.owners.extend(indices)
         with self._lock:
             self._stats["blocks_digested"] += sum(map(len, by_region.values()))
             self._stats["digest_time_s"] += time.perf_counter() - started
+        return records
 
     def _kv_written(self) -> bool:
         """Wait (bounded) until the kernels queued so far on every KV device finished."""

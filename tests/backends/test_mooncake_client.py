@@ -89,6 +89,30 @@ def test_put_get_round_trip_is_byte_exact(
     assert client.batch_exists(keys) == [True] * num_blocks
 
 
+def test_started_calls_run_beside_the_caller_and_give_the_same_results(
+    client: MooncakeStoreClient,
+) -> None:
+    """``start_batch_put_from``/``start_batch_get_into``: two calls in flight at once
+    (a put and a get of other keys), results collected later, once per call."""
+    src = torch.randint(0, 256, (6, 64 << 10), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    keys = _keys("started", 6)
+    with Registered(client, src), Registered(client, dst):
+        ptrs, sizes = _rows(src)
+        assert all(r.ok for r in client.batch_put_from(keys[:3], ptrs[:3], sizes[:3]))
+        put = client.start_batch_put_from(keys[3:], ptrs[3:], sizes[3:])
+        get = client.start_batch_get_into(keys[:3], _rows(dst)[0][:3], sizes[:3])
+        got = get.results()
+        assert all(r.ok and r.nbytes == sizes[0] for r in got), [str(r) for r in got]
+        assert get.results() is got and get.done()  # collected once
+        assert [r.status for r in put.results()] == [KeyStatus.OK] * 3
+        later = client.start_batch_get_into(keys[3:], _rows(dst)[0][3:], sizes[3:])
+        assert all(r.ok for r in later.results())
+        empty = client.start_batch_get_into([], [], [])
+        assert empty.done() and empty.results() == []
+    assert torch.equal(src, dst)
+
+
 def test_missing_keys_are_not_found_per_key(client: MooncakeStoreClient) -> None:
     src = torch.arange(4 * 4096, dtype=torch.int32).view(torch.uint8).reshape(4, -1).clone()
     dst = torch.zeros_like(src)

@@ -129,10 +129,11 @@ def test_paused_master_times_out_ops_and_refuses_new_setup_fast(
             for call in (
                 lambda: client.batch_exists_results(fresh),
                 lambda: client.batch_put_from(fresh, ptrs, sizes),
+                lambda: client.start_batch_get_into(fresh, ptrs, sizes).results(),
             ):
                 results = call()  # TIMEOUT: the client's deadline answered, not Mooncake
                 assert [r.code for r in results] == [McStatus.TIMEOUT] * 2
-            assert client.stats().timeouts == 2
+            assert client.stats().timeouts == 3
             # A new client must not enter Mooncake's setup() (minutes, GIL held).
             mooncake_setups.clear()  # (the first client's setup was real and counted)
             with pytest.raises(MooncakeSetupError, match="does not answer HTTP"):

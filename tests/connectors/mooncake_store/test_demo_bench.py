@@ -55,7 +55,7 @@ def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> N
         for mode in ("off", "sample", "full"):
             assert_figures(pattern["verify"][mode], ("put_gbps", "get_gbps"))
             assert_figures(pattern["verify_ratio"][mode], ("put", "get"))
-        assert pattern["connector"] == pattern["verify"]["full"]
+        assert pattern["connector"] == pattern["verify"]["sample"]  # the default
     text = format_report(report)
     assert "64x16KiB" in text and "v:sample" in text and "/ verify off" in text
 
@@ -69,5 +69,6 @@ def test_bench_with_layers_puts_one_object_per_layer(mooncake_master: MooncakeMa
     (pattern,) = report["patterns"]
     assert pattern["verified"] and pattern["mismatched_bytes"] == 0
     assert pattern["layers"] == 3 and pattern["total_bytes"] == 3 * 8 * (16 << 10)
-    assert set(pattern["verify"]) == {"full"} and pattern["verify_ratio"] == {}
+    assert set(pattern["verify"]) == {"full", "sample"}  # the default always
+    assert pattern["verify_ratio"] == {}  # no "off" to divide by
     assert "8x16KiBx3L" in format_report(report)

@@ -14,12 +14,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import pytest
 import torch
 
 from kvbridge.backends.mooncake import ClientStats, MooncakeStoreClient
 from kvbridge.backends.mooncake_master import MooncakeMaster
 from kvbridge.connectors import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store import clients, store_key
+from kvbridge.connectors.mooncake_store import worker as store_worker
 from kvbridge.connectors.mooncake_store.records import digest_key_prefix
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import RequestSpec
@@ -174,6 +176,50 @@ def test_stalled_master_costs_timeouts_not_hangs(mooncake_master_fresh: Mooncake
         producer.shutdown()
 
 
+def test_pipelined_load_stops_asking_after_a_timed_out_part(
+        mooncake_master_fresh: MooncakeMaster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load cut into parts (``PIPELINE_MIN_BYTES`` lowered) whose master stalls as it
+    starts: the first part's get and the one started beside it time out within their
+    deadlines, the parts after them are never asked for, every block of that rank is a
+    load error, and the engine recomputes them (output still right)."""
+    monkeypatch.setattr(store_worker, "PIPELINE_MIN_BYTES", 1)
+    master = mooncake_master_fresh
+    extra = store_extra(master, op_timeout_s=0.5, abandon_grace_s=0.2, load_async=False,
+                        reconnect_interval_s=0.2)
+    engine = _both(extra)
+    (request,) = make_requests(1, prompt_tokens=4 * _BLOCK_TOKENS + 3, max_tokens=2, seed=44,
+                               prefix="pipeline-stall")
+    rank0 = engine.workers[0].connector
+    assert isinstance(rank0, store_worker.MooncakeStoreWorker)
+    real_load = rank0._load
+
+    def stalled_load(request_id: str, blocks: Any) -> Any:
+        master.pause()
+        try:
+            return real_load(request_id, blocks)
+        finally:
+            master.resume()
+
+    try:
+        engine.add_request(request)
+        assert not check_outputs(engine.run_until_done(timeout_s=60), [request])
+        before = rank0.get_stats()
+        rank0._load = stalled_load  # type: ignore[method-assign]
+        engine.reset_prefix_cache()
+        again = replace(request, request_id="pipeline-stalled")
+        engine.add_request(again)
+        (result,) = engine.run_until_done(timeout_s=60)
+        after = rank0.get_stats()
+    finally:
+        engine.shutdown()
+    assert not check_outputs([result], [again]), "output differs from the reference"
+    assert result.num_external_tokens == 0 and result.num_recomputed_tokens > 0
+    assert after["get_timeouts"] - before["get_timeouts"] == 1
+    assert after["get_calls"] - before["get_calls"] == 2  # parts 3 and 4 never asked for
+    assert after["load_errors"] - before["load_errors"] == 4
+    assert after["blocks_verified"] == before["blocks_verified"]
+
+
 # --------------------------------------------------------------------------- verified KV
 # Issue 18: an object overwritten with another key's bytes (a real upsert of another
 # block's bytes under the victim key, after the real store) is caught by the digest
@@ -237,12 +283,18 @@ def _worker_stats(engine: Engine) -> dict[str, Any]:
     return stats
 
 
+@pytest.mark.parametrize("parts", [1, 4], ids=["one-get", "pipelined"])
 def test_overwritten_object_is_detected_and_only_its_blocks_recomputed(
-        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+        held_store: tuple[dict[str, Any], MooncakeStoreClient], parts: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pipelined``: parts of one block each, every get started while the block
+    before is hashed (``PIPELINE_MIN_BYTES`` lowered: tiny-gqa blocks are small)."""
     extra, client = held_store
+    if parts > 1:
+        monkeypatch.setattr(store_worker, "PIPELINE_MIN_BYTES", 1)
     _scratch_registered(client)
-    (request,) = make_requests(1, prompt_tokens=4 * _BLOCK_TOKENS + 3, max_tokens=2, seed=41,
-                               prefix="digest-full")
+    (request,) = make_requests(1, prompt_tokens=4 * _BLOCK_TOKENS + 3, max_tokens=2,
+                               seed=40 + parts, prefix=f"digest-full-{parts}")
     hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
     engine = _both(extra)  # verify: full is the default
     try:
@@ -251,6 +303,7 @@ def test_overwritten_object_is_detected_and_only_its_blocks_recomputed(
         assert _load_again(engine, request, "digest-clean").num_external_tokens == 4 * 16
         clean = _worker_stats(engine)
         assert clean["digest_mismatches"] == 0 and clean["blocks_verified"] == 2 * 4
+        assert clean["get_calls"] == 2 * parts  # one load of 4 blocks on each of 2 ranks
 
         # TP rank 1's layer 2 of block 2 now holds block 0's bytes (a real upsert)
         ns = _namespace(1)

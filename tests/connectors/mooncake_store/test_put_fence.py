@@ -26,8 +26,9 @@ from tests.connectors import late_kernels
 
 
 class PutLog:
-    """Wraps the worker's real client: for each ``batch_put_from``, whether every
-    fence recorded so far had passed when it was issued."""
+    """Wraps the worker's real client: for each put (``batch_put_from``, and
+    ``start_batch_put_from``, the KV's), whether every fence recorded so far had
+    passed when it was issued."""
 
     def __init__(self, client: Any, fences: list[Any]) -> None:
         self._client = client
@@ -37,6 +38,10 @@ class PutLog:
     def batch_put_from(self, *args: Any, **kwargs: Any) -> Any:
         self.puts.append(all(f.passed for f in self._fences))
         return self._client.batch_put_from(*args, **kwargs)
+
+    def start_batch_put_from(self, *args: Any, **kwargs: Any) -> Any:
+        self.puts.append(all(f.passed for f in self._fences))
+        return self._client.start_batch_put_from(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -121,6 +126,7 @@ def test_a_fence_that_never_passes_drops_the_puts_within_op_timeout(
 
             worker.client = PutLog(real, [])  # type: ignore[assignment]
             worker.client.batch_put_from = no_put  # type: ignore[union-attr,method-assign]
+            worker.client.start_batch_put_from = no_put  # type: ignore[union-attr,method-assign]
         for spec in requests:
             engine.add_request(spec)
         first = engine.run_until_done(timeout_s=60)
