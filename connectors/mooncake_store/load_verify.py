@@ -27,7 +27,7 @@ from kvbridge.backends.mooncake import KeyStatus, McStatus
 from kvbridge.connectors.api import BlockRef
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock
 from kvbridge.connectors.mooncake_store.plans import RegionPlan
-from kvbridge.connectors.mooncake_store.records import RecordVerdict, key_digest
+from kvbridge.connectors.mooncake_store.records import RecordVerdict, digests_of_keys
 from kvbridge.connectors.mooncake_store.verify import RankDigests
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 
@@ -152,7 +152,8 @@ def verify_blocks(plans: Sequence[RegionPlan], digests: RankDigests | None,
         ids = [blocks[checked[n]].block_id for n in positions]
         actual = digests.layer_digests(region_index, ids)
         table = digests.load[region_index]
-        bad = table.failures(ids, [key_digest(record_keys[n]) for n in positions], actual)
+        bad = table.failures(ids, digests_of_keys([record_keys[n] for n in positions]),
+                             actual)
         out.verified += len(ids) - len(bad)
         for position, check in bad:
             n = positions[position]

@@ -50,7 +50,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.layouts import KeyNamespace
-from kvbridge.layouts.digests import ALGORITHM, ALGORITHMS, DIGEST_VERSION, digest_bytes
+from kvbridge.layouts.digests import (
+    ALGORITHM,
+    ALGORITHMS,
+    DIGEST_VERSION,
+    digest_bytes,
+    digest_texts,
+)
 
 MAGIC = b"KVBD"
 RECORD_VERSION = 1
@@ -79,6 +85,11 @@ def record_bytes(num_layers: int) -> int:
 
 def key_digest(key: str) -> int:
     return digest_bytes(key.encode())
+
+
+def digests_of_keys(keys: Sequence[str]) -> list[int]:
+    """:func:`key_digest` of each key (one C call per key, no Python frame around it)."""
+    return digest_texts(keys)
 
 
 class RecordVerdict(enum.Enum):

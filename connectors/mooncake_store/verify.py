@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.connectors.mooncake_store.records import RecordTable, record_bytes
-from kvbridge.layouts.digests import digest_bytes, host_view
+from kvbridge.layouts.digests import digest_fast, host_view
 
 
 class RankDigests:
@@ -73,6 +73,7 @@ class RankDigests:
 
         Block ids must be in range (the worker's ``gather`` checked them).
         """
-        columns = [[digest_bytes(view[b * stride:b * stride + nbytes]) for b in block_ids]
+        digest = digest_fast
+        columns = [[digest(view[b * stride:b * stride + nbytes]) for b in block_ids]
                    for view, stride, nbytes in self._views[region_index]]
         return np.array(columns, dtype=np.uint64).T.reshape(len(block_ids), len(columns))

@@ -78,7 +78,7 @@ from kvbridge.connectors.mooncake_store.load_verify import Verified, checked_blo
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
 from kvbridge.connectors.mooncake_store.plans import Batch, RegionPlan, build_plans, gather
 from kvbridge.connectors.mooncake_store.plans import LayerSlot as LayerSlot
-from kvbridge.connectors.mooncake_store.records import key_digest
+from kvbridge.connectors.mooncake_store.records import digests_of_keys
 from kvbridge.connectors.mooncake_store.scheduler import pool_key
 from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
 from kvbridge.connectors.mooncake_store.verify import RankDigests
@@ -295,7 +295,8 @@ class MooncakeStoreWorker(WorkerConnector):
             record_results = records_pending.results()
             num_keys += len(record_results)
             nbytes += sum(map(_NBYTES, record_results))
-            timed_out = timed_out or any(r.code == McStatus.TIMEOUT for r in record_results)
+            if list(map(_STATUS, record_results)).count(KeyStatus.OK) != len(record_results):
+                timed_out = timed_out or any(r.code == McStatus.TIMEOUT for r in record_results)
         elapsed = time.perf_counter() - started
         abandoned = False
         if timed_out and not client.wait_idle(self.settings.abandon_grace_s):
@@ -352,6 +353,14 @@ class MooncakeStoreWorker(WorkerConnector):
         if not checked or digests is None:
             return Batch([], [], [], [])
         plans, tables = self.plans, digests.load
+        if len({block.region_index for block in blocks}) == 1:  # the usual load: one region
+            region = blocks[0].region_index
+            prefix, table = plans[region].digest_prefix, tables[region]
+            chosen = [blocks[i] for i in checked]
+            base, size = table.base_ptr, table.record_bytes
+            return Batch([prefix + block.block_hash.hex() for block in chosen],
+                         [base + block.block_id * size for block in chosen],
+                         [size] * len(chosen), list(checked))
         return Batch([plans[blocks[i].region_index].digest_prefix
                       + blocks[i].block_hash.hex() for i in checked],
                      [tables[blocks[i].region_index].slot_ptr(blocks[i].block_id)
@@ -477,7 +486,7 @@ class MooncakeStoreWorker(WorkerConnector):
             table = digests.save[region_index]
             ids = [saves[i].block_id for i in indices]
             record_keys = [prefix + saves[i].block_hash.hex() for i in indices]
-            table.write(ids, [key_digest(k) for k in record_keys],
+            table.write(ids, digests_of_keys(record_keys),
                         digests.layer_digests(region_index, ids))
             records.keys.extend(record_keys)
             records.ptrs.extend([table.slot_ptr(b) for b in ids])
