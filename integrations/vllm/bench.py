@@ -7,16 +7,25 @@ consumer really transfers (no prefix-cache hit). Per request it records:
 * ``pd_s``: end-to-end disaggregated latency seen by a router (producer
   prefill with ``max_tokens=1``, then the consumer's whole decode request);
 * ``decode_s``: the consumer request alone (transfer + decode);
-* per-transfer time and bytes from each connector's own stats, read as
-  deltas of the consumer's Prometheus histograms (``vllm:nixl_*`` for vLLM's
-  connector, ``vllm:kvbridge_*`` for kvbridge's). The two times are not the
-  same measurement: vLLM reports NIXL's telemetry (post to completion of the
-  READ); kvbridge reports its whole load (order to the producer's
-  acknowledgement, so it includes a notification round trip).
+* ``ttft_s``: the consumer's time to first token, from vLLM's own
+  ``vllm:time_to_first_token_seconds`` histogram (the same code measures both);
+* ``read_s``: NIXL's own telemetry of the READ (``xferDuration``: post to
+  completion), for both connectors: ``vllm:nixl_xfer_time_seconds`` for
+  vLLM's, ``vllm:kvbridge_nixl_xfer_time_seconds`` for kvbridge's (the same
+  NIXL call, ``get_xfer_telemetry``, read when the transfer is seen done);
+* ``load_s``: kvbridge's whole load (order to the producer's acknowledgement,
+  a notification round trip included), ``vllm:kvbridge_xfer_time_seconds``;
+  vLLM's connector has no such record.
 
-Medians and the kvbridge/vLLM ratio are reported. On a 2-core machine the
-end-to-end numbers are dominated by CPU contention; each server is pinned to
-its own core (producers on core 0, consumers on core 1) and the report says so.
+A request's sample counts only when its histogram moved by exactly one
+observation (one transfer per request). Medians per connector are reported,
+and for each measurement the kvbridge/vLLM ratio of the two requests of each
+prompt (paired: they ran back to back), with its median, quartiles and range
+over the prompts: the spread says how much of a difference is noise.
+
+On a 2-core machine the end-to-end numbers are dominated by CPU contention;
+each server is pinned to its own core (producers on core 0, consumers on
+core 1) and the report says so.
 
 Run: ``python -m kvbridge.integrations.vllm.bench --json`` inside the vLLM venv
 (``make test-vllm`` sets it up); it builds the tiny model, starts four servers,
@@ -37,6 +46,10 @@ from typing import Any
 
 from kvbridge.integrations.vllm import harness as h
 
+#: per-request samples; the histograms (sum/count deltas) behind the server-side ones
+MEASURES = ("pd_s", "decode_s", "ttft_s", "read_s", "load_s", "xfer_bytes")
+_TTFT = "vllm:time_to_first_token_seconds"
+
 
 @dataclass(frozen=True)
 class PairUnderTest:
@@ -45,12 +58,34 @@ class PairUnderTest:
     consumer: h.VllmServer
     metric_prefix: str  # "vllm:nixl" or "vllm:kvbridge"
 
+    @property
+    def histograms(self) -> dict[str, str]:
+        """measure -> the consumer's histogram it is read from (without _sum/_count)."""
+        if self.metric_prefix == "vllm:kvbridge":
+            return {"ttft_s": _TTFT, "read_s": "vllm:kvbridge_nixl_xfer_time_seconds",
+                    "load_s": "vllm:kvbridge_xfer_time_seconds",
+                    "xfer_bytes": "vllm:kvbridge_bytes_transferred"}
+        return {"ttft_s": _TTFT, "read_s": f"{self.metric_prefix}_xfer_time_seconds",
+                "xfer_bytes": f"{self.metric_prefix}_bytes_transferred"}
+
 
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 8,
+def spread(values: Sequence[float]) -> dict[str, float | int] | None:
+    """Median, quartiles and range of ``values`` (None when empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    quartiles = (statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1
+                 else [ordered[0]] * 3)
+    return {"median": round(quartiles[1], 3), "p25": round(quartiles[0], 3),
+            "p75": round(quartiles[2], 3), "min": round(ordered[0], 3),
+            "max": round(ordered[-1], 3), "n": len(ordered)}
+
+
+def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 30,
                      prompt_tokens: int = 256, max_tokens: int = 4, seed: int = 99,
                      warmup: int = 1) -> dict[str, Any]:
     """Alternate requests over ``pairs``; returns per-pair samples, medians and ratios.
@@ -58,8 +93,8 @@ def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 8,
     ``warmup`` requests per pair run first and are not counted (the first
     transfer to a new peer pays the handshake).
     """
-    samples: dict[str, dict[str, list[float]]] = {
-        p.name: {"pd_s": [], "decode_s": [], "xfer_s": [], "xfer_bytes": []} for p in pairs}
+    samples: dict[str, dict[str, list[float | None]]] = {
+        p.name: {m: [] for m in MEASURES} for p in pairs}
     outputs: dict[str, list[tuple[int, ...]]] = {p.name: [] for p in pairs}
     prompts = h.make_prompts(num_prompts + warmup, prompt_tokens, seed=seed)
     for index, prompt in enumerate(prompts):
@@ -75,16 +110,10 @@ def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 8,
             got = samples[pair.name]
             got["pd_s"].append(pd_s)
             got["decode_s"].append(second.latency_s)
-            prefix = pair.metric_prefix
-
-            def delta(key: str, before: Mapping[str, float] = before,
-                      after: Mapping[str, float] = after) -> float:
-                return after.get(key, 0.0) - before.get(key, 0.0)
-
-            if delta(f"{prefix}_xfer_time_seconds_count") == 1:
-                got["xfer_s"].append(delta(f"{prefix}_xfer_time_seconds_sum"))
-            if delta(f"{prefix}_bytes_transferred_count") == 1:
-                got["xfer_bytes"].append(delta(f"{prefix}_bytes_transferred_sum"))
+            histograms = pair.histograms
+            for measure in ("ttft_s", "read_s", "load_s", "xfer_bytes"):
+                name = histograms.get(measure)
+                got[measure].append(None if name is None else _one_sample(before, after, name))
     report: dict[str, Any] = {
         "setup": {"prompt_tokens": prompt_tokens, "requests_per_connector": num_prompts,
                   "max_tokens": max_tokens, "order": "alternating per request",
@@ -94,22 +123,34 @@ def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 8,
     }
     for pair in pairs:
         got = samples[pair.name]
+        present = {m: [v for v in vals if v is not None] for m, vals in got.items()}
         report["connectors"][pair.name] = {
-            "median_pd_ms": _ms(_median(got["pd_s"])),
-            "median_decode_ms": _ms(_median(got["decode_s"])),
-            "median_xfer_ms": _ms(_median(got["xfer_s"])),
-            "median_xfer_bytes": _median(got["xfer_bytes"]),
-            "xfer_samples": len(got["xfer_s"]),
-            "samples": {k: [round(v, 6) for v in vals] for k, vals in got.items()},
+            **{f"median_{m[:-2]}_ms": _ms(_median(present[m]))
+               for m in MEASURES if m.endswith("_s")},
+            "median_xfer_bytes": _median(present["xfer_bytes"]),
+            "read_samples": len(present["read_s"]),
+            "samples": {m: [None if v is None else round(v, 6) for v in vals]
+                        for m, vals in got.items()},
         }
     if len(pairs) == 2:
-        base, other = (report["connectors"][p.name] for p in pairs)
+        base, other = (samples[p.name] for p in pairs)
         report["ratio_kvbridge_over_vllm"] = {
-            key: _ratio(other[key], base[key])
-            for key in ("median_pd_ms", "median_decode_ms", "median_xfer_ms")}
+            m: spread([o / b for o, b in zip(other[m], base[m], strict=True)
+                       if o is not None and b]) for m in ("pd_s", "decode_s", "ttft_s", "read_s")}
         report["same_tokens"] = outputs[pairs[0].name] == outputs[pairs[1].name]
     report["outputs"] = {name: [list(o) for o in outs] for name, outs in outputs.items()}
     return report
+
+
+def _one_sample(before: Mapping[str, float], after: Mapping[str, float],
+                histogram: str) -> float | None:
+    """The one observation a request added to ``histogram`` (None: not exactly one)."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    if delta(f"{histogram}_count") != 1:
+        return None
+    return delta(f"{histogram}_sum")
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -148,15 +189,20 @@ def pair_specs(model: str, name: str, producer_config: Mapping[str, Any],
 
 
 def format_table(report: Mapping[str, Any]) -> str:
-    lines = [f"{'connector':<10} {'pd ms':>9} {'decode ms':>10} {'xfer ms':>9} "
-             f"{'xfer bytes':>11} {'n':>3}"]
+    lines = [f"{'connector':<10} {'pd ms':>9} {'decode ms':>10} {'ttft ms':>9} "
+             f"{'read ms':>9} {'load ms':>9} {'bytes':>9} {'n':>3}"]
     for name, row in report["connectors"].items():
         lines.append(f"{name:<10} {row['median_pd_ms']!s:>9} {row['median_decode_ms']!s:>10} "
-                     f"{row['median_xfer_ms']!s:>9} {row['median_xfer_bytes']!s:>11} "
-                     f"{row['xfer_samples']:>3}")
-    ratio = report.get("ratio_kvbridge_over_vllm")
-    if ratio:
-        lines.append("kvbridge/vllm: " + ", ".join(f"{k}={v}" for k, v in ratio.items()))
+                     f"{row['median_ttft_ms']!s:>9} {row['median_read_ms']!s:>9} "
+                     f"{row['median_load_ms']!s:>9} {row['median_xfer_bytes']!s:>9} "
+                     f"{row['read_samples']:>3}")
+    ratios = report.get("ratio_kvbridge_over_vllm")
+    if ratios:
+        lines.append("kvbridge/vllm per prompt (median [p25, p75], min-max, n):")
+        for measure, s in ratios.items():
+            lines.append(f"  {measure[:-2]:<7} " + ("-" if s is None else
+                         f"{s['median']} [{s['p25']}, {s['p75']}], {s['min']}-{s['max']}, "
+                         f"n={s['n']}"))
     lines.append(report["setup"]["pinning"])
     return "\n".join(lines)
 
@@ -164,10 +210,11 @@ def format_table(report: Mapping[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="vLLM's NixlConnector vs kvbridge's NIXL connector, in real vLLM on CPU.",
-        epilog="example: python -m kvbridge.integrations.vllm.bench --prompts 8 --json")
+        epilog="example: python -m kvbridge.integrations.vllm.bench --prompts 30 --json")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="tiny model directory (built if missing; default: a temp dir)")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=30,
+                        help="requests per connector, alternating (default 30)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--logs", type=Path, default=None)

@@ -97,6 +97,12 @@ def test_side_by_side_vllm_and_kvbridge_nixl(servers, server_logs: Path) -> None
     assert report["same_tokens"], "the two connectors produced different tokens"
     for name in ("vllm", "kvbridge"):
         row = report["connectors"][name]
-        assert row["xfer_samples"] >= 4, f"{name}: too few per-transfer samples"
+        # NIXL's own telemetry of the READ, for both connectors
+        assert row["read_samples"] >= 4, f"{name}: too few per-transfer samples"
+        assert sum(v is not None for v in row["samples"]["ttft_s"]) >= 4
         # 256 tokens, 2 layers, 2 KV heads x 64 x fp32 x K,V: 8 blocks x 2 layers x 32 KiB
         assert row["median_xfer_bytes"] == 256 * 2 * 2 * 64 * 4 * 2
+    for measure in ("ttft_s", "read_s"):  # paired per prompt: a spread, not one number
+        ratio = report["ratio_kvbridge_over_vllm"][measure]
+        assert ratio is not None and ratio["n"] >= 4
+        assert ratio["min"] <= ratio["p25"] <= ratio["median"] <= ratio["p75"] <= ratio["max"]
