@@ -175,13 +175,19 @@ class _EncCleared(msgspec.Struct, tag_field=TAG_KEY, tag="AllBlocksCleared", gc=
 
 _ENC_CLEARED = _EncCleared()
 _MSGSPEC_ENCODER = msgspec.msgpack.Encoder()
-_STORED_ATTRS = operator.attrgetter(
+_STORED_FIELDS = (
     "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
     "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window", "locality", "ownership",
 )
-_REMOVED_ATTRS = operator.attrgetter("block_hashes", "medium", "group_idx", "locality",
-                                     "ownership")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+_STORED_ATTRS = operator.attrgetter(*_STORED_FIELDS)
+_REMOVED_ATTRS = operator.attrgetter(*_REMOVED_FIELDS)
+# The same fields read from the instance dict: one C lookup each, where getattr on a
+# dataclass instance first searches the class MRO. A record whose dict lacks a field
+# (its class default then applies) raises KeyError and is read by getattr instead.
+_STORED_ITEMS = operator.itemgetter(*_STORED_FIELDS)
+_REMOVED_ITEMS = operator.itemgetter(*_REMOVED_FIELDS)
 
 
 def _enc_structs(events: Sequence[KVEvent]) -> list[Any]:
@@ -190,9 +196,15 @@ def _enc_structs(events: Sequence[KVEvent]) -> list[Any]:
     for event in events:
         kind = type(event)
         if kind is BlockStored:
-            append(_EncStored(*_STORED_ATTRS(event)))
+            try:
+                append(_EncStored(*_STORED_ITEMS(event.__dict__)))
+            except KeyError:
+                append(_EncStored(*_STORED_ATTRS(event)))
         elif kind is BlockRemoved:
-            append(_EncRemoved(*_REMOVED_ATTRS(event)))
+            try:
+                append(_EncRemoved(*_REMOVED_ITEMS(event.__dict__)))
+            except KeyError:
+                append(_EncRemoved(*_REMOVED_ATTRS(event)))
         elif kind is AllBlocksCleared:
             append(_ENC_CLEARED)
         else:

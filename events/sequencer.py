@@ -74,6 +74,16 @@ class SequenceTracker:
             return LiveVerdict.GAP
         return LiveVerdict.DUPLICATE
 
+    def in_order_live(self, seq: int) -> bool:
+        """The common case of ``on_live`` in one test: True when ``seq`` is the one
+        expected next (or the first of a live tail), recorded as seen live exactly
+        as ``on_live`` would (its verdict: DELIVER). False: nothing is recorded, and
+        ``on_live`` decides."""
+        if seq > self.live_high and (seq == self.expected or self.expected is None):
+            self.live_high = seq
+            return True
+        return False
+
     def gap_before(self, seq: int) -> Gap:
         assert self.expected is not None and seq > self.expected
         return Gap(self.expected, seq)

@@ -26,6 +26,19 @@ class ReceivedBatch:
     replayed: bool = False
 
 
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _received_batch(seq: int, batch: EventBatch, topic: bytes, replayed: bool) -> ReceivedBatch:
+    """``ReceivedBatch(seq, batch, topic, replayed)`` without the frozen dataclass
+    ``__init__`` (one ``object.__setattr__`` per field): the subscriber builds one
+    per batch. Equal to the constructed one in every field."""
+    item = _new(ReceivedBatch)
+    _set(item, "__dict__", {"seq": seq, "batch": batch, "topic": topic, "replayed": replayed})
+    return item
+
+
 @dataclass(frozen=True)
 class GapDetected:
     start_seq: int

@@ -84,3 +84,30 @@ def test_any_drop_pattern_delivers_each_seq_exactly_once(dropped: list[bool], da
             tracker.delivered(seq)
             delivered.append(seq)
     assert delivered == list(range(n))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.none() | st.integers(-2, 5), st.lists(st.integers(-3, 12), max_size=30))
+def test_in_order_live_is_on_lives_deliver_verdict(start: int | None, seqs: list[int]) -> None:
+    """The subscriber's one-test fast path: ``in_order_live`` is True exactly when
+    ``on_live`` says DELIVER, and leaves the tracker as ``on_live`` would (when
+    False it records nothing, and ``on_live`` then decides)."""
+    fast, reference = SequenceTracker(start), SequenceTracker(start)
+    for seq in seqs:
+        verdict = reference.on_live(seq)
+        if fast.in_order_live(seq):
+            assert verdict is LiveVerdict.DELIVER
+        else:
+            assert fast.on_live(seq) is verdict
+            assert verdict is not LiveVerdict.DELIVER
+        assert (fast.expected, fast.live_high) == (reference.expected, reference.live_high)
+        if verdict is LiveVerdict.DELIVER:
+            fast.delivered(seq)
+            reference.delivered(seq)
+        elif verdict is LiveVerdict.GAP:
+            assert fast.skip_to(seq) == reference.skip_to(seq)
+            fast.delivered(seq)
+            reference.delivered(seq)
+        elif verdict is LiveVerdict.RESTART:
+            fast.reset(None)
+            reference.reset(None)

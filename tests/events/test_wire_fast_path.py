@@ -297,3 +297,19 @@ def test_extra_keys_of_any_shape_decode_as_the_checks_decode_them(extra: list[An
              "token_ids": [1], "block_size": 1, "extra_keys": extra}
     payload = msgpack.packb([1.0, [event], 0], use_bin_type=True)
     assert _outcome(decode_batch, payload) == _outcome(wire._decode_batch_checked, payload)
+
+
+def test_records_whose_dict_lacks_a_field_encode_by_attribute() -> None:
+    """The encoder reads fields from the instance dict; a record whose dict lacks
+    one (the class default applies, as getattr sees it) is read attribute by
+    attribute, and encodes to the reference bytes."""
+    stored = object.__new__(BlockStored)
+    vars(stored).update(block_hashes=(1,), parent_block_hash=None, token_ids=(5,),
+                        block_size=1, ownership="me")
+    removed = object.__new__(BlockRemoved)
+    vars(removed).update(block_hashes=(b"h",), group_idx=2)
+    assert stored.medium == "GPU" and removed.medium == "GPU"  # class defaults
+    events = [stored, removed, AllBlocksCleared()]
+    reference = msgpack.packb([1.0, [event_to_wire(e) for e in events], None],
+                              use_bin_type=True)
+    assert encode_events(1.0, events, None) == reference
