@@ -6,7 +6,7 @@ consumer, or another instance reusing a prefix) looks blocks up asynchronously
 and loads them zero-copy. Failures are misses: a failed lookup matches
 nothing, a failed get is a load error the engine recomputes, a failed put is
 counted and dropped, and every Mooncake call is bounded. Every block put goes
-with a digest record of its bytes (a companion key in the same batch), and a
+with a digest record of its bytes (a companion key, put beside the KV), and a
 reader checks the bytes that landed against it before it calls the block
 loaded (``verify``: full, sample or off): wrong bytes are a load error too.
 

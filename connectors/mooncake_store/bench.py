@@ -14,7 +14,7 @@ destination, both registered with one pooled client. Per round:
   ``batch_get_into`` on the same tensors with pre-built keys of the same length.
 
 The connector's put always includes its digest records (issue 18: one
-XXH3-64 per block and layer, put as a companion key in the same batch); its
+XXH3-64 per block and layer, put as a companion key by a call beside the KV's); its
 get runs once per verification mode (``verify_modes``: a consumer half per
 mode with its own destination tensor): ``off`` (no record fetched, nothing
 checked), ``sample`` (the default fraction), ``full`` (every block checked).

@@ -4,7 +4,7 @@ Owns the reader's side of issue 18 for the Mooncake store: :func:`checked_blocks
 (the blocks a :class:`~kvbridge.layouts.digests.VerifyPolicy` checks: every
 one, a deterministic sample the same on every rank, or none) and
 :func:`verify_blocks`, which compares the digests of the bytes that landed
-(taken in place, :mod:`.verify`) with the records got in the same batch and
+(taken in place, :mod:`.verify`) with the records got beside the KV and
 returns a :class:`Verified`: counts, the blocks that fail (their KV did not
 arrive whole, the record is missing and unverified blocks are refused, the
 record is not this key's, or the bytes differ), the keys to remove so a

@@ -2,7 +2,7 @@
 
 Pure (numpy and :mod:`kvbridge.layouts.digests`, no I/O). One record per
 (namespace, block), i.e. per rank's part of one block of one region, under
-its own small key in the same batch put as the block's layer objects::
+its own small key, put beside the block's layer objects (the same step)::
 
     <KeyNamespace.encode()>:D1:<64 hex digits of the chained block hash>
 
