@@ -143,6 +143,7 @@ class NixlTransport:
             enable_listen_thread=False,
             backends=["UCX"],
             num_threads=num_threads,
+            capture_telemetry=True,  # per-transfer times (Transfer.nixl_xfer_s), as vLLM's
         )
         self._api = api
         self._cuda_device: int | None = None  # set by the first VRAM registration
@@ -468,6 +469,14 @@ class NixlTransport:
         else:
             self._finish(xfer, XferState.FAILED, f"{where} returned {status!r}")
 
+    def _telemetry(self, xfer: Transfer) -> float | None:
+        """NIXL's ``xferDuration`` of a DONE transfer, in seconds (None: none given)."""
+        try:
+            duration_us = self._agent.get_xfer_telemetry(xfer._handle).xferDuration
+        except Exception:  # noqa: BLE001 (an older NIXL, or telemetry off: not an error)
+            return None
+        return duration_us / 1e6 if duration_us and duration_us > 0 else None
+
     def _finish(
         self, xfer: Transfer, state: XferState, error: str | None, *, in_flight: bool = False
     ) -> None:
@@ -480,6 +489,8 @@ class NixlTransport:
         if state is XferState.DONE:
             self._done += 1
             self._bytes_done += xfer.nbytes
+            if xfer._handle is not None:
+                xfer.nixl_xfer_s = self._telemetry(xfer)
         elif state is XferState.FAILED:
             self._failed += 1
         else:

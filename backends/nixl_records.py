@@ -123,7 +123,10 @@ class Transfer:
 
     Telemetry: ``nbytes`` and ``num_descs`` are computed from the prepared
     lists at post time; ``duration_s`` is post-to-terminal as observed by
-    ``poll`` (so its resolution is the caller's polling interval).
+    ``poll`` (so its resolution is the caller's polling interval);
+    ``nixl_xfer_s`` is NIXL's own telemetry of a DONE transfer (``xferDuration``
+    of ``get_xfer_telemetry``: post to the completion NIXL saw, what vLLM's
+    NixlConnector reports), None when NIXL gave none.
 
     ``quiesced`` is True once NIXL no longer touches this transfer's memory
     (DONE, or an error reported by NIXL). A TIMED_OUT transfer becomes
@@ -143,6 +146,7 @@ class Transfer:
     error: str | None = None
     finished_at: float | None = None
     quiesced: bool = False
+    nixl_xfer_s: float | None = None
     _handle: Any = field(default=None, repr=False)
 
     @property

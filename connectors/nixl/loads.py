@@ -222,8 +222,11 @@ class LoadPath(WorkerState):
             while len(self._done_on_promise) > MAX_SAMPLES:  # oldest first
                 del self._done_on_promise[next(iter(self._done_on_promise))]
         self._count_transfer(recv.nbytes, recv.num_descs, recv.duration_s or 0.0, recv.num_runs)
-        self._record(TransferRecord(recv.request_id, True, recv.nbytes, recv.num_descs,
-                                    recv.duration_s or 0.0, recv.started_at, recv.num_runs))
+        self._record(TransferRecord(
+            recv.request_id, True, recv.nbytes, recv.num_descs, recv.duration_s or 0.0,
+            recv.started_at, recv.num_runs,
+            tuple(x.nixl_xfer_s for x in recv.transfers
+                  if isinstance(x, Transfer) and x.nixl_xfer_s is not None)))
         self._uncount(recv)
 
     def _fail(self, recv: RecvTransfer, reason: str, now: float, *,

@@ -163,6 +163,8 @@ class TransferRecord:
     ``num_descs`` counts prepared descriptors (one per block and layer slice),
     ``num_runs`` the contiguous runs they merged into (:func:`pair_indices`):
     far fewer runs than descriptors means the blocks were laid out contiguously.
+    ``nixl_xfer_s``: NIXL's own telemetry of each READ of a pull load (post to
+    completion, one per NIXL transfer; what vLLM's NixlConnector reports).
     """
 
     request_id: str
@@ -172,6 +174,7 @@ class TransferRecord:
     duration_s: float
     started_at: float = 0.0
     num_runs: int = 0  # contiguous runs NIXL posted after merging descriptors
+    nixl_xfer_s: tuple[float, ...] = ()
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvbridge.connectors.metadata_wire import MetadataWireError
 
-_STAT_LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors")
+_STAT_LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors", "nixl_xfer_duration")
 
 
 @dataclass
@@ -31,7 +31,9 @@ class KVBridgeStats(KVConnectorStats):
 
     ``data``: ``transfer_duration`` (s), ``bytes_transferred``,
     ``num_descriptors`` (lists, one entry per finished transfer since the
-    last report) and ``failed`` (count of failed transfers in those).
+    last report), ``nixl_xfer_duration`` (s: NIXL's own telemetry of each READ,
+    one entry per NIXL transfer, the measurement vLLM's NixlConnector reports)
+    and ``failed`` (count of failed transfers in those).
 
     A worker's report crosses vLLM's (pickling) channel as ``wire`` only: msgpack
     bytes of ``data``, with ``data`` empty (:meth:`packed`). Every method opens
@@ -39,7 +41,8 @@ class KVBridgeStats(KVConnectorStats):
     """
 
     data: dict[str, Any] = field(default_factory=lambda: {
-        "transfer_duration": [], "bytes_transferred": [], "num_descriptors": [], "failed": 0})
+        "transfer_duration": [], "bytes_transferred": [], "num_descriptors": [],
+        "nixl_xfer_duration": [], "failed": 0})
     wire: bytes = b""
 
     @classmethod
@@ -99,8 +102,10 @@ class KVBridgeStats(KVConnectorStats):
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvbridge_xfer_time_seconds`` / ``_bytes_transferred`` / ``_num_descriptors``
-    histograms and ``vllm:kvbridge_num_failed_transfers``, like vLLM's NIXL ones."""
+    """``vllm:kvbridge_xfer_time_seconds`` (a whole load) / ``_nixl_xfer_time_seconds``
+    (NIXL's telemetry of each READ, as vLLM's ``vllm:nixl_xfer_time_seconds``) /
+    ``_bytes_transferred`` / ``_num_descriptors`` histograms and
+    ``vllm:kvbridge_num_failed_transfers``, like vLLM's NIXL ones."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -114,6 +119,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self.xfer_time = per_engine(metric_types[Histogram](
             name="vllm:kvbridge_xfer_time_seconds",
             documentation="Duration of kvbridge KV transfers (one per request and rank).",
+            buckets=time_buckets, labelnames=labelnames))
+        self.nixl_xfer_time = per_engine(metric_types[Histogram](
+            name="vllm:kvbridge_nixl_xfer_time_seconds",
+            documentation="NIXL's own telemetry of each kvbridge READ (post to completion).",
             buckets=time_buckets, labelnames=labelnames))
         self.xfer_bytes = per_engine(metric_types[Histogram](
             name="vllm:kvbridge_bytes_transferred",
@@ -129,6 +138,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for metric, key in ((self.xfer_time, "transfer_duration"),
+                            (self.nixl_xfer_time, "nixl_xfer_duration"),
                             (self.xfer_bytes, "bytes_transferred"),
                             (self.xfer_descs, "num_descriptors")):
             for value in transfer_stats_data.get(key, []):

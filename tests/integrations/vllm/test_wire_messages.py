@@ -39,12 +39,17 @@ def test_worker_stats_travel_as_bytes_and_aggregate(connector: Any) -> None:
     one = connector.KVBridgeStats.packed({"transfer_duration": [0.5], "bytes_transferred": [2**20],
                                           "num_descriptors": [4], "failed": 0})
     two = connector.KVBridgeStats.packed({"transfer_duration": [0.25], "bytes_transferred": [2**20],
-                                          "num_descriptors": [2], "failed": 1})
+                                          "num_descriptors": [2], "failed": 1,
+                                          "nixl_xfer_duration": [0.01, 0.02]})
     assert one.data == {} and isinstance(one.wire, bytes) and one.wire
     total = one.aggregate(two)
     assert total.reduce() == {"num_transfers": 2, "num_failed": 1,
                               "median_xfer_time_ms": 500.0, "total_mb": 2.0}
     assert total.to_dict()["num_descriptors"] == [4, 2]
+    assert total.to_dict()["nixl_xfer_duration"] == [0.01, 0.02]  # NIXL's, per READ
+    worse = connector.KVBridgeStats.packed({"nixl_xfer_duration": [True]})
+    with pytest.raises(MetadataWireError, match="number list"):
+        worse.is_empty()
     bad = connector.KVBridgeStats.packed({"transfer_duration": ["slow"]})
     with pytest.raises(MetadataWireError) as info:
         bad.is_empty()
