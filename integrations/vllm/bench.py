@@ -1,11 +1,14 @@
 """Side by side: vLLM's own NixlConnector and kvbridge's NIXL connector in real vLLM.
 
 Both run the same prompts on this machine, alternating request by request
-(builtin, kvbridge, builtin, ...), each prompt fresh for each pair so every
-consumer really transfers (no prefix-cache hit). Per request it records:
+(builtin then kvbridge for one prompt, kvbridge then builtin for the next:
+neither always runs right after the other), each prompt fresh for each pair
+so every consumer really transfers (no prefix-cache hit). Per request it
+records:
 
 * ``pd_s``: end-to-end disaggregated latency seen by a router (producer
   prefill with ``max_tokens=1``, then the consumer's whole decode request);
+* ``prefill_s``: the producer request alone (prefill, one token, the blocks held);
 * ``decode_s``: the consumer request alone (transfer + decode);
 * ``ttft_s``: the consumer's time to first token, from vLLM's own
   ``vllm:time_to_first_token_seconds`` histogram (the same code measures both);
@@ -47,7 +50,7 @@ from typing import Any
 from kvbridge.integrations.vllm import harness as h
 
 #: per-request samples; the histograms (sum/count deltas) behind the server-side ones
-MEASURES = ("pd_s", "decode_s", "ttft_s", "read_s", "load_s", "xfer_bytes")
+MEASURES = ("pd_s", "prefill_s", "decode_s", "ttft_s", "read_s", "load_s", "xfer_bytes")
 _TTFT = "vllm:time_to_first_token_seconds"
 
 
@@ -98,10 +101,12 @@ def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 30,
     outputs: dict[str, list[tuple[int, ...]]] = {p.name: [] for p in pairs}
     prompts = h.make_prompts(num_prompts + warmup, prompt_tokens, seed=seed)
     for index, prompt in enumerate(prompts):
-        for pair in pairs:
+        # ABBA: which connector goes first alternates, so neither always follows the
+        # other's leftovers (a peer still busy on the same core after its request)
+        for pair in (pairs if index % 2 == 0 else list(reversed(pairs))):
             before = pair.consumer.metrics()
             start = time.perf_counter()
-            _first, second = h.disaggregated(pair.producer, pair.consumer, prompt, max_tokens)
+            first, second = h.disaggregated(pair.producer, pair.consumer, prompt, max_tokens)
             pd_s = time.perf_counter() - start
             after = pair.consumer.metrics()
             if index < warmup:
@@ -109,6 +114,7 @@ def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 30,
             outputs[pair.name].append(second.token_ids)
             got = samples[pair.name]
             got["pd_s"].append(pd_s)
+            got["prefill_s"].append(first.latency_s)
             got["decode_s"].append(second.latency_s)
             histograms = pair.histograms
             for measure in ("ttft_s", "read_s", "load_s", "xfer_bytes"):
@@ -116,7 +122,8 @@ def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 30,
                 got[measure].append(None if name is None else _one_sample(before, after, name))
     report: dict[str, Any] = {
         "setup": {"prompt_tokens": prompt_tokens, "requests_per_connector": num_prompts,
-                  "max_tokens": max_tokens, "order": "alternating per request",
+                  "max_tokens": max_tokens,
+                  "order": "alternating per request, which goes first alternating per prompt",
                   "pinning": "producers on core 0, consumers on core 1 (taskset); "
                              "2-core machine: latency is dominated by CPU contention"},
         "connectors": {},
@@ -136,7 +143,8 @@ def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 30,
         base, other = (samples[p.name] for p in pairs)
         report["ratio_kvbridge_over_vllm"] = {
             m: spread([o / b for o, b in zip(other[m], base[m], strict=True)
-                       if o is not None and b]) for m in ("pd_s", "decode_s", "ttft_s", "read_s")}
+                       if o is not None and b])
+            for m in ("pd_s", "prefill_s", "decode_s", "ttft_s", "read_s")}
         report["same_tokens"] = outputs[pairs[0].name] == outputs[pairs[1].name]
     report["outputs"] = {name: [list(o) for o in outs] for name, outs in outputs.items()}
     return report
@@ -189,10 +197,11 @@ def pair_specs(model: str, name: str, producer_config: Mapping[str, Any],
 
 
 def format_table(report: Mapping[str, Any]) -> str:
-    lines = [f"{'connector':<10} {'pd ms':>9} {'decode ms':>10} {'ttft ms':>9} "
-             f"{'read ms':>9} {'load ms':>9} {'bytes':>9} {'n':>3}"]
+    lines = [f"{'connector':<10} {'pd ms':>9} {'prefill ms':>10} {'decode ms':>10} "
+             f"{'ttft ms':>9} {'read ms':>9} {'load ms':>9} {'bytes':>9} {'n':>3}"]
     for name, row in report["connectors"].items():
-        lines.append(f"{name:<10} {row['median_pd_ms']!s:>9} {row['median_decode_ms']!s:>10} "
+        lines.append(f"{name:<10} {row['median_pd_ms']!s:>9} {row['median_prefill_ms']!s:>10} "
+                     f"{row['median_decode_ms']!s:>10} "
                      f"{row['median_ttft_ms']!s:>9} {row['median_read_ms']!s:>9} "
                      f"{row['median_load_ms']!s:>9} {row['median_xfer_bytes']!s:>9} "
                      f"{row['read_samples']:>3}")
