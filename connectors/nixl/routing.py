@@ -209,8 +209,8 @@ def pair_indices(local: DescTable, local_which: IntArray,
     descriptors NIXL actually moves (at most; neighbouring descriptors of one
     block are already coalesced by the planner).
     """
-    lparts: list[IntArray] = []
-    rparts: list[IntArray] = []
+    lparts: list[npt.NDArray[np.int32]] = []
+    rparts: list[npt.NDArray[np.int32]] = []
     runs = 0
     lregions = local.regions[local_which]
     regions = set(lregions.tolist())
