@@ -392,18 +392,24 @@ class NixlTransport:
                 raise NixlTransportError(
                     f"local_idx and remote_idx must have equal length, got {li.size} and {ri.size}"
                 )
-            llen, rlen = lentry.lengths(li), rentry.lengths(ri)
-            if not np.array_equal(llen, rlen):
-                k = int(np.flatnonzero(llen != rlen)[0])
-                raise NixlTransportError(
-                    f"descriptor {k}: local length {int(llen[k])} != remote length {int(rlen[k])}"
-                )
+            uniform = lentry.uniform_length
+            if uniform is not None and uniform == rentry.uniform_length:
+                nbytes = int(li.size) * uniform  # every row of both lists: one length
+            else:
+                llen, rlen = lentry.lengths(li), rentry.lengths(ri)
+                if not np.array_equal(llen, rlen):
+                    k = int(np.flatnonzero(llen != rlen)[0])
+                    raise NixlTransportError(
+                        f"descriptor {k}: local length {int(llen[k])} != remote length "
+                        f"{int(rlen[k])}"
+                    )
+                nbytes = int(llen.sum())
             now = time.monotonic()
             xfer = Transfer(
                 transfer_id=next(self._ids),
                 op=op,
                 peer=remote.peer,
-                nbytes=int(llen.sum()),
+                nbytes=nbytes,
                 num_descs=int(li.size),
                 notif=bytes(notif),
                 posted_at=now,

@@ -20,7 +20,7 @@ May not touch: the NIXL agent, the transport's lock or tables. Imports only
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -132,6 +132,19 @@ def as_groups(descs: Any, what: str) -> np.ndarray:
 
 
 def as_indices(idx: Any, bound: int, what: str) -> np.ndarray:
+    """``idx`` as a flat int32 array of row indices, each checked against ``bound``.
+
+    A flat, contiguous int32 array (what the connectors build) is checked and
+    returned as is, not copied twice: NIXL copies the indices into its request."""
+    if isinstance(idx, np.ndarray) and idx.dtype == np.int32 and idx.ndim == 1 \
+            and idx.flags.c_contiguous:
+        if idx.size == 0:
+            raise NixlTransportError(f"{what}: expected at least one index")
+        low, high = int(idx.min()), int(idx.max())
+        if low < 0 or high >= bound:
+            raise NixlTransportError(
+                f"{what}: indices must lie in [0, {bound}), got min {low} max {high}")
+        return idx
     arr = np.ascontiguousarray(np.asarray(idx, dtype=np.int64).reshape(-1))
     if arr.size == 0:
         raise NixlTransportError(f"{what}: expected at least one index")
@@ -152,6 +165,14 @@ class DListEntry:
     group_ends: np.ndarray | None  # int64[M] cumulative counts; None: every group is one row
     peer: PeerHandle | None
     mem_type: str = DRAM
+    #: the length of every row when all are equal (else None): a transfer's byte count
+    #: and its length check then need no per-index lookup
+    uniform_length: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        lengths = self.group_lengths
+        if lengths.size and bool((lengths == lengths[0]).all()):
+            self.uniform_length = int(lengths[0])
 
     def lengths(self, idx: np.ndarray) -> np.ndarray:
         if self.group_ends is None:

@@ -209,8 +209,8 @@ def pair_indices(local: DescTable, local_which: IntArray,
     descriptors NIXL actually moves (at most; neighbouring descriptors of one
     block are already coalesced by the planner).
     """
-    lparts: list[IntArray] = []
-    rparts: list[IntArray] = []
+    lparts: list[npt.NDArray[np.int32]] = []
+    rparts: list[npt.NDArray[np.int32]] = []
     runs = 0
     lregions = local.regions[local_which]
     regions = set(lregions.tolist())
@@ -234,16 +234,21 @@ def pair_indices(local: DescTable, local_which: IntArray,
             order = np.lexsort((a, a - b))
             a, b = a[order], b[order]
             joins = int(np.count_nonzero((a[1:] == a[:-1] + 1) & (b[1:] == b[:-1] + 1)))
-        lparts.append((local.base_row[lw][:, None] + a[None, :]).ravel())
-        rparts.append((remote.base_row[rw][:, None] + b[None, :]).ravel())
+        # int32 from the start (rows index an int32 list, ids were bounds-checked): no
+        # int64 rows to convert afterwards
+        lparts.append((local.base_row[lw].astype(np.int32)[:, None]
+                       + a.astype(np.int32)[None, :]).ravel())
+        rparts.append((remote.base_row[rw].astype(np.int32)[:, None]
+                       + b.astype(np.int32)[None, :]).ravel())
         whole = ((local.lengths[lw] == local.strides[lw])
                  & (remote.lengths[rw] == remote.strides[rw]))
         runs += lw.size * a.size - int(np.count_nonzero(whole)) * joins
     if not lparts:
         empty = np.zeros(0, dtype=np.int32)
         return empty, empty, 0
-    return (np.concatenate(lparts).astype(np.int32), np.concatenate(rparts).astype(np.int32),
-            runs)
+    if len(lparts) == 1:
+        return lparts[0], rparts[0], runs
+    return np.concatenate(lparts), np.concatenate(rparts), runs
 
 
 def check_block_lists(consumer_block_ids: Sequence[Sequence[int]],

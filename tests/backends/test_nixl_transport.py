@@ -143,6 +143,31 @@ def test_sub_block_head_slices(side, peer) -> None:
         t.post("READ", ldl, [0], rslices, [0])
 
 
+def test_post_counts_bytes_of_uniform_and_mixed_lists(side, peer) -> None:
+    """A transfer's bytes: index count x length when both lists have one length (int32
+    indices, as the connector posts them), the sum of the rows' lengths otherwise; and
+    the bytes land where the indices say."""
+    t, local, ldl, ph, rdl = side
+    x = t.post("READ", ldl, np.array([0, 2], dtype=np.int32), rdl,
+               np.array([3, 1], dtype=np.int32), deadline_s=WAIT_S)
+    assert x.nbytes == 2 * BB and x.num_descs == 2
+    assert t.wait(x) is XferState.DONE, x.error
+    base, src = local.data_ptr(), pattern(NB * BB, SEED)
+    assert torch.equal(local[:BB], src[3 * BB : 4 * BB])
+    assert torch.equal(local[2 * BB : 3 * BB], src[BB : 2 * BB])
+    mixed = t.prepare_local_descs(np.array([[base + 4 * BB, BB], [base + 5 * BB, BB // 2],
+                                            [base + 6 * BB, BB // 4]]))
+    rmixed = t.prepare_remote(ph, np.array([[peer.addr, BB // 4], [peer.addr + BB, BB],
+                                            [peer.addr + 2 * BB, BB // 2]]))
+    y = t.post("READ", mixed, [1, 2, 0], rmixed, [2, 0, 1], deadline_s=WAIT_S)
+    assert y.nbytes == BB + BB // 2 + BB // 4
+    assert t.wait(y) is XferState.DONE, y.error
+    assert torch.equal(local[5 * BB : 5 * BB + BB // 2], src[2 * BB : 2 * BB + BB // 2])
+    assert torch.equal(local[6 * BB : 6 * BB + BB // 4], src[: BB // 4])
+    with pytest.raises(NixlTransportError, match="descriptor 1: local length"):
+        t.post("READ", mixed, [1, 0], rmixed, [2, 0])
+
+
 def test_notifications_both_ways(side, peer) -> None:
     t, local, ldl, ph, rdl = side
     x = t.post("READ", ldl, [0], rdl, [1], notif=b"req-1:rank0", deadline_s=WAIT_S)

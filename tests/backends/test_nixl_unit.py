@@ -104,3 +104,29 @@ def test_post_needs_a_remote_list(transport) -> None:
 def test_state_terminality() -> None:
     assert not XferState.PENDING.terminal
     assert all(s.terminal for s in (XferState.DONE, XferState.FAILED, XferState.TIMED_OUT))
+
+
+def test_as_indices_int32_fast_path_checks_like_the_general_one() -> None:
+    """A flat int32 array is returned as is (no copies), but still bounds-checked."""
+    from kvbridge.backends.nixl_descs import as_indices
+
+    idx = np.arange(8, dtype=np.int32)
+    assert as_indices(idx, 8, "x") is idx
+    assert as_indices(idx.astype(np.int64), 8, "x").dtype == np.int32
+    for bad in (np.array([0, 8], dtype=np.int32), np.array([-1, 0], dtype=np.int32)):
+        with pytest.raises(NixlTransportError, match=r"indices must lie in \[0, 8\)"):
+            as_indices(bad, 8, "x")
+    with pytest.raises(NixlTransportError, match="at least one index"):
+        as_indices(np.zeros(0, dtype=np.int32), 8, "x")
+    strided = np.arange(16, dtype=np.int32)[::2]  # not contiguous: the general path
+    assert as_indices(strided, 16, "x").tolist() == list(range(0, 16, 2))
+
+
+def test_dlist_entry_uniform_length() -> None:
+    from kvbridge.backends.nixl_descs import DListEntry
+
+    same = DListEntry(None, np.array([64, 64], dtype=np.uint64), np.array([3, 5]), None)
+    mixed = DListEntry(None, np.array([64, 32], dtype=np.uint64), np.array([3, 5]), None)
+    assert same.uniform_length == 64 and mixed.uniform_length is None
+    assert mixed.lengths(np.array([0, 2, 3, 4])).tolist() == [64, 64, 32, 32]
+
