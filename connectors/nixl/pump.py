@@ -25,6 +25,7 @@ from kvbridge.auth import Label
 from kvbridge.backends.nixl import NixlTransportError
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.session import PeerSession, SessionKey, open_session
+from kvbridge.connectors.nixl.state import RecvState
 from kvbridge.connectors.nixl.worker_state import WorkerState, _Connecting, logger
 from kvbridge.connectors.params import TransferParams
 
@@ -52,12 +53,15 @@ class ProgressPump(WorkerState):
         ``busy_progress_ms`` (0.2 ms) at most: a consumer's ``begin`` is then
         answered (and its ``read`` acked) within a fraction of a millisecond
         instead of a full idle interval: one of them is on every pull load's
-        critical path."""
+        critical path. While a READ of this rank is in flight it polls every
+        ``read_progress_ms`` (0.05 ms): the READ moves and is seen done only as
+        the rank progresses."""
         idle = self.settings.idle_progress_ms / 1000.0
         busy = min(idle, self.settings.busy_progress_ms / 1000.0)
+        reading = min(busy, self.settings.read_progress_ms / 1000.0)
         interval = idle
         while not self._pump_stop.wait(interval):
-            interval = busy if self._peer_may_wait() else idle
+            interval = (reading if self._reading() else busy) if self._peer_may_wait() else idle
             if time.monotonic() - self._last_progress < interval:
                 continue
             with self._state_lock:
@@ -73,6 +77,14 @@ class ProgressPump(WorkerState):
         hint for the pump's interval only, never for the worker's state)."""
         return bool(self._recv or self._push_jobs or self._releases or self._connecting
                     or self._leases.held())
+
+    def _reading(self) -> bool:
+        """A READ of this rank in flight (read without the lock: a hint for the pump's
+        interval only; a load that changes meanwhile is seen at the next turn)."""
+        try:
+            return any(recv.state is RecvState.TRANSFERRING for recv in self._recv.values())
+        except RuntimeError:  # the dict changed under us: ask again next turn
+            return True
 
     def _progress(self) -> None:
         if self.transport is None or self._closed:

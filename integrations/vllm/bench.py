@@ -88,46 +88,92 @@ def spread(values: Sequence[float]) -> dict[str, float | int] | None:
             "max": round(ordered[-1], 3), "n": len(ordered)}
 
 
+def idle_cpu(pairs: Sequence[PairUnderTest], seconds: float = 2.0) -> dict[str, float]:
+    """CPU cores each server uses while no request runs (all of them running)."""
+    servers = {f"{p.name}-{side}": server for p in pairs
+               for side, server in (("producer", p.producer), ("consumer", p.consumer))}
+    before = {name: server.cpu_seconds() for name, server in servers.items()}
+    time.sleep(seconds)
+    return {name: round((server.cpu_seconds() - before[name]) / seconds, 3)
+            for name, server in servers.items()}
+
+
 def run_side_by_side(pairs: Sequence[PairUnderTest], *, num_prompts: int = 30,
                      prompt_tokens: int = 256, max_tokens: int = 4, seed: int = 99,
-                     warmup: int = 1) -> dict[str, Any]:
+                     warmup: int = 1, pause_others: bool = True) -> dict[str, Any]:
     """Alternate requests over ``pairs``; returns per-pair samples, medians and ratios.
 
     ``warmup`` requests per pair run first and are not counted (the first
-    transfer to a new peer pays the handshake).
+    transfer to a new peer pays the handshake). ``pause_others``: while one pair
+    serves its request the other pairs' processes are stopped (SIGSTOP), so an
+    idle server's own work (vLLM's NixlConnector keeps a core busy while idle:
+    ``idle_cpu_cores`` in the report) does not land on the clock of the pair
+    measured on the same core.
     """
     samples: dict[str, dict[str, list[float | None]]] = {
         p.name: {m: [] for m in MEASURES} for p in pairs}
     outputs: dict[str, list[tuple[int, ...]]] = {p.name: [] for p in pairs}
     prompts = h.make_prompts(num_prompts + warmup, prompt_tokens, seed=seed)
-    for index, prompt in enumerate(prompts):
-        # ABBA: which connector goes first alternates, so neither always follows the
-        # other's leftovers (a peer still busy on the same core after its request)
-        for pair in (pairs if index % 2 == 0 else list(reversed(pairs))):
-            before = pair.consumer.metrics()
-            start = time.perf_counter()
-            first, second = h.disaggregated(pair.producer, pair.consumer, prompt, max_tokens)
-            pd_s = time.perf_counter() - start
-            after = pair.consumer.metrics()
-            if index < warmup:
-                continue
-            outputs[pair.name].append(second.token_ids)
-            got = samples[pair.name]
-            got["pd_s"].append(pd_s)
-            got["prefill_s"].append(first.latency_s)
-            got["decode_s"].append(second.latency_s)
-            histograms = pair.histograms
-            for measure in ("ttft_s", "read_s", "load_s", "xfer_bytes"):
-                name = histograms.get(measure)
-                got[measure].append(None if name is None else _one_sample(before, after, name))
+    idle = idle_cpu(pairs)
+    try:
+        for index, prompt in enumerate(prompts):
+            # ABBA: which connector goes first alternates, so neither always follows
+            # the other's leftovers
+            for pair in (pairs if index % 2 == 0 else list(reversed(pairs))):
+                if pause_others:
+                    _only_running(pairs, pair)
+                _one_request(pair, prompt, max_tokens, samples[pair.name],
+                             outputs[pair.name], counted=index >= warmup)
+    finally:
+        for pair in pairs:
+            pair.producer.resume()
+            pair.consumer.resume()
     report: dict[str, Any] = {
         "setup": {"prompt_tokens": prompt_tokens, "requests_per_connector": num_prompts,
                   "max_tokens": max_tokens,
                   "order": "alternating per request, which goes first alternating per prompt",
+                  "others_paused": pause_others, "idle_cpu_cores": idle,
                   "pinning": "producers on core 0, consumers on core 1 (taskset); "
                              "2-core machine: latency is dominated by CPU contention"},
         "connectors": {},
     }
+    return _summarise(report, pairs, samples, outputs)
+
+
+def _only_running(pairs: Sequence[PairUnderTest], running: PairUnderTest) -> None:
+    for pair in pairs:
+        for server in (pair.producer, pair.consumer):
+            if pair is running:
+                server.resume()
+            else:
+                server.pause()
+
+
+def _one_request(pair: PairUnderTest, prompt: Sequence[int], max_tokens: int,
+                 got: dict[str, list[float | None]], outputs: list[tuple[int, ...]],
+                 counted: bool) -> None:
+    """One disaggregated request of ``pair``; its samples when ``counted``."""
+    before = pair.consumer.metrics()
+    start = time.perf_counter()
+    first, second = h.disaggregated(pair.producer, pair.consumer, prompt, max_tokens)
+    pd_s = time.perf_counter() - start
+    after = pair.consumer.metrics()
+    if not counted:
+        return
+    outputs.append(second.token_ids)
+    got["pd_s"].append(pd_s)
+    got["prefill_s"].append(first.latency_s)
+    got["decode_s"].append(second.latency_s)
+    histograms = pair.histograms
+    for measure in ("ttft_s", "read_s", "load_s", "xfer_bytes"):
+        name = histograms.get(measure)
+        got[measure].append(None if name is None else _one_sample(before, after, name))
+
+
+def _summarise(report: dict[str, Any], pairs: Sequence[PairUnderTest],
+               samples: dict[str, dict[str, list[float | None]]],
+               outputs: dict[str, list[tuple[int, ...]]]) -> dict[str, Any]:
+    """Medians per connector, paired ratios with their spread, the tokens."""
     for pair in pairs:
         got = samples[pair.name]
         present = {m: [v for v in vals if v is not None] for m, vals in got.items()}
@@ -212,7 +258,12 @@ def format_table(report: Mapping[str, Any]) -> str:
             lines.append(f"  {measure[:-2]:<7} " + ("-" if s is None else
                          f"{s['median']} [{s['p25']}, {s['p75']}], {s['min']}-{s['max']}, "
                          f"n={s['n']}"))
-    lines.append(report["setup"]["pinning"])
+    setup = report["setup"]
+    lines.append(setup["pinning"])
+    lines.append("idle CPU (cores, all running): " + ", ".join(
+        f"{name} {cores}" for name, cores in setup["idle_cpu_cores"].items()))
+    lines.append("the pair not measured is paused (SIGSTOP) during each request"
+                 if setup["others_paused"] else "every server runs during every request")
     return "\n".join(lines)
 
 
@@ -227,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--logs", type=Path, default=None)
+    parser.add_argument("--kvbridge-config", type=json.loads, default={}, metavar="JSON",
+                        help="kv_connector_extra_config of kvbridge's pair, e.g. "
+                             "'{\"busy_progress_ms\": 0.05}'")
+    parser.add_argument("--no-pause", action="store_true",
+                        help="keep the pair not measured running during each request "
+                             "(default: paused, so its idle work is not on the clock)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from kvbridge.integrations.vllm.tiny_model import ensure_tiny_llama
@@ -236,15 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         logs = args.logs or Path(tmp) / "logs"
         builtin = pair_specs(model, "vllm", builtin_nixl_config("kv_producer"),
                              builtin_nixl_config("kv_consumer"), builtin_side_channel=True)
-        kvb = pair_specs(model, "kvbridge", kvbridge_nixl_config("kv_producer"),
-                         kvbridge_nixl_config("kv_consumer"))
+        extra = args.kvbridge_config
+        kvb = pair_specs(model, "kvbridge", kvbridge_nixl_config("kv_producer", extra=extra),
+                         kvbridge_nixl_config("kv_consumer", extra=extra))
         with h.server_group(logs) as group:
             servers = group.start(*builtin, *kvb, timeout_s=600)
             pairs = [PairUnderTest("vllm", servers[0], servers[1], "vllm:nixl"),
                      PairUnderTest("kvbridge", servers[2], servers[3], "vllm:kvbridge")]
             report = run_side_by_side(pairs, num_prompts=args.prompts,
                                       prompt_tokens=args.prompt_tokens,
-                                      max_tokens=args.max_tokens)
+                                      max_tokens=args.max_tokens,
+                                      pause_others=not args.no_pause)
     print(json.dumps(report, indent=2) if args.json else format_table(report))  # noqa: T201
     return 0
 

@@ -220,13 +220,44 @@ class VllmServer:
         raise HarnessError(f"{self.spec.name} not ready after {timeout_s:.0f} s; "
                            f"log {self.log_path}:\n{self.log_tail()}")
 
+    def pause(self) -> None:
+        """SIGSTOP the whole process group (API server, engine core): it uses no CPU
+        until :meth:`resume`. Only between requests: nothing may be waiting on it."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGCONT)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds used so far by the live processes of its group."""
+        if self._proc is None:
+            return 0.0
+        group, total = self._proc.pid, 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) == group:  # pgrp
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+
     def stop(self, timeout_s: float = 20.0) -> None:
-        """TERM the process group, then KILL it; bounded."""
+        """TERM the process group, then KILL it; bounded (a paused group is resumed)."""
         proc, self._proc = self._proc, None
         if proc is not None:
             for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
+                    if sig is signal.SIGTERM:
+                        os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on it
                 try:
                     proc.wait(timeout=wait_s)
                     break

@@ -307,11 +307,13 @@ def test_recv_transfer_finishes_on_a_promise_only_if_the_read_ended_inside_it() 
 def test_settings_parse_and_refuse() -> None:
     s = NixlSettings.parse({"mode": "push", "lease_s": 5, "port": 7000})
     assert s.mode is TransferMode.PUSH and s.lease_s == 5.0 and s.heartbeat_interval_s == 5 / 3
-    assert NixlSettings.parse({"idle_progress_ms": 0, "busy_progress_ms": 0.5}) \
-        == NixlSettings(idle_progress_ms=0.0, busy_progress_ms=0.5)
+    assert NixlSettings.parse({"idle_progress_ms": 0, "busy_progress_ms": 0.5,
+                               "read_progress_ms": 0.1}) \
+        == NixlSettings(idle_progress_ms=0.0, busy_progress_ms=0.5, read_progress_ms=0.1)
     for bad, field in [({"mode": "both"}, "mode"), ({"lease_s": 0}, "lease_s"),
                        ({"port": 70000}, "port"), ({"nope": 1}, "nope"),
                        ({"busy_progress_ms": 0}, "busy_progress_ms"),
+                       ({"read_progress_ms": 0}, "read_progress_ms"),
                        ({"idle_progress_ms": -1}, "idle_progress_ms")]:
         with pytest.raises(ConfigError) as info:
             NixlSettings.parse(bad)
