@@ -69,7 +69,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge.backends.fence import Fence, record_fence, wait_fence
-from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient
+from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient, PendingBatch
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
 from kvbridge.connectors.load_outcomes import LoadOutcomes
@@ -247,12 +247,7 @@ class MooncakeStoreWorker(WorkerConnector):
         if client is None:
             return failed | {(b.region_index, b.block_id) for b in blocks}
         checked, unchecked = checked_blocks(self._policy, request_id, blocks, addressed)
-        digests = self.digests
         outcome = Verified()
-        num_keys = nbytes = not_found = 0
-        timed_out = False
-        first_error: Any = None
-        verify_s = 0.0
         started = time.perf_counter()
         # the records in a call of their own, beside the KV gets (the store's cost is
         # per key: a record is one more key per block and rank)
@@ -261,36 +256,15 @@ class MooncakeStoreWorker(WorkerConnector):
                                                        records.sizes) if records.keys else None)
         pending = [client.start_batch_get_into(parts[0][1].keys, parts[0][1].ptrs,
                                                parts[0][1].sizes)]
-        for n, (_, part) in enumerate(parts):
-            if n + 1 < len(parts) and not timed_out:  # the next get runs while this one is hashed
-                following = parts[n + 1][1]
-                pending.append(client.start_batch_get_into(following.keys, following.ptrs,
-                                                           following.sizes))
-            if n >= len(pending):  # a get before timed out: the rest are not asked for
-                failed |= {(blocks[i].region_index, blocks[i].block_id) for i in part.owners}
-                continue
-            results = pending[n].results()
-            num_keys += len(part.keys)
-            if list(map(_STATUS, results)).count(KeyStatus.OK) != len(results):  # else: all ok
-                for index, result in enumerate(results):
-                    if result.status is KeyStatus.OK:
-                        continue
-                    block = blocks[part.owners[index]]
-                    failed.add((block.region_index, block.block_id))
-                    not_found += result.not_found
-                    timed_out = timed_out or result.code == McStatus.TIMEOUT
-                    first_error = first_error or result
-            nbytes += sum(map(_NBYTES, results))
-            lo, hi = bounds[n]
-            first, last = bisect.bisect_left(checked, lo), bisect.bisect_left(checked, hi)
-            if first < last:
-                record_results = records_pending.results() if records_pending else []
-                verify_started = time.perf_counter()
-                outcome.absorb(verify_blocks(
-                    self.plans, digests, self._policy, blocks, checked[first:last],
-                    records.keys[first:last], record_results[first:last], failed))
-                failed |= outcome.failed
-                verify_s += time.perf_counter() - verify_started
+        try:
+            timed_out, not_found, first_error, verify_s = self._land_parts(
+                blocks, bounds, parts, pending, checked, records, records_pending, failed,
+                outcome)
+        finally:  # never leave (even on an error) with a get still writing into the KV
+            for call in (*pending, *([records_pending] if records_pending else [])):
+                call.results()
+        num_keys = sum(len(part.keys) for _, part in parts[:len(pending)])
+        nbytes = sum(sum(map(_NBYTES, call.results())) for call in pending)
         if records_pending is not None:
             record_results = records_pending.results()
             num_keys += len(record_results)
@@ -334,6 +308,48 @@ class MooncakeStoreWorker(WorkerConnector):
         if outcome.corrupt_keys:
             self._remove_corrupt(request_id, outcome.corrupt_keys)
         return failed
+
+    def _land_parts(self, blocks: Sequence[LoadBlock], bounds: Sequence[tuple[int, int]],
+                    parts: Sequence[tuple[int, Batch]], pending: list[PendingBatch],
+                    checked: Sequence[int], records: Batch,
+                    records_pending: PendingBatch | None, failed: set[BlockRef],
+                    outcome: Verified) -> tuple[bool, int, Any, float]:
+        """Wait for each part's get in turn (starting the next one first), add the
+        blocks that did not arrive to ``failed`` and verify those that did into
+        ``outcome``; ``(timed out, not found, first error, verify seconds)``. After a
+        get that timed out no further part is asked for (its blocks fail)."""
+        client = self.client
+        assert client is not None
+        timed_out, not_found, first_error, verify_s = False, 0, None, 0.0
+        for n, (_, part) in enumerate(parts):
+            if n + 1 < len(parts) and not timed_out:  # the next get runs while this one is hashed
+                following = parts[n + 1][1]
+                pending.append(client.start_batch_get_into(following.keys, following.ptrs,
+                                                           following.sizes))
+            if n >= len(pending):  # a get before timed out: the rest are not asked for
+                failed |= {(blocks[i].region_index, blocks[i].block_id) for i in part.owners}
+                continue
+            results = pending[n].results()
+            if list(map(_STATUS, results)).count(KeyStatus.OK) != len(results):  # else: all ok
+                for index, result in enumerate(results):
+                    if result.status is KeyStatus.OK:
+                        continue
+                    block = blocks[part.owners[index]]
+                    failed.add((block.region_index, block.block_id))
+                    not_found += result.not_found
+                    timed_out = timed_out or result.code == McStatus.TIMEOUT
+                    first_error = first_error or result
+            lo, hi = bounds[n]
+            first, last = bisect.bisect_left(checked, lo), bisect.bisect_left(checked, hi)
+            if first < last:
+                record_results = records_pending.results() if records_pending else []
+                verify_started = time.perf_counter()
+                outcome.absorb(verify_blocks(
+                    self.plans, self.digests, self._policy, blocks, checked[first:last],
+                    records.keys[first:last], record_results[first:last], failed))
+                failed |= outcome.failed
+                verify_s += time.perf_counter() - verify_started
+        return timed_out, not_found, first_error, verify_s
 
     def _parts(self, blocks: Sequence[LoadBlock]) -> list[tuple[int, int]]:
         """``[start, stop)`` of the consecutive blocks each get of a load asks for."""
@@ -428,14 +444,17 @@ class MooncakeStoreWorker(WorkerConnector):
             # after the fence, while the KV put runs: digests of the bytes put, and their
             # records' put beside it (a writer with verify off puts none: its readers load
             # those blocks unverified, counted)
-            if self.digests is not None and self._policy.enabled:
-                records = self._records(saves, batch)
-                record_results = client.batch_put_from(records.keys, records.ptrs,
-                                                       records.sizes)
-                results = pending.results() + record_results
-                keys, owners = keys + records.keys, owners + records.owners
-            else:
+            records = Batch([], [], [], [])
+            try:
+                if self.digests is not None and self._policy.enabled:
+                    records = self._records(saves, batch)
+                    record_results = client.batch_put_from(records.keys, records.ptrs,
+                                                           records.sizes)
+            finally:  # never leave (even on an error) with the KV put still reading
                 results = pending.results()
+            if records.keys:
+                results = results + record_results
+                keys, owners = keys + records.keys, owners + records.owners
             elapsed = time.perf_counter() - started
             orphans: list[str] = []
             ok_status = KeyStatus.OK
