@@ -36,7 +36,7 @@ class NixlSettings(VerifySettings):
     of this rank is in flight (consumer): without a NIXL progress thread the
     READ moves, and its completion is seen, only when the rank progresses, so
     this bounds the READ's time (NIXL's telemetry of a 512 KiB READ here: 1.06
-    ms at 0.2 ms, 0.58 ms at 0.05 ms); it lasts only as long as the READ.
+    ms at 0.2 ms, 0.46-0.58 ms at 0.05 ms); it lasts only as long as the READ.
     ``verify``: how a consumer checks the blocks it read (pull) or was written
     (push) against the producer's digests (``layouts.digests``): ``sample``
     (default: ``verify_sample``, 1/16, of each request's blocks, chosen
