@@ -211,12 +211,6 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return round(a / b, 3)
-
-
 def builtin_nixl_config(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
 
