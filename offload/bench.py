@@ -148,7 +148,9 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
         tier = FsTier(os.path.join(work, "store"), block_bytes, "be7c4be7c4be7c4b",
                       use_o_direct=use_o_direct, read_threads=read_threads,
                       write_threads=write_threads)
+        tier.attach_primary(primary.buffer)   # as the offload manager does
         io_mode = "O_DIRECT" if tier.o_direct else "buffered"
+        tier_reads = "batched (io_uring)" if tier.batched else "one by one (readv)"
         try:
             seed = block_content(b"bench-seed", block_bytes)
             for i in range(num_blocks):
@@ -206,6 +208,7 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
     return {
         "bytes": total, "num_blocks": num_blocks, "block_bytes": block_bytes,
         "batch_blocks": batch_blocks, "rounds": rounds, "io_mode": io_mode,
+        "tier_reads": tier_reads,
         "threads": {"read": read_threads, "write": write_threads},
         "store": {"tier_gbps": gbps(med["store"]), "plain_gbps": gbps(med["plain_write"]),
                   "ratio": round(med["plain_write"] / med["store"], 3)},
@@ -261,6 +264,7 @@ def run_verify_bench(directory: str | None = None, *, modes: tuple[str, ...] = (
                 tier = FsTier(os.path.join(work, f"{mode.value}-{r}"), block_bytes,
                               "5e1f5e1f5e1f5e1f", use_o_direct=use_o_direct, verify=policy,
                               num_layers=num_layers)
+                tier.attach_primary(primary.buffer)   # as the offload manager does
                 io_mode = "O_DIRECT" if tier.o_direct else "buffered"
                 try:
                     times, ok, failed = _verify_round(primary, tier, src, num_blocks,

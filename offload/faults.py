@@ -146,6 +146,10 @@ class FaultyFsIO(FsIO):
                 self._fd_faults[fd] = kind
         return fd
 
+    def open_read_sized(self, path: str, direct: bool) -> tuple[int, int]:
+        fd = self.open_read(path, direct)
+        return fd, self.inner.file_size(fd)
+
     def _corrupt(self, path: str) -> None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)

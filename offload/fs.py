@@ -39,6 +39,23 @@ Errors that say nothing about the file (EMFILE, ENFILE, ENOMEM, EAGAIN, EINTR,
 ENOENT) never count. A successful load clears the count, and so does a store
 that writes a new file (the failures were the old file's). The counts live in
 memory, bounded (``QUARANTINE_TRACKED`` keys, oldest forgotten first).
+
+Batched reads (``io_engine``): with O_DIRECT and the primary tier's memory
+attached, a load opens its files (checking each is a regular file of exactly
+header + block bytes) and reads them all with one io_uring submission through
+NIXL's POSIX backend (:mod:`kvbridge.backends.nixl_files`, one reader per I/O
+thread), then checks headers and digests as a one-by-one read would. A file
+that does not open or has the wrong size, and every file of a batch the
+backend fails, is read the plain way (``open``/``readv``), which names what is
+wrong with it: the outcome of a load (loaded, failed, removed, quarantined)
+does not depend on the engine. A load job is split into parts of at least
+``BATCH_MIN_PART`` blocks when batched (a part per thread otherwise). ``auto``
+(the default) probes the backend once when the primary tier attaches and falls
+back to plain reads, logged once; ``python`` never batches; ``uring`` fails
+the attach when it cannot. A fault plan wraps the plain calls, so a tier with
+one reads the plain way. Stores are always plain: the cost of a small block's
+store is creating and renaming its file, which one submission does not save
+(measured in docs/offload.md).
 """
 
 from __future__ import annotations
@@ -65,13 +82,26 @@ from kvbridge.offload.blockdigest import (
     wants_key,
 )
 from kvbridge.offload.faults import FaultPlan, FaultyFsIO
+from kvbridge.offload.fs_batch import (
+    BATCH_MAX_FILE_BYTES,
+    BATCH_MIN_PART,
+    IO_ENGINES,
+    Chunk,
+    Readers,
+    address,
+    chunk_blocks,
+    probe,
+    start_chunk,
+)
 from kvbridge.offload.fs_io import (
     BadBlockHeaderError,
     BlockHeader,
     FsIO,
     HeaderBuffer,
     LegacyBlockError,
+    LoadOutcome,
     block_header_bytes,
+    check_block_header,
     direct_ok,
     encode_block_header,
     load_block,
@@ -207,7 +237,11 @@ class FsTier(SecondaryTier):
                  probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
                  quarantine_after: int = 3,
                  clock: Callable[[], float] = time.monotonic,
-                 verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1) -> None:
+                 verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1,
+                 io_engine: str = "auto") -> None:
+        if io_engine not in IO_ENGINES:
+            raise OffloadError("io_engine", f"expected one of {', '.join(IO_ENGINES)}, "
+                               f"got {io_engine!r}")
         self.mapper = FileMapper(root, fingerprint)
         super().__init__(name, block_bytes, read_threads, write_threads, clock=clock,
                          verify=verify, num_layers=num_layers,
@@ -239,6 +273,37 @@ class FsTier(SecondaryTier):
         self.o_direct = bool(use_o_direct) and probe_o_direct(root, io or FsIO())
         for directory in self.mapper.all_directories():
             os.makedirs(directory, exist_ok=True)
+        #: the engine asked for; ``batched``: whether loads use batched reads now
+        self.io_engine = io_engine
+        self.batched = False
+        self._readers: Readers | None = None
+
+    def attach_primary(self, buffer: memoryview) -> None:
+        """Batched reads into the primary tier's slots, when ``io_engine`` allows them."""
+        if self.io_engine == "python" or self._closed:
+            return
+        file_bytes = self.header_bytes + self.block_bytes
+        why = ("the store directory refuses O_DIRECT" if not self.o_direct else
+               "a fault plan wraps the plain I/O calls" if self.injector is not None else
+               "a custom FsIO wraps the plain I/O calls" if type(self.io) is not FsIO else
+               f"block files of {file_bytes} bytes read as fast one by one (measured)"
+               if self.io_engine == "auto" and file_bytes > BATCH_MAX_FILE_BYTES else None)
+        memory = [(address(buffer), len(buffer))]
+        if why is None:
+            why = probe(self.root, memory)
+        if why is None:
+            self._readers = Readers(self.name, memory, self.header_bytes, self.count)
+            self.batched = True
+            self.min_load_part = BATCH_MIN_PART
+            return
+        if self.io_engine == "uring":
+            raise OffloadError("io_engine", f"{self.name}: batched reads unavailable: {why}")
+        logger.info("%s: block files are read one by one (batched reads unavailable: %s)",
+                    self.name, why)
+
+    def count_close_error(self) -> None:
+        with self._stats_lock:
+            self.stats.close_errors_ignored += 1
 
     def path(self, key: OffloadKey) -> str:
         return self.mapper.path(key)
@@ -255,14 +320,31 @@ class FsTier(SecondaryTier):
         header = HeaderBuffer(self.header_bytes)
         #: blocks that failed on their own (provably corrupt, removed): the batch goes on
         corrupt: dict[int, OSError] = {}
+        reader = self._readers.get() if self._readers is not None and self.batched else None
+        chunk = chunk_blocks(self.header_bytes + self.block_bytes)
+        #: block position -> its header, where a batched read already brought the file in
+        landed: dict[int, bytes] = {}
+        ahead: Chunk | None = None   # the next chunk's read, in flight while this one is checked
         try:
             for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
-                direct = self.o_direct and direct_ok(views)
+                if reader is not None and i % chunk == 0:
+                    current = ahead or start_chunk(self, reader, keys, buffers, i, chunk, 0)
+                    ahead = (start_chunk(self, reader, keys, buffers, i + chunk, chunk,
+                                         (i // chunk + 1) % 2)
+                             if i + chunk < len(keys) else None)
+                    landed = current.finish()
                 path = self.mapper.path(key)
                 try:
-                    outcome = load_block(self.io, path, views, self.block_bytes, direct,
-                                         header.view, self.mapper.key_hash_bytes(key),
-                                         self.num_layers)
+                    got = landed.get(i)
+                    if got is not None:
+                        outcome = LoadOutcome(header=check_block_header(
+                            self.io, path, got, self.mapper.key_hash_bytes(key),
+                            self.block_bytes, self.num_layers))
+                    else:
+                        direct = self.o_direct and direct_ok(views)
+                        outcome = load_block(self.io, path, views, self.block_bytes, direct,
+                                             header.view, self.mapper.key_hash_bytes(key),
+                                             self.num_layers)
                     assert outcome.header is not None
                     digests = self._check(key, path, views, outcome.header)
                 except OSError as exc:
@@ -285,6 +367,8 @@ class FsTier(SecondaryTier):
                     with self._stats_lock:
                         self.stats.close_errors_ignored += 1
         finally:
+            if ahead is not None:
+                ahead.finish()   # its reads land in this batch's buffers: never leave them
             header.close()
         if corrupt:
             raise BatchIOError(len(keys), corrupt[min(corrupt)], skipped=corrupt)
@@ -384,5 +468,8 @@ class FsTier(SecondaryTier):
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         super().shutdown(timeout_s)
+        self.batched = False
+        if self._readers is not None:
+            self._readers.close()
         if self.injector is not None:
             self.injector.close_injector()

@@ -216,17 +216,21 @@ class FsIO:
         Raises ``NotRegularFileError`` when the entry is not a regular file
         (checked with ``fstat`` on the opened descriptor, so it is the file read).
         """
+        return self.open_read_sized(path, direct)[0]
+
+    def open_read_sized(self, path: str, direct: bool) -> tuple[int, int]:
+        """``open_read``, and the size of the file opened (from the same ``fstat``)."""
         flags = os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (O_DIRECT if direct else 0)
         fd = os.open(path, flags)   # a symlink: ELOOP (a transient-looking error, kept)
         try:
-            mode = os.fstat(fd).st_mode
+            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            raise NotRegularFileError(path, describe_mode(mode))
-        return fd
+            raise NotRegularFileError(path, describe_mode(st.st_mode))
+        return fd, st.st_size
 
     def readv(self, fd: int, views: list[memoryview]) -> int:
         return os.readv(fd, views)
@@ -432,20 +436,7 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
             # the tier writes exactly header + block_bytes: a longer file is not this block
             raise OSError(errno.EFBIG, f"{path} is longer than its header + block_bytes="
                           f"{block_bytes}: not a block file (its bytes are not served)")
-        try:
-            parsed = decode_block_header(path, header)
-            if parsed.key_hash != key_hash:
-                raise BadBlockHeaderError(path, f"the block of key hash {parsed.key_hash.hex()}"
-                                          f", not {key_hash.hex()}", True)
-            if parsed.block_bytes != block_bytes or parsed.num_layers != num_layers:
-                raise BadBlockHeaderError(path, f"{parsed.num_layers} layers of "
-                                          f"{parsed.block_bytes} bytes in all, expected "
-                                          f"{num_layers} of {block_bytes}", False)
-        except BadBlockHeaderError as exc:
-            if exc.corrupt:
-                exc.deleted = remove_entry(io, path)
-            raise
-        outcome.header = parsed
+        outcome.header = check_block_header(io, path, header, key_hash, block_bytes, num_layers)
         loaded = True
         return outcome
     finally:
@@ -459,6 +450,29 @@ def load_block(io: FsIO, path: str, views: Sequence[memoryview], block_bytes: in
                                    path, exc)
                 else:
                     logger.warning("close of %s failed after a failed read: %s", path, exc)
+
+
+def check_block_header(io: FsIO, path: str, header: bytes | memoryview, key_hash: bytes,
+                       block_bytes: int, num_layers: int) -> BlockHeader:
+    """The header read from a full-size block file, checked against the block it should be.
+
+    Raises ``BadBlockHeaderError``; a provably torn one (or another key's) is removed
+    first (``deleted`` set), one of another format or geometry is kept.
+    """
+    try:
+        parsed = decode_block_header(path, header)
+        if parsed.key_hash != key_hash:
+            raise BadBlockHeaderError(path, f"the block of key hash {parsed.key_hash.hex()}"
+                                      f", not {key_hash.hex()}", True)
+        if parsed.block_bytes != block_bytes or parsed.num_layers != num_layers:
+            raise BadBlockHeaderError(path, f"{parsed.num_layers} layers of "
+                                      f"{parsed.block_bytes} bytes in all, expected "
+                                      f"{num_layers} of {block_bytes}", False)
+    except BadBlockHeaderError as exc:
+        if exc.corrupt:
+            exc.deleted = remove_entry(io, path)
+        raise
+    return parsed
 
 
 def _remove_short(io: FsIO, path: str) -> bool:

@@ -167,6 +167,8 @@ class SecondaryTier(abc.ABC):
     #: per thread of its pool; False: one call per job (a tier that batches a job into
     #: one request, obj)
     split_jobs: bool = False
+    #: a split load job's parts hold at least this many blocks (fs with batched reads)
+    min_load_part: int = 1
 
     def __init__(self, name: str, block_bytes: int, read_threads: int = 2, write_threads: int = 1,
                  *, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
@@ -283,7 +285,8 @@ class SecondaryTier(abc.ABC):
         self._job_keys[job_id] = (kind, tuple(keys))
         pool = self._read_pool if kind is JobKind.LOAD else self._write_pool
         frozen = tuple(keys)
-        parts = self._split(len(frozen), pool.num_threads)
+        parts = self._split(len(frozen), pool.num_threads,
+                            self.min_load_part if kind is JobKind.LOAD else 1)
         if len(parts) == 1:
             pool.submit(lambda: self._finish(self._run_job(kind, job_id, frozen, buffers,
                                                            digests)))
@@ -296,12 +299,15 @@ class SecondaryTier(abc.ABC):
             pool.submit(functools.partial(self._run_part, gather, start, job_id, kind,
                                           part_keys, part_buffers, part_digests))
 
-    def _split(self, num_keys: int, num_threads: int) -> list[tuple[int, int]]:
+    def _split(self, num_keys: int, num_threads: int, min_part: int = 1
+               ) -> list[tuple[int, int]]:
         """The ``[start, end)`` parts a job of ``num_keys`` runs as: one per thread of its
-        pool (``split_jobs`` tiers, whose blocks are independent), else one."""
-        if not self.split_jobs or num_threads < 2 or num_keys < 2:
+        pool (``split_jobs`` tiers, whose blocks are independent), each of at least
+        ``min_part`` blocks where the job has that many; else one."""
+        num_parts = min(num_threads, num_keys // max(1, min_part))
+        if not self.split_jobs or num_parts < 2:
             return [(0, num_keys)]
-        size = -(-num_keys // min(num_threads, num_keys))
+        size = -(-num_keys // num_parts)
         return [(start, min(start + size, num_keys)) for start in range(0, num_keys, size)]
 
     def _run_part(self, gather: _Gather, start: int, job_id: int, kind: JobKind,

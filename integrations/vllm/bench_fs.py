@@ -120,6 +120,7 @@ class _KvbridgeRunner:
                  mode: str, num_layers: int, timeout_s: float) -> None:
         self.tier = FsTier(root, block_bytes, "be7c4be7c4be7c4b",
                            verify=VerifyPolicy(DigestMode(mode)), num_layers=num_layers)
+        self.tier.attach_primary(primary.buffer)   # as the offload manager does
         self.o_direct = self.tier.o_direct
         self._buffers = [[primary.view(i)] for i in range(num_blocks)]
         self._timeout_s = timeout_s
