@@ -136,7 +136,8 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
                                           quarantine_after=settings.fs_quarantine_after,
                                           probe_timeout_s=settings.probe_timeout_s,
                                           load_timeout_s=settings.load_timeout_s,
-                                          verify=settings.fs_verify, num_layers=layers))
+                                          verify=settings.fs_verify, num_layers=layers,
+                                          io_engine=settings.fs_io_engine))
             if client is not None:
                 from kvbridge.offload.obj import ObjTier
                 secondaries.append(ObjTier(client, nbytes, fingerprint,

@@ -9,6 +9,10 @@ Keys:
 * ``fs_read_threads`` / ``fs_write_threads`` (4 / 2): the fs tier's I/O threads;
   a job (one request's promotion or store) runs on all of its pool's threads at once
   (``kvbridge.offload.fs``).
+* ``fs_io_engine`` ("auto"): how the fs tier reads block files: ``auto``
+  (batched io_uring reads through NIXL's POSIX backend for block files up to
+  1 MiB when the backend works, else one by one), ``uring`` (batched, or the
+  connector fails to start) or ``python`` (one by one) (``kvbridge.offload.fs``).
 * ``fs_faults`` (none): fault injection around the real fs I/O, e.g.
   ``{"rate": 0.05, "kinds": ["eio", "eloop", "short_read"], "seed": 1}``, and/or
   ``"per_key": {"<key hex>": "eio"}`` (a fault on every open of that block's
@@ -54,13 +58,13 @@ from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.verify_config import parse_verify
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.faults import FaultKind, FaultPlan
-from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, IO_ENGINES
 
 #: no fs tier runs more I/O threads per pool than this (a bound on what a config starts)
 MAX_FS_THREADS = 64
 
 _PREFIX = "kv_connector_extra_config"
-KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_read_threads",
+KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_io_engine", "fs_read_threads",
          "fs_write_threads", "fs_faults", "obj", "shm_dir",
          "probe_timeout_s", "load_timeout_s", "fs_quarantine_after", "verify", "verify_sample",
          "verify_allow_unverified")
@@ -86,6 +90,7 @@ class OffloadSettings:
     fs_verify: VerifyPolicy = field(default_factory=lambda: VerifyPolicy(DigestMode.FULL))
     fs_read_threads: int = DEFAULT_READ_THREADS
     fs_write_threads: int = DEFAULT_WRITE_THREADS
+    fs_io_engine: str = "auto"
 
 
 def _faults(value: object) -> FaultPlan:
@@ -148,6 +153,10 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
     o_direct = extra.get("fs_o_direct", True)
     if not isinstance(o_direct, bool):
         raise ConfigError(f"{_PREFIX}.fs_o_direct", f"expected true or false, got {o_direct!r}")
+    io_engine = extra.get("fs_io_engine", "auto")
+    if io_engine not in IO_ENGINES:
+        raise ConfigError(f"{_PREFIX}.fs_io_engine", f"expected one of "
+                                                     f"{', '.join(IO_ENGINES)}, got {io_engine!r}")
     faults = None
     if extra.get("fs_faults") is not None:
         if fs_dir is None:
@@ -187,4 +196,4 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
                            timeouts["probe_timeout_s"], timeouts["load_timeout_s"], quarantine,
                            parse_verify(extra, _PREFIX),
                            parse_verify(extra, _PREFIX, DigestMode.FULL),
-                           threads["fs_read_threads"], threads["fs_write_threads"])
+                           threads["fs_read_threads"], threads["fs_write_threads"], io_engine)
