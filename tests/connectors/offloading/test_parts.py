@@ -87,6 +87,8 @@ def test_replicated_heads_share_a_part_and_only_the_writer_stores() -> None:
     ({"fs_write_threads": 65}, "fs_write_threads"),
     ({"fs_read_threads": True}, "fs_read_threads"),
     ({"fs_write_threads": 2.0}, "fs_write_threads"),
+    ({"fs_io_engine": "aio"}, "fs_io_engine"),
+    ({"fs_io_engine": True}, "fs_io_engine"),
 ])
 def test_settings_errors_name_the_key(extra: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -141,6 +143,27 @@ def test_fs_thread_settings_reach_the_fs_tier(tmp_path) -> None:
     finally:
         for manager in managers:
             manager.shutdown()
+
+
+def test_fs_io_engine_reaches_the_fs_tier(tmp_path) -> None:
+    """The default batches a small-block fs tier's reads once the CPU tier attached (the
+    manager attaches it); ``python`` reads one by one."""
+    from kvbridge.connectors.offloading.scheduler import build_managers
+
+    assert parse_settings({}).fs_io_engine == "auto"
+    spec = load_spec("tiny-gqa")
+    table = build_part_table(spec, ParallelTopology())
+    for engine, batched in (("auto", True), ("python", False)):
+        settings = parse_settings({"fs_dir": str(tmp_path / engine), "cpu_blocks": 4,
+                                   "fs_io_engine": engine})
+        managers, _client = build_managers(spec, table, settings)
+        try:
+            fs = managers[0].secondaries[0]
+            assert fs.io_engine == engine and fs.o_direct
+            assert fs.batched is batched
+        finally:
+            for manager in managers:
+                manager.shutdown()
 
 
 def test_verify_settings_defaults_are_measured_and_reach_every_tier(tmp_path) -> None:
