@@ -1,12 +1,12 @@
 """Batched file reads into host memory through NIXL's POSIX backend (io_uring).
 
-The fs tier reads one file per block. Read one at a time from Python (``open``,
-``readv``, ``close`` per block on a few threads), a request's blocks of
-256 KiB came at ~0.5 of one sequential read of the same bytes on an O_DIRECT
-ext4 disk; the same files read by one io_uring submission per batch came at
-~0.8-0.95 (docs/offload.md has the run). :class:`FileReader` is that
-submission: the caller opens the files (so it checks what it opens), and one
-``read`` moves every ``(fd, offset) -> address`` segment of a batch.
+The fs tier reads one file per block. A request's blocks of 256 KiB read one
+at a time from Python (``open``, ``readv``, ``close`` per block on a few
+threads) came at 0.5-0.8 of one sequential read of the same bytes on an
+O_DIRECT ext4 disk; read by io_uring submissions of ~4 MiB, at 0.6-0.9, in
+the same runs (docs/offload.md). :class:`FileReader` makes those submissions:
+the caller opens the files (so it checks what it opens), and one ``start``
+moves every ``(fd, offset) -> address`` segment of a batch.
 
 One reader per thread: each owns a NIXL agent with only the POSIX backend (no
 progress or listener thread), the host memory it may read into (registered

@@ -126,7 +126,7 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
                       read_threads: int = DEFAULT_READ_THREADS,
                       write_threads: int = DEFAULT_WRITE_THREADS, use_o_direct: bool = True,
                       lookup_keys: int = 64, lookup_iterations: int = 400,
-                      timeout_s: float = 300.0) -> dict[str, object]:
+                      timeout_s: float = 300.0, io_engine: str = "auto") -> dict[str, object]:
     """Run the benchmark in a temp dir under ``directory``; returns a JSON-able dict.
 
     ``rounds`` alternate plain and tier runs (fresh files and keys each round,
@@ -147,7 +147,7 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
         primary = CpuTier(num_blocks, block_bytes)
         tier = FsTier(os.path.join(work, "store"), block_bytes, "be7c4be7c4be7c4b",
                       use_o_direct=use_o_direct, read_threads=read_threads,
-                      write_threads=write_threads)
+                      write_threads=write_threads, io_engine=io_engine)
         tier.attach_primary(primary.buffer)   # as the offload manager does
         io_mode = "O_DIRECT" if tier.o_direct else "buffered"
         tier_reads = "batched (io_uring)" if tier.batched else "one by one (readv)"

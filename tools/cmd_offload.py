@@ -125,6 +125,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--lookups", type=int, default=400,
                        help="lookups timed per phase (idle, busy) (default 400)")
     bench.add_argument("--buffered", action="store_true", help="do not use O_DIRECT")
+    bench.add_argument("--io-engine", choices=("auto", "uring", "python"), default="auto",
+                       help="how the fs tier reads its block files: auto (batched io_uring "
+                            "reads of block files up to 1 MiB), uring, python (one by one); "
+                            "run twice to compare (default auto)")
     bench.add_argument("--verify", metavar="MODES", default=None,
                        help="also measure verification: comma-separated modes among off, "
                             "sample, full (off is always run as the baseline); prints GB/s "
@@ -237,7 +241,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                        block_bytes=args.block_kib * 1024,
                                        batch_blocks=args.batch, rounds=args.rounds,
                                        lookup_iterations=args.lookups,
-                                       use_o_direct=not args.buffered)
+                                       use_o_direct=not args.buffered,
+                                       io_engine=args.io_engine)
         if modes:
             with progress.ticking("verification off/sample/full"):
                 result["verify"] = run_verify_bench(
@@ -254,7 +259,8 @@ def run_bench(args: argparse.Namespace) -> int:
         nbytes, block_bytes = result["bytes"], result["block_bytes"]
         assert isinstance(nbytes, int) and isinstance(block_bytes, int)
         print(f"fs tier vs plain sequential file I/O, {nbytes / (1 << 20):.0f} MiB, "
-              f"{result['num_blocks']} blocks x {block_bytes // 1024} KiB, {result['io_mode']}")
+              f"{result['num_blocks']} blocks x {block_bytes // 1024} KiB, {result['io_mode']}, "
+              f"tier reads {result['tier_reads']}")
         for name in ("store", "load"):
             row = result[name]
             assert isinstance(row, dict)

@@ -151,6 +151,16 @@ def test_cli_bench_small_run(tmp_path, capsys) -> None:
     assert_figures(lookup["busy_per_key_us"], ("median",))
     assert lookup["busy_store_jobs"] > 0
     assert os.listdir(tmp_path) == []                      # temp store removed
+    assert data["tier_reads"] == "batched (io_uring)"      # 64 KiB blocks: auto batches
+
+
+def test_cli_bench_reads_one_by_one_when_told(tmp_path, capsys) -> None:
+    code = main(["offload", "bench", "--dir", str(tmp_path), "--blocks", "4",
+                 "--block-kib", "64", "--batch", "2", "--rounds", "1", "--lookups", "5",
+                 "--io-engine", "python"])
+    out = capsys.readouterr().out
+    assert code == 0 and "tier reads one by one (readv)" in out
+    assert "verified: True, failed jobs: 0" in out
 
 
 # ---- what a disk or an operator can leave in the store (no hangs, no unbounded reads) ----
