@@ -88,7 +88,6 @@ from kvbridge.offload.fs_batch import (
     IO_ENGINES,
     Chunk,
     Readers,
-    address,
     chunk_blocks,
     probe,
     start_chunk,
@@ -101,6 +100,7 @@ from kvbridge.offload.fs_io import (
     LegacyBlockError,
     LoadOutcome,
     block_header_bytes,
+    buffer_address,
     check_block_header,
     direct_ok,
     encode_block_header,
@@ -273,10 +273,14 @@ class FsTier(SecondaryTier):
         self.o_direct = bool(use_o_direct) and probe_o_direct(root, io or FsIO())
         for directory in self.mapper.all_directories():
             os.makedirs(directory, exist_ok=True)
-        #: the engine asked for; ``batched``: whether loads use batched reads now
+        #: the engine asked for (``batched``: what loads use now)
         self.io_engine = io_engine
-        self.batched = False
         self._readers: Readers | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Whether loads read their block files in batched io_uring submissions."""
+        return self._readers is not None
 
     def attach_primary(self, buffer: memoryview) -> None:
         """Batched reads into the primary tier's slots, when ``io_engine`` allows them."""
@@ -288,12 +292,11 @@ class FsTier(SecondaryTier):
                "a custom FsIO wraps the plain I/O calls" if type(self.io) is not FsIO else
                f"block files of {file_bytes} bytes read as fast one by one (measured)"
                if self.io_engine == "auto" and file_bytes > BATCH_MAX_FILE_BYTES else None)
-        memory = [(address(buffer), len(buffer))]
+        memory = [(buffer_address(buffer), len(buffer))]
         if why is None:
             why = probe(self.root, memory)
         if why is None:
             self._readers = Readers(self.name, memory, self.header_bytes, self.count)
-            self.batched = True
             self.min_load_part = BATCH_MIN_PART
             return
         if self.io_engine == "uring":
@@ -320,7 +323,7 @@ class FsTier(SecondaryTier):
         header = HeaderBuffer(self.header_bytes)
         #: blocks that failed on their own (provably corrupt, removed): the batch goes on
         corrupt: dict[int, OSError] = {}
-        reader = self._readers.get() if self._readers is not None and self.batched else None
+        reader = self._readers.get() if self._readers is not None else None
         chunk = chunk_blocks(self.header_bytes + self.block_bytes)
         #: block position -> its header, where a batched read already brought the file in
         landed: dict[int, bytes] = {}
@@ -468,8 +471,8 @@ class FsTier(SecondaryTier):
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         super().shutdown(timeout_s)
-        self.batched = False
         if self._readers is not None:
             self._readers.close()
+            self._readers = None
         if self.injector is not None:
             self.injector.close_injector()

@@ -17,10 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvbridge.backends.nixl_files import MAX_SEGMENTS, FileReader, FileReadError, PendingRead
-from kvbridge.offload.fs_io import O_DIRECT, byte_views, direct_ok
+from kvbridge.offload.fs_io import O_DIRECT, buffer_address, byte_views, direct_ok
 from kvbridge.offload.tier import BlockBuffers
 from kvbridge.offload.types import OffloadKey
 
@@ -43,10 +41,6 @@ BATCH_BYTES = 4 << 20
 #: submission has a fixed cost (registering the files, the NIXL request), and
 #: parts of 2 blocks of 256 KiB read no faster batched than one by one
 BATCH_MIN_PART = 8
-
-
-def address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def chunk_blocks(file_bytes: int) -> int:
@@ -192,7 +186,7 @@ def start_chunk(tier: FsTier, reader: FileReader, keys: Sequence[OffloadKey],
             views = byte_views(buffers[i])
             if len(segments) + 1 + len(views) > MAX_SEGMENTS:
                 break   # the rest of the chunk is read one by one
-            addresses = [address(v) for v in views]
+            addresses = [buffer_address(v) for v in views]
             if not direct_ok(views) or not all(
                     reader.covers(a, len(v)) for a, v in zip(addresses, views, strict=True)):
                 continue

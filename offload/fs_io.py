@@ -341,12 +341,17 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
     return out
 
 
+def buffer_address(view: memoryview) -> int:
+    """The address of a buffer's first byte (for registering it, or checking alignment)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 def direct_ok(views: Sequence[memoryview]) -> bool:
     """Whether O_DIRECT may be used with these buffers (page-aligned address and length)."""
     for view in views:
         if len(view) % DIRECT_ALIGN:
             return False
-        if np.frombuffer(view, dtype=np.uint8).ctypes.data % DIRECT_ALIGN:
+        if buffer_address(view) % DIRECT_ALIGN:
             return False
     return True
 

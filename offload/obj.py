@@ -44,8 +44,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from kvbridge.backends.mooncake import KeyResult, McStatus, MooncakeStoreClient
 from kvbridge.events.schema import Locality, Medium
 from kvbridge.layouts.digests import VerifyPolicy
@@ -60,6 +58,7 @@ from kvbridge.offload.blockdigest import (
 from kvbridge.offload.fs import FINGERPRINT_RE, FileMapper
 from kvbridge.offload.fs_io import (
     BadBlockHeaderError,
+    buffer_address,
     byte_views,
     compact_header_bytes,
     decode_block_header,
@@ -88,10 +87,6 @@ class _IdleFence:
             self.passed = True
             self._views = None
         return self.passed
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 #: every object name of the obj tier starts with this, then ``<fingerprint>/`` (fsck_obj)
@@ -145,7 +140,7 @@ class ObjTier(SecondaryTier):
 
     def attach_primary(self, buffer: memoryview) -> None:
         """Register the primary tier's slot memory for zero-copy puts and gets."""
-        ptr = _address(buffer)
+        ptr = buffer_address(buffer)
         self.client.register_buffer(ptr, len(buffer))
         self._registered.append(ptr)
 
@@ -183,7 +178,7 @@ class ObjTier(SecondaryTier):
         header_views = [memoryview(h) for h in headers]
         get_names = names + [self.digest_name(k) for k in keys] if verify else names
         results = self.client.batch_get_into(
-            get_names, [_address(v) for v in targets + header_views],
+            get_names, [buffer_address(v) for v in targets + header_views],
             [self.block_bytes] * len(keys) + [self.digest_object_bytes] * len(headers))
         if any(r.code == McStatus.TIMEOUT for r in results):
             # the get was abandoned, not ended: it may still write into ``targets``
@@ -327,7 +322,7 @@ class ObjTier(SecondaryTier):
                 headers.append(memoryview(bytearray(header[:self.digest_object_bytes])))
         all_names = names + [self.digest_name(k) for k in keys] if headers else names
         results = self.client.batch_put_from(
-            all_names, [_address(v) for v in sources + headers],
+            all_names, [buffer_address(v) for v in sources + headers],
             [self.block_bytes] * len(keys) + [self.digest_object_bytes] * len(headers))
         if any(r.code == McStatus.TIMEOUT for r in results):
             # an abandoned put may still read ``sources``: the slots stay held (no eviction,
