@@ -91,14 +91,15 @@ class HoldSide(WorkerState):
             self._on_register(sender, msg, now)
         elif isinstance(msg, messages.Begin):
             asked = sum(len(g) for g in msg.digest_ids)
-            if (msg.digest_ids and self._digester is not None
-                    and not self._leases.is_held(msg.request_id)
+            if (not self._leases.is_held(msg.request_id)
                     and self._leases.ended(msg.request_id) is None
                     and sum(len(v) for v in self._early_begins.values()) < MAX_EARLY_REGISTERS
                     and self._early_begin_ids + asked <= MAX_EARLY_BEGIN_IDS):
-                # not held yet: answer with the digests once the hold starts
+                # not held yet (the router beat the producer's next step): answer with the
+                # promise, and the digests asked for, once the hold starts
                 self._early_begins.setdefault(msg.request_id, []).append((now, sender, msg))
                 self._early_begin_ids += asked
+                self._counters["begins_before_hold"] += 1
                 return
             lease_s, reason = self._leases.guarantee(msg.request_id, now)
             digests: tuple[bytes, ...] = ()

@@ -242,6 +242,8 @@ class WorkerState(WorkerConnector):
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
             "peer_restarts": 0, "requests_refused": 0, "handshakes_abandoned": 0,
             "notifs_rejected": 0,
+            # producer: begins that came before the hold started, answered when it did
+            "begins_before_hold": 0,
             # verified KV (issue 18): blocks checked against the producer's digests, found
             # different (each a failed load of that block), and loaded without a check
             "blocks_verified": 0, "digest_mismatches": 0, "blocks_unverified": 0,

@@ -37,6 +37,7 @@ from tests.connectors.nixl.test_faults import (
     _producer,
     _producer_worker_stats,
     _shutdown_clean,
+    _wait_producer,
     _worker_totals,
 )
 
@@ -173,8 +174,9 @@ def _helds(rogue: NixlTransport, want: int, timeout_s: float) -> list[messages.H
 def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded() -> None:
     """A peer's ``begin`` may ask for digests only of the blocks the producer holds for
     that request: other block ids get an answer without digests (nothing is hashed);
-    an ask for a request not held (yet) waits for its hold, then is answered without a
-    promise after ``early_grace_s``. The real consumer's load beside it is unharmed."""
+    a ``begin`` for a request not held (yet), with digest asks or without, waits for its
+    hold, then is answered without a promise after ``early_grace_s``. The real
+    consumer's load beside it is unharmed."""
     spec_model = load_spec(MODEL)
     producer = _producer(early_grace_s=GRACE_S)
     consumer = _consumer()
@@ -197,8 +199,9 @@ def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded(
             member_hello(encode_agent(meta)),
             messages.Begin(rid, 0, ((held_ids[0], stray),), "xxh3-64"),   # one not held
             messages.Begin(rid, 0, ((held_ids[0],),), "xxh3-64"),         # held: answered
-            messages.Begin("never-held", 0, ((1, 2, 3),), "xxh3-64")])    # waits, bounded
-        answers = _helds(rogue, 3 * len(peers), 60)
+            messages.Begin("never-held", 0, ((1, 2, 3),), "xxh3-64"),     # waits, bounded
+            messages.Begin("never-held", 0)])                              # waits too
+        answers = _helds(rogue, 4 * len(peers), 60)
         by_rid = {}
         for held in answers:
             by_rid.setdefault(held.request_id, []).append(held)
@@ -207,8 +210,14 @@ def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded(
         assert len(stray_answers) == len(good) == len(peers)
         assert all("not held for this request" in h.reason for h in stray_answers)
         assert all(len(h.digests[0]) == 8 and h.algorithm == "xxh3-64" for h in good)
+        assert len(by_rid["never-held"]) == 2 * len(peers)
         assert all(not h.ok and not h.digests and "not held" in h.reason
                    for h in by_rid["never-held"])
+        _wait_producer(producer, "begins_before_hold", 2 * len(peers), 20)
+        stats = _producer_worker_stats(producer)  # both waited for a hold (none came)
+        assert stats["begins_before_hold"] == 2 * len(peers)
+        assert stats["holds_promised"] == 2 * len(peers)  # the held ask; the stray one too
+        assert stats["holds_promise_refused"] == 0
         _load_and_check(stepper, spec, params)
         totals = _worker_totals(consumer)  # TP 2 -> 1: head slices, checked with slice digests
         assert sum(t["digest_mismatches"] for t in totals) == 0
