@@ -46,6 +46,9 @@ GB = 1e9
 def bench_workdir(directory: str | None,
                   prefix: str = "kvbridge-offload-bench-") -> Iterator[str]:
     """A temp directory under ``directory`` (None: the system's), removed afterwards."""
+    if directory is not None and not os.path.isdir(directory):
+        raise OffloadError(directory, "no such directory (the bench's temp store goes "
+                                      "inside it)")
     path = tempfile.mkdtemp(prefix=prefix, dir=directory)
     try:
         yield path

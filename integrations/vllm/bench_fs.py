@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds <= 0 or args.batch <= 0 or args.layers <= 0:
         parser.error("--rounds, --batch and --layers must be positive")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        parser.error(f"--dir {args.dir}: no such directory")
     try:
         import vllm  # noqa: F401
     except ImportError:

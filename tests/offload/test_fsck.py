@@ -163,6 +163,16 @@ def test_cli_bench_reads_one_by_one_when_told(tmp_path, capsys) -> None:
     assert "verified: True, failed jobs: 0" in out
 
 
+def test_cli_bench_refuses_a_missing_dir_in_one_line(tmp_path, capsys) -> None:
+    missing = tmp_path / "not-there"
+    code = main(["offload", "bench", "--dir", str(missing), "--blocks", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip() == (f"kvbridge offload bench: {missing}: no such directory "
+                           f"(the bench's temp store goes inside it)")
+    assert not missing.exists()
+
+
 # ---- what a disk or an operator can leave in the store (no hangs, no unbounded reads) ----
 
 def test_fsck_neither_hangs_on_a_fifo_header_nor_reads_dev_zero(make_fs, store_dir) -> None:

@@ -52,3 +52,8 @@ def test_cli_writes_json_and_validates_its_arguments(tmp_path: Path,
         main(["--pattern", "8xlots"])
     with pytest.raises(SystemExit):
         main(["--rounds", "0"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--dir", str(tmp_path / "not-there")])
+    assert "--dir " + str(tmp_path / "not-there") + ": no such directory" in \
+        capsys.readouterr().err
