@@ -57,3 +57,16 @@ def test_cli_writes_json_and_validates_its_arguments(tmp_path: Path,
         main(["--dir", str(tmp_path / "not-there")])
     assert "--dir " + str(tmp_path / "not-there") + ": no such directory" in \
         capsys.readouterr().err
+
+
+def test_block_hashes_spread_vllms_files_as_real_ones_do() -> None:
+    """vLLM's fs tier puts a block file in a directory named by the first five hex
+    digits of its block hash: the bench's hashes must spread them (readable ones put
+    every file in one warm directory, which flattered vLLM's stores)."""
+    require_vllm_env()
+    from kvbridge.integrations.vllm.bench_fs import block_hash
+
+    hashes = [block_hash(b"vllm|0", i) for i in range(128)]
+    assert all(len(h) == 32 for h in hashes) and len(set(hashes)) == 128
+    assert len({h.hex()[:5] for h in hashes}) >= 120
+    assert block_hash(b"vllm|0", 7) == block_hash(b"vllm|0", 7) != block_hash(b"vllm|1", 7)
