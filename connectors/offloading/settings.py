@@ -6,7 +6,7 @@ Keys:
 * ``policy`` ("lru"): CPU eviction policy, ``lru`` or ``arc``.
 * ``fs_dir`` (none): directory of the ``fs`` secondary tier; none = no fs tier.
 * ``fs_o_direct`` (true): use O_DIRECT where the store directory allows it.
-* ``fs_read_threads`` / ``fs_write_threads`` (4 / 2): the fs tier's I/O threads;
+* ``fs_read_threads`` / ``fs_write_threads`` (4 / 4): the fs tier's I/O threads;
   a job (one request's promotion or store) runs on all of its pool's threads at once
   (``kvbridge.offload.fs``).
 * ``fs_io_engine`` ("auto"): how the fs tier reads block files: ``auto``
