@@ -77,6 +77,9 @@ from .nixl_descs import (
     strided_descs,
     sub_block_descs,
 )
+from .nixl_lanes import DEFAULT_LANES as DEFAULT_LANES
+from .nixl_lanes import MAX_LANES as MAX_LANES
+from .nixl_lanes import Lanes, combined_status, release_parts
 from .nixl_load import load_nixl_api
 from .nixl_load import loaded_nixl as loaded_nixl
 from .nixl_load import nixl_candidates as nixl_candidates
@@ -133,16 +136,19 @@ class NixlTransport:
 
     ``name`` must be unique among agents that talk to each other; the default
     adds a random suffix so that a restarted process gets a new identity.
+    ``lanes``: how many agents move the parts of one large host-memory transfer
+    at once (:mod:`.nixl_lanes`; 1: this agent alone).
     """
 
-    def __init__(self, name: str | None = None, *, num_threads: int = 0) -> None:
+    def __init__(self, name: str | None = None, *, lanes: int = 1) -> None:
+        if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= MAX_LANES:
+            raise NixlTransportError(f"lanes must be an integer in [1, {MAX_LANES}], got {lanes!r}")
         api = load_nixl_api()
         self.name = name or f"kvbridge-{uuid.uuid4().hex[:12]}"
         config = api.nixl_agent_config(
             enable_prog_thread=False,
             enable_listen_thread=False,
             backends=["UCX"],
-            num_threads=num_threads,
             capture_telemetry=True,  # per-transfer times (Transfer.nixl_xfer_s), as vLLM's
         )
         self._api = api
@@ -157,6 +163,14 @@ class NixlTransport:
             raise NixlUnavailableError(
                 f"NIXL agent {self.name!r} has no UCX backend (plugins: {self._agent.plugin_list})"
             )
+        self._lanes: Lanes | None = None
+        if lanes > 1:
+            try:
+                self._lanes = Lanes(api, config, self.name, lanes)
+            except Exception as exc:
+                raise NixlUnavailableError(f"cannot create NIXL lane agents of {self.name!r}: "
+                                           f"{exc!r}") from exc
+        self._laned_peers: set[str] = set()
         self._closed = False
         self._regions: list[Region] = []
         self._registrations: list[Registration] = []
@@ -170,6 +184,7 @@ class NixlTransport:
         self._ids = itertools.count(1)
         self._posted = self._done = self._failed = self._timed_out = 0
         self._bytes_done = 0
+        self._cut = 0
 
     # ------------------------------------------------------------------ memory
 
@@ -205,6 +220,9 @@ class NixlTransport:
                     self._registrations.append(Registration(
                         info.storage_addr, info.storage_nbytes, info.mem_type, info.device_id,
                         reg))
+                    if self._lanes is not None:
+                        self._lanes.register(info.storage_addr, info.storage_nbytes,
+                                             info.mem_type, info.device_id)
                 region = Region(len(self._regions), info.addr, info.nbytes, info.mem_type,
                                 info.device_id)
                 self._regions.append(region)
@@ -274,7 +292,7 @@ class NixlTransport:
         with self._lock:
             entry = self._dlists.pop(dlist.list_id, None)
             if entry is not None:
-                entry.handle.release()
+                entry.release()
 
     def _prep(self, arr: np.ndarray, peer: PeerHandle | None, mem_type: str) -> DescList:
         with self._lock:
@@ -295,6 +313,8 @@ class NixlTransport:
             else:
                 num_descs = int(arr.shape[0])
                 entry = DListEntry(handle, arr[:, 1].copy(), None, peer, mem_type)
+            if self._lanes is not None and (peer is None or peer.name in self._laned_peers):
+                entry.lane_handles = self._lanes.prep(target, arr, mem_type)
             self._dlists[list_id] = entry
             return DescList(list_id, num_descs, peer)
 
@@ -328,6 +348,8 @@ class NixlTransport:
                 raise NixlTransportError(
                     f"peer_name {peer_name!r} does not match the metadata's agent name {loaded!r}"
                 )
+            if self._lanes is not None and self._lanes.add_remote(metadata):
+                self._laned_peers.add(peer_name)
             gen = self._generations.get(peer_name, 0) + 1
             self._generations[peer_name] = gen
             handle = PeerHandle(peer_name, gen)
@@ -343,7 +365,7 @@ class NixlTransport:
             for xfer in [t for t in self._pending.values() if t.peer == peer]:
                 self._finish(xfer, XferState.FAILED, f"peer {peer.name} removed", in_flight=True)
             for list_id in [k for k, e in self._dlists.items() if e.peer == peer]:
-                self._dlists.pop(list_id).handle.release()
+                self._dlists.pop(list_id).release()
             self._reap_locked()  # settle what can be settled while NIXL still knows the peer
             del self._peers[peer.name]
             del self._peer_md[peer.name]
@@ -351,6 +373,10 @@ class NixlTransport:
                 self._agent.remove_remote_agent(peer.name)
             except Exception as exc:  # already disconnected: nothing left to free
                 logger.warning("remove_remote_agent(%s) failed: %r", peer.name, exc)
+            if peer.name in self._laned_peers:
+                self._laned_peers.discard(peer.name)
+                assert self._lanes is not None
+                self._lanes.remove_remote(peer.name)
             # NIXL can no longer report on this peer's zombies (NOT_FOUND): release them
             # by force; their local memory stays unsafe (quiesced False) while the peer lives.
             for z in [z for z in self._zombies if z.peer == peer]:
@@ -375,7 +401,9 @@ class NixlTransport:
 
         ``notif`` (if non-empty) is delivered to the peer after the data. A
         failure to create or post the transfer returns a FAILED transfer (the
-        caller handles one failure path); argument errors raise.
+        caller handles one failure path); argument errors raise. A host-memory
+        transfer without ``notif`` is cut across the lanes (:mod:`.nixl_lanes`)
+        when its parts are large enough; it is still one :class:`Transfer`.
         """
         op = XferOp(op)
         if not deadline_s > 0:
@@ -416,21 +444,43 @@ class NixlTransport:
                 deadline=now + deadline_s,
             )
             self._posted += 1
+            lanes = self._lanes
+            ranges = [(0, int(li.size))] if lanes is None else lanes.ranges(lentry, rentry, li,
+                                                                             notif)
+            a, b = ranges[0]
             try:
+                if len(ranges) > 1:
+                    assert lanes is not None
+                    xfer._lane_parts = lanes.make_parts(
+                        op.value, (lentry.lane_handles, rentry.lane_handles), li, ri, ranges)
+                    self._cut += 1
                 xfer._handle = self._agent.make_prepped_xfer(
-                    op.value, lentry.handle, li, rentry.handle, ri, bytes(notif), ["UCX"]
+                    op.value, lentry.handle, li[a:b], rentry.handle, ri[a:b], bytes(notif),
+                    ["UCX"]
                 )
             except Exception as exc:
+                release_parts(xfer._lane_parts)
                 self._finish(xfer, XferState.FAILED, f"make_prepped_xfer: {exc!r}")
                 return xfer
             self._pending[xfer.transfer_id] = xfer
             try:
-                status = self._agent.transfer(xfer._handle)
-            except Exception as exc:
-                self._finish(xfer, XferState.FAILED, f"transfer: {exc!r}")
+                if xfer._lane_parts:
+                    assert lanes is not None
+                    status = lanes.run(xfer._lane_parts,
+                                       lambda: str(self._agent.transfer(xfer._handle)),
+                                       xfer.deadline - time.monotonic())
+                else:
+                    status = self._agent.transfer(xfer._handle)
+            except Exception as exc:  # parts still in flight stay zombies until NIXL settles
+                self._finish(xfer, XferState.FAILED, f"transfer: {exc!r}",
+                             in_flight=bool(xfer._lane_parts))
                 return xfer
             self._advance(xfer, status, "transfer")
             return xfer
+
+    def _status(self, xfer: Transfer) -> str:
+        """NIXL's status of every part of ``xfer`` in one word (see ``combined_status``)."""
+        return combined_status(str(self._agent.check_xfer_state(xfer._handle)), xfer._lane_parts)
 
     def poll(self, xfer: Transfer) -> XferState:
         """Advance ``xfer``: PENDING until NIXL says DONE, an error turns it FAILED
@@ -439,9 +489,10 @@ class NixlTransport:
             if xfer.state.terminal:
                 return xfer.state
             try:
-                status = self._agent.check_xfer_state(xfer._handle)
+                status = self._status(xfer)
             except Exception as exc:
-                self._finish(xfer, XferState.FAILED, f"check_xfer_state: {exc!r}")
+                self._finish(xfer, XferState.FAILED, f"check_xfer_state: {exc!r}",
+                             in_flight=bool(xfer._lane_parts))
                 return xfer.state
             self._advance(xfer, status, "check_xfer_state")
             return xfer.state
@@ -476,9 +527,12 @@ class NixlTransport:
             self._finish(xfer, XferState.FAILED, f"{where} returned {status!r}")
 
     def _telemetry(self, xfer: Transfer) -> float | None:
-        """NIXL's ``xferDuration`` of a DONE transfer, in seconds (None: none given)."""
+        """NIXL's ``xferDuration`` of a DONE transfer, in seconds (None: none given); of a
+        cut one, its longest part's (the parts ran at once)."""
         try:
-            duration_us = self._agent.get_xfer_telemetry(xfer._handle).xferDuration
+            duration_us = max(
+                [self._agent.get_xfer_telemetry(xfer._handle).xferDuration]
+                + [p.agent.get_xfer_telemetry(p.handle).xferDuration for p in xfer._lane_parts])
         except Exception:  # noqa: BLE001 (an older NIXL, or telemetry off: not an error)
             return None
         return duration_us / 1e6 if duration_us and duration_us > 0 else None
@@ -515,8 +569,10 @@ class NixlTransport:
             self._zombies.append(xfer)
 
     def _release(self, xfer: Transfer, *, quiesced: bool) -> bool:
-        """Release the NIXL handle; False if NIXL refuses (kept as a zombie)."""
+        """Release the NIXL handles (every part's); False if NIXL refuses one (kept as a
+        zombie, with the parts not released yet)."""
         try:
+            release_parts(xfer._lane_parts)
             xfer._handle.release()
         except Exception as exc:
             logger.info("nixl transfer %d: release refused (%r); kept as zombie", xfer.transfer_id, exc)
@@ -534,6 +590,7 @@ class NixlTransport:
         )
         if not self._release(xfer, quiesced=False):
             xfer._handle = None  # NIXL's own finaliser keeps it on the agent's leak list
+            xfer._lane_parts = []
 
     def reap(self) -> int:
         """Release zombies that NIXL has settled (DONE or error); returns how many remain."""
@@ -544,7 +601,7 @@ class NixlTransport:
         keep = []
         for z in self._zombies:
             try:
-                status = self._agent.check_xfer_state(z._handle)
+                status = self._status(z)
             except Exception as exc:  # the peer died: nothing more can land
                 logger.info("nixl zombie %d settled with %r", z.transfer_id, exc)
                 status = "ERR"
@@ -594,6 +651,7 @@ class NixlTransport:
                 failed=self._failed,
                 timed_out=self._timed_out,
                 bytes_done=self._bytes_done,
+                cut_transfers=self._cut,
             )
 
     # ---------------------------------------------------------------- shutdown
@@ -613,9 +671,11 @@ class NixlTransport:
             for peer in list(self._peers.values()):
                 self.remove_peer(peer)
             for list_id in list(self._dlists):
-                self._dlists.pop(list_id).handle.release()
+                self._dlists.pop(list_id).release()
             for z in list(self._zombies):  # peers already removed: none should be left
                 self._force_release(z)
+            if self._lanes is not None:
+                self._lanes.close()
             self._regions.clear()
             while self._registrations:
                 reg = self._registrations.pop()

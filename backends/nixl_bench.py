@@ -268,9 +268,9 @@ class _AdapterSide:
     as a connector does per request."""
 
     def __init__(self, op: str, peer: PeerProcess, local: torch.Tensor, nb: int, bb: int,
-                 deadline_s: float) -> None:
+                 deadline_s: float, lanes: int = 1) -> None:
         self.op, self.deadline_s = op, deadline_s
-        self.transport = NixlTransport()
+        self.transport = NixlTransport(lanes=lanes)
         self.transport.register_regions([local])
         self.ldl = self.transport.prepare_local(0, bb, nb)
         t0 = time.perf_counter()

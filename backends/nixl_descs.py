@@ -165,6 +165,8 @@ class DListEntry:
     group_ends: np.ndarray | None  # int64[M] cumulative counts; None: every group is one row
     peer: PeerHandle | None
     mem_type: str = DRAM
+    #: the same list prepared on each lane agent (``nixl_lanes``; empty: not laned)
+    lane_handles: list[Any] = field(default_factory=list)
     #: the length of every row when all are equal (else None): a transfer's byte count
     #: and its length check then need no per-index lookup
     uniform_length: int | None = field(init=False, default=None)
@@ -173,6 +175,13 @@ class DListEntry:
         lengths = self.group_lengths
         if lengths.size and bool((lengths == lengths[0]).all()):
             self.uniform_length = int(lengths[0])
+
+    def release(self) -> None:
+        """Release the list on its agent and on every lane."""
+        self.handle.release()
+        for handle in self.lane_handles:
+            handle.release()
+        self.lane_handles = []
 
     def lengths(self, idx: np.ndarray) -> np.ndarray:
         if self.group_ends is None:

@@ -110,6 +110,8 @@ class TransportCounters:
     failed: int
     timed_out: int
     bytes_done: int
+    #: transfers cut across lanes (``nixl_lanes``), each counted once in ``posted`` too
+    cut_transfers: int = 0
 
     @property
     def live(self) -> int:
@@ -148,6 +150,9 @@ class Transfer:
     quiesced: bool = False
     nixl_xfer_s: float | None = None
     _handle: Any = field(default=None, repr=False)
+    #: parts 1.. of a transfer cut across lanes (``nixl_lanes.LanePart``); part 0 is
+    #: ``_handle``, on the transport's own agent
+    _lane_parts: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def duration_s(self) -> float | None:

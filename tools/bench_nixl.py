@@ -44,6 +44,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -96,10 +97,12 @@ def _prefill(producer: EngineProcess, spec: RequestSpec, timeout_s: float) -> Re
 
 
 class _RawReader:
-    """The NIXL library called directly: one agent, the producer rank's metadata from the
-    handshake, one prepared READ of the held blocks into a local buffer."""
+    """The NIXL library called directly: the producer rank's metadata from the handshake,
+    one prepared READ of the held blocks into a local buffer. ``lanes`` > 1: kvbridge's
+    transport setting done by hand (``backends.nixl_lanes``): that many agents, each
+    reading a contiguous part of the blocks, the parts posted at once from threads."""
 
-    def __init__(self, address: str, total: int, into: Any = None) -> None:
+    def __init__(self, address: str, total: int, into: Any = None, lanes: int = 1) -> None:
         import torch
 
         from kvbridge.auth import resolve_auth
@@ -108,16 +111,22 @@ class _RawReader:
 
         api = load_nixl_api()
         self.meta = HandshakeClient(timeout_s=5, auth=resolve_auth()).fetch(address).metadata.rank(0)
-        self.agent = api.nixl_agent(f"raw-bench-{time.monotonic_ns()}",
-                                    api.nixl_agent_config(enable_prog_thread=False,
-                                                          backends=["UCX"]))
         # ``into``: read into that tensor (the consumer engine's KV cache) instead of a
         # fresh buffer: the same destination memory the connector writes
         self.buf = torch.zeros(total, dtype=torch.uint8) if into is None else into
-        self.reg = self.agent.register_memory(self.buf)
-        self.remote = self.agent.add_remote_agent(self.meta.agent_blob)
-        self.handle: Any = None
-        self.dlists: list[Any] = []
+        self.agents: list[Any] = []
+        self.regs: list[Any] = []
+        self.remotes: list[Any] = []
+        for k in range(lanes):
+            agent = api.nixl_agent(f"raw-bench-{time.monotonic_ns()}-{k}",
+                                   api.nixl_agent_config(enable_prog_thread=False,
+                                                         backends=["UCX"]))
+            self.agents.append(agent)
+            self.regs.append(agent.register_memory(self.buf))
+            self.remotes.append(agent.add_remote_agent(self.meta.agent_blob))
+        self.handles: list[Any] = []
+        self.dlists: list[tuple[Any, Any]] = []
+        self._pool = ThreadPoolExecutor(lanes - 1) if lanes > 1 else None
 
     def prepare(self, block_ids: tuple[int, ...], block_bytes: int,
                 local_ids: list[int] | None = None) -> None:
@@ -125,47 +134,59 @@ class _RawReader:
         (default: the first ``len(block_ids)`` blocks of the buffer, in order)."""
         import numpy as np
 
-        from kvbridge.backends.nixl import block_descs
-
         self.release()
         memory = self.meta.layer_memory()[0]
         remote = np.zeros((len(block_ids), 3), dtype=np.uint64)
         remote[:, 0] = [memory.base_addr + b * memory.block_stride for b in block_ids]
         remote[:, 1] = block_bytes
-        if local_ids is None:
-            local = block_descs(self.buf.data_ptr(), block_bytes, len(block_ids))
-        else:
-            local = np.zeros((len(local_ids), 3), dtype=np.uint64)
-            local[:, 0] = [self.buf.data_ptr() + b * block_bytes for b in local_ids]
-            local[:, 1] = block_bytes
-        ldl = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-        rdl = self.agent.prep_xfer_dlist(self.remote, remote, "DRAM")
-        self.dlists = [ldl, rdl]
-        idx = np.arange(len(block_ids), dtype=np.int32)
-        self.handle = self.agent.make_prepped_xfer("READ", ldl, idx, rdl, idx)
+        ids = range(len(block_ids)) if local_ids is None else local_ids
+        local = np.zeros((len(block_ids), 3), dtype=np.uint64)
+        local[:, 0] = [self.buf.data_ptr() + b * block_bytes for b in ids]
+        local[:, 1] = block_bytes
+        n = len(self.agents)
+        bounds = [len(block_ids) * k // n for k in range(n + 1)]
+        for agent, peer, a, b in zip(self.agents, self.remotes, bounds, bounds[1:],
+                                     strict=False):
+            ldl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local[a:b], "DRAM")
+            rdl = agent.prep_xfer_dlist(peer, remote[a:b], "DRAM")
+            self.dlists.append((ldl, rdl))
+            idx = np.arange(b - a, dtype=np.int32)
+            self.handles.append(agent.make_prepped_xfer("READ", ldl, idx, rdl, idx))
 
-    def once(self, deadline_s: float = 60.0) -> None:
-        t_end = time.monotonic() + deadline_s
-        state = self.agent.transfer(self.handle)
+    def _read(self, lane: int, t_end: float) -> None:
+        agent, handle = self.agents[lane], self.handles[lane]
+        state = agent.transfer(handle)
         while state == "PROC":
             if time.monotonic() > t_end:
                 raise TimeoutError("raw NIXL READ past its deadline")
-            state = self.agent.check_xfer_state(self.handle)
+            state = agent.check_xfer_state(handle)
         if state != "DONE":
             raise RuntimeError(f"raw NIXL READ state {state}")
 
+    def once(self, deadline_s: float = 60.0) -> None:
+        t_end = time.monotonic() + deadline_s
+        others = [] if self._pool is None else [
+            self._pool.submit(self._read, k, t_end) for k in range(1, len(self.agents))]
+        self._read(0, t_end)
+        for future in others:
+            future.result(timeout=deadline_s)
+
     def release(self) -> None:
-        if self.handle is not None:
-            self.agent.release_xfer_handle(self.handle)
-            self.handle = None
-        for dl in self.dlists:
-            self.agent.release_dlist_handle(dl)
+        for agent, handle in zip(self.agents, self.handles, strict=False):
+            agent.release_xfer_handle(handle)
+        self.handles = []
+        for agent, (ldl, rdl) in zip(self.agents, self.dlists, strict=False):
+            agent.release_dlist_handle(ldl)
+            agent.release_dlist_handle(rdl)
         self.dlists = []
 
     def close(self) -> None:
         self.release()
-        self.agent.remove_remote_agent(self.remote)
-        self.agent.deregister_memory(self.reg)
+        for agent, peer, reg in zip(self.agents, self.remotes, self.regs, strict=True):
+            agent.remove_remote_agent(peer)
+            agent.deregister_memory(reg)
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
@@ -186,11 +207,11 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
     prompt = tuple(rng.randrange(VOCAB_SIZE) for _ in range(tokens))
     pool = num_blocks + 4
     total = num_blocks * block_bytes
-    times: dict[str, list[float]] = {"raw": [], "raw_kv": [], "kvbridge": [], "copy": [],
-                                     "kvbridge_off": [], "kvbridge_full": []}
+    times: dict[str, list[float]] = {"raw": [], "raw_kv": [], "raw_lanes": [], "kvbridge": [],
+                                     "copy": [], "kvbridge_off": [], "kvbridge_full": []}
     verified = mismatched = 0
     nbytes = descs = runs = 0
-    raw_ok = True
+    raw_ok = raw_lanes_ok = True
     src = torch.ones(total, dtype=torch.uint8)
     dst = torch.empty_like(src)
     producer = EngineProcess(_config(spec, KVRole.PRODUCER, pool, tokens, ordered),
@@ -199,6 +220,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
     consumer: Engine | None = None
     raw: _RawReader | None = None
     raw_kv: _RawReader | None = None
+    raw_lanes: _RawReader | None = None
     try:
         cfg = replace(_config(spec, KVRole.CONSUMER, pool, tokens, ordered),
                       enable_prefix_caching=False)
@@ -210,6 +232,8 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
         kv_tensor = consumer.workers[0].caches.layers[0]
         raw_kv = _RawReader(address, total, into=kv_tensor)
         default_settings = worker.settings  # type: ignore[attr-defined]
+        lanes = default_settings.lanes
+        raw_lanes = _RawReader(address, total, lanes=lanes)
         verify_settings = {
             "kvbridge": default_settings,
             "kvbridge_off": replace(default_settings, verify=DigestMode.OFF),
@@ -221,6 +245,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             result = held["kvbridge"]
             assert result.transfer_params is not None
             raw.prepare(result.transfer_params.block_ids[0], block_bytes)
+            raw_lanes.prepare(result.transfer_params.block_ids[0], block_bytes)
             # the very blocks the engine will give the connector's load (its free queue):
             # the same destination pattern (a freed request's blocks come back reversed)
             next_ids = consumer.pools[0].next_allocation(num_blocks)
@@ -241,7 +266,8 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
                     if done:
                         return done[0]
 
-            order = ["raw", "copy", "raw_kv", "kvbridge", "kvbridge_off", "kvbridge_full"]
+            order = ["raw", "copy", "raw_kv", "raw_lanes", "kvbridge", "kvbridge_off",
+                     "kvbridge_full"]
             k = i % len(order)
             for way in order[k:] + order[:k]:
                 t0 = time.perf_counter()
@@ -250,6 +276,9 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
                     elapsed = time.perf_counter() - t0
                 elif way == "raw_kv":
                     raw_kv.once()  # same bytes into blocks 0..n-1 of the KV cache
+                    elapsed = time.perf_counter() - t0
+                elif way == "raw_lanes":
+                    raw_lanes.once()
                     elapsed = time.perf_counter() - t0
                 elif way == "copy":
                     dst.copy_(src)
@@ -268,13 +297,16 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
                         verified, mismatched = final.verified_bytes, final.mismatched_bytes
                         # the raw READ (first this iteration) got the bytes the connector
                         # verified; checked now: the other loads reuse these blocks
-                        raw_ok = bool(torch.equal(raw.buf, _consumer_bytes(
-                            consumer, num_blocks, block_bytes)))
+                        landed = _consumer_bytes(consumer, num_blocks, block_bytes)
+                        raw_ok = bool(torch.equal(raw.buf, landed))
+                        raw_lanes_ok = bool(torch.equal(raw_lanes.buf, landed))
                 if i > 0:
                     times[way].append(elapsed)
         totals = worker.totals()  # type: ignore[attr-defined]
         producer_stats = dict(producer.stats()["stats"]["worker_stats"])
     finally:
+        if raw_lanes is not None:
+            raw_lanes.close()
         if raw_kv is not None:
             raw_kv.close()
         if raw is not None:
@@ -295,6 +327,12 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             "iters": iters, "block_order": block_order,
             "raw_nixl_gbps": round(gbps["raw"], 3),
             "raw_nixl_into_kv_cache_gbps": round(gbps["raw_kv"], 3),
+            # raw NIXL with kvbridge's transport setting: ``lanes`` agents at once
+            "lanes": lanes,
+            "raw_nixl_lanes_gbps": round(gbps["raw_lanes"], 3),
+            "kvbridge_over_raw_lanes": round(gbps["kvbridge"] / gbps["raw_lanes"], 3),
+            "raw_lanes_over_memcpy": round(gbps["raw_lanes"] / gbps["copy"], 3),
+            "kvbridge_over_memcpy": round(gbps["kvbridge"] / gbps["copy"], 3),
             "kvbridge_gbps": round(gbps["kvbridge"], 3),
             "torch_copy_gbps": round(gbps["copy"], 3),
             "kvbridge_over_raw": round(gbps["kvbridge"] / gbps["raw"], 3),
@@ -320,7 +358,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             "kvbridge_bytes": nbytes, "kvbridge_descriptors": descs,
             "kvbridge_descriptor_runs": runs,
             "verified_bytes": verified, "mismatched_bytes": mismatched,
-            "raw_matches_connector": raw_ok,
+            "raw_matches_connector": raw_ok and raw_lanes_ok,
             "nixl_live_handles_after": totals.get("nixl_xfer_handles", -1)}
 
 

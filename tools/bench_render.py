@@ -75,23 +75,28 @@ def slim_report(report: dict[str, Any]) -> dict[str, Any]:
 
 def format_nixl_detail(detail: dict[str, Any]) -> str:
     """The nixl path's own columns (raw READ into a fresh buffer and into the KV cache)."""
-    head = (f"{'pattern':>16} {'raw NIXL':>9} {'raw->KV':>9} {'kvbridge':>9} {'torch cp':>9} "
-            f"{'kvb/raw':>8} {'paired':>6} {'kvb/rawKV':>9} {'raw/mcpy':>9} {'descs':>6} "
-            f"{'runs':>5}"
+    head = (f"{'pattern':>16} {'raw NIXL':>9} {'raw->KV':>9} {'raw lanes':>9} {'kvbridge':>9} "
+            f"{'torch cp':>9} {'kvb/raw':>8} {'paired':>6} {'kvb/rawKV':>9} {'kvb/rawL':>8} "
+            f"{'raw/mcpy':>9} {'kvb/mcpy':>8} {'descs':>6} {'runs':>5}"
             f"  (GB/s, READ)")
     lines = [head]
     for p in detail["patterns"]:
         label = f"{p['num_blocks']}x{size_label(p['block_bytes'])}"
         lines.append(f"{label:>16} {p['raw_nixl_gbps']:9.3f} "
-                     f"{p['raw_nixl_into_kv_cache_gbps']:9.3f} {p['kvbridge_gbps']:9.3f} "
+                     f"{p['raw_nixl_into_kv_cache_gbps']:9.3f} "
+                     f"{p.get('raw_nixl_lanes_gbps', 0.0):9.3f} {p['kvbridge_gbps']:9.3f} "
                      f"{p['torch_copy_gbps']:9.3f} {p['kvbridge_over_raw']:8.3f} "
                      f"{p.get('kvbridge_over_raw_paired', 0.0):6.3f} "
                      f"{p['kvbridge_over_raw_same_destination']:9.3f} "
-                     f"{p['raw_over_memcpy']:9.3f} {p.get('kvbridge_descriptors', 0):6d} "
+                     f"{p.get('kvbridge_over_raw_lanes', 0.0):8.3f} "
+                     f"{p['raw_over_memcpy']:9.3f} {p.get('kvbridge_over_memcpy', 0.0):8.3f} "
+                     f"{p.get('kvbridge_descriptors', 0):6d} "
                      f"{p.get('kvbridge_descriptor_runs', 0):5d}")
-    lines.append(f"block order: {detail.get('block_order', 'sorted')}; paired: median of the "
-                 f"per-iteration kvb/raw ratios; runs: the descriptors NIXL merged the "
-                 f"connector's into")
+    lanes = {p.get("lanes") for p in detail["patterns"]}
+    lines.append(f"block order: {detail.get('block_order', 'sorted')}; raw NIXL: its defaults "
+                 f"(one agent); raw lanes: raw NIXL with kvbridge's setting ({lanes.pop()} "
+                 f"agents reading parts at once); paired: median of the per-iteration kvb/raw "
+                 f"ratios; runs: the descriptors NIXL merged the connector's into")
     lines.append("")
     lines.append(f"{'pattern':>16} {'verify off':>10} {'sample':>9} {'full':>9} "
                  f"{'sample/off':>10} {'full/off':>9} {'checked':>8} {'check':>8} {'take':>8}"

@@ -141,7 +141,7 @@ class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, Progress
 
     def register_kv_caches(self, caches: KVCaches) -> None:
         name = f"kvb-{self.ctx.engine_id[:32]}-r{self.rank_index}-{uuid.uuid4().hex[:8]}"
-        transport = NixlTransport(name)
+        transport = NixlTransport(name, lanes=self.settings.lanes)
         self.transport = transport
         tensors = []
         layer_addrs: dict[int, int] = {}

@@ -310,7 +310,11 @@ def test_settings_parse_and_refuse() -> None:
     assert NixlSettings.parse({"idle_progress_ms": 0, "busy_progress_ms": 0.5,
                                "read_progress_ms": 0.1}) \
         == NixlSettings(idle_progress_ms=0.0, busy_progress_ms=0.5, read_progress_ms=0.1)
+    assert NixlSettings().lanes == 2 and NixlSettings.parse({"lanes": 1}).lanes == 1
+    assert NixlSettings.parse({"lanes": 16}).lanes == 16
     for bad, field in [({"mode": "both"}, "mode"), ({"lease_s": 0}, "lease_s"),
+                       ({"lanes": 0}, "lanes"), ({"lanes": 17}, "lanes"),
+                       ({"lanes": True}, "lanes"), ({"lanes": 2.0}, "lanes"),
                        ({"port": 70000}, "port"), ({"nope": 1}, "nope"),
                        ({"busy_progress_ms": 0}, "busy_progress_ms"),
                        ({"read_progress_ms": 0}, "read_progress_ms"),
