@@ -60,6 +60,7 @@ else of kvbridge is imported (dependency rule of ``backends``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import os
@@ -76,8 +77,9 @@ from .mooncake_calls import Workers as _Workers
 from .mooncake_calls import http_answers, import_store_class, tcp_reachable
 from .mooncake_calls import is_loopback as _is_loopback
 from .mooncake_calls import make_replicate_config as _make_replicate_config
-from .mooncake_config import MiB as MiB
 from .mooncake_config import (
+    SPLIT_MAX_KEY_BYTES,
+    SPLIT_MIN_KEYS,
     MooncakeClosedError,
     MooncakeConfig,
     MooncakeConfigError,
@@ -85,6 +87,7 @@ from .mooncake_config import (
     MooncakeSetupError,
     Protocol,
 )
+from .mooncake_config import MiB as MiB
 from .mooncake_config import MooncakeUnavailable as MooncakeUnavailable
 from .mooncake_config import check_batch as _check_batch
 from .mooncake_config import check_keys as _check_keys
@@ -115,6 +118,8 @@ class ClientStats:
     key_errors: int = 0
     timeouts: int = 0
     unreachable: int = 0
+    #: batches cut into concurrent calls (``MooncakeConfig.split_calls``), each one ``call``
+    cut_batches: int = 0
 
 
 @dataclass
@@ -124,6 +129,7 @@ class _Counters:
     key_errors: int = 0
     timeouts: int = 0
     unreachable: int = 0
+    cut_batches: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -299,7 +305,8 @@ class MooncakeStoreClient:
     def stats(self) -> ClientStats:
         c = self._counters
         with c.lock:
-            return ClientStats(c.calls, c.keys, c.key_errors, c.timeouts, c.unreachable)
+            return ClientStats(c.calls, c.keys, c.key_errors, c.timeouts, c.unreachable,
+                               c.cut_batches)
 
     # ---- reachability ----------------------------------------------------------
     def is_master_reachable(self, timeout_s: float | None = None) -> bool:
@@ -369,8 +376,10 @@ class MooncakeStoreClient:
         store, replicate = self._require_store(), self._replicate_config
         return self._start(
             "batch_put_from", len(keys_l),
-            lambda: store.batch_put_from(keys_l, ptrs_l, sizes_l, replicate),
-            lambda raw: interpret_put_batch(raw, sizes_l),
+            lambda s: store.batch_put_from(_part(keys_l, s), _part(ptrs_l, s), _part(sizes_l, s),
+                                          replicate),
+            lambda raw, s: interpret_put_batch(raw, _part(sizes_l, s)),
+            self._split(sizes_l),
         )
 
     def batch_upsert_from(
@@ -417,8 +426,9 @@ class MooncakeStoreClient:
         store = self._require_store()
         return self._start(
             "batch_get_into", len(keys_l),
-            lambda: store.batch_get_into(keys_l, ptrs_l, sizes_l),
-            lambda raw: interpret_get_batch(raw, sizes_l, exact_size),
+            lambda s: store.batch_get_into(_part(keys_l, s), _part(ptrs_l, s), _part(sizes_l, s)),
+            lambda raw, s: interpret_get_batch(raw, _part(sizes_l, s), exact_size),
+            self._split(sizes_l),
         )
 
     def batch_exists_results(self, keys: Sequence[str]) -> list[KeyResult]:
@@ -456,17 +466,31 @@ class MooncakeStoreClient:
 
     def _call(self, op: str, num_keys: int, fn: Callable[[], Any]) -> list[int] | _Failed:
         """Run one batch call with the reachability check and the deadline; raw list or uniform failure."""
-        return self._start(op, num_keys, fn, None).raw()
+        return self._start(op, num_keys, lambda _: fn(), None).raw()
 
-    def _start(self, op: str, num_keys: int, fn: Callable[[], Any],
-               interpret: Callable[[list[int]], list[KeyResult]] | None) -> PendingBatch:
-        """Submit one batch call (after the reachability check); its deadline starts now."""
+    def _split(self, sizes: list[int]) -> list[slice]:
+        """How to cut a put or get of keys of ``sizes`` bytes into concurrent calls
+        (``MooncakeConfig.split_calls``): many small keys only, where each call's
+        per-key work is the cost (4096 x 16 KiB raw, two calls at once against one:
+        put 1.7 -> 2.2 GB/s, get 2.6 -> 3.2); keys of 256 KiB and more gained
+        nothing (the copy is the cost), so they are never cut."""
+        n, parts = len(sizes), min(self.config.split_calls, self.config.num_op_threads)
+        if parts <= 1 or n < parts * SPLIT_MIN_KEYS or sum(sizes) > n * SPLIT_MAX_KEY_BYTES:
+            return [slice(0, n)]
+        bounds = [n * k // parts for k in range(parts + 1)]
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def _start(self, op: str, num_keys: int, fn: Callable[[slice], Any],
+               interpret: Callable[[list[int], slice], list[KeyResult]] | None,
+               parts: list[slice] | None = None) -> PendingBatch:
+        """Submit one batch call (after the reachability check), or one per part of
+        ``parts`` (slices of the keys, run at once); the deadline starts now."""
         cfg = self.config
         with self._counters.lock:
             self._counters.calls += 1
             self._counters.keys += num_keys
         if num_keys == 0:
-            return PendingBatch(self, op, 0, None, [], interpret)
+            return PendingBatch(self, op, 0, [], [], interpret)
         if cfg.check_master_before_ops and not self.is_master_reachable():
             with self._counters.lock:
                 self._counters.unreachable += 1
@@ -474,11 +498,17 @@ class MooncakeStoreClient:
             logger.warning(
                 "mooncake %s of %d keys skipped: master %s unreachable", op, num_keys, cfg.master_address
             )
-            return PendingBatch(self, op, num_keys, None,
+            return PendingBatch(self, op, num_keys, [],
                                 _Failed(uniform(num_keys, McStatus.MASTER_UNREACHABLE)), interpret)
         workers = self._workers
         assert workers is not None
-        return PendingBatch(self, op, num_keys, workers.submit(fn), None, interpret)
+        parts = parts or [slice(0, num_keys)]
+        if len(parts) > 1:
+            with self._counters.lock:
+                self._counters.cut_batches += 1
+        return PendingBatch(self, op, num_keys,
+                            [(part, workers.submit(functools.partial(fn, part)))
+                             for part in parts], None, interpret)
 
     def _collect(self, op: str, num_keys: int, fut: Future[Any], deadline: float
                  ) -> list[int] | _Failed:
@@ -524,6 +554,11 @@ class MooncakeStoreClient:
 _STATUS = operator.attrgetter("status")
 
 
+def _part(items: list[Any], part: slice) -> list[Any]:
+    """``items[part]``, without a copy when the part is all of them (an uncut call)."""
+    return items if part.start == 0 and part.stop == len(items) else items[part]
+
+
 @dataclass(frozen=True)
 class _Failed:
     """A call that was not made or not waited for: the same result for every key."""
@@ -532,40 +567,50 @@ class _Failed:
 
 
 class PendingBatch:
-    """A batch call running on one of the client's worker threads.
+    """A batch call running on the client's worker threads: one call, or one per part
+    of a batch cut into concurrent calls (contiguous slices of its keys).
 
     :meth:`results` waits for it until ``op_timeout_s`` after it was started
-    (then every key is ``TIMEOUT`` and the call is abandoned, as for the
-    blocking calls) and returns the per-key results; it may be called again
-    (the same list) and from one thread at a time.
+    (then every key of a part not returned is ``TIMEOUT`` and that call is
+    abandoned, as for the blocking calls) and returns the per-key results in
+    key order; it may be called again (the same list) and from one thread at a
+    time.
     """
 
     def __init__(self, client: MooncakeStoreClient, op: str, num_keys: int,
-                 fut: Future[Any] | None, done: list[int] | _Failed | None,
-                 interpret: Callable[[list[int]], list[KeyResult]] | None) -> None:
+                 parts: list[tuple[slice, Future[Any]]], done: list[int] | _Failed | None,
+                 interpret: Callable[[list[int], slice], list[KeyResult]] | None) -> None:
         self._client, self._op, self._num_keys = client, op, num_keys
-        self._fut, self._raw = fut, done
+        self._parts, self._raw = parts, done
         self._interpret = interpret
         self._deadline = time.monotonic() + client.config.op_timeout_s
         self._results: list[KeyResult] | None = None
 
     def done(self) -> bool:
-        """Has the call returned (or was it never made)? Never waits."""
-        return self._fut is None or self._fut.done()
+        """Have the calls returned (or were they never made)? Never waits."""
+        return all(fut.done() for _, fut in self._parts)
 
     def raw(self) -> list[int] | _Failed:
+        """The raw codes of a call that was not cut (see :meth:`MooncakeStoreClient._split`)."""
         if self._raw is None:
-            assert self._fut is not None
-            self._raw = self._client._collect(self._op, self._num_keys, self._fut,
+            assert len(self._parts) == 1, "a cut batch has per-key results only"
+            self._raw = self._client._collect(self._op, self._num_keys, self._parts[0][1],
                                               self._deadline)
         return self._raw
 
     def results(self) -> list[KeyResult]:
-        if self._results is None:
+        if self._results is not None:
+            return self._results
+        assert self._interpret is not None, "a raw call has no per-key results"
+        if self._raw is not None or len(self._parts) <= 1:
             raw = self.raw()
-            if isinstance(raw, _Failed):
-                self._results = raw.results
-            else:
-                assert self._interpret is not None, "a raw call has no per-key results"
-                self._results = self._client._count(self._interpret(raw))
-        return self._results
+            self._results = (raw.results if isinstance(raw, _Failed) else
+                             self._client._count(self._interpret(raw, slice(0, self._num_keys))))
+            return self._results
+        out: list[KeyResult] = []
+        for part, fut in self._parts:
+            raw = self._client._collect(self._op, part.stop - part.start, fut, self._deadline)
+            out += (raw.results if isinstance(raw, _Failed) else
+                    self._client._count(self._interpret(raw, part)))
+        self._results = out
+        return out

@@ -71,6 +71,10 @@ class MooncakeConfig:
     ``check_master_before_ops`` makes every call probe the master first and
     fail fast with ``MASTER_UNREACHABLE`` (~70 µs per call on loopback).
     ``num_op_threads`` calls can run at once (abandoned calls occupy one each).
+    ``split_calls``: a put or get of at least ``split_calls`` x
+    :data:`SPLIT_MIN_KEYS` keys of at most :data:`SPLIT_MAX_KEY_BYTES` each on
+    average is cut into that many calls run at once (1: never cut; no more
+    than ``num_op_threads``).
     """
 
     master_address: str
@@ -85,6 +89,7 @@ class MooncakeConfig:
     check_master_before_ops: bool = True
     replica_num: int = 1
     num_op_threads: int = 4
+    split_calls: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.protocol, str) and not isinstance(self.protocol, Protocol):
@@ -111,6 +116,8 @@ class MooncakeConfig:
             raise MooncakeConfigError(f"replica_num must be >= 1, got {self.replica_num}")
         if self.num_op_threads < 1:
             raise MooncakeConfigError(f"num_op_threads must be >= 1, got {self.num_op_threads}")
+        if self.split_calls < 1:
+            raise MooncakeConfigError(f"split_calls must be >= 1, got {self.split_calls}")
         if self.protocol is Protocol.RDMA and not self.device_name:
             raise MooncakeConfigError("device_name must name the RDMA device(s) when protocol is rdma")
 
@@ -176,3 +183,9 @@ def check_batch(
         i = next(i for i, n in enumerate(sizes_l) if n <= 0)
         raise MooncakeConfigError(f"sizes[{i}] must be > 0 bytes, got {sizes_l[i]}")
     return keys_l, ptrs_l, sizes_l
+#: a batch is cut into concurrent calls only with at least this many keys a call
+SPLIT_MIN_KEYS = 256
+#: ... and keys of at most this many bytes on average (larger ones gained nothing)
+SPLIT_MAX_KEY_BYTES = 64 << 10
+
+

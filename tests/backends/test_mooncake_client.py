@@ -215,6 +215,42 @@ def test_many_small_blocks_in_one_batch(client: MooncakeStoreClient) -> None:
     assert all(r.ok for r in client.remove(keys, force=True))
 
 
+def test_a_batch_of_many_small_keys_is_cut_and_answers_in_key_order(
+    client: MooncakeStoreClient,
+) -> None:
+    """``split_calls`` (2): 1024 keys of 4 KiB go as two calls at once; the per-key
+    results still come in key order, misses in either part where they are."""
+    num_blocks, block_bytes = 1024, 4096
+    src = torch.randint(0, 255, (num_blocks, block_bytes), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    keys = _keys("cut", num_blocks)
+    missing = {3, 700, 1023}  # one in the first part, two in the second
+    before = client.stats().cut_batches
+    with Registered(client, src), Registered(client, dst):
+        ptrs, sizes = _rows(src)
+        stored = [i for i in range(num_blocks) if i not in missing]
+        put = client.batch_put_from([keys[i] for i in stored], [ptrs[i] for i in stored],
+                                    [sizes[i] for i in stored])
+        assert [r.status for r in put] == [KeyStatus.OK] * len(stored)
+        order = list(range(num_blocks))[::-1]
+        got = client.start_batch_get_into([keys[i] for i in order], _rows(dst)[0], sizes)
+        statuses = [r.status for r in got.results()]
+        assert got.done() and got.results() is got.results()
+    assert client.stats().cut_batches == before + 2
+    for row, i in enumerate(order):
+        want = KeyStatus.NOT_FOUND if i in missing else KeyStatus.OK
+        assert statuses[row] is want, (row, i)
+        assert torch.equal(dst[row], src[i]) if i not in missing else not dst[row].any()
+    client.remove(keys, force=True)
+    # keys over 64 KiB on average are not cut (the copy is the cost there)
+    big = torch.zeros((2 * 256, 66 << 10), dtype=torch.uint8)
+    with Registered(client, big):
+        bkeys = _keys("uncut", big.shape[0])
+        assert all(r.ok for r in client.batch_put_from(bkeys, *_rows(big)))
+    assert client.stats().cut_batches == before + 2
+    client.remove(bkeys, force=True)
+
+
 def test_second_client_reads_blocks_stored_in_first_clients_segment(
     mooncake_master: MooncakeMaster, client: MooncakeStoreClient
 ) -> None:

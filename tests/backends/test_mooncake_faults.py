@@ -118,6 +118,8 @@ def test_paused_master_times_out_ops_and_refuses_new_setup_fast(
     ptrs, sizes = [src[0].data_ptr(), src[1].data_ptr()], [4096, 4096]
     with MooncakeStoreClient(_config(master, check_first=True)) as client:
         client.register_buffer(src.data_ptr(), src.nbytes)
+        rows = torch.zeros((512, 64), dtype=torch.uint8)  # registered before the pause
+        client.register_buffer(rows.data_ptr(), rows.nbytes)
         assert all(r.ok for r in client.batch_put_from(keys, ptrs, sizes))
         master.pause()
         try:
@@ -134,6 +136,11 @@ def test_paused_master_times_out_ops_and_refuses_new_setup_fast(
                 results = call()  # TIMEOUT: the client's deadline answered, not Mooncake
                 assert [r.code for r in results] == [McStatus.TIMEOUT] * 2
             assert client.stats().timeouts == 3
+            # a batch cut into two calls: every key of both parts TIMEOUT, in key order
+            cut = client.batch_put_from([f"kvbridge-test/paused/cut-{i}" for i in range(512)],
+                                        [rows[i].data_ptr() for i in range(512)], [64] * 512)
+            assert [r.code for r in cut] == [McStatus.TIMEOUT] * 512
+            assert client.stats().timeouts == 5 and client.stats().cut_batches == 1
             # A new client must not enter Mooncake's setup() (minutes, GIL held).
             mooncake_setups.clear()  # (the first client's setup was real and counted)
             with pytest.raises(MooncakeSetupError, match="does not answer HTTP"):

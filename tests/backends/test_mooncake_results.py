@@ -74,6 +74,7 @@ def test_config_validates_fields_by_name() -> None:
         "protocol": dict(protocol="carrier-pigeon"),
         "device_name": dict(protocol="rdma"),
         "num_op_threads": dict(num_op_threads=0),
+        "split_calls": dict(split_calls=0),
     }
     for field_name, override in cases.items():
         kwargs: dict[str, object] = dict(master_address="127.0.0.1:1", metadata_server="http://127.0.0.1:2/metadata")
