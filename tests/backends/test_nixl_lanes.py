@@ -276,3 +276,28 @@ def test_a_lane_call_that_does_not_return_breaks_the_lanes_not_the_transfer(peer
         gate.set()
         final = t.close(strict=False)
     assert final.live == 0 and final.forced_releases == 0, final
+
+
+def test_laned_read_and_write_over_tcp(monkeypatch) -> None:
+    """The cross-host case: RMA over TCP, where the peer's worker serves each lane's
+    endpoint (the lanes are in no handshake; the peer never heard of them)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    p = PeerProcess(_name("tpeer"), FN * FB, seed=SEED)
+    t, local, ldl, ph, rdl = _connect(p, FN, FB)
+    try:
+        idx = np.arange(FN)
+        x = t.post("READ", ldl, idx, rdl, idx[::-1].copy(), deadline_s=WAIT_S)
+        assert t.wait(x) is XferState.DONE, x.error
+        src = torch.from_numpy(np_pattern(FN * FB, SEED))
+        for li in range(FN):
+            ri = FN - 1 - li
+            assert torch.equal(local[li * FB:(li + 1) * FB], src[ri * FB:(ri + 1) * FB])
+        local.copy_(torch.from_numpy(np_pattern(FN * FB, 78)))
+        y = t.post("WRITE", ldl, idx, rdl, idx, deadline_s=WAIT_S)
+        assert t.wait(y) is XferState.DONE, y.error
+        assert p.read(0, FN * FB) == local.numpy().tobytes()
+        assert t.counters().cut_transfers == 2
+    finally:
+        p.close()
+        final = t.close(strict=False)
+    assert final.live == 0, final
