@@ -201,6 +201,16 @@ class TorchBlockDigester:
                                dtype=torch.int64, device=self.device)
         return _finish(sums, lengths)
 
+    def layer_digests_of(self, region: int, block_ids: Sequence[int]) -> np.ndarray:
+        """``(len(block_ids), layers)`` uint64: the layer digests of many blocks at once
+        (a few kernels per layer; 8 bytes per block and layer to the host)."""
+        self._check(region, block_ids)
+        width = len(self.regions[region])
+        if not len(block_ids):
+            return np.zeros((0, width), dtype=np.uint64)
+        digests = self._layer_digests(region, block_ids).cpu().numpy()
+        return digests.view(np.uint64).reshape(len(block_ids), width)
+
     def layer_digests(self, region: int, block_id: int) -> tuple[int, ...]:
         """``torch-mix64-v1`` of ``block_id``'s span in each layer of ``region``."""
         self._check(region, (block_id,))

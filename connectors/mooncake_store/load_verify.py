@@ -27,7 +27,11 @@ from kvbridge.backends.mooncake import KeyStatus, McStatus
 from kvbridge.connectors.api import BlockRef
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock
 from kvbridge.connectors.mooncake_store.plans import RegionPlan
-from kvbridge.connectors.mooncake_store.records import RecordVerdict, digests_of_keys
+from kvbridge.connectors.mooncake_store.records import (
+    RecordVerdict,
+    algorithm_of,
+    digests_of_keys,
+)
 from kvbridge.connectors.mooncake_store.verify import RankDigests
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 
@@ -149,29 +153,61 @@ def verify_blocks(plans: Sequence[RegionPlan], digests: RankDigests | None,
                 out.failed.add(ref)
                 out.note(block, record_keys[n], f"digest record get: {result}")
     for region_index, positions in by_region.items():
-        ids = [blocks[checked[n]].block_id for n in positions]
-        actual = digests.layer_digests(region_index, ids)
         table = digests.load[region_index]
-        bad = table.failures(ids, digests_of_keys([record_keys[n] for n in positions]),
-                             actual)
-        out.verified += len(ids) - len(bad)
-        for position, check in bad:
-            n = positions[position]
-            block, block_id = blocks[checked[n]], ids[position]
-            out.failed.add((region_index, block_id))
-            if check.verdict is RecordVerdict.MISMATCH:
-                out.mismatches += 1
-                layer = check.layer_position
-                slot = plans[region_index].layers[layer]
-                out.note(block, slot.prefix + block.block_hash.hex(),
-                         f"layer {slot.layer_id}: stored digest "
-                         f"{table.stored_digest(block_id, layer):#018x}, loaded bytes "
-                         f"{int(actual[position][layer]):#018x}")
-            else:
-                out.invalid += 1
-                out.note(block, record_keys[n], f"digest record: {check.reason}")
-            out.corrupt_keys.extend(block_keys(plans, block, record_keys[n]))
+        fields = table.algorithms([blocks[checked[n]].block_id for n in positions])
+        if fields.size and bool((fields == fields[0]).all()):  # the usual load: one writer
+            groups = {int(fields[0]): positions}
+        else:
+            groups = {}
+            for position, field in zip(positions, fields.tolist(), strict=True):
+                groups.setdefault(int(field), []).append(position)
+        for field, members in groups.items():
+            algorithm = algorithm_of(field)
+            if algorithm is not None and algorithm not in digests.algorithms:
+                for n in members:  # a record this rank cannot check (XXH3-64, KV on a device)
+                    block = blocks[checked[n]]
+                    out.missing += 1
+                    if allow:
+                        out.unverified += 1
+                    else:
+                        out.failed.add((block.region_index, block.block_id))
+                        out.note(block, record_keys[n], f"digest record taken with "
+                                 f"{algorithm}, which this rank cannot take "
+                                 f"(verify_allow_unverified is false)")
+                continue
+            # an unknown algorithm is checked as this rank's own: its header fails
+            _check_group(out, plans, digests, region_index, blocks, checked, members,
+                         record_keys, algorithm or digests.algorithm)
     return out
+
+
+def _check_group(out: Verified, plans: Sequence[RegionPlan], digests: RankDigests,
+                 region_index: int, blocks: Sequence[LoadBlock], checked: Sequence[int],
+                 positions: Sequence[int], record_keys: Sequence[str], algorithm: str) -> None:
+    """Compare the landed bytes of the checked blocks at ``positions`` (of one region,
+    whose records name ``algorithm``) with their records; the findings go to ``out``."""
+    ids = [blocks[checked[n]].block_id for n in positions]
+    actual = digests.layer_digests(region_index, ids, algorithm)
+    table = digests.load[region_index]
+    bad = table.failures(ids, digests_of_keys([record_keys[n] for n in positions]), actual,
+                         algorithm)
+    out.verified += len(ids) - len(bad)
+    for position, check in bad:
+        n = positions[position]
+        block, block_id = blocks[checked[n]], ids[position]
+        out.failed.add((region_index, block_id))
+        if check.verdict is RecordVerdict.MISMATCH:
+            out.mismatches += 1
+            layer = check.layer_position
+            slot = plans[region_index].layers[layer]
+            out.note(block, slot.prefix + block.block_hash.hex(),
+                     f"layer {slot.layer_id}: stored {algorithm} digest "
+                     f"{table.stored_digest(block_id, layer):#018x}, loaded bytes "
+                     f"{int(actual[position][layer]):#018x}")
+        else:
+            out.invalid += 1
+            out.note(block, record_keys[n], f"digest record: {check.reason}")
+        out.corrupt_keys.extend(block_keys(plans, block, record_keys[n]))
 
 
 def block_keys(plans: Sequence[RegionPlan], block: LoadBlock, digest_key: str) -> list[str]:

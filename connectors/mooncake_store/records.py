@@ -21,7 +21,8 @@ Record layout, little-endian, ``32 + 8 * num_layers`` bytes::
     magic          4s   b"KVBD"
     record_version u16  RECORD_VERSION
     digest_version u16  kvbridge.layouts.digests.DIGEST_VERSION
-    algorithm      u32  1 = "xxh3-64" (index + 1 in digests.ALGORITHMS)
+    algorithm      u32  index + 1 in digests.ALGORITHMS: 1 = "xxh3-64" (KV in host
+                        memory), 2 = "torch-mix64-v1" (KV in device memory, or asked for)
     num_layers     u32  layers of the region on this rank's stage
     block_bytes    u64  bytes of the block in each layer (one layer object)
     key_digest     u64  XXH3-64 of the record's own key (binds it to namespace and block)
@@ -30,7 +31,11 @@ Record layout, little-endian, ``32 + 8 * num_layers`` bytes::
 The reader knows its own geometry (layers, bytes per layer), so it gets the
 record into a slot of exactly :func:`record_bytes` (a bigger or smaller object
 is a size mismatch, never a read past the slot) and checks every header field
-before it trusts a digest.
+before it trusts a digest. The algorithm is the writer's: a reader digests the
+landed bytes with the algorithm each record names (:meth:`RecordTable.algorithms`),
+when it can (XXH3-64 reads host memory; a rank whose KV is in device memory
+takes ``torch-mix64-v1`` digests only), and serves a block whose record names
+one it cannot compute as unverified.
 
 Consistency: a record and its block's layer objects are separate keys, put in
 one batch but not atomically, and a put keeps an existing key's value. If the
@@ -61,6 +66,16 @@ from kvbridge.layouts.digests import (
 MAGIC = b"KVBD"
 RECORD_VERSION = 1
 ALGORITHM_ID = ALGORITHMS.index(ALGORITHM) + 1
+
+
+def algorithm_id(algorithm: str) -> int:
+    """The ``algorithm`` field of a record digested with ``algorithm``."""
+    return ALGORITHMS.index(algorithm) + 1
+
+
+def algorithm_of(field: int) -> str | None:
+    """The algorithm a record's ``algorithm`` field names (None: none this version knows)."""
+    return ALGORITHMS[field - 1] if 1 <= field <= len(ALGORITHMS) else None
 HEADER_BYTES = 32
 
 
@@ -114,16 +129,18 @@ class RecordTable:
     ``buffer`` is a ``uint8`` array of ``num_blocks * record_bytes(num_layers)``
     bytes (registered with the store client by the worker, so records are put
     and got zero-copy); every slot's constant header is written once, here.
+    ``algorithm``: what this rank's digests are taken with (the header it writes).
     """
 
     def __init__(self, buffer: np.ndarray, num_layers: int, block_bytes: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, algorithm: str = ALGORITHM) -> None:
         dtype = record_dtype(num_layers)
         if buffer.dtype != np.uint8 or buffer.nbytes != num_blocks * dtype.itemsize:
             raise ValueError(f"expected {num_blocks * dtype.itemsize} bytes of uint8, got "
                              f"{buffer.nbytes} of {buffer.dtype}")
         self.num_layers = num_layers
         self.block_bytes = block_bytes
+        self.algorithm_id = algorithm_id(algorithm)
         self.record_bytes = dtype.itemsize
         self.base_ptr = int(buffer.ctypes.data)
         self.records = buffer.view(dtype)
@@ -134,7 +151,7 @@ class RecordTable:
         records["magic"] = MAGIC
         records["record_version"] = RECORD_VERSION
         records["digest_version"] = DIGEST_VERSION
-        records["algorithm"] = ALGORITHM_ID
+        records["algorithm"] = self.algorithm_id
         records["num_layers"] = self.num_layers
         records["block_bytes"] = self.block_bytes
 
@@ -149,16 +166,24 @@ class RecordTable:
         self.records["key_digest"][ids] = np.asarray(key_digests, dtype="<u8")
         self.records["layer_digests"][ids] = layer_digests
 
+    def algorithms(self, block_ids: Sequence[int]) -> np.ndarray:
+        """The ``algorithm`` field of the slots of ``block_ids`` (what each record's writer
+        digested with; checked again, with the rest of the header, by :meth:`failures`)."""
+        return np.asarray(self.records["algorithm"][np.asarray(block_ids, dtype=np.intp)])
+
     def failures(self, block_ids: Sequence[int], key_digests: Sequence[int],
-                 layer_digests: np.ndarray) -> list[tuple[int, RecordCheck]]:
+                 layer_digests: np.ndarray, algorithm: str = ALGORITHM,
+                 ) -> list[tuple[int, RecordCheck]]:
         """``(position, check)`` of every record among the slots of ``block_ids`` that does not
         vouch for the bytes that landed in KV memory (``layer_digests`` as in :meth:`write`,
-        ``key_digests`` of the keys the records were got from); empty when all match."""
+        taken with ``algorithm``, ``key_digests`` of the keys the records were got from);
+        empty when all match."""
         ids = np.asarray(block_ids, dtype=np.intp)
         got = self.records[ids]
+        expected_algorithm = algorithm_id(algorithm)
         header_ok = ((got["magic"] == MAGIC) & (got["record_version"] == RECORD_VERSION)
                      & (got["digest_version"] == DIGEST_VERSION)
-                     & (got["algorithm"] == ALGORITHM_ID)
+                     & (got["algorithm"] == expected_algorithm)
                      & (got["num_layers"] == self.num_layers)
                      & (got["block_bytes"] == self.block_bytes))
         key_ok = got["key_digest"] == np.asarray(key_digests, dtype="<u8")
@@ -168,7 +193,7 @@ class RecordTable:
         for i in np.flatnonzero(~good).tolist():  # none in the usual load
             if not header_ok[i]:
                 out.append((i, RecordCheck(RecordVerdict.INVALID, reason=_header_reason(
-                    got[i], self.num_layers, self.block_bytes))))
+                    got[i], self.num_layers, self.block_bytes, expected_algorithm))))
             elif not key_ok[i]:
                 out.append((i, RecordCheck(RecordVerdict.INVALID, reason=(
                     f"key_digest {int(got['key_digest'][i]):#018x}: a record of another "
@@ -182,9 +207,10 @@ class RecordTable:
         return int(self.records["layer_digests"][block_id][layer_position])
 
 
-def _header_reason(record: np.void, num_layers: int, block_bytes: int) -> str:
+def _header_reason(record: np.void, num_layers: int, block_bytes: int,
+                   algorithm: int) -> str:
     expected = {"magic": MAGIC, "record_version": RECORD_VERSION,
-                "digest_version": DIGEST_VERSION, "algorithm": ALGORITHM_ID,
+                "digest_version": DIGEST_VERSION, "algorithm": algorithm,
                 "num_layers": num_layers, "block_bytes": block_bytes}
     for name, want in expected.items():
         value = record[name]

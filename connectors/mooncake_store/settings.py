@@ -33,9 +33,16 @@ Keys (all optional except the two addresses)::
                           record with every block unless this is "off" (see
                           :mod:`.records`; readers then load its blocks unverified).
     verify_sample         the fraction checked in "sample" mode, in (0, 1] (default 1/16)
-    verify_allow_unverified  a block stored without a record (an older version, KV in
-                          device memory) is loaded unverified and counted (default
-                          true); false reports it as a load error instead
+    verify_allow_unverified  a block stored without a record (an older version, a
+                          writer with verify "off"), or whose record names an algorithm
+                          this rank cannot take, is loaded unverified and counted
+                          (default true); false reports it as a load error instead
+    verify_algorithm      what this rank's records are digested with: "auto" (default:
+                          "xxh3-64" for KV in host memory, "torch-mix64-v1" for KV in
+                          device memory) or either name; a reader checks each record
+                          with the algorithm it names. Engines with KV in device memory
+                          read "xxh3-64" records unverified: where such engines share a
+                          store with host ones, give the host ones "torch-mix64-v1"
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from typing import Any
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeConfigError, Protocol
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.verify_config import VerifySettings, parse_verify
+from kvbridge.layouts.digests import ALGORITHMS
 
 MiB = 1 << 20
 _FIELD = "kv_connector_extra_config"
@@ -75,6 +83,7 @@ class MooncakeStoreSettings(VerifySettings):
     scheduler_segment_size: int = 0
     reconnect_interval_s: float = 1.0
     abandon_grace_s: float = 5.0
+    verify_algorithm: str = "auto"
 
     def client_config(self, *, segment_size: int | None = None) -> MooncakeConfig:
         """The store client's config (worker halves lend ``global_segment_size``)."""
@@ -98,7 +107,7 @@ _INT = ("global_segment_size", "local_buffer_size", "scheduler_segment_size")
 _FLOAT = ("op_timeout_s", "lookup_timeout_s", "reconnect_interval_s", "abandon_grace_s")
 _BOOL = ("load_async", "lookup", "lookup_every_layer", "verify_allow_unverified")
 _STR = ("master_address", "metadata_server", "protocol", "device_name", "client_scope",
-        "verify")
+        "verify", "verify_algorithm")
 _SPEC = (*_STR, *_INT, *_FLOAT, *_BOOL, "verify_sample")
 
 
@@ -120,7 +129,7 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeStoreSettings:
                                                  f"{example!r} (`kvbridge mooncake master` "
                                                  f"prints both)")
         values[key] = value
-    for key in ("protocol", "device_name", "client_scope", "verify"):
+    for key in ("protocol", "device_name", "client_scope", "verify", "verify_algorithm"):
         if key in extra:
             if not isinstance(extra[key], str):
                 raise ConfigError(f"{_FIELD}.{key}", f"expected a string, got {extra[key]!r}")
@@ -151,6 +160,10 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeStoreSettings:
             raise ConfigError(f"{_FIELD}.client_scope",
                               f"expected one of {[s.value for s in ClientScope]}, "
                               f"got {values['client_scope']!r}") from None
+    if values.get("verify_algorithm", "auto") not in ("auto", *ALGORITHMS):
+        raise ConfigError(f"{_FIELD}.verify_algorithm", f"expected 'auto' or one of "
+                                                        f"{list(ALGORITHMS)}, got "
+                                                        f"{values['verify_algorithm']!r}")
     policy = parse_verify(extra, _FIELD)
     values["verify"] = policy.mode
     values["verify_sample"] = policy.sample_fraction

@@ -26,8 +26,9 @@ contiguous slice, so each store object (one layer of one block, see
   also when this rank holds none of its layers.
 * **Digests** (issue 18): every block put (unless ``verify`` is off) goes with a digest record of this
   rank's part of it (:mod:`.records`: XXH3-64 of the block's bytes in each
-  layer, taken from the tensor after the fence while the zero-copy put of the
-  same bytes runs), under a companion key put by a second call beside the KV
+  layer for KV in host memory, ``torch-mix64-v1`` on the tensors' device for
+  KV in device memory, taken from the tensor after the fence while the
+  zero-copy put of the same bytes runs), under a companion key put by a second call beside the KV
   put. A load gets the records of the blocks its policy checks (``verify``:
   every block, a deterministic sample, or none) in a call of their own beside
   the KV gets, and once a block's bytes landed digests them in place and
@@ -40,9 +41,10 @@ contiguous slice, so each store object (one layer of one block, see
   logged once per load with the engine, request, block and key, and the
   block's keys on this rank are removed (force) so the recomputed block can
   be stored again (a put keeps an existing key's value). A block stored
-  without a record (an older version, or KV in device memory, which is not
-  digested here) is loaded unverified and counted (``blocks_unverified``) or,
-  with ``verify_allow_unverified`` false, is a load error.
+  without a record (an older version, a writer with ``verify`` off), or whose
+  record names an algorithm this rank cannot take (XXH3-64 read into device
+  memory), is loaded unverified and counted (``blocks_unverified``) or, with
+  ``verify_allow_unverified`` false, is a load error.
 * **Bounded**: each Mooncake call is bounded by the client (reachability
   check first, then ``op_timeout_s``). After a *timed-out* get the rank waits
   at most ``abandon_grace_s`` for the abandoned call before reporting, so a
@@ -71,7 +73,7 @@ from typing import Any
 from kvbridge.backends.fence import Fence, record_fence, wait_fence
 from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient, PendingBatch
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
-from kvbridge.connectors.errors import ContractError
+from kvbridge.connectors.errors import ConfigError, ContractError
 from kvbridge.connectors.load_outcomes import LoadOutcomes
 from kvbridge.connectors.mooncake_store import clients
 from kvbridge.connectors.mooncake_store.load_verify import Verified, checked_blocks, verify_blocks
@@ -124,7 +126,7 @@ class MooncakeStoreWorker(WorkerConnector):
         self._outcomes = LoadOutcomes()
         self._orphans: list[str] = []  # keys of timed-out puts, removed once idle
         self._policy = settings.verify_policy
-        #: record tables and in-place digests; None when the KV is not in host memory
+        #: record tables and in-place digests (host memory: XXH3-64; device: torch-mix64-v1)
         self.digests: RankDigests | None = None
         self._stats: dict[str, int | float] = {
             "put_calls": 0, "put_keys": 0, "put_bytes": 0, "put_time_s": 0.0,
@@ -146,14 +148,12 @@ class MooncakeStoreWorker(WorkerConnector):
     def register_kv_caches(self, caches: KVCaches) -> None:
         plans = build_plans(caches, self.ctx, self.rank)
         on_host = all(str(getattr(t, "device", "cpu")) == "cpu" for t in caches.layers.values())
-        digests = RankDigests(plans, owner=caches) if on_host else None
-        if not on_host:
-            logger.warning("mooncake store rank %s: KV in device memory is not digested; "
-                           "blocks are stored without digest records and loaded %s",
-                           self.ctx.worker_index,
-                           "unverified" if self._policy.allow_unverified or
-                           not self._policy.enabled else "as load errors "
-                           "(verify_allow_unverified is false)")
+        chosen = self.settings.verify_algorithm
+        try:
+            digests = RankDigests(plans, owner=caches, tensors=caches.layers, on_host=on_host,
+                                  algorithm=None if chosen == "auto" else chosen)
+        except ValueError as exc:  # xxh3-64 asked for KV in device memory
+            raise ConfigError("kv_connector_extra_config.verify_algorithm", str(exc)) from None
         client = clients.acquire(self._pool_key, self.settings.client_config())
         self.client = client
         try:

@@ -23,11 +23,12 @@ from kvbridge.connectors import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store import clients, store_key
 from kvbridge.connectors.mooncake_store import worker as store_worker
 from kvbridge.connectors.mooncake_store.records import digest_key_prefix
+from kvbridge.connectors.mooncake_store.verify import RankDigests
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import RequestSpec
 from kvbridge.engine.workload import check_outputs, make_requests, run_workload
 from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec, namespace_for
-from kvbridge.layouts.digests import sample_selected
+from kvbridge.layouts.digests import TORCH_ALGORITHM, sample_selected
 from tests.connectors.mooncake_store.conftest import store_extra
 
 
@@ -279,20 +280,25 @@ def _worker_stats(engine: Engine) -> dict[str, Any]:
     return stats
 
 
-@pytest.mark.parametrize("parts", [1, 4], ids=["one-get", "pipelined"])
+@pytest.mark.parametrize(("parts", "algorithm"),
+                         [(1, "auto"), (4, "auto"), (1, TORCH_ALGORITHM)],
+                         ids=["one-get", "pipelined", "torch-mix64"])
 def test_overwritten_object_is_detected_and_only_its_blocks_recomputed(
-        held_store: tuple[dict[str, Any], MooncakeStoreClient], parts: int,
+        held_store: tuple[dict[str, Any], MooncakeStoreClient], parts: int, algorithm: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``pipelined``: parts of one block each, every get started while the block
-    before is hashed (``PIPELINE_MIN_BYTES`` lowered: tiny-gqa blocks are small)."""
+    before is hashed (``PIPELINE_MIN_BYTES`` lowered: tiny-gqa blocks are small).
+    ``torch-mix64``: the digests a rank with KV in device memory takes (on the
+    tensors' device: here the CPU), put and checked the same way."""
     extra, client = held_store
     if parts > 1:
         monkeypatch.setattr(store_worker, "PIPELINE_MIN_BYTES", 1)
     _scratch_registered(client)
+    seed = 40 + parts + (10 if algorithm != "auto" else 0)
     (request,) = make_requests(1, prompt_tokens=4 * _BLOCK_TOKENS + 3, max_tokens=2,
-                               seed=40 + parts, prefix=f"digest-full-{parts}")
+                               seed=seed, prefix=f"digest-full-{parts}-{algorithm}")
     hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
-    engine = _both(extra)  # verify: full is the default
+    engine = _both({**extra, "verify_algorithm": algorithm})  # verify: full is the default
     try:
         engine.add_request(request)
         assert not check_outputs(engine.run_until_done(timeout_s=60), [request])
@@ -454,11 +460,82 @@ def test_foreign_or_malformed_record_is_a_failed_load(
     assert stats["corrupt_keys_removed"] == 2 * (4 + 1)
 
 
+def _device_reader(engine: Engine, client: MooncakeStoreClient) -> list[Any]:
+    """Give each worker of ``engine`` the digests a rank with KV in device memory has
+    (no host view: ``torch-mix64-v1`` only), registered like the worker's own; returns
+    the buffers to unregister and the tables replaced (alive until the engine's
+    shutdown unregisters them)."""
+    from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
+
+    buffers: list[Any] = []
+    for w in engine.workers:
+        worker = w.connector
+        assert isinstance(worker, MooncakeStoreWorker)
+        digests = RankDigests(worker.plans, owner=w.caches, tensors=w.caches.layers,
+                              on_host=False)
+        assert digests.algorithms == (TORCH_ALGORITHM,)
+        client.register_buffer(digests.buffer_ptr, digests.buffer.nbytes)
+        buffers.append((digests.buffer_ptr, worker.digests))
+        worker.digests = digests
+    return buffers
+
+
+def test_records_are_checked_with_the_algorithm_they_name(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """A writer taking ``torch-mix64-v1`` digests (as a rank with KV in device memory
+    does) and a reader with the host default: the reader checks those records with
+    ``torch-mix64-v1`` and catches an overwritten object. A reader that can take
+    ``torch-mix64-v1`` only (KV in device memory) serves a host writer's XXH3-64
+    records unverified, or fails them with ``verify_allow_unverified: false``."""
+    extra, client = held_store
+    _scratch_registered(client)
+    torch_req, host_req = make_requests(2, prompt_tokens=3 * _BLOCK_TOKENS + 3, max_tokens=1,
+                                        seed=71, prefix="digest-algorithms")
+    writer = _both({**extra, "verify_algorithm": TORCH_ALGORITHM})
+    try:
+        writer.add_request(torch_req)
+        assert not check_outputs(writer.run_until_done(timeout_s=60), [torch_req])
+    finally:
+        writer.shutdown()
+    reader = _both(extra)
+    try:
+        clean = _load_again(reader, torch_req, "digest-algorithms-clean")
+        stats = _worker_stats(reader)
+        assert clean.num_external_tokens == 3 * _BLOCK_TOKENS
+        assert stats["blocks_verified"] == 2 * 3 and stats["digest_mismatches"] == 0
+        hashes = hash_blocks(torch_req.prompt, _BLOCK_TOKENS)
+        ns = _namespace(0)
+        _overwrite(client, store_key(ns, 1, hashes[1]), store_key(ns, 1, hashes[0]))
+        caught = _load_again(reader, torch_req, "digest-algorithms-caught")
+        assert caught.num_external_tokens == 1 * _BLOCK_TOKENS and caught.mismatched_bytes == 0
+        assert _worker_stats(reader)["digest_mismatches"] == 1
+        reader.add_request(host_req)  # stored with XXH3-64 records (this engine's default)
+        assert not check_outputs(reader.run_until_done(timeout_s=60), [host_req])
+    finally:
+        reader.shutdown()
+    for allow in (True, False):
+        device = _both({**extra, "verify_allow_unverified": allow})
+        buffers = _device_reader(device, client)
+        try:
+            result = _load_again(device, host_req, f"digest-algorithms-device-{allow}")
+            stats = _worker_stats(device)
+        finally:
+            device.shutdown()
+            for ptr, _replaced in buffers:
+                client.unregister_buffer(ptr)
+        assert result.mismatched_bytes == 0 and stats["blocks_verified"] == 0
+        if allow:
+            assert result.num_external_tokens == 3 * _BLOCK_TOKENS
+            assert stats["blocks_unverified"] == stats["digests_missing"] == 2 * 3
+        else:
+            assert result.num_external_tokens == 0 and stats["load_errors"] >= 1
+            assert stats["blocks_unverified"] == 0
+
+
 def test_kv_without_host_digests_is_stored_without_records_and_loaded_unverified(
         held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
-    """KV the worker cannot digest (device memory: no host view) is put without records and
-    loaded unverified, counted; here the workers' digest tables are dropped as they are
-    for device memory."""
+    """A worker without digest tables puts no records and loads unverified, counted
+    (here the workers' tables are dropped)."""
     from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
 
     extra, client = held_store

@@ -14,6 +14,8 @@ from kvbridge.connectors.mooncake_store.records import (
     MAGIC,
     RecordTable,
     RecordVerdict,
+    algorithm_id,
+    algorithm_of,
     digest_key_prefix,
     key_digest,
     record_bytes,
@@ -23,12 +25,15 @@ from kvbridge.connectors.mooncake_store.verify import RankDigests
 from kvbridge.connectors.mooncake_store.worker import LayerSlot, RegionPlan
 from kvbridge.layouts import ParallelTopology, load_spec, namespace_for
 from kvbridge.layouts.digests import (
+    ALGORITHM,
     DIGEST_VERSION,
+    TORCH_ALGORITHM,
     BlockDigester,
     DigestMode,
     LayerSpan,
     combine,
     digest_bytes,
+    mix64_digest,
 )
 
 H = bytes(range(32))
@@ -124,3 +129,53 @@ def test_verify_settings_parse_once_with_clear_errors() -> None:
             parse_settings({**EXTRA, key: value})
         assert info.value.field == f"kv_connector_extra_config.{key}"
         assert expected in str(info.value)
+
+
+def test_torch_digests_equal_the_reference_and_records_name_their_algorithm() -> None:
+    """``torch-mix64-v1`` (what a rank with KV in device memory takes, on its device; a
+    host rank can take it too): the reference definition of ``layouts.digests`` over
+    each block's bytes, and the records say which algorithm they were taken with."""
+    import torch
+
+    memory, plan = _kv(num_blocks=5, layers=2, block_bytes=200, stride=264)  # tail words
+    tensors = {layer: torch.from_numpy(memory[layer]) for layer in range(2)}
+    host = RankDigests([plan], owner=memory, tensors=tensors)
+    assert host.algorithm == ALGORITHM and host.algorithms == (ALGORITHM, TORCH_ALGORITHM)
+    got = host.layer_digests(0, [4, 1], TORCH_ALGORITHM)
+    assert got.shape == (2, 2) and got.dtype == np.uint64
+    for row, block in zip(got, [4, 1], strict=True):
+        assert [int(d) for d in row] == [
+            mix64_digest(memory[layer][block * 264:block * 264 + 200].tobytes())
+            for layer in range(2)]
+    assert host.layer_digests(0, [], TORCH_ALGORITHM).shape == (0, 2)
+    device = RankDigests([plan], owner=memory, tensors=tensors, on_host=False)
+    assert device.algorithm == TORCH_ALGORITHM and device.algorithms == (TORCH_ALGORITHM,)
+    assert device.save[0].records["algorithm"][0] == 2 == algorithm_id(TORCH_ALGORITHM)
+    assert host.save[0].records["algorithm"][0] == 1 and algorithm_of(2) == TORCH_ALGORITHM
+    assert algorithm_of(0) is None and algorithm_of(3) is None
+    np.testing.assert_array_equal(device.layer_digests(0, [4, 1]), got)
+    with pytest.raises(ValueError, match="cannot take 'xxh3-64'"):
+        device.layer_digests(0, [0], ALGORITHM)
+    with pytest.raises(ValueError, match="host memory"):
+        RankDigests([plan], owner=memory, tensors=tensors, on_host=False, algorithm=ALGORITHM)
+    chosen = RankDigests([plan], owner=memory, tensors=tensors, algorithm=TORCH_ALGORITHM)
+    assert chosen.algorithms == (TORCH_ALGORITHM, ALGORITHM)
+    # a record checked with another algorithm than the one it names is not trusted
+    ids, keys = [0, 1], [key_digest("d:0"), key_digest("d:1")]
+    chosen.save[0].write(ids, keys, chosen.layer_digests(0, ids))
+    chosen.load[0].records[:] = chosen.save[0].records
+    assert chosen.load[0].failures(ids, keys, chosen.layer_digests(0, ids),
+                                   TORCH_ALGORITHM) == []
+    bad = chosen.load[0].failures(ids, keys, host.layer_digests(0, ids), ALGORITHM)
+    assert [c.verdict for _, c in bad] == [RecordVerdict.INVALID] * 2
+    assert "algorithm 2, expected 1" in bad[0][1].reason
+
+
+def test_verify_algorithm_setting() -> None:
+    assert parse_settings(EXTRA).verify_algorithm == "auto"
+    chosen = parse_settings({**EXTRA, "verify_algorithm": TORCH_ALGORITHM})
+    assert chosen.verify_algorithm == TORCH_ALGORITHM and parse_settings(chosen.to_extra()) == chosen
+    for value in ("crc32", 1, "xxh3-64-slices"):
+        with pytest.raises(ConfigError) as info:
+            parse_settings({**EXTRA, "verify_algorithm": value})
+        assert info.value.field == "kv_connector_extra_config.verify_algorithm"
