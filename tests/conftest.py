@@ -11,8 +11,10 @@ import importlib
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +68,18 @@ def stop_process(proc: subprocess.Popen[str]) -> int:
         proc.kill()
         proc.wait(timeout=10)
         raise
+
+
+def sigstop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait (bounded) until the kernel shows it stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    t_end = time.monotonic() + timeout_s
+    while time.monotonic() < t_end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
 
 
 def plaintext_env() -> dict[str, str]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvbridge.backends.nixl_lanes import MIN_LANE_PART_BYTES, cut, lane_thread_alive
-from tests.conftest import require
+from tests.conftest import require, sigstop
 
 MIB = 1 << 20
 
@@ -170,17 +170,6 @@ def test_lanes_are_bounded() -> None:
 FB, FN = MIB, 8  # 8 MiB: over TCP every part stays in PROC while the peer is stopped
 
 
-def _stop(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    t_end = time.monotonic() + WAIT_S
-    while time.monotonic() < t_end:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop")
-
-
 def test_stalled_peer_over_tcp_times_out_and_every_part_settles(monkeypatch) -> None:
     monkeypatch.setenv("UCX_TLS", "tcp")  # the peer must answer: parts stay in flight
     p = PeerProcess(_name("fpeer"), FN * FB, seed=SEED)
@@ -189,7 +178,7 @@ def test_stalled_peer_over_tcp_times_out_and_every_part_settles(monkeypatch) -> 
         idx = np.arange(FN)
         x = t.post("READ", ldl, idx, rdl, idx, deadline_s=WAIT_S)  # connect every lane
         assert t.wait(x) is XferState.DONE, x.error
-        _stop(p.pid)
+        sigstop(p.pid, WAIT_S)
         local.zero_()
         x = t.post("READ", ldl, idx, rdl, idx, deadline_s=0.3)
         assert t.counters().cut_transfers == 2

@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.conftest import require
+from tests.conftest import require, sigstop
 
 torch = require("torch")
 require("nixl_cu12._api", "NIXL")
@@ -64,18 +64,6 @@ def side(peer):
     yield t, local, ldl, ph, rdl
     final = t.close(strict=False)
     assert final.live == 0, final
-
-
-def _stop(pid: int) -> None:
-    """SIGSTOP and wait (bounded) until the kernel shows the process stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    t_end = time.monotonic() + WAIT_S
-    while time.monotonic() < t_end:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 def pattern(nbytes: int, seed: int) -> torch.Tensor:
@@ -243,7 +231,7 @@ def fault_side(monkeypatch):
 def test_peer_killed_mid_transfer_fails_within_deadline(fault_side) -> None:
     p, t, local, ldl, ph, rdl = fault_side
     idx = np.arange(FN)
-    _stop(p.pid)  # hold the transfer in flight ...
+    sigstop(p.pid, WAIT_S)  # hold the transfer in flight ...
     x = t.post("READ", ldl, idx, rdl, idx, notif=b"doomed", deadline_s=5.0)
     assert t.poll(x) is XferState.PENDING
     p.proc.kill()  # ... then kill the peer under it
@@ -262,7 +250,7 @@ def test_peer_killed_mid_transfer_fails_within_deadline(fault_side) -> None:
 def test_stalled_peer_times_out_and_zombie_settles_after_resume(fault_side) -> None:
     p, t, local, ldl, ph, rdl = fault_side
     idx = np.arange(FN)
-    _stop(p.pid)
+    sigstop(p.pid, WAIT_S)
     try:
         x = t.post("READ", ldl, idx, rdl, idx, notif=b"timed-out", deadline_s=0.5)
         assert t.wait(x, 0.001) is XferState.TIMED_OUT
@@ -297,7 +285,7 @@ def test_release_in_flight_does_not_cancel_nixl_behaviour(fault_side) -> None:
     and leaves ``quiesced`` False so the connector quarantines those blocks."""
     p, t, local, ldl, ph, rdl = fault_side
     idx = np.arange(FN)
-    _stop(p.pid)
+    sigstop(p.pid, WAIT_S)
     try:
         x = t.post("READ", ldl, idx, rdl, idx, deadline_s=0.3)
         assert t.wait(x, 0.001) is XferState.TIMED_OUT
@@ -315,7 +303,7 @@ def test_release_in_flight_does_not_cancel_nixl_behaviour(fault_side) -> None:
 def test_close_force_releases_unsettled_zombies(fault_side) -> None:
     p, t, local, ldl, ph, rdl = fault_side
     idx = np.arange(FN)
-    _stop(p.pid)
+    sigstop(p.pid, WAIT_S)
     try:
         x = t.post("WRITE", ldl, idx, rdl, idx, deadline_s=0.3)
         y = t.post("READ", ldl, [0], rdl, [1], deadline_s=30.0)  # still pending at close
