@@ -178,10 +178,12 @@ class DListEntry:
 
     def release(self) -> None:
         """Release the list on its agent and on every lane."""
-        self.handle.release()
-        for handle in self.lane_handles:
-            handle.release()
-        self.lane_handles = []
+        handles, self.lane_handles = self.lane_handles, []
+        try:
+            self.handle.release()
+        finally:
+            for handle in handles:
+                handle.release()
 
     def lengths(self, idx: np.ndarray) -> np.ndarray:
         if self.group_ends is None:

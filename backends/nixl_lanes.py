@@ -178,8 +178,15 @@ class Lanes:
         if mem_type != "DRAM":
             self.vram = True  # lanes are for host memory only (see the module docstring)
             return
-        for agent, regs in zip(self.agents, self._registrations, strict=True):
-            regs.append(agent.register_memory([(addr, nbytes, device_id, "")], mem_type))
+        if self.broken:
+            return
+        try:
+            for agent, regs in zip(self.agents, self._registrations, strict=True):
+                regs.append(agent.register_memory([(addr, nbytes, device_id, "")], mem_type))
+        except Exception as exc:  # transfers still move, on the transport's own agent
+            self.broken = True
+            logger.warning("nixl lanes: register_memory on a lane failed (%r); transfers are "
+                           "not cut", exc)
 
     def prep(self, target: str, arr: np.ndarray, mem_type: str) -> list[Any]:
         """The same list prepared on every lane agent ([] where lanes are not used)."""

@@ -65,9 +65,6 @@ from kvbridge.layouts.digests import (
 
 MAGIC = b"KVBD"
 RECORD_VERSION = 1
-ALGORITHM_ID = ALGORITHMS.index(ALGORITHM) + 1
-
-
 def algorithm_id(algorithm: str) -> int:
     """The ``algorithm`` field of a record digested with ``algorithm``."""
     return ALGORITHMS.index(algorithm) + 1
