@@ -53,7 +53,7 @@ from .nixl_descs import DListEntry
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_LANES", "MAX_LANES", "MIN_LANE_PART_BYTES", "LanePart", "Lanes",
-           "combined_status", "cut", "release_parts"]
+           "combined_status", "cut", "lane_threads_alive", "release_parts"]
 
 #: lanes of a rank by default: two copies at once on the 2-core hosts measured
 #: (64 x 2 MiB raw READ 6.3 -> 9.8 GB/s; 4 lanes measured 9.2: no core left)
@@ -311,6 +311,8 @@ class Lanes:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def lane_thread_alive() -> int:
-    """How many lane threads exist (for tests: a closed transport leaves none running)."""
-    return sum(1 for t in threading.enumerate() if t.name.startswith("kvbridge-nixl-lane-"))
+def lane_threads_alive(name: str = "") -> int:
+    """How many lane threads of the transport named ``name`` (default: of every
+    transport) are alive: a closed transport leaves none running."""
+    prefix = f"kvbridge-nixl-lane-{name[-8:]}"
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))

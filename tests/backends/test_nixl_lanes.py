@@ -17,7 +17,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvbridge.backends.nixl_lanes import MIN_LANE_PART_BYTES, cut, lane_thread_alive
+from kvbridge.backends.nixl_lanes import MIN_LANE_PART_BYTES, cut, lane_threads_alive
 from tests.conftest import require, sigstop
 
 MIB = 1 << 20
@@ -218,16 +218,15 @@ def test_killed_peer_fails_a_laned_read_and_leaves_nothing() -> None:
 
 
 def test_close_leaves_no_lane_thread(peer) -> None:
-    before = lane_thread_alive()
     t, local, ldl, ph, rdl = _connect(peer, NB, BB, lanes=3)
     x = t.post("READ", ldl, np.arange(NB), rdl, np.arange(NB), deadline_s=WAIT_S)
     assert t.wait(x) is XferState.DONE, x.error
-    assert lane_thread_alive() > before
+    assert lane_threads_alive(t.name) >= 1
     assert t.close().live == 0
     deadline = time.monotonic() + WAIT_S
-    while lane_thread_alive() > before and time.monotonic() < deadline:
+    while lane_threads_alive(t.name) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert lane_thread_alive() == before
+    assert lane_threads_alive(t.name) == 0
 
 
 def test_a_lane_call_that_does_not_return_breaks_the_lanes_not_the_transfer(peer) -> None:
