@@ -59,7 +59,10 @@ PROMPT_LENGTHS = (100, 64, 150, 33)
 LOCAL = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 SERVER_OPTS: dict[str, dict[str, Any]] = {
-    "mla": {"block_size": 16, "dtype": "float32"},
+    # CPU_MLA asked for by name: on a host with AMX tiles vLLM picks AMX_MLA, which
+    # takes 16-bit weights only, and a float32 server then fails at start-up
+    "mla": {"block_size": 16, "dtype": "float32",
+            "extra_args": ("--attention-backend", "CPU_MLA")},
     "hybrid": {"block_size": 32, "dtype": "float32"},
 }
 
