@@ -36,7 +36,9 @@ the packed little-endian layer digests, both with the same function. A rank
 offers the algorithms it can compute (XXH3-64 needs host memory): a host
 rank offers both, preferring XXH3-64 (faster on a CPU core), a GPU rank only
 the torch one; a consumer picks the first of its own preference list that
-the producer offers.
+the producer offers. Each has its slice digests (head slices at another TP):
+``xxh3-64-slices`` and ``torch-mix64-v1-slices`` (:data:`SLICE_ALGORITHMS`), the
+same ranges and the same combination with the block algorithm's function.
 
 ``torch-mix64-v1`` of bytes ``B`` (``n = len(B)``), all arithmetic mod 2^64
 on unsigned 64-bit values, ``>>`` a logical shift:
@@ -314,6 +316,9 @@ class Digester(Protocol):
 
     def block_digests(self, region: int, block_ids: Sequence[int]) -> list[int]: ...
 
+    def slice_digests(self, layers: Sequence[SliceLayer], block_ids: Sequence[int]
+                      ) -> list[int]: ...
+
 
 class BlockDigester:
     """Digests of one rank's blocks in host memory, straight from its KV tensors.
@@ -405,8 +410,25 @@ class BlockDigester:
 #: compared part by part. Negotiated under its own name (a peer that does not list it
 #: is never asked for it).
 SLICE_ALGORITHM = "xxh3-64-slices"
+#: slice digests with ``torch-mix64-v1`` (``layouts.torch_digests.TorchBlockDigester.
+#: slice_digests``): the same ranges and combination, for ranks whose KV is in GPU memory
+TORCH_SLICE_ALGORITHM = "torch-mix64-v1-slices"
+#: each slice algorithm and the block algorithm whose digester computes it (a region
+#: read whole is answered with that algorithm's block digest: its slice digest)
+SLICE_ALGORITHMS: Mapping[str, str] = {SLICE_ALGORITHM: ALGORITHM,
+                                       TORCH_SLICE_ALGORITHM: TORCH_ALGORITHM}
 #: version of the slice digest definition (:meth:`BlockDigester.slice_digests`)
 SLICE_DIGEST_VERSION = 1
+
+
+def slice_algorithm_of(block_algorithm: str) -> str | None:
+    """The slice algorithm a block algorithm's digester computes (None: none)."""
+    return next((s for s, b in SLICE_ALGORITHMS.items() if b == block_algorithm), None)
+
+
+def block_algorithm_of(algorithm: str) -> str:
+    """The block algorithm behind ``algorithm``: itself, or a slice algorithm's base."""
+    return SLICE_ALGORITHMS.get(algorithm, algorithm)
 
 #: one layer's part of a slice: ``(layer id, ((offset, length), ...))``, byte ranges
 #: within that layer's block, in the order they are hashed

@@ -32,7 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvbridge.layouts.digests import TORCH_ALGORITHM, mix64_keys
+from kvbridge.layouts.digests import (
+    TORCH_ALGORITHM,
+    SliceLayer,
+    merge_ranges,
+    mix64_combine,
+    mix64_keys,
+)
 from kvbridge.layouts.errors import LayoutError
 
 #: scratch words per tile on a CPU: two ~256 KiB tensors that stay in a core's cache, and
@@ -234,6 +240,89 @@ class TorchBlockDigester:
         combined = _mix_rows(layer_digests, keys[:width])
         lengths = torch.full((1,), width * 8, dtype=torch.int64, device=self.device)
         return [_unsigned(v) for v in _finish(combined[:, None], lengths)[:, 0].tolist()]
+
+
+    def slice_digests(self, layers: Sequence[SliceLayer], block_ids: Sequence[int]
+                      ) -> list[int]:
+        """The ``torch-mix64-v1-slices`` digest of each of ``block_ids`` over the byte
+        ranges ``layers`` names: per layer (ascending id), ``torch-mix64-v1`` of the
+        concatenation of the block's bytes ``[offset, offset + length)`` in the order the
+        ranges are given, word positions counted from the first byte of that
+        concatenation; the block's slice digest combines them as a block digest
+        (:func:`~layouts.digests.mix64_combine`). The twin of
+        ``layouts.digests.BlockDigester.slice_digests`` with this algorithm: a layer whose
+        single range is its whole block has its layer digest, and whole ranges of every
+        layer of a region give the block digest. The ranges' bytes of all the blocks are
+        gathered on the device, tile by tile (bounded scratch), never to the host."""
+        prepared = []
+        num_blocks = None
+        for layer_id, ranges in sorted(layers, key=lambda item: item[0]):
+            layer = self._layers.get(layer_id)
+            if layer is None:
+                raise LayoutError("slice", f"no span for layer {layer_id}")
+            merged = merge_ranges(ranges)
+            bad = next(((o, n) for o, n in merged if o < 0 or o + n > layer.block_bytes), None)
+            if bad is not None:
+                raise LayoutError("slice", f"range {bad} of layer {layer_id} outside its "
+                                           f"{layer.block_bytes}-byte block")
+            num_blocks = layer.num_blocks if num_blocks is None else min(num_blocks,
+                                                                         layer.num_blocks)
+            prepared.append((layer, merged))
+        ids_list = [int(b) for b in block_ids]
+        if ids_list and num_blocks is not None:
+            bad_id = next((b for b in ids_list if not 0 <= b < num_blocks), None)
+            if bad_id is not None:
+                raise LayoutError("block_id", f"block {bad_id} outside [0, {num_blocks})")
+        if not ids_list:
+            return []
+        if not prepared:
+            return [mix64_combine(())] * len(ids_list)
+        ids = torch.tensor(ids_list, dtype=torch.int64, device=self.device)
+        sums = torch.stack([self._slice_sums(layer, merged, ids) for layer, merged in prepared],
+                           dim=1)
+        lengths = torch.tensor([sum(n for _o, n in merged) for _layer, merged in prepared],
+                               dtype=torch.int64, device=self.device)
+        layer_digests = _finish(sums, lengths)
+        width = layer_digests.shape[1]
+        keys = self._keys if width <= self._keys.numel() else \
+            torch.from_numpy(_signed(mix64_keys(0, width)).copy()).to(self.device)
+        combined = _mix_rows(layer_digests, keys[:width])
+        total = torch.full((1,), width * 8, dtype=torch.int64, device=self.device)
+        return [_unsigned(v) for v in _finish(combined[:, None], total)[:, 0].tolist()]
+
+    def _slice_sums(self, layer: _Layer, merged: tuple[tuple[int, int], ...],
+                    ids: torch.Tensor) -> torch.Tensor:
+        """``S`` of the concatenated ranges ``merged`` of each block ``ids`` of one layer
+        (int64 [len(ids)], on the device). Word-aligned ranges of an aligned layer are
+        gathered as int64 words; any other as bytes, zero-padded to whole words."""
+        rows = int(ids.numel())
+        out = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        total = sum(n for _o, n in merged)
+        if not total:
+            return out
+        if layer.words is not None and all(o % 8 == 0 and n % 8 == 0 for o, n in merged):
+            index = torch.cat([torch.arange(o // 8, (o + n) // 8, dtype=torch.int64)
+                               for o, n in merged]).to(self.device)
+            source, width = layer.words, total // 8
+        else:  # bytes: a tail or an offset inside a word
+            index = torch.cat([torch.arange(o, o + n, dtype=torch.int64)
+                               for o, n in merged]).to(self.device)
+            source, width = layer.raw, total
+        cols = min(width, self._chunk if source is layer.words else self._chunk * 8)
+        step = max(1, (self._chunk * (1 if source is layer.words else 8)) // cols)
+        for r0 in range(0, rows, step):
+            rows_ids = ids[r0:r0 + step, None]
+            for c0 in range(0, width, cols):
+                tile = source[rows_ids, index[None, c0:c0 + cols]]
+                if source is layer.words:
+                    out[r0:r0 + step] += self._mix_sum(tile, c0)
+                    continue
+                # bytes: c0 is a multiple of 8 (cols is, unless it is the whole width)
+                pad = -tile.shape[1] % 8
+                if pad:
+                    tile = torch.nn.functional.pad(tile, (0, pad))
+                out[r0:r0 + step] += self._mix_sum(tile.contiguous().view(torch.int64), c0 // 8)
+        return out
 
 
 def _mix_rows(tile: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

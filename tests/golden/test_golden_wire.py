@@ -633,9 +633,10 @@ def test_every_vector_file_is_checked() -> None:
     assert len(names) == len(VECTORS)
     on_disk = {p.name for p in VECTORS_DIR.iterdir() if p.is_file()}
     # block digests are not a message: tests/layouts/test_digests.py and
-    # test_torch_digests.py check their files (test_slice_digests.py the slice digests')
+    # test_torch_digests.py check their files (test_slice_digests.py the slice digests',
+    # both algorithms)
     assert on_disk - {"block_digests.txt", "block_digests_torch_mix64.txt",
-                      "slice_digests.txt"} == names
+                      "slice_digests.txt", "slice_digests_torch_mix64.txt"} == names
 
 
 def test_events_vectors_are_the_formats_vllm_reads() -> None:

@@ -27,7 +27,9 @@ Checks (``--checks`` selects; default all, in this order):
 * ``digests``    -- ``torch-mix64-v1`` block digests (issue 18) of KV on the device
   equal those of a CPU copy of the same bytes and the numpy reference (padded
   pages, a tail word, an unaligned span), a bit flipped on the device changes
-  exactly its block's digest; GB/s on the device against XXH3-64 of host bytes.
+  exactly its block's digest; ``torch-mix64-v1-slices`` head-slice digests
+  (ranges gathered on the device as words, and as bytes inside words) equal the
+  CPU's and the reference; GB/s on the device against XXH3-64 of host bytes.
 
 Usage: ``python3 tests/gpu/gpu_checks.py [--checks env,cuda_ipc,...] [--json FILE]
 [--quick]`` from the repository root with ``kvbridge`` importable.
@@ -409,11 +411,23 @@ def check_digests(args: argparse.Namespace) -> dict[str, Any]:
         changed = [b for b, x, y in zip(ids, on_device, flipped, strict=True) if x != y]
         if changed != [3]:
             raise RuntimeError(f"{name}: a bit flipped in block 3 changed blocks {changed}")
+        # head-slice digests (torch-mix64-v1-slices): word-aligned ranges and ranges
+        # inside words, gathered on the device, against the CPU and the reference
+        here = host.to(device)
+        for layers in (((0, ((8, 64), (128, 16))), (1, ((0, 8),))),
+                       ((0, ((3, 29), (200, 1))), (1, ((block_bytes - 6, 6),)))):
+            want = [mix64_combine([mix64_digest(b"".join(
+                raw[offset + b * stride + o:offset + b * stride + o + n].tobytes()
+                for o, n in ranges)) for _layer, ranges in layers]) for b in ids]
+            got = digester(here).slice_digests(layers, ids)
+            if not got == digester(host).slice_digests(layers, ids) == want:
+                raise RuntimeError(f"{name}: slice digests {layers}: device {got} "
+                                   f"reference {want}")
     patterns = QUICK_PATTERNS if args.quick else ((4096, 16 << 10), (64, 2 << 20))
     rates = [digest_rates(nb, bb, iters=args.iters, device=args.device) for nb, bb in patterns]
     if not all(r["same_on_cpu"] for r in rates):
         raise RuntimeError(f"device digests differ from the CPU's: {rates}")
-    return {"device": str(device), "cases": sorted(cases), "rates": [
+    return {"device": str(device), "cases": sorted(cases), "slices": True, "rates": [
         {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rates]}
 
 
