@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 from kvbridge.tools.trace_events import TraceError, TraceRecorder
 
@@ -67,7 +67,7 @@ def _msg_fields(msg: Any) -> tuple[str, dict[str, Any]]:
 def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[str, Any]:
     """Each checked block of a finished load: the producer's digest against the digest
     of the bytes that landed (taken again here: the trace pays for it, not the load)."""
-    from kvbridge.layouts.digests import ALGORITHM, SLICE_ALGORITHM, unpack
+    from kvbridge.layouts.digests import block_algorithm_of, unpack
 
     blocks = []
     for p, ask in sorted(recv.digest_asks.items()):
@@ -86,12 +86,13 @@ def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[st
                 except Exception:
                     pass  # malformed: shown as no digest (the load failed these blocks)
             # the digester of the algorithm asked of that producer rank (torch-mix64-v1
-            # when either side's KV is in GPU memory; XXH3-64 for head slices)
+            # when either side's KV is in GPU memory; a slice algorithm's block algorithm
+            # for head slices and the whole regions of a slice ask)
             sliced = r in getattr(ask, "slices", ())  # head slices: the part from p
             alg = recv.digest_algorithms.get(p)
-            digester = worker._digesters.get(ALGORITHM if sliced or alg == SLICE_ALGORITHM
-                                             else alg, worker._digester)
-            have = (cast(Any, digester).slice_digests(ask.slice_ranges[r], ids) if sliced
+            digester = worker._digesters.get(block_algorithm_of(alg) if alg else alg,
+                                             worker._digester)
+            have = (digester.slice_digests(ask.slice_ranges[r], ids) if sliced
                     else digester.block_digests(r, ids))
             for block, expected, actual in zip(ids, want, have, strict=True):
                 blocks.append({"region": r, "block": block, "producer_rank": p,

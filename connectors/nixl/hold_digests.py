@@ -3,7 +3,8 @@
 As a pull hold starts (the KV is final) the rank takes the digests of the
 request's blocks in its first algorithm, in the others consumers asked for
 before, and the head-slice digests of the consumer ranks it knows that read
-slices of it (at most ``MAX_HOLD_SLICE_PLANS`` plans); a ``begin`` asking for
+slices of it (at most ``MAX_HOLD_SLICE_PLANS`` plans, each in the slice algorithm
+that consumer rank will ask for); a ``begin`` asking for
 digests is answered from them (taken then, of the asked blocks only, when its
 consumer rank or algorithm was not known as the hold started).
 
@@ -23,6 +24,7 @@ from kvbridge.connectors.nixl.verify import (
     MAX_ASK_BLOCKS,
     SlicePlan,
     answer_ask,
+    answered_slice_algorithm,
     producer_slice_plan,
     slice_bytes,
     take_hold_digests,
@@ -35,7 +37,7 @@ from kvbridge.connectors.nixl.worker_state import (
     logger,
 )
 from kvbridge.layouts import LayoutError, ParallelTopology
-from kvbridge.layouts.digests import ALGORITHM, SLICE_ALGORITHM
+from kvbridge.layouts.digests import SLICE_ALGORITHMS
 from kvbridge.layouts.plan import plan_consumer_rank
 
 #: consumer-rank plans a producer rank takes slice digests for as a hold starts, at most
@@ -119,29 +121,31 @@ class HoldDigests(WorkerState):
 
     def _take_hold_slices(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> None:
         """Producer, as a hold starts: slice digests of the request's blocks for every
-        consumer rank this rank knows that reads head slices of it (its hello listed
-        ``xxh3-64-slices``), at most :data:`MAX_HOLD_SLICE_PLANS` plans."""
-        xxh3 = self._xxh3
-        if xxh3 is None:
-            return  # no slice digests offered (GPU memory)
-        held: tuple[dict[int, int], ...] | None = None
-        taken: dict[ParallelTopology, tuple[dict[int, int], ...]] = {}
+        consumer rank this rank knows that reads head slices of it (its hello listed a
+        slice algorithm this rank computes: the one it will ask for), at most
+        :data:`MAX_HOLD_SLICE_PLANS` plans."""
+        mine = self._slice_algorithms
+        if not mine:
+            return  # no slice digests offered
+        taken: dict[tuple[ParallelTopology, str], tuple[dict[int, int], ...]] = {}
         for consumer in self._consumers.values():
-            topology = consumer.meta.topology
-            if topology in taken or SLICE_ALGORITHM not in consumer.meta.digests:
+            alg = answered_slice_algorithm(consumer.meta.digests, mine)
+            key = (consumer.meta.topology, alg or "")
+            if alg is None or key in taken:
                 continue
-            plan = self._slice_plan(topology)
+            plan = self._slice_plan(consumer.meta.topology)
             if plan is None or not plan.needed:
                 continue
             if len(taken) >= MAX_HOLD_SLICE_PLANS:
                 break
-            try:
-                if held is None:  # XXH3-64 block digests: the slices of regions read whole
-                    held = self._held_digests(request_id, ALGORITHM,
-                                              self._hold_digests[request_id])
-                    assert held is not None
+            slicer = self._slicer(alg)
+            assert slicer is not None
+            try:  # the block digests in its block algorithm: the slices of regions read whole
+                held = self._held_digests(request_id, SLICE_ALGORITHMS[alg],
+                                          self._hold_digests[request_id])
+                assert held is not None
                 started = time.perf_counter()
-                taken[topology] = take_slice_digests(xxh3, plan, block_ids, held)
+                taken[key] = take_slice_digests(slicer, plan, block_ids, held)
             except LayoutError as exc:
                 logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice "
                                "digests: %s", self.ctx.engine_id, self.rank_index,
@@ -164,11 +168,11 @@ class HoldDigests(WorkerState):
         """Producer: slice digests of the blocks a ``begin`` asks for, as read by the
         consumer rank that sent it: those taken at hold start, else taken now (only of
         asked blocks this rank holds for the request), or () and why not."""
-        xxh3 = self._xxh3
-        if xxh3 is None:
+        slicer = self._slicer(begin.algorithm)
+        if slicer is None:
             return (), f"no {begin.algorithm} digests on producer rank {self.rank_index}"
-        try:  # the XXH3-64 block digests (the slices of regions read whole)
-            held = self._held_digests(begin.request_id, ALGORITHM,
+        try:  # the block digests in its block algorithm (the slices of regions read whole)
+            held = self._held_digests(begin.request_id, SLICE_ALGORITHMS[begin.algorithm],
                                       self._hold_digests.get(begin.request_id))
         except LayoutError as exc:
             return (), f"no slice digests: {exc}"
@@ -180,7 +184,8 @@ class HoldDigests(WorkerState):
             return (), f"consumer rank {topology.describe()} reads nothing of producer rank " \
                        f"{self.rank_index}"
         taken = self._hold_slices.setdefault(begin.request_id, {})
-        mine = taken.get(topology)
+        key = (topology, begin.algorithm)
+        mine = taken.get(key)
         if len(begin.digest_ids) > len(held):
             return (), f"asked for {len(begin.digest_ids)} regions; the request has {len(held)}"
         # the consumer rank was not known as the hold started: hash the asked blocks it
@@ -194,7 +199,7 @@ class HoldDigests(WorkerState):
                 return (), f"more than {MAX_ASK_BLOCKS} digests asked"
             started = time.perf_counter()
             try:
-                new = take_slice_digests(xxh3, plan, missing, held)
+                new = take_slice_digests(slicer, plan, missing, held)
             except LayoutError as exc:
                 return (), f"no slice digests: {exc}"
             self._count_slices(started, plan, missing, "slice_digests_at_begin")
@@ -202,7 +207,7 @@ class HoldDigests(WorkerState):
                          {**(mine[r] if mine is not None and r < len(mine) else {}),
                           **(new[r] if r < len(new) else {})}
                          for r in range(len(held)))
-            taken[topology] = mine
+            taken[key] = mine
         answer = answer_ask(mine, begin.digest_ids)
         if isinstance(answer, str):
             return (), answer

@@ -34,7 +34,7 @@ from kvbridge.connectors.nixl.worker_state import (
 )
 from kvbridge.connectors.params import TransferMode
 from kvbridge.handshake import decode_agent
-from kvbridge.layouts.digests import SLICE_ALGORITHM
+from kvbridge.layouts.digests import SLICE_ALGORITHMS
 from kvbridge.layouts.plan import plan_transfer
 
 #: NIXL may deliver a consumer rank's READ notification before its hello, so a
@@ -109,7 +109,7 @@ class HoldSide(WorkerState):
             # describe the blocks it read (the ack decides whether they were still held)
             if msg.digest_ids:
                 digests, why = self._slice_digests_for(msg, consumer) \
-                    if msg.algorithm == SLICE_ALGORITHM else self._digests_for(msg)
+                    if msg.algorithm in SLICE_ALGORITHMS else self._digests_for(msg)
                 reason = reason or why
             self._send_to(sender, messages.Held(msg.request_id, self.rank_index,
                                                 lease_s is not None, lease_s or 0.0, reason,

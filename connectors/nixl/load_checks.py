@@ -30,6 +30,7 @@ from kvbridge.connectors.nixl.verify import (
     check_answer,
     check_slices,
     count_slices,
+    pick_slice_algorithm,
     plan_ask,
     plan_slice_check,
     slice_bytes,
@@ -38,7 +39,7 @@ from kvbridge.connectors.nixl.verify import (
 from kvbridge.connectors.nixl.worker_state import WorkerState, logger
 from kvbridge.connectors.params import TransferMode
 from kvbridge.handshake import AgentMetadata
-from kvbridge.layouts.digests import ALGORITHM, SLICE_ALGORITHM, pick_algorithm
+from kvbridge.layouts.digests import SLICE_ALGORITHMS, block_algorithm_of, pick_algorithm
 
 
 class LoadChecks(WorkerState):
@@ -70,7 +71,8 @@ class LoadChecks(WorkerState):
         # push: the producer maps registered blocks to its own (ids unused here)
         pull = recv.params.mode is TransferMode.PULL
         ask = plan_ask(policy, recv.request_id, regions, recv.consumer_block_ids,
-                       recv.producer_block_ids if pull else recv.consumer_block_ids, slices)
+                       recv.producer_block_ids if pull else recv.consumer_block_ids, slices,
+                       check.algorithm)
         if slices:
             ask = replace(ask, slice_ranges=check.ranges[p],
                           slice_sources={r: check.sources[r] for r in slices})
@@ -79,11 +81,12 @@ class LoadChecks(WorkerState):
                                                    f"load")
         if not ask.num_blocks:
             return None
-        if ask.algorithm != SLICE_ALGORITHM:  # whole blocks only: the session's choice
+        if ask.algorithm not in SLICE_ALGORITHMS:  # whole blocks only: the session's choice
             alg = session.digest_algorithms.get(p)
             assert alg is not None  # regions are checked only with an algorithm in common
             ask = replace(ask, algorithm=alg)
-        # xxh3-64-slices covers the whole ask (a region read whole: its XXH3-64 digest)
+        # a slice algorithm covers the whole ask (a region read whole: its block digest in
+        # the slice algorithm's block algorithm)
         recv.digest_asks[p] = ask
         recv.digest_algorithms[p] = ask.algorithm
         return ask
@@ -155,8 +158,8 @@ class LoadChecks(WorkerState):
             packed = recv.digests.get(p)
             if packed is None:
                 continue  # counted unverified when the answer came
-            alg = recv.digest_algorithms[p]  # a slice ask's whole regions: XXH3-64 digests
-            digester = self._digesters[ALGORITHM if alg == SLICE_ALGORITHM else alg]
+            # a slice ask's whole regions: block digests in its block algorithm
+            digester = self._digesters[block_algorithm_of(recv.digest_algorithms[p])]
             started = time.perf_counter()
             verified, mismatched = check_answer(ask, packed, digester,
                                                 whole_load=recv.params.mode is TransferMode.PUSH)
@@ -172,11 +175,16 @@ class LoadChecks(WorkerState):
 
     def _slice_check(self, session: PeerSession) -> SliceCheck:
         """Consumer: the regions of ``session``'s plan checked with slice digests (those
-        no producer rank covers whole, each of whose sources offers them); once."""
+        no producer rank covers whole, each of whose sources offers them), in the first
+        slice algorithm of this rank's that a producer rank offers; once."""
         if session.slice_check is None:
-            if self._xxh3 is None:
-                session.slice_check = SliceCheck(why="this rank computes no XXH3-64 digests "
-                                                     "(GPU memory): head slices need them")
+            offered = {m.rank_index: m.digests for m in session.metadata.ranks}
+            alg = pick_slice_algorithm(self._slice_algorithms, offered)
+            if alg is None:
+                session.slice_check = SliceCheck(
+                    why=f"no producer rank offers slice digests this rank computes "
+                        f"({list(self._slice_algorithms)}): an older kvbridge, or "
+                        f"verification off there")
             else:
                 whole = {}
                 for p in session.rank_plan.sources:
@@ -184,9 +192,8 @@ class LoadChecks(WorkerState):
                     if known is None:
                         known = session.digest_regions[p] = self._digest_regions(session, p)
                     whole[p] = known[0]
-                offering = [m.rank_index for m in session.metadata.ranks
-                            if SLICE_ALGORITHM in m.digests]
-                session.slice_check = plan_slice_check(session.rank_plan, whole, offering)
+                offering = [p for p, algs in offered.items() if alg in algs]
+                session.slice_check = plan_slice_check(session.rank_plan, whole, offering, alg)
         return session.slice_check
 
     def _verify_slices(self, recv: RecvTransfer, bad: set[tuple[int, int]]) -> None:
@@ -195,8 +202,6 @@ class LoadChecks(WorkerState):
         asks = {p: a for p, a in recv.digest_asks.items() if a.slices}
         if not asks:
             return
-        xxh3 = self._xxh3
-        assert xxh3 is not None  # slice regions are chosen only with it
         matched: dict[int, list[tuple[int, int]]] = {}
         failed: set[tuple[int, int]] = set()
         started = time.perf_counter()
@@ -205,7 +210,11 @@ class LoadChecks(WorkerState):
             packed = recv.digests.get(p)
             if packed is None:
                 continue  # no answer: its parts stay unchecked (counted below)
-            matched[p], mismatched = check_slices(ask, packed, xxh3,
+            if not any(ask.consumer_ids[r] for r in ask.slices):
+                continue  # sampling chose none of its slice blocks (a block algorithm ask)
+            slicer = self._slicer(ask.algorithm)
+            assert slicer is not None  # slice blocks are asked only in an algorithm of ours
+            matched[p], mismatched = check_slices(ask, packed, slicer,
                                                   whole_load=recv.params.mode is TransferMode.PUSH)
             failed.update(mismatched)
             nbytes += sum(len(ask.consumer_ids[r]) * slice_bytes(ask.slice_ranges[r])

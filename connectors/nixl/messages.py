@@ -21,7 +21,8 @@ Kinds (``C`` = consumer rank, ``P`` = producer rank):
   ``read`` (see ``held``). Optional ``dig``/``alg``: the producer block ids,
   per region, whose digests (``layouts.digests``, algorithm ``alg``) the
   consumer asks for; sent only to a producer whose handshake advertised ``alg``.
-  With ``alg = "xxh3-64-slices"`` every asked digest is a slice digest: over the
+  With a slice algorithm (``alg = "xxh3-64-slices"`` or
+  ``"torch-mix64-v1-slices"``) every asked digest is a slice digest: over the
   bytes this consumer rank reads of the block from this producer rank
   (``connectors.nixl.verify``); ``held`` and ``pushed`` answer in the same algorithm.
 * ``held`` P->C (pull): the answer to ``begin``. ``ok=True`` promises that the

@@ -41,7 +41,7 @@ from kvbridge.connectors.nixl.worker_state import (
 )
 from kvbridge.connectors.params import TransferMode
 from kvbridge.layouts import LayoutError
-from kvbridge.layouts.digests import ALGORITHM, SLICE_ALGORITHM
+from kvbridge.layouts.digests import SLICE_ALGORITHMS, block_algorithm_of
 from kvbridge.layouts.plan import plan_consumer_rank
 
 
@@ -221,8 +221,8 @@ class PushPath(WorkerState):
                 started = time.perf_counter()
                 job.digests = take_hold_digests(self._digester, job.block_ids)
                 self._count_digests(started, job.block_ids)
-                asked = {ALGORITHM if t.register.algorithm == SLICE_ALGORITHM
-                         else t.register.algorithm for t in job.targets.values()}
+                asked = {block_algorithm_of(t.register.algorithm)
+                         for t in job.targets.values()}
                 for alg in (self._hold_algs | asked) & self._digesters.keys():
                     if self._digesters[alg] is not self._digester:
                         started = time.perf_counter()
@@ -235,7 +235,7 @@ class PushPath(WorkerState):
                 job.digests = ()
         for target in job.targets.values():
             if (job.digests and target.slice_digests is None and not target.finished
-                    and target.register.algorithm == SLICE_ALGORITHM and self._xxh3 is not None):
+                    and self._slicer(target.register.algorithm) is not None):
                 self._take_push_slices(job, target)
         for target in job.targets.values():
             if (target.finished or target.cancelled or target.local is None
@@ -322,7 +322,7 @@ class PushPath(WorkerState):
         reg = target.register
         if ok and reg.algorithm:
             answer = self._push_slice_digests(job, target) \
-                if reg.algorithm == SLICE_ALGORITHM else self._push_digests(job, reg)
+                if reg.algorithm in SLICE_ALGORITHMS else self._push_digests(job, reg)
             if isinstance(answer, str):
                 reason = answer
             else:
@@ -361,20 +361,21 @@ class PushPath(WorkerState):
     def _take_push_slices(self, job: _PushJob, target: _PushTarget) -> None:
         """Producer, push: slice digests of the blocks registered by ``target`` (every
         layer is final), before its remaining WRITEs are posted."""
-        xxh3 = self._xxh3
-        assert xxh3 is not None and job.digests
+        reg = target.register
+        slicer = self._slicer(reg.algorithm)
+        assert slicer is not None and job.digests
         consumer = self._consumers.get(target.peer.name)
         plan = self._slice_plan(consumer.meta.topology) if consumer is not None else None
         target.slice_digests = ()
         if plan is None:
             return
-        reg = target.register
         ids = [job.block_ids[r][start:start + len(reg.block_ids[r])]
                if r < len(job.block_ids) else () for r, start in enumerate(reg.start)]
         started = time.perf_counter()
         try:
-            held = self._push_alg_digests(job, ALGORITHM)  # the slices of regions read whole
-            target.slice_digests = take_slice_digests(xxh3, plan, ids, held)
+            # the block digests in its block algorithm: the slices of regions read whole
+            held = self._push_alg_digests(job, SLICE_ALGORITHMS[reg.algorithm])
+            target.slice_digests = take_slice_digests(slicer, plan, ids, held)
         except LayoutError as exc:
             logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice digests: %s",
                            self.ctx.engine_id, self.rank_index, job.request_id, exc)
@@ -385,7 +386,7 @@ class PushPath(WorkerState):
                             ) -> tuple[bytes, ...] | str:
         """Producer: slice digests of every block written for ``target``, or why none."""
         if not target.slice_digests:
-            return f"no {SLICE_ALGORITHM} digests on producer rank {self.rank_index}"
+            return f"no {target.register.algorithm} digests on producer rank {self.rank_index}"
         reg = target.register
         # a region this consumer rank reads nothing of from this rank (another rank's
         # replicated region) is answered empty: the consumer checks it against that rank

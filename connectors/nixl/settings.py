@@ -11,7 +11,7 @@ from kvbridge.backends.nixl_lanes import DEFAULT_LANES, MAX_LANES
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
 from kvbridge.connectors.verify_config import VERIFY_KEYS, VerifySettings, parse_verify
-from kvbridge.layouts.digests import ALGORITHM, ALGORITHMS, SLICE_ALGORITHM
+from kvbridge.layouts.digests import ALGORITHMS, SLICE_ALGORITHMS
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,9 @@ class NixlSettings(VerifySettings):
     empty (default): both, XXH3-64 first; XXH3-64 is left out when the KV is in
     GPU memory (the torch one runs on the tensors' device). A consumer asks a
     producer for the first of its own that the producer offers. Head-slice
-    digests (``xxh3-64-slices``) are not listed here: a rank that computes
-    ``xxh3-64`` offers and asks for them too (listing them is an error).
+    digests (``xxh3-64-slices``, ``torch-mix64-v1-slices``) are not listed here:
+    a rank that computes a block algorithm offers and asks for its slice
+    digests too, in the same order (listing them is an error).
     """
 
     mode: TransferMode = TransferMode.PULL
@@ -135,10 +136,13 @@ class NixlSettings(VerifySettings):
                     raise ConfigError(where, f"expected true or false, got {value!r}")
                 values[key] = value
             elif key == "verify_algorithms":
-                if isinstance(value, list | tuple) and SLICE_ALGORITHM in value:
-                    raise ConfigError(where, f"{SLICE_ALGORITHM!r} is not a block digest "
-                                             f"algorithm: it is offered with {ALGORITHM!r} "
-                                             f"(the same host digester); list {ALGORITHM!r}")
+                sliced = next((v for v in value if v in SLICE_ALGORITHMS), None) \
+                    if isinstance(value, list | tuple) else None
+                if sliced is not None:
+                    raise ConfigError(where, f"{sliced!r} is not a block digest algorithm: "
+                                             f"it is offered with "
+                                             f"{SLICE_ALGORITHMS[sliced]!r} (the same "
+                                             f"digester); list {SLICE_ALGORITHMS[sliced]!r}")
                 if (not isinstance(value, list | tuple) or not value
                         or not all(isinstance(v, str) for v in value)
                         or any(v not in ALGORITHMS for v in value)):

@@ -16,15 +16,18 @@ every replicated region (MLA latent, sliding-window).
 
 SPLIT regions read as head slices at heterogeneous TP (and blocks split over
 another pipeline split) are compared with *slice digests*
-(``layouts.digests.BlockDigester.slice_digests``, algorithm ``xxh3-64-slices``):
+(``layouts.digests.BlockDigester.slice_digests``, algorithm ``xxh3-64-slices``;
+``torch-mix64-v1-slices`` with ``layouts.torch_digests``, for KV in GPU memory):
 the digest of exactly the bytes one consumer rank reads from one producer
 rank, in ascending order of their offset in the consumer's block
 (:func:`slice_layers`); the producer hashes them at their source offsets, the
 consumer at their destination offsets. A consumer asks for them in the same
-``begin`` (with ``alg = "xxh3-64-slices"``, which then covers every region of
-the ask; a region read whole has its block digest as slice digest) only from
-a producer whose handshake lists that algorithm; an older producer's head
-slices stay unverified as before. A consumer block assembled from several
+``begin`` (with ``alg`` the slice algorithm, which then covers every region of
+the ask; a region read whole has its block digest in the slice algorithm's
+block algorithm as slice digest) only from a producer whose handshake lists
+that algorithm; the consumer takes the first slice algorithm of its own
+preference that a producer rank of the session offers (:func:`pick_slice_algorithm`).
+An older producer's head slices stay unverified as before. A consumer block assembled from several
 producer ranks is verified when every one of them sent a matching slice
 digest (:func:`count_slices`: each block counts once). The producer takes
 slice digests as the hold starts for the consumer ranks it knows (their
@@ -48,7 +51,7 @@ import numpy as np
 from kvbridge.layouts.digests import (
     ALGORITHM,
     SLICE_ALGORITHM,
-    BlockDigester,
+    SLICE_ALGORITHMS,
     Digester,
     SliceLayer,
     VerifyPolicy,
@@ -106,7 +109,7 @@ class DigestAsk:
     positions: tuple[tuple[int, ...], ...] = ()
     #: per region, how many blocks the load has (a push answer covers all of them)
     totals: tuple[int, ...] = ()
-    #: the algorithm asked for: ``xxh3-64-slices`` when a slice region has blocks asked
+    #: the algorithm asked for: the slice algorithm when a slice region has blocks asked
     algorithm: str = ALGORITHM
     #: regions checked with slice digests (counted by :func:`count_slices`, not here)
     slices: frozenset[int] = frozenset()
@@ -129,9 +132,11 @@ class DigestAsk:
 
 def plan_ask(policy: VerifyPolicy, request_id: str, regions: frozenset[int],
              consumer_ids: Sequence[Sequence[int]], producer_ids: Sequence[Sequence[int]],
-             slices: frozenset[int] = frozenset()) -> DigestAsk:
+             slices: frozenset[int] = frozenset(), slice_algorithm: str = SLICE_ALGORITHM
+             ) -> DigestAsk:
     """Which of a load's blocks to check (``regions``: :func:`whole_block_regions`;
-    ``slices``: regions checked with slice digests, :class:`SliceCheck`)."""
+    ``slices``: regions checked with slice digests in ``slice_algorithm``,
+    :class:`SliceCheck`)."""
     cons: list[tuple[int, ...]] = []
     prod: list[tuple[int, ...]] = []
     where: list[tuple[int, ...]] = []
@@ -156,7 +161,7 @@ def plan_ask(policy: VerifyPolicy, request_id: str, regions: frozenset[int],
         prod.append(tuple(p_ids[i] for i in picked))
         where.append(tuple(picked))
     sliced = frozenset(r for r in slices if r < len(cons))
-    algorithm = SLICE_ALGORITHM if any(cons[r] for r in sliced) else ALGORITHM
+    algorithm = slice_algorithm if any(cons[r] for r in sliced) else ALGORITHM
     return DigestAsk(tuple(cons), tuple(prod), unverified, tuple(where),
                      tuple(len(ids) for ids in consumer_ids), algorithm, sliced,
                      tuple(wanted))
@@ -299,11 +304,12 @@ def producer_slice_plan(rank_plan: RankPlan, producer_rank: int, block_bytes: Se
     return SlicePlan(tuple(layers), frozenset(whole))
 
 
-def take_slice_digests(digester: BlockDigester, plan: SlicePlan,
+def take_slice_digests(digester: Digester, plan: SlicePlan,
                        block_ids: Sequence[Sequence[int]], held: Sequence[dict[int, int]]
                        ) -> tuple[dict[int, int], ...]:
     """Producer: ``block id -> slice digest`` per region for one consumer rank's plan:
-    ``held``'s block digests where it reads blocks whole, hashed for the others (only
+    ``held``'s block digests (in the slice algorithm's block algorithm, which
+    ``digester`` computes) where it reads blocks whole, hashed for the others (only
     ``block_ids``; nothing for a region it reads nothing of)."""
     out: list[dict[int, int]] = []
     for r, ids in enumerate(block_ids):
@@ -324,22 +330,44 @@ class SliceCheck:
 
     ``sources[r]``: the producer ranks region ``r``'s bytes come from (each must
     answer); ``ranges[p][r]``: the ranges from producer rank ``p`` (destination
-    offsets); ``why``: why other regions not read whole are left unverified."""
+    offsets); ``why``: why other regions not read whole are left unverified;
+    ``algorithm``: the slice algorithm asked for (:func:`pick_slice_algorithm`)."""
 
     regions: frozenset[int] = frozenset()
     sources: Mapping[int, frozenset[int]] = field(default_factory=dict)
     ranges: Mapping[int, Mapping[int, tuple[SliceLayer, ...]]] = field(default_factory=dict)
     why: str = ""
+    algorithm: str = SLICE_ALGORITHM
 
     def regions_of(self, producer_rank: int) -> frozenset[int]:
         return frozenset(self.ranges.get(producer_rank, {}))
 
 
+def pick_slice_algorithm(mine: Sequence[str], offered: Mapping[int, Sequence[str]]
+                         ) -> str | None:
+    """Consumer: the slice algorithm of a session: the first of ``mine`` (the slice
+    algorithms this rank computes, preference order) that a producer rank offers
+    (``offered[p]``: its handshake's algorithms). A producer rank predicts it with the
+    same rule from the consumer's handshake (:func:`answered_slice_algorithm`)."""
+    return next((alg for alg in mine if any(alg in algs for algs in offered.values())), None)
+
+
+def answered_slice_algorithm(consumer_offers: Sequence[str], mine: Collection[str]
+                             ) -> str | None:
+    """Producer: the slice algorithm a consumer rank whose handshake offers
+    ``consumer_offers`` (its preference order) will ask this rank for, when this rank
+    computes ``mine``: the first slice algorithm of the consumer's that this rank offers
+    (what :func:`pick_slice_algorithm` picks when this rank is the one offering it)."""
+    return next((alg for alg in consumer_offers if alg in SLICE_ALGORITHMS and alg in mine),
+                None)
+
+
 def plan_slice_check(rank_plan: RankPlan, whole: Mapping[int, frozenset[int]],
-                     offering: Collection[int]) -> SliceCheck:
-    """Which regions a consumer rank checks with slice digests: those no producer rank
-    covers whole (``whole[p]``: :func:`whole_block_regions`) whose every source is in
-    ``offering`` (its handshake lists ``xxh3-64-slices``)."""
+                     offering: Collection[int], algorithm: str = SLICE_ALGORITHM
+                     ) -> SliceCheck:
+    """Which regions a consumer rank checks with slice digests in ``algorithm``: those no
+    producer rank covers whole (``whole[p]``: :func:`whole_block_regions`) whose every
+    source is in ``offering`` (its handshake lists ``algorithm``)."""
     chosen: set[int] = set()
     sources: dict[int, frozenset[int]] = {}
     ranges: dict[int, dict[int, tuple[SliceLayer, ...]]] = {}
@@ -358,13 +386,13 @@ def plan_slice_check(rank_plan: RankPlan, whole: Mapping[int, frozenset[int]],
         for p in srcs:
             ranges.setdefault(p, {})[int(region)] = slice_layers(rank_plan, p, region,
                                                                  "consumer")
-    why = (f"producer rank(s) {sorted(lacking)} offer no {SLICE_ALGORITHM} digests (an older "
-           f"kvbridge, GPU memory, or verification off there): the head slices read from "
-           f"them are not verified") if lacking else ""
-    return SliceCheck(frozenset(chosen), sources, ranges, why)
+    why = (f"producer rank(s) {sorted(lacking)} offer no {algorithm} digests (an older "
+           f"kvbridge, no algorithm in common, or verification off there): the head "
+           f"slices read from them are not verified") if lacking else ""
+    return SliceCheck(frozenset(chosen), sources, ranges, why, algorithm)
 
 
-def check_slices(ask: DigestAsk, packed: Sequence[bytes], digester: BlockDigester,
+def check_slices(ask: DigestAsk, packed: Sequence[bytes], digester: Digester,
                  whole_load: bool = False) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Consumer: ``(region, consumer block id)`` of the slice-region blocks whose part
     from this producer rank matched its answer, and of those that did not (a malformed

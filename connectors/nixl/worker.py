@@ -87,10 +87,12 @@ from kvbridge.layouts.digests import (
     ALGORITHM,
     SLICE_ALGORITHM,
     TORCH_ALGORITHM,
+    TORCH_SLICE_ALGORITHM,
     BlockDigester,
     Digester,
     LayerSpan,
     digest_algorithms,
+    slice_algorithm_of,
 )
 from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
 
@@ -124,10 +126,10 @@ def keep_alive(tensors: list[Any], until: float) -> None:
 
 
 #: the digest algorithms this version may offer (its handshake record, see _offered_digests);
-#: slice digests (``xxh3-64-slices``) come right after XXH3-64, whose digester computes
-#: them: host memory, by default ``("xxh3-64", "xxh3-64-slices", "torch-mix64-v1")``; a
-#: GPU rank offers ``torch-mix64-v1`` alone (no head-slice digests without a host digester)
-OFFERED_DIGESTS = (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM)
+#: each block algorithm's slice digests come right after it (its digester computes them):
+#: host memory, by default ``("xxh3-64", "xxh3-64-slices", "torch-mix64-v1",
+#: "torch-mix64-v1-slices")``; a GPU rank ``("torch-mix64-v1", "torch-mix64-v1-slices")``
+OFFERED_DIGESTS = (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
 
 
 class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, ProgressPump,
@@ -205,13 +207,11 @@ class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, Progress
 
     def _offered_digests(self) -> tuple[str, ...]:
         """The algorithms this rank's handshake offers: its digesters' (preference order),
-        with ``xxh3-64-slices`` right after ``xxh3-64`` (the same host digester)."""
+        each followed by its slice algorithm (the same digester computes it)."""
         out: list[str] = []
         for alg in self._digesters:
-            if alg in OFFERED_DIGESTS:
-                out.append(alg)
-            if alg == ALGORITHM and SLICE_ALGORITHM in OFFERED_DIGESTS:
-                out.append(SLICE_ALGORITHM)
+            sliced = slice_algorithm_of(alg)
+            out.extend(a for a in (alg, sliced) if a in OFFERED_DIGESTS)
         return tuple(out)
 
     def get_handshake_metadata(self) -> bytes | None:

@@ -47,7 +47,7 @@ from kvbridge.connectors.params import TransferParams
 from kvbridge.handshake import AgentMetadata, CompatHeader, HandshakeClient
 from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import LayerMemory, ParallelTopology
-from kvbridge.layouts.digests import ALGORITHM, BlockDigester, Digester
+from kvbridge.layouts.digests import SLICE_ALGORITHMS, Digester, slice_algorithm_of
 from kvbridge.layouts.plan import rank_index
 
 #: One logger for every part of the worker, named as when it was one module: tools
@@ -287,18 +287,26 @@ class WorkerState(WorkerConnector):
         self._early_begin_ids = 0  # block ids those begins ask for, bounded
         #: producer: per consumer rank topology, what it reads from this rank (slices)
         self._slice_plans: dict[ParallelTopology, SlicePlan | None] = {}
-        #: producer: per request held, per consumer rank topology known at hold start,
-        #: block id -> slice digest per region (head slices at another TP)
-        self._hold_slices: dict[str, dict[ParallelTopology, tuple[dict[int, int], ...]]] = {}
+        #: producer: per request held, per (consumer rank topology, slice algorithm)
+        #: known at hold start, block id -> slice digest per region (head slices at
+        #: another TP)
+        self._hold_slices: dict[str, dict[tuple[ParallelTopology, str],
+                                          tuple[dict[int, int], ...]]] = {}
         # blocks x consumer-rank plans slice-digested as a hold started, or later (the
         # consumer rank was not known yet: its ``begin`` came first)
         self._counters.update({"slice_digests_at_hold": 0, "slice_digests_at_begin": 0})
 
+    def _slicer(self, algorithm: str) -> Digester | None:
+        """The digester that takes slice digests in ``algorithm`` (a slice algorithm): this
+        rank's digester of its block algorithm (None: not one this rank computes)."""
+        base = SLICE_ALGORITHMS.get(algorithm)
+        return self._digesters.get(base) if base is not None else None
+
     @property
-    def _xxh3(self) -> BlockDigester | None:
-        """This rank's XXH3-64 digester (host memory), which also takes slice digests."""
-        digester = self._digesters.get(ALGORITHM)
-        return digester if isinstance(digester, BlockDigester) else None
+    def _slice_algorithms(self) -> tuple[str, ...]:
+        """The slice algorithms this rank computes, in its preference order (one per
+        digester: ``xxh3-64-slices``, ``torch-mix64-v1-slices``)."""
+        return tuple(s for s in map(slice_algorithm_of, self._digesters) if s is not None)
 
     def _session_key(self, params: TransferParams) -> SessionKey:
         return (params.producer_engine_id, params.producer_host, params.producer_port)

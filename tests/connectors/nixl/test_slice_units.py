@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from kvbridge.connectors.nixl.verify import (
     DigestAsk,
+    answered_slice_algorithm,
     check_slices,
     count_slices,
+    pick_slice_algorithm,
     plan_ask,
     plan_slice_check,
     producer_slice_plan,
@@ -25,13 +28,17 @@ from kvbridge.layouts import KVCacheSpec, ParallelTopology, load_spec
 from kvbridge.layouts.digests import (
     ALGORITHM,
     SLICE_ALGORITHM,
+    TORCH_ALGORITHM,
+    TORCH_SLICE_ALGORITHM,
     BlockDigester,
+    Digester,
     DigestMode,
     LayerSpan,
     VerifyPolicy,
     pack,
 )
 from kvbridge.layouts.plan import TransferPlan, plan_consumer_rank, plan_transfer, rank_at
+from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
 
 NUM_BLOCKS = 6
 PRODUCER_IDS = (3, 1, 4)
@@ -49,10 +56,11 @@ PAIRS += [("tiny-hybrid", _t(1), _t(8)), ("tiny-hybrid", _t(8), _t(2)),
 
 
 class Rank:
-    """One rank's KV tensors as numpy buffers (one per layer) and their digester."""
+    """One rank's KV tensors as numpy buffers (one per layer) and their digester
+    (``algorithm``: XXH3-64's, or ``torch-mix64-v1``'s over the same memory)."""
 
     def __init__(self, spec: KVCacheSpec, topology: ParallelTopology, rng: np.random.Generator
-                 | None) -> None:
+                 | None, algorithm: str = ALGORITHM) -> None:
         self.shapes = spec.rank_shapes(topology)
         self.buffers: dict[int, np.ndarray] = {}
         self.stride: dict[int, int] = {}
@@ -64,8 +72,13 @@ class Rank:
                 self.stride[layer] = shape.block_bytes_per_layer
         spans = {layer: LayerSpan(buf.ctypes.data, self.stride[layer], self.stride[layer],
                                   NUM_BLOCKS) for layer, buf in self.buffers.items()}
-        self.digester = BlockDigester(spans, [s.layer_ids for s in self.shapes],
-                                      owner=self.buffers)
+        self.digester: Digester = BlockDigester(spans, [s.layer_ids for s in self.shapes],
+                                                owner=self.buffers)
+        if algorithm == TORCH_ALGORITHM:
+            self.digester = TorchBlockDigester(
+                {layer: TensorSpan(torch.from_numpy(buf), self.stride[layer],
+                                   self.stride[layer], NUM_BLOCKS)
+                 for layer, buf in self.buffers.items()}, [s.layer_ids for s in self.shapes])
 
     def block_ids(self, ids: tuple[int, ...]) -> list[tuple[int, ...]]:
         return [ids if s.layer_ids else () for s in self.shapes]
@@ -93,16 +106,22 @@ def _producer_slices(spec: KVCacheSpec, producer: ParallelTopology, consumer_ran
     return take_slice_digests(rank.digester, plan, block_ids, held)
 
 
+@pytest.mark.parametrize("algorithm", [ALGORITHM, TORCH_ALGORITHM])
 @pytest.mark.parametrize(("model", "producer", "consumer"), PAIRS,
                          ids=[f"{m}-tp{p.tp_size}pp{p.pp_size}-tp{c.tp_size}"
                               for m, p, c in PAIRS])
 def test_both_sides_hash_the_same_bytes_and_a_flip_fails_exactly_its_readers(
-        model: str, producer: ParallelTopology, consumer: ParallelTopology) -> None:
+        model: str, producer: ParallelTopology, consumer: ParallelTopology,
+        algorithm: str) -> None:
+    """With either slice algorithm (``xxh3-64-slices``, ``torch-mix64-v1-slices``: the
+    digester of its block algorithm)."""
     spec = load_spec(model)
     plan = plan_transfer(spec, producer, consumer)
     rng = np.random.default_rng(7)
-    producers = [Rank(spec, rank_at(producer, p), rng) for p in range(producer.world_size)]
-    consumers = [Rank(spec, rank_at(consumer, c), None) for c in range(consumer.world_size)]
+    producers = [Rank(spec, rank_at(producer, p), rng, algorithm)
+                 for p in range(producer.world_size)]
+    consumers = [Rank(spec, rank_at(consumer, c), None, algorithm)
+                 for c in range(consumer.world_size)]
     _copy(plan, producers, consumers)
     answers: dict[tuple[int, int], tuple[dict[int, int], ...]] = {}
     checks = {}
@@ -149,6 +168,33 @@ def test_both_sides_hash_the_same_bytes_and_a_flip_fails_exactly_its_readers(
                                           for lay, buf in consumers[c].buffers.items())]
     # every consumer rank the flipped byte reached saw it (MLA: checked whole instead)
     assert hit == (0 if model == "tiny-mla" else len(receivers))
+
+
+def test_the_slice_algorithm_is_the_consumers_first_that_a_producer_offers() -> None:
+    """The consumer picks its session's slice algorithm from its own preference order;
+    a producer rank predicts the same pick from the consumer's handshake, whenever it
+    is one the consumer will ask (it offers the pick)."""
+    host = (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
+    gpu = (TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
+    mine_host = (SLICE_ALGORITHM, TORCH_SLICE_ALGORITHM)
+    assert pick_slice_algorithm(mine_host, {0: host, 1: host}) == SLICE_ALGORITHM
+    assert pick_slice_algorithm(mine_host, {0: gpu, 1: gpu}) == TORCH_SLICE_ALGORITHM
+    assert pick_slice_algorithm((TORCH_SLICE_ALGORITHM,), {0: host}) == TORCH_SLICE_ALGORITHM
+    assert pick_slice_algorithm((TORCH_SLICE_ALGORITHM,), {0: (ALGORITHM, SLICE_ALGORITHM)}) \
+        is None  # an XXH3-only producer and a GPU consumer: nothing in common
+    assert pick_slice_algorithm(mine_host, {0: (ALGORITHM,)}) is None  # an older kvbridge
+    # the producer's prediction, from the consumer's offer (its preference order)
+    assert answered_slice_algorithm(host, (SLICE_ALGORITHM, TORCH_SLICE_ALGORITHM)) \
+        == SLICE_ALGORITHM
+    assert answered_slice_algorithm(host, (TORCH_SLICE_ALGORITHM,)) == TORCH_SLICE_ALGORITHM
+    assert answered_slice_algorithm(gpu, (SLICE_ALGORITHM,)) is None
+    for consumer, producers in ((host, (host, gpu)), (gpu, (host, host)), (host, (gpu, gpu))):
+        mine = tuple(a for a in consumer if a.endswith("-slices"))
+        picked = pick_slice_algorithm(mine, dict(enumerate(producers)))
+        for offer in producers:
+            if picked in offer:
+                assert answered_slice_algorithm(
+                    consumer, tuple(a for a in offer if a.endswith("-slices"))) == picked
 
 
 def test_a_slice_of_whole_layer_blocks_is_the_block_digest() -> None:

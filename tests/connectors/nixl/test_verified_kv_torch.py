@@ -27,7 +27,12 @@ from kvbridge.engine.request import RequestSpec, RequestState
 from kvbridge.engine.workload import InProcessRouter, check_outputs, make_requests
 from kvbridge.handshake import decode_agent
 from kvbridge.layouts import ParallelTopology
-from kvbridge.layouts.digests import ALGORITHM, TORCH_ALGORITHM
+from kvbridge.layouts.digests import (
+    ALGORITHM,
+    SLICE_ALGORITHM,
+    TORCH_ALGORITHM,
+    TORCH_SLICE_ALGORITHM,
+)
 from tests.conftest import require
 from tests.connectors.nixl.nixl_helpers import nixl_config
 from tests.connectors.nixl.test_verified_kv import (
@@ -114,7 +119,7 @@ def test_a_rank_announcing_gpu_memory_offers_only_the_torch_algorithm(
         xxh3_only = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PULL,
                                        verify_algorithms=[ALGORITHM]))
     try:
-        assert _offered(gpu) == (TORCH_ALGORITHM,)
+        assert _offered(gpu) == (TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
         assert _offered(xxh3_only) == ()  # nothing it can compute: no digests offered
     finally:
         gpu.shutdown()
@@ -124,15 +129,17 @@ def test_a_rank_announcing_gpu_memory_offers_only_the_torch_algorithm(
 def test_a_host_rank_offers_both_algorithms_and_a_setting_narrows_it() -> None:
     producer, consumer = _pair(PULL, TORCH_ONLY, None)
     try:
-        assert _offered(producer) == (TORCH_ALGORITHM,)
-        # slice digests right after XXH3-64 (the same host digester); none on torch alone
-        assert _offered(consumer) == (ALGORITHM, "xxh3-64-slices", TORCH_ALGORITHM)
+        assert _offered(producer) == (TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
+        # each algorithm's slice digests right after it (the same digester)
+        assert _offered(consumer) == (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM,
+                                      TORCH_SLICE_ALGORITHM)
     finally:
         consumer.shutdown()
         producer.shutdown()
     assert NixlSettings.parse({"verify_algorithms": [TORCH_ALGORITHM, ALGORITHM]}) \
         .verify_algorithms == (TORCH_ALGORITHM, ALGORITHM)
-    for bad in (["md5"], [], "xxh3-64", [1], ["xxh3-64-slices"], [ALGORITHM, "xxh3-64-slices"]):
+    for bad in (["md5"], [], "xxh3-64", [1], [SLICE_ALGORITHM], [ALGORITHM, SLICE_ALGORITHM],
+                [TORCH_SLICE_ALGORITHM]):
         with pytest.raises(ConfigError, match="verify_algorithms"):
             NixlSettings.parse({"verify_algorithms": bad})
 

@@ -8,6 +8,11 @@ injection wraps the producer's real digest taking: right after it took the diges
 the producer's KV memory, so the real transfer moves it. Exactly that block fails
 on the consumer rank that received it; the reference engine's oracle checks every
 byte of the output.
+
+Each case runs with ``xxh3-64-slices`` (host ranks) and with
+``torch-mix64-v1-slices``: ranks set to ``verify_algorithms: [torch-mix64-v1]``
+offer what a rank whose KV is in GPU memory offers (no GPU here: the torch
+digester runs on the CPU tensors).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kvbridge.engine.core import Engine
 from kvbridge.engine.request import RequestSpec, RequestState
 from kvbridge.engine.workload import InProcessRouter, check_outputs, make_requests
 from kvbridge.layouts import ParallelTopology
+from kvbridge.layouts.digests import SLICE_ALGORITHM, TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM
 from tests.conftest import require
 from tests.connectors.nixl.nixl_helpers import nixl_config
 from tests.connectors.nixl.test_verified_kv import _run, _totals, worker_tensor
@@ -31,6 +37,9 @@ from tests.connectors.nixl.test_verified_kv import _run, _totals, worker_tensor
 PULL, PUSH = TransferMode.PULL, TransferMode.PUSH
 MODEL = "tiny-gqa"  # one SPLIT region: 8 KV heads, HND, 16-token blocks, 4 layers
 BLOCK_TOKENS = 16
+#: which ranks compute only torch-mix64-v1 (as a GPU rank does): neither, both, or the
+#: producer (the host consumer then asks for the torch slices, the only ones in common)
+GPU_LIKE = {"host": (False, False), "gpu": (True, True), "gpu-producer": (True, False)}
 
 
 @pytest.fixture(autouse=True)
@@ -38,27 +47,51 @@ def _nixl() -> None:
     require("nixl_cu12", "NIXL (nixl-cu12)")
 
 
-def _pair(mode: TransferMode, producer_tp: int, consumer_tp: int, model: str = MODEL
-          ) -> tuple[Engine, Engine]:
+@pytest.fixture(params=["host", "gpu"])
+def algs(request: pytest.FixtureRequest) -> str:
+    """The ranks' algorithms (:data:`GPU_LIKE`): each test runs with both slice digests."""
+    return str(request.param)
+
+
+def _pair(mode: TransferMode, producer_tp: int, consumer_tp: int, model: str = MODEL,
+          algs: str = "host") -> tuple[Engine, Engine]:
+    gpu_producer, gpu_consumer = GPU_LIKE[algs]
+    torch_only = {"verify_algorithms": [TORCH_ALGORITHM]}
     producer = Engine(nixl_config(model, KVRole.PRODUCER, ParallelTopology(tp_size=producer_tp),
-                                  mode, lease_s=60.0))
+                                  mode, lease_s=60.0, **(torch_only if gpu_producer else {})))
     consumer = Engine(nixl_config(model, KVRole.CONSUMER, ParallelTopology(tp_size=consumer_tp),
-                                  mode, verify="full"))
+                                  mode, verify="full", **(torch_only if gpu_consumer else {})))
     return producer, consumer
+
+
+def _slice_algorithm(consumer: Engine) -> str:
+    """The slice algorithm the consumer's sessions asked for (one, whatever the rank)."""
+    asked = {s.slice_check.algorithm for w in consumer.workers
+             for s in w.connector._sessions.values()  # type: ignore[union-attr]
+             if s.slice_check is not None and s.slice_check.regions}
+    assert len(asked) == 1, asked
+    return asked.pop()
+
+
+def _expected_slice_algorithm(algs: str) -> str:
+    return SLICE_ALGORITHM if algs == "host" else TORCH_SLICE_ALGORITHM
 
 
 def _loaded_blocks(router: InProcessRouter) -> int:
     return sum(r.num_external_tokens // BLOCK_TOKENS for r in router.results)
 
 
-@pytest.mark.parametrize(("model", "producer_tp", "consumer_tp"),
-                         [(MODEL, 1, 2), (MODEL, 2, 1), (MODEL, 2, 4), ("tiny-hybrid", 1, 2)])
+@pytest.mark.parametrize(("model", "producer_tp", "consumer_tp", "algs"),
+                         [(MODEL, 1, 2, "host"), (MODEL, 2, 1, "host"), (MODEL, 2, 4, "host"),
+                          ("tiny-hybrid", 1, 2, "host"), (MODEL, 1, 2, "gpu"),
+                          (MODEL, 2, 4, "gpu"), ("tiny-hybrid", 1, 2, "gpu"),
+                          (MODEL, 1, 2, "gpu-producer")])
 def test_head_slices_at_another_tp_are_verified_pull(model: str, producer_tp: int,
-                                                     consumer_tp: int) -> None:
+                                                     consumer_tp: int, algs: str) -> None:
     """Every loaded block is verified on every consumer rank, none unverified. The
     first request meets a consumer the producer did not know at its hold start: its
     slice digests are taken at ``begin``; the later ones as their holds start."""
-    producer, consumer = _pair(PULL, producer_tp, consumer_tp, model)
+    producer, consumer = _pair(PULL, producer_tp, consumer_tp, model, algs)
     try:
         router = InProcessRouter(producer, consumer, PULL)
         first = make_requests(1, prompt_tokens=64, max_tokens=2, seed=41, prefix="first")
@@ -76,6 +109,7 @@ def test_head_slices_at_another_tp_are_verified_pull(model: str, producer_tp: in
         assert totals["blocks_verified"] == _loaded_blocks(router) * consumer_tp * regions > 0
         assert totals["blocks_unverified"] == 0 and totals["digest_mismatches"] == 0
         assert served["digests_served"] >= totals["blocks_verified"]
+        assert _slice_algorithm(consumer) == _expected_slice_algorithm(algs)
         if producer_tp < consumer_tp:  # sub-slices: hashed for each consumer rank
             assert at_begin + at_hold > 0, served  # the first: at begin (unless its hello won)
             # the later ones' holds start after the producer knew the consumer ranks
@@ -143,15 +177,16 @@ def _prefill_then_load(producer: Engine, consumer: Engine, spec: RequestSpec,
 @pytest.mark.parametrize(("producer_tp", "consumer_tp", "flip_rank", "offset"),
                          [(1, 2, 0, 5 + 8192 // 4 * 3), (2, 1, 1, 5)])
 def test_a_byte_flipped_in_a_head_slice_after_the_digest_fails_exactly_that_block(
-        producer_tp: int, consumer_tp: int, flip_rank: int, offset: int) -> None:
+        producer_tp: int, consumer_tp: int, flip_rank: int, offset: int, algs: str) -> None:
     """TP 1 -> 2: the byte lies in the K rows of the heads consumer rank 1 reads (a
     sub-slice hashed for it at hold start); TP 2 -> 1: in producer rank 1's half of
     the consumer's block (its block digest is the slice digest). Either way exactly
     that block fails, once, and every other block is verified and loaded right."""
-    producer, consumer = _pair(PULL, producer_tp, consumer_tp)
+    producer, consumer = _pair(PULL, producer_tp, consumer_tp, algs=algs)
     try:
         router = InProcessRouter(producer, consumer, PULL)
         _run(router, make_requests(1, prompt_tokens=40, max_tokens=1, seed=3, prefix="warm"))
+        assert _slice_algorithm(consumer) == _expected_slice_algorithm(algs)
         before, served_before = _totals(consumer), _totals(producer)
         flipped: list[int] = []
         _flip_after_hold_digests(producer, flip_rank, block_index=2, offset=offset,
@@ -181,19 +216,20 @@ def test_a_byte_flipped_in_a_head_slice_after_the_digest_fails_exactly_that_bloc
 
 
 def test_push_head_slices_are_verified_and_a_byte_flipped_before_the_write_fails_its_block(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, algs: str) -> None:
     """Push, TP 1 -> 2: the producer takes each consumer rank's slice digests once every
     layer is final, before it posts that rank's WRITEs, and sends them in ``pushed``. A
     byte flipped right after (in consumer rank 1's heads) reaches rank 1 with the real
     WRITE: that block fails there, every other block of both ranks is verified."""
     from kvbridge.connectors.nixl import push as push_module  # takes push digests
 
-    producer, consumer = _pair(PUSH, 1, 2)
+    producer, consumer = _pair(PUSH, 1, 2, algs=algs)
     try:
         router = InProcessRouter(producer, consumer, PUSH)
         clean = make_requests(2, prompt_tokens=64, max_tokens=2, seed=23, prefix="push-clean")
         _run(router, clean)
         assert check_outputs(router.results, clean) == []
+        assert _slice_algorithm(consumer) == _expected_slice_algorithm(algs)
         totals = _totals(consumer)
         assert totals["blocks_verified"] == _loaded_blocks(router) * 2 > 0
         assert totals["digest_mismatches"] == 0 and totals["blocks_unverified"] == 0
@@ -235,12 +271,12 @@ def test_push_head_slices_are_verified_and_a_byte_flipped_before_the_write_fails
 
 @pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(2, 1), (2, 4)])
 def test_push_hybrid_slices_and_another_ranks_replicated_region_are_verified(
-        producer_tp: int, consumer_tp: int) -> None:
+        producer_tp: int, consumer_tp: int, algs: str) -> None:
     """Push, tiny-hybrid (a SPLIT and a REPLICATE region): a consumer rank registers
     every region with each producer rank it reads from, but reads the replicated region
     from one of them only; the others answer that region empty, so every block of both
     regions is verified on every consumer rank, none unverified."""
-    producer, consumer = _pair(PUSH, producer_tp, consumer_tp, "tiny-hybrid")
+    producer, consumer = _pair(PUSH, producer_tp, consumer_tp, "tiny-hybrid", algs)
     try:
         router = InProcessRouter(producer, consumer, PUSH)
         specs = make_requests(3, prompt_tokens=48, max_tokens=2, seed=31, prefix="hybrid")
