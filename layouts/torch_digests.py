@@ -49,6 +49,9 @@ CPU_CHUNK_WORDS = (1 << 15) - 1
 #: scratch words per tile on an accelerator (two 128 MiB tensors: a few launches per
 #: layer, and never a temporary the size of the KV cache)
 DEVICE_CHUNK_WORDS = 1 << 24
+#: a slice layer with at most this many word-aligned ranges is summed as column views of
+#: the layer's words (no gather index); more ranges (NHD rows) are gathered at once
+_VIEW_RANGES = 16
 _LOW32 = (1 << 32) - 1
 _LOW35 = (1 << 35) - 1
 
@@ -152,8 +155,8 @@ class TorchBlockDigester:
               ) -> torch.Tensor:
         """``S`` of each block ``ids`` of one layer (int64 [len(ids)], on the device)."""
         rows = int(ids.numel())
-        out = torch.zeros(rows, dtype=torch.int64, device=self.device)
         if layer.words is None:  # not 8-byte aligned: a zero-padded copy of the blocks
+            out = torch.zeros(rows, dtype=torch.int64, device=self.device)
             width = layer.full_words + (1 if layer.tail_bytes else 0)
             step = max(1, self._chunk // max(width, 1))
             for r0 in range(0, rows, step):
@@ -163,19 +166,32 @@ class TorchBlockDigester:
                 out[r0:r0 + step] = self._mix_sum(padded.view(torch.int64), 0)
             return out
         words = layer.full_words
-        cols = min(max(words, 1), self._chunk)
-        step = max(1, self._chunk // cols)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            for c0 in range(0, words, cols):
-                view = layer.words[:, c0:c0 + cols]
-                tile = view[run[0] + r0:run[0] + r1] if run is not None \
-                    else view.index_select(0, ids[r0:r1])
-                out[r0:r1] += self._mix_sum(tile, c0)
+        out = self._word_sums(layer.words, ids, run, ((0, words, 0),))
         if layer.tail_bytes:  # the last, partial word: zero-padded, a few bytes per block
             tail = torch.zeros((rows, 8), dtype=torch.uint8, device=self.device)
             tail[:, :layer.tail_bytes] = layer.raw[:, words * 8:].index_select(0, ids)
             out += self._mix_sum(tail.view(torch.int64), words)
+        return out
+
+    def _word_sums(self, words: torch.Tensor, ids: torch.Tensor, run: tuple[int, int] | None,
+                   spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """``S`` over column spans of the blocks ``ids`` of a layer's words ``[blocks,
+        words]``: each span ``(first word, words, position of its first word)``; tiled by
+        rows and columns (views of the storage when ``run`` says the ids are
+        consecutive, else gathered rows)."""
+        rows = int(ids.numel())
+        out = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        widest = max((count for _first, count, _pos in spans), default=1)
+        cols = min(max(widest, 1), self._chunk)
+        step = max(1, self._chunk // cols)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            for first, count, position in spans:
+                for c0 in range(0, count, cols):
+                    view = words[:, first + c0:first + min(count, c0 + cols)]
+                    tile = view[run[0] + r0:run[0] + r1] if run is not None \
+                        else view.index_select(0, ids[r0:r1])
+                    out[r0:r1] += self._mix_sum(tile, position + c0)
         return out
 
     def _mix_sum(self, tile: torch.Tensor, start: int) -> torch.Tensor:
@@ -193,9 +209,7 @@ class TorchBlockDigester:
     def _layer_sums(self, region: int, block_ids: Sequence[int]) -> torch.Tensor:
         """Word sums ``[len(block_ids), layers]`` of the region's layers (on the device)."""
         ids_list = [int(b) for b in block_ids]
-        first = ids_list[0] if ids_list else 0
-        run = (first, len(ids_list)) if ids_list == list(range(first, first + len(ids_list))) \
-            else None
+        run = _run_of(ids_list)
         ids = torch.tensor(ids_list, dtype=torch.int64, device=self.device)
         return torch.stack([self._sums(self._layers[layer], ids, run)
                             for layer in self.regions[region]], dim=1)
@@ -278,8 +292,8 @@ class TorchBlockDigester:
         if not prepared:
             return [mix64_combine(())] * len(ids_list)
         ids = torch.tensor(ids_list, dtype=torch.int64, device=self.device)
-        sums = torch.stack([self._slice_sums(layer, merged, ids) for layer, merged in prepared],
-                           dim=1)
+        sums = torch.stack([self._slice_sums(layer, merged, ids, _run_of(ids_list))
+                            for layer, merged in prepared], dim=1)
         lengths = torch.tensor([sum(n for _o, n in merged) for _layer, merged in prepared],
                                dtype=torch.int64, device=self.device)
         layer_digests = _finish(sums, lengths)
@@ -291,38 +305,49 @@ class TorchBlockDigester:
         return [_unsigned(v) for v in _finish(combined[:, None], total)[:, 0].tolist()]
 
     def _slice_sums(self, layer: _Layer, merged: tuple[tuple[int, int], ...],
-                    ids: torch.Tensor) -> torch.Tensor:
+                    ids: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
         """``S`` of the concatenated ranges ``merged`` of each block ``ids`` of one layer
-        (int64 [len(ids)], on the device). Word-aligned ranges of an aligned layer are
-        gathered as int64 words; any other as bytes, zero-padded to whole words."""
+        (int64 [len(ids)], on the device). A few word-aligned ranges of an aligned layer
+        (HND heads: one per K and V) are summed as column views of its words, like
+        whole blocks; many (NHD rows) are gathered as int64 words in one index; any
+        other range as bytes, zero-padded to whole words."""
         rows = int(ids.numel())
         out = torch.zeros(rows, dtype=torch.int64, device=self.device)
         total = sum(n for _o, n in merged)
         if not total:
             return out
-        if layer.words is not None and all(o % 8 == 0 and n % 8 == 0 for o, n in merged):
-            index = torch.cat([torch.arange(o // 8, (o + n) // 8, dtype=torch.int64)
-                               for o, n in merged]).to(self.device)
-            source, width = layer.words, total // 8
-        else:  # bytes: a tail or an offset inside a word
-            index = torch.cat([torch.arange(o, o + n, dtype=torch.int64)
-                               for o, n in merged]).to(self.device)
-            source, width = layer.raw, total
-        cols = min(width, self._chunk if source is layer.words else self._chunk * 8)
-        step = max(1, (self._chunk * (1 if source is layer.words else 8)) // cols)
+        aligned = layer.words is not None and all(o % 8 == 0 and n % 8 == 0 for o, n in merged)
+        if aligned and len(merged) <= _VIEW_RANGES:
+            assert layer.words is not None
+            spans, position = [], 0
+            for offset, length in merged:
+                spans.append((offset // 8, length // 8, position))
+                position += length // 8
+            return self._word_sums(layer.words, ids, run, spans)
+        unit = 8 if aligned else 1  # gathered as int64 words, or as bytes
+        source: torch.Tensor = layer.words if aligned and layer.words is not None else layer.raw
+        index = torch.cat([torch.arange(o // unit, (o + n) // unit, dtype=torch.int64)
+                           for o, n in merged]).to(self.device)
+        width = total // unit
+        cols = min(width, self._chunk * (8 // unit))  # bytes: a multiple of 8 or all of them
+        step = max(1, self._chunk * (8 // unit) // cols)
         for r0 in range(0, rows, step):
             rows_ids = ids[r0:r0 + step, None]
             for c0 in range(0, width, cols):
                 tile = source[rows_ids, index[None, c0:c0 + cols]]
-                if source is layer.words:
-                    out[r0:r0 + step] += self._mix_sum(tile, c0)
-                    continue
-                # bytes: c0 is a multiple of 8 (cols is, unless it is the whole width)
-                pad = -tile.shape[1] % 8
-                if pad:
-                    tile = torch.nn.functional.pad(tile, (0, pad))
-                out[r0:r0 + step] += self._mix_sum(tile.contiguous().view(torch.int64), c0 // 8)
+                if unit == 1:  # zero-padded to whole words; c0 is a multiple of 8
+                    pad = -tile.shape[1] % 8
+                    if pad:
+                        tile = torch.nn.functional.pad(tile, (0, pad))
+                    tile = tile.contiguous().view(torch.int64)
+                out[r0:r0 + step] += self._mix_sum(tile, c0 * unit // 8)
         return out
+
+
+def _run_of(ids: list[int]) -> tuple[int, int] | None:
+    """``(first, count)`` when ``ids`` are consecutive (their rows are one view), else None."""
+    first = ids[0] if ids else 0
+    return (first, len(ids)) if ids == list(range(first, first + len(ids))) else None
 
 
 def _mix_rows(tile: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -215,16 +215,23 @@ def _stat_probe_us(num_keys: int, iterations: int) -> dict[str, float]:
 
 
 def bench_digests(patterns: Sequence[tuple[int, int]], iters: int) -> dict[str, Any]:
-    """torch-mix64-v1 (the digests of GPU memory) against xxh3-64 on the same bytes."""
+    """torch-mix64-v1 (the digests of GPU memory) against xxh3-64 on the same bytes, block
+    digests and head-slice digests."""
     from kvbridge.tools.bench_digests import digest_rates
 
     detail = [digest_rates(nb, bb, iters=iters) for nb, bb in patterns]
-    rows = [row("digests", f"{d['num_blocks']}x{size_label(d['block_bytes'])}",
-                "torch-mix64-v1", "GB/s", d["torch_mix64_gbps"], d["xxh3_gbps"], "xxh3-64",
-                num_blocks=d["num_blocks"], block_bytes=d["block_bytes"],
-                limit=memcpy_gbps(d["num_blocks"] * d["block_bytes"]), limit_name="torch copy",
-                verified=d["same_on_cpu"])
-            for d in detail]
+    rows = []
+    for d in detail:
+        label = f"{d['num_blocks']}x{size_label(d['block_bytes'])}"
+        limit = memcpy_gbps(d["num_blocks"] * d["block_bytes"])
+        kinds = [("", "torch_mix64_gbps", "xxh3_gbps")]
+        if "torch_mix64_slices_gbps" in d:  # half of each block: a TP 1 -> 2 head slice
+            kinds.append(("-slices", "torch_mix64_slices_gbps", "xxh3_slices_gbps"))
+        rows += [row("digests", label, f"torch-mix64-v1{suffix}", "GB/s", d[mine], d[raw],
+                     f"xxh3-64{suffix}", num_blocks=d["num_blocks"],
+                     block_bytes=d["block_bytes"], limit=limit, limit_name="torch copy",
+                     verified=d["same_on_cpu"])
+                 for suffix, mine, raw in kinds]
     return {"rows": rows, "detail": detail}
 
 

@@ -122,13 +122,18 @@ def test_slice_digests_match_the_golden_vectors(algorithm: str) -> None:
     assert text == GOLDEN[algorithm].read_text()
 
 
+@pytest.mark.parametrize("view_ranges", [16, 0])
 @pytest.mark.parametrize("chunk_words", [None, 1, 5])
 def test_torch_slice_digests_are_the_reference_of_the_concatenated_ranges(
-        chunk_words: int | None) -> None:
+        chunk_words: int | None, view_ranges: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch-mix64-v1-slices``: per layer (ascending), ``mix64_digest`` of the
     concatenated range bytes, combined with ``mix64_combine``; word-aligned ranges
-    (gathered as words) and ranges inside words (gathered as bytes) alike, whatever
-    the tiling; whole ranges of every layer give the block digest."""
+    (summed as views of the words, or gathered as words when ``_VIEW_RANGES`` is 0)
+    and ranges inside words (gathered as bytes) alike, whatever the tiling; whole
+    ranges of every layer give the block digest."""
+    from kvbridge.layouts import torch_digests
+
+    monkeypatch.setattr(torch_digests, "_VIEW_RANGES", view_ranges)
     host, buffers = _rank_buffers("tiny-gqa", ParallelTopology())
     spans = {layer: TensorSpan(torch.from_numpy(buf), view[1], view[2], view[3])
              for layer, buf in buffers.items() for view in (host._views[layer],)}
@@ -138,7 +143,7 @@ def test_torch_slice_digests_are_the_reference_of_the_concatenated_ranges(
              ((2, ((100, 50), (10, 20))), (0, ((0, 7), (7, 9), (300, 1)))),  # inside words
              ((1, ((0, nbytes),)),))
     for layers in cases:
-        ids = [2, 0, 2]
+        ids = [2, 0, 2] if chunk_words != 5 else [0, 1, 2]  # gathered rows, or one view
         want = [mix64_combine([mix64_digest(b"".join(bytes(buffers[layer][b * nbytes + o:][:n])
                                                      for o, n in ranges))
                                for layer, ranges in sorted(layers)]) for b in ids]

@@ -15,6 +15,8 @@ def test_digest_rates_measure_both_algorithms_over_the_same_blocks() -> None:
     out = digest_rates(8, 4096, iters=1)
     assert out["num_blocks"] == 8 and out["block_bytes"] == 4096 and out["device"] == "cpu"
     assert out["xxh3_gbps"] > 0 and out["torch_mix64_gbps"] > 0 and out["same_on_cpu"] is True
+    assert out["xxh3_slices_gbps"] > 0 and out["torch_mix64_slices_gbps"] > 0
+    assert "xxh3_slices_gbps" not in digest_rates(2, 16, iters=1)  # no quarter of 8 bytes
     with pytest.raises(ValueError, match="multiple of 8"):
         digest_rates(8, 4095)
 
@@ -27,7 +29,7 @@ def test_bench_digests_prints_one_row_per_pattern(tmp_path: Path,
     assert rc == EXIT_OK
     rows = json.loads(path.read_text())["rows"]
     assert [(r["path"], r["op"], r["raw_name"], r["block_bytes"]) for r in rows] == [
-        ("digests", "torch-mix64-v1", "xxh3-64", 16 << 10), ("digests", "torch-mix64-v1",
-                                                             "xxh3-64", 64 << 10)]
+        ("digests", f"torch-mix64-v1{s}", f"xxh3-64{s}", size)
+        for size in (16 << 10, 64 << 10) for s in ("", "-slices")]
     assert all(r["verified"] and r["kvbridge"] > 0 and r["raw"] > 0 for r in rows)
     assert "torch-mix64-v1" in capsys.readouterr().out
