@@ -19,11 +19,13 @@ Checks (``--checks`` selects; default all, in this order):
   copy of the same bytes. Runs in a child with ``UCX_PROTO_INFO=y``; the UCX
   protocol lines it printed are summarised (``cuda_ipc`` / ``cuda_copy`` /
   ``tcp`` ...).
-* ``connector``  -- the ``nixl`` connector end to end, pull and push, producer and
-  consumer reference engines in two processes with their KV caches in CUDA
-  memory (``torch.set_default_device`` through a ``sitecustomize`` on the
-  children's path); outputs verified, the producer's handshake must announce
-  VRAM.
+* ``connector``  -- the ``nixl`` connector end to end, pull and push, and pull at
+  TP 1 -> 2 (head slices), producer and consumer reference engines in two
+  processes with their KV caches in CUDA memory (``torch.set_default_device``
+  through a ``sitecustomize`` on the children's path); outputs verified, the
+  producer's handshake must announce VRAM; the consumer verifies every block
+  (``verify: full``, ``torch-mix64-v1`` and its slice digests): every loaded
+  block verified, none mismatched or unverified; the producer's digest GB/s.
 * ``digests``    -- ``torch-mix64-v1`` block digests (issue 18) of KV on the device
   equal those of a CPU copy of the same bytes and the numpy reference (padded
   pages, a tail word, an unaligned span), a bit flipped on the device changes
@@ -325,6 +327,12 @@ if os.environ.get("KVBRIDGE_GPU_CHECK_DEVICE"):
 """
 
 
+#: the connector check's cases: (name, mode, consumer TP); the producer has TP 1. TP 1 -> 2
+#: reads head slices, verified with ``torch-mix64-v1-slices`` (both consumer ranks on
+#: the same device)
+CONNECTOR_CASES = (("pull", "pull", 1), ("push", "push", 1), ("pull-tp1-tp2", "pull", 2))
+
+
 def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode
     from kvbridge.engine.core import EngineConfig
@@ -338,31 +346,40 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     Path(site, "sitecustomize.py").write_text(_SITECUSTOMIZE)
     env = {"KVBRIDGE_GPU_CHECK_DEVICE": args.device,
            "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
+    expected_mem = "DRAM" if args.device == "cpu" else "VRAM"  # cpu: a dry run of the logic
     out: dict[str, Any] = {}
-    for mode in (TransferMode.PULL, TransferMode.PUSH):
-        def config(role: KVRole, mode: TransferMode = mode) -> EngineConfig:
-            return EngineConfig(spec=load_spec("tiny-gqa"), topology=ParallelTopology(),
+    for name, mode_name, consumer_tp in CONNECTOR_CASES:
+        mode = TransferMode(mode_name)
+
+        def config(role: KVRole, tp: int, mode: TransferMode = mode) -> EngineConfig:
+            # the consumer checks every block (verify: full) with the digests a GPU rank
+            # offers: torch-mix64-v1, and its slice digests at another TP
+            extra = {"mode": mode.value, "transfer_timeout_s": 30.0,
+                     "verify_algorithms": ["torch-mix64-v1"]}
+            if role is KVRole.CONSUMER:
+                extra["verify"] = "full"
+            return EngineConfig(spec=load_spec("tiny-gqa"),
+                                topology=ParallelTopology(tp_size=tp),
                                 num_blocks=64, max_num_batched_tokens=2048, max_num_seqs=16,
-                                connector=ConnectorConfig("nixl", role, extra={
-                                    "mode": mode.value, "transfer_timeout_s": 30.0}),
+                                connector=ConnectorConfig("nixl", role, extra=extra),
                                 remote_kv_timeout_s=60.0)
 
-        with EngineProcess(config(KVRole.PRODUCER), name="gpu-producer", env=env,
+        with EngineProcess(config(KVRole.PRODUCER, 1), name="gpu-producer", env=env,
                            start_timeout_s=180) as producer, \
-                EngineProcess(config(KVRole.CONSUMER), name="gpu-consumer", env=env,
-                              start_timeout_s=180) as consumer:
+                EngineProcess(config(KVRole.CONSUMER, consumer_tp), name="gpu-consumer",
+                              env=env, start_timeout_s=180) as consumer:
             host, port = producer.endpoint or ("", 0)
             rank = HandshakeClient(timeout_s=10).fetch(format_address(host, port)).metadata
             mem = [(m.mem_type, m.device_id) for m in rank.ranks]
             router = Router(producer, consumer, mode, ParallelTopology(),
                             load_spec("tiny-gqa").fingerprint())
             specs = make_requests(4, prompt_tokens=40, max_tokens=2, seed=5,
-                                  prefix=f"gpu-{mode.value}")
+                                  prefix=f"gpu-{name}")
             router.submit(specs)
             deadline = time.monotonic() + 120
             while not router.done:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{mode.value}: {len(router.results)} of {len(specs)} "
+                    raise RuntimeError(f"{name}: {len(router.results)} of {len(specs)} "
                                        "requests done in 120 s")
                 if not router.poll():
                     time.sleep(0.01)
@@ -370,13 +387,30 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
             wrong = check_outputs(results, specs)
             moved = [r.num_external_tokens for r in results]
             if wrong or not all(moved) or any(r.mismatched_bytes for r in results):
-                raise RuntimeError(f"{mode.value}: wrong outputs {wrong}, external tokens "
-                                   f"{moved}")
-            if any(m != "VRAM" for m, _ in mem):
-                raise RuntimeError(f"{mode.value}: producer ranks announce {mem}, not VRAM")
-            out[mode.value] = {"requests": len(results), "external_tokens": sum(moved),
-                               "producer_memory": mem}
+                raise RuntimeError(f"{name}: wrong outputs {wrong}, external tokens {moved}")
+            if any(m != expected_mem for m, _ in mem):
+                raise RuntimeError(f"{name}: producer ranks announce {mem}, not {expected_mem}")
+            out[name] = {"requests": len(results), "external_tokens": sum(moved),
+                         "producer_memory": mem,
+                         **verified_kv(producer.stats(), consumer.stats(), name)}
     return out
+
+
+def verified_kv(producer: dict[str, Any], consumer: dict[str, Any], name: str
+                ) -> dict[str, Any]:
+    """The consumer's verification counters (every loaded block verified, none wrong or
+    unverified, else RuntimeError) and the producer's digest rate on the device, from
+    each engine's ``stats`` call."""
+    got = consumer.get("stats", {}).get("worker_stats", {})
+    counts = {k: int(got.get(k, 0)) for k in ("blocks_verified", "digest_mismatches",
+                                              "blocks_unverified")}
+    if not counts["blocks_verified"] or counts["digest_mismatches"] or \
+            counts["blocks_unverified"]:
+        raise RuntimeError(f"{name}: verified KV counters {counts}")
+    made = producer.get("stats", {}).get("worker_stats", {})
+    seconds, nbytes = float(made.get("digest_time_s", 0.0)), int(made.get("digest_bytes", 0))
+    return {**counts, "producer_digest_bytes": nbytes,
+            "producer_digest_gbps": round(nbytes / seconds / 1e9, 3) if seconds else None}
 
 
 def check_digests(args: argparse.Namespace) -> dict[str, Any]:

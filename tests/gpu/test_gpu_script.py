@@ -104,3 +104,27 @@ def test_the_digests_check_runs_on_cpu_tensors() -> None:
     tensors equal the CPU copy's and the reference, a flipped bit is seen."""
     assert gpu_checks.main(["--checks", "digests", "--device", "cpu", "--quick",
                             "--iters", "1"]) == 0
+
+
+def test_the_connector_check_runs_on_host_memory() -> None:
+    """The same code as on a GPU host, with the device a CPU (the engines' KV in host
+    memory, which the check then expects the producer to announce): every case moves
+    verified outputs, and the consumer verified every loaded block with the digests a
+    GPU rank offers (at TP 1 -> 2: the torch slice digests, on both consumer ranks)."""
+    require("nixl_cu12._api", "NIXL")
+    out = gpu_checks.check_connector(gpu_checks.parse_args(["--checks", "connector",
+                                                            "--device", "cpu"]))
+    assert set(out) == {name for name, _mode, _tp in gpu_checks.CONNECTOR_CASES}
+    for name, _mode, consumer_tp in gpu_checks.CONNECTOR_CASES:
+        case = out[name]
+        assert case["producer_memory"] == [("DRAM", 0)], case
+        # each request loads its prompt's blocks, the partial last one too (tiny-gqa:
+        # 16-token blocks, one region)
+        per_request = case["external_tokens"] // case["requests"]
+        blocks = case["requests"] * -(-per_request // 16)
+        assert case["blocks_verified"] == blocks * consumer_tp > 0, (name, case)
+        assert case["digest_mismatches"] == case["blocks_unverified"] == 0
+        assert case["producer_digest_bytes"] > 0
+    with pytest.raises(RuntimeError, match="verified KV counters"):
+        gpu_checks.verified_kv({}, {"stats": {"worker_stats": {"blocks_verified": 3,
+                                                               "blocks_unverified": 1}}}, "x")
