@@ -50,8 +50,9 @@ This file owns :class:`MooncakeStoreClient` (the store handle, its buffer
 registrations, its counters and each batch call's deadline). Beside it, and
 importable from here as before: :mod:`.mooncake_results` (status codes and
 per-key results, pure), :mod:`.mooncake_config` (configuration, errors,
-argument checks, pure) and :mod:`.mooncake_calls` (the binding's import, the
-reachability probes and the threads calls run on). The client looks those
+argument checks, pure), :mod:`.mooncake_calls` (the binding's import, the
+reachability probes and the threads calls run on) and :mod:`.mooncake_batch`
+(:class:`PendingBatch`: a batch call in flight, its parts and its deadline). The client looks those
 names up here, so a test that replaces ``import_store_class`` or
 ``tcp_reachable`` in this module replaces what the client calls. Nothing
 else of kvbridge is imported (dependency rule of ``backends``).
@@ -73,6 +74,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from .mooncake_batch import Failed, PendingBatch
 from .mooncake_calls import Workers as _Workers
 from .mooncake_calls import http_answers, import_store_class, tcp_reachable
 from .mooncake_calls import is_loopback as _is_loopback
@@ -464,7 +466,7 @@ class MooncakeStoreClient:
             raise MooncakeClosedError("call setup() before using the Mooncake client")
         return store
 
-    def _call(self, op: str, num_keys: int, fn: Callable[[], Any]) -> list[int] | _Failed:
+    def _call(self, op: str, num_keys: int, fn: Callable[[], Any]) -> list[int] | Failed:
         """Run one batch call with the reachability check and the deadline; raw list or uniform failure."""
         return self._start(op, num_keys, lambda _: fn(), None).raw()
 
@@ -490,7 +492,7 @@ class MooncakeStoreClient:
             self._counters.calls += 1
             self._counters.keys += num_keys
         if num_keys == 0:
-            return PendingBatch(self, op, 0, [], [], interpret)
+            return PendingBatch(self._collect, self._count, op, 0, [], [], interpret, cfg.op_timeout_s)
         if cfg.check_master_before_ops and not self.is_master_reachable():
             with self._counters.lock:
                 self._counters.unreachable += 1
@@ -498,20 +500,21 @@ class MooncakeStoreClient:
             logger.warning(
                 "mooncake %s of %d keys skipped: master %s unreachable", op, num_keys, cfg.master_address
             )
-            return PendingBatch(self, op, num_keys, [],
-                                _Failed(uniform(num_keys, McStatus.MASTER_UNREACHABLE)), interpret)
+            return PendingBatch(self._collect, self._count, op, num_keys, [],
+                                Failed(uniform(num_keys, McStatus.MASTER_UNREACHABLE)), interpret,
+                                cfg.op_timeout_s)
         workers = self._workers
         assert workers is not None
         parts = parts or [slice(0, num_keys)]
         if len(parts) > 1:
             with self._counters.lock:
                 self._counters.cut_batches += 1
-        return PendingBatch(self, op, num_keys,
+        return PendingBatch(self._collect, self._count, op, num_keys,
                             [(part, workers.submit(functools.partial(fn, part)))
-                             for part in parts], None, interpret)
+                             for part in parts], None, interpret, cfg.op_timeout_s)
 
     def _collect(self, op: str, num_keys: int, fut: Future[Any], deadline: float
-                 ) -> list[int] | _Failed:
+                 ) -> list[int] | Failed:
         cfg = self.config
         try:
             raw = fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -523,17 +526,17 @@ class MooncakeStoreClient:
                 "mooncake %s of %d keys timed out after %.2f s (master %s); call abandoned",
                 op, num_keys, cfg.op_timeout_s, cfg.master_address,
             )
-            return _Failed(uniform(num_keys, McStatus.TIMEOUT))
+            return Failed(uniform(num_keys, McStatus.TIMEOUT))
         except Exception as exc:
             # The binding raises only on argument conversion errors; report them per key.
             logger.warning("mooncake %s of %d keys raised %r", op, num_keys, exc)
             with self._counters.lock:
                 self._counters.key_errors += num_keys
-            return _Failed(uniform(num_keys, McStatus.INTERNAL_ERROR))
+            return Failed(uniform(num_keys, McStatus.INTERNAL_ERROR))
         result = list(raw)
         if len(result) != num_keys:
             logger.warning("mooncake %s returned %d results for %d keys", op, len(result), num_keys)
-            return _Failed(uniform(num_keys, McStatus.INTERNAL_ERROR))
+            return Failed(uniform(num_keys, McStatus.INTERNAL_ERROR))
         return result
 
     def _count(self, results: list[KeyResult]) -> list[KeyResult]:
@@ -557,60 +560,3 @@ _STATUS = operator.attrgetter("status")
 def _part(items: list[Any], part: slice) -> list[Any]:
     """``items[part]``, without a copy when the part is all of them (an uncut call)."""
     return items if part.start == 0 and part.stop == len(items) else items[part]
-
-
-@dataclass(frozen=True)
-class _Failed:
-    """A call that was not made or not waited for: the same result for every key."""
-
-    results: list[KeyResult]
-
-
-class PendingBatch:
-    """A batch call running on the client's worker threads: one call, or one per part
-    of a batch cut into concurrent calls (contiguous slices of its keys).
-
-    :meth:`results` waits for it until ``op_timeout_s`` after it was started
-    (then every key of a part not returned is ``TIMEOUT`` and that call is
-    abandoned, as for the blocking calls) and returns the per-key results in
-    key order; it may be called again (the same list) and from one thread at a
-    time.
-    """
-
-    def __init__(self, client: MooncakeStoreClient, op: str, num_keys: int,
-                 parts: list[tuple[slice, Future[Any]]], done: list[int] | _Failed | None,
-                 interpret: Callable[[list[int], slice], list[KeyResult]] | None) -> None:
-        self._client, self._op, self._num_keys = client, op, num_keys
-        self._parts, self._raw = parts, done
-        self._interpret = interpret
-        self._deadline = time.monotonic() + client.config.op_timeout_s
-        self._results: list[KeyResult] | None = None
-
-    def done(self) -> bool:
-        """Have the calls returned (or were they never made)? Never waits."""
-        return all(fut.done() for _, fut in self._parts)
-
-    def raw(self) -> list[int] | _Failed:
-        """The raw codes of a call that was not cut (see :meth:`MooncakeStoreClient._split`)."""
-        if self._raw is None:
-            assert len(self._parts) == 1, "a cut batch has per-key results only"
-            self._raw = self._client._collect(self._op, self._num_keys, self._parts[0][1],
-                                              self._deadline)
-        return self._raw
-
-    def results(self) -> list[KeyResult]:
-        if self._results is not None:
-            return self._results
-        assert self._interpret is not None, "a raw call has no per-key results"
-        if self._raw is not None or len(self._parts) <= 1:
-            raw = self.raw()
-            self._results = (raw.results if isinstance(raw, _Failed) else
-                             self._client._count(self._interpret(raw, slice(0, self._num_keys))))
-            return self._results
-        out: list[KeyResult] = []
-        for part, fut in self._parts:
-            raw = self._client._collect(self._op, part.stop - part.start, fut, self._deadline)
-            out += (raw.results if isinstance(raw, _Failed) else
-                    self._client._count(self._interpret(raw, part)))
-        self._results = out
-        return out
