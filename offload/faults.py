@@ -19,8 +19,12 @@ path of the tier, and most are produced by the kernel itself:
   flipped back; a block stored again (a new file) is corrupted again.
 
 Decisions are deterministic: a per-key fault fires on every open of that key's
-file; a rate fault is drawn from ``(seed, path, nth open of that path)``, so
-thread interleaving never changes which opens fail.
+file; a rate fault is drawn from ``(seed, name, nth open of that file)``, where
+``name`` is the file's path under the store root (``FaultyFsIO(root=...)``), so
+neither thread interleaving nor where the store lives (a fresh temp directory
+per run) changes which opens fail. Drawn from the absolute path, every new
+directory was a new draw: a seed picked for its mix of faults gave, in an estimated
+one run in two thousand, one kind only or none.
 """
 
 from __future__ import annotations
@@ -79,7 +83,10 @@ class FaultPlan:
             raise OffloadError("slow_s", f"expected >= 0 seconds, got {self.slow_s}")
 
     def draw(self, path: str, nth: int) -> FaultKind | None:
-        """The rate fault for the ``nth`` open of ``path`` (pure, deterministic)."""
+        """The rate fault for the ``nth`` open of ``path`` (pure, deterministic).
+
+        ``path`` is the file's name as the plan sees it: ``FaultyFsIO`` passes the
+        path under the store root, so the draw does not depend on the directory."""
         if not self.rate:
             return None
         digest = hashlib.blake2b(f"{self.seed}:{path}:{nth}".encode(), digest_size=16).digest()
@@ -96,11 +103,16 @@ class InjectedFault:
 
 
 class FaultyFsIO(FsIO):
-    """``FsIO`` that injects the faults of ``plan`` into reads of block files."""
+    """``FsIO`` that injects the faults of ``plan`` into reads of block files.
+
+    ``root``: the store directory; rate faults are drawn from a file's path under it
+    (None: from the path as given).
+    """
 
     def __init__(self, plan: FaultPlan, path_of: Callable[[OffloadKey], str],
-                 inner: FsIO | None = None) -> None:
+                 inner: FsIO | None = None, root: str | None = None) -> None:
         self.plan = plan
+        self.root = root
         self.inner = inner or FsIO()
         self._per_path = {path_of(key): kind for key, kind in plan.per_key.items()}
         self._lock = threading.Lock()
@@ -120,7 +132,8 @@ class FaultyFsIO(FsIO):
             self._opens[path] = nth + 1
         kind = self._per_path.get(path)
         if kind is None:
-            kind = self.plan.draw(path, nth)
+            name = path if self.root is None else os.path.relpath(path, self.root)
+            kind = self.plan.draw(name, nth)
         if kind is not None:
             with self._lock:
                 self.injected.append(InjectedFault(path, kind))

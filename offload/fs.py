@@ -255,7 +255,7 @@ class FsTier(SecondaryTier):
         #: set when ``faults`` is given: the injector wrapping the real I/O
         self.injector: FaultyFsIO | None = None
         if faults is not None:
-            self.injector = FaultyFsIO(faults, self.mapper.path, self.io)
+            self.injector = FaultyFsIO(faults, self.mapper.path, self.io, root=root)
             self.io = self.injector
         self.fsync = fsync
         if isinstance(quarantine_after, bool) or not isinstance(quarantine_after, int) \
