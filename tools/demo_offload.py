@@ -179,6 +179,8 @@ def _summary(engine: Engine, scheduler: OffloadingScheduler, results: list[Reque
         "cpu_evictions": int(cstats.get("cpu_evictions", 0)),
         "stored_parts": int(cstats.get("store_parts", 0)),
         "max_lookups_per_request": int(cstats.get("max_lookups_per_request", 0)),
+        "lookup_invariant_violations": sum(int(v) for k, v in cstats.items()
+                                           if k.endswith("_lookup_invariant_violations")),
         "events": events,
         "verified_bytes": verified,
         "mismatched_bytes": stats["mismatched_bytes"],

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from pathlib import Path
 
 import pytest
 
+from kvbridge.offload import FsTier
 from kvbridge.offload.faults import ALL_KINDS, FaultKind, FaultPlan, FaultyFsIO
 from kvbridge.offload.fs_io import encode_block_header, load_block, store_block
-from kvbridge.offload.types import OffloadError, ShortReadError
+from kvbridge.offload.types import BatchIOError, OffloadError, ShortReadError
 
 BLOCK = 4096
 KEY_HASH = bytes(range(16))
@@ -79,3 +82,35 @@ def test_non_failing_kinds_still_load_the_bytes(tmp_path, kind) -> None:
         assert [f.kind for f in io.injected] == [kind]
     finally:
         io.close_injector()
+
+
+def _fault_outcomes(root: Path, plan: FaultPlan, keys: list[bytes]) -> list[tuple[str, str]]:
+    """Store ``keys`` in a fresh fs tier under ``root``, load each twice; per open that
+    failed: (the block file's path under ``root``, the injected kind)."""
+    block_bytes = 4096
+    tier = FsTier(str(root), block_bytes, "0123456789abcdef", use_o_direct=False, faults=plan)
+    try:
+        tier.store_batch(keys, [[memoryview(bytearray(block_bytes))] for _ in keys])
+        for _ in range(2):
+            for key in keys:
+                with contextlib.suppress(BatchIOError):   # injected: recorded below
+                    tier.load_batch([key], [[memoryview(bytearray(block_bytes))]])
+        assert tier.injector is not None
+        return [(os.path.relpath(f.path, root), f.kind.value) for f in tier.injector.injected]
+    finally:
+        tier.shutdown()
+
+
+def test_the_seed_not_the_store_directory_decides_which_loads_fail(tmp_path: Path) -> None:
+    """The chaos tests (tests/connectors/offloading/test_chaos.py) rely on ``seed`` for
+    their mix of failed loads, and their store is a fresh temp directory each run: the
+    fault draws must not depend on that directory. (They hashed the absolute path: every
+    run drew afresh, and an estimated one run in two thousand injected a single kind,
+    or nothing, and failed.)"""
+    plan = FaultPlan(rate=0.2, kinds=(FaultKind.EIO, FaultKind.ELOOP), seed=3)
+    keys = [f"block-{i}".encode() for i in range(64)]
+    here = _fault_outcomes(tmp_path / "a", plan, keys)
+    elsewhere = _fault_outcomes(tmp_path / "some" / "other-dir", plan, keys)
+    assert here == elsewhere
+    assert {kind for _, kind in here} == {"eio", "eloop"}   # faults fired, of both kinds
+    assert len(here) < 2 * len(keys)                         # and not every load failed
