@@ -26,11 +26,12 @@ consumer at their destination offsets. A consumer asks for them in the same
 the ask; a region read whole has its block digest in the slice algorithm's
 block algorithm as slice digest) only from a producer whose handshake lists
 that algorithm; the consumer takes the first slice algorithm of its own
-preference that a producer rank of the session offers (:func:`pick_slice_algorithm`).
-An older producer's head slices stay unverified as before. A consumer block assembled from several
-producer ranks is verified when every one of them sent a matching slice
-digest (:func:`count_slices`: each block counts once). The producer takes
-slice digests as the hold starts for the consumer ranks it knows (their
+preference that a producer rank of the session offers
+(:func:`pick_slice_algorithm`). An older producer's head slices stay
+unverified as before. A consumer block assembled from several producer ranks
+is verified when every one of them sent a matching slice digest
+(:func:`count_slices`: each block counts once). The producer takes slice
+digests as the hold starts for the consumer ranks it knows (their
 ``hello`` gave their topology, hence the plan); for a consumer rank it meets
 later (its first request) it takes them when the ``begin`` comes, so a
 corruption of the held blocks between the hold's start and that ``begin`` is
