@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import pytest
@@ -44,10 +44,54 @@ def missing_backend(message: str) -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's
+    ephemeral range (see :func:`free_port_run`: nothing takes it by chance meanwhile)."""
+    return free_port_run(1)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux default 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_run(count: int, taken: Collection[int] = ()) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that were all free a
+    moment ago, none in ``taken``, all outside the kernel's ephemeral range: for a
+    process that binds ``port + index`` per engine later on. A port inside that range
+    can be taken meanwhile by any outgoing connection, even a ZeroMQ socket's retries
+    to that very port (a TCP connect to a local port nobody listens on can connect to
+    itself and then holds the port): a test that connects before the engines bind
+    failed that way in CI with "Address already in use"."""
+    import random
+
+    low, high = _ephemeral_range()
+    # from 20000: Mooncake's transfer engine picks its RPC ports at random below that
+    candidates = [start for start in range(20000, 65536 - count, count + 1)
+                  if start + count - 1 < low or start > high]
+    avoid = set(taken)
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.choice(candidates)
+        if avoid & set(range(start - 1, start + count + 1)):
+            continue
+        socks = []
+        try:
+            for port in range(start, start + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return start
+    raise AssertionError(f"no {count} consecutive free ports outside {low}-{high}")
 
 
 def ready_line(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:

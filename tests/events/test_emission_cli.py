@@ -30,7 +30,7 @@ from kvbridge.events import (
     encode_batch,
 )
 from kvbridge.layouts import hash_blocks
-from tests.conftest import free_port, require
+from tests.conftest import free_port_run, require
 
 CLI = [sys.executable, "-m", "kvbridge.tools.cli"]
 
@@ -70,15 +70,12 @@ def _gpu_stored(events: list[KVEvent]) -> list[Any]:
 
 
 def _distinct_ports(count: int) -> list[int]:
-    """``count`` free ports with port + 1 free too (each engine adds its index)."""
+    """``count`` free ports with port + 1 free too (each engine adds its index), apart
+    from each other and outside the ephemeral range (``free_port_run``)."""
     ports: list[int] = []
-    for _ in range(200):
-        port = free_port()
-        if port < 65535 and all(abs(port - p) > 1 for p in ports):
-            ports.append(port)
-            if len(ports) == count:
-                return ports
-    raise AssertionError("no free ports")
+    for _ in range(count):
+        ports.append(free_port_run(2, ports))
+    return ports
 
 
 def test_serve_publishes_its_engine_events(tmp_path: Path) -> None:

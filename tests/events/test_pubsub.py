@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -35,13 +34,7 @@ from kvbridge.events import (
     encode_batch,
 )
 from kvbridge.events.wire import END_SEQ, encode_seq
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (as conftest's helper)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.conftest import free_port
 
 
 def step_events(i: int) -> list[KVEvent]:
