@@ -468,26 +468,41 @@ def _progression(ranges: tuple[tuple[int, int], ...]) -> tuple[int, int, int, in
     return first, length, step, len(ranges)
 
 
-def _slice_digests(digester: BlockDigester, layers: Sequence[SliceLayer],
-                   block_ids: Sequence[int]) -> list[int]:
-    """:meth:`BlockDigester.slice_digests` (a function so the class body stays as it was)."""
-    prepared = []
+def checked_slice(layers: Sequence[SliceLayer], block_ids: Sequence[int],
+                  spans: Mapping[int, tuple[int, int]]
+                  ) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """A slice's layers in ascending id, each with its ranges merged (:func:`merge_ranges`),
+    after checking them against ``spans`` (layer id -> (bytes of one block, blocks)) and
+    ``block_ids`` against the fewest blocks of those layers: what both digesters'
+    ``slice_digests`` take. Raises :class:`LayoutError` naming what lies outside."""
+    out = []
     num_blocks = None
     for layer, ranges in sorted(layers, key=lambda item: item[0]):
-        if layer not in digester._views:
+        span = spans.get(layer)
+        if span is None:
             raise LayoutError("slice", f"no span for layer {layer}")
-        view, stride, nbytes, blocks = digester._views[layer]
+        nbytes, blocks = span
         merged = merge_ranges(ranges)
         bad = next(((o, n) for o, n in merged if o < 0 or o + n > nbytes), None)
         if bad is not None:
             raise LayoutError("slice", f"range {bad} of layer {layer} outside its "
                                        f"{nbytes}-byte block")
         num_blocks = blocks if num_blocks is None else min(num_blocks, blocks)
-        prepared.append((view, stride, merged, _progression(merged)))
-    if block_ids and num_blocks is not None:
+        out.append((layer, merged))
+    if len(block_ids) and num_blocks is not None:
         bad_id = next((b for b in block_ids if not 0 <= b < num_blocks), None)
         if bad_id is not None:
             raise LayoutError("block_id", f"block {bad_id} outside [0, {num_blocks})")
+    return out
+
+
+def _slice_digests(digester: BlockDigester, layers: Sequence[SliceLayer],
+                   block_ids: Sequence[int]) -> list[int]:
+    """:meth:`BlockDigester.slice_digests` (a function so the class body stays as it was)."""
+    views = digester._views
+    prepared = [(views[layer][0], views[layer][1], merged, _progression(merged))
+                for layer, merged in checked_slice(
+                    layers, block_ids, {layer: (v[2], v[3]) for layer, v in views.items()})]
     pack = struct.Struct(f"<{len(prepared)}Q").pack
     digest = xxhash.xxh3_64_intdigest
     stream = xxhash.xxh3_64()

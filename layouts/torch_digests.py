@@ -35,7 +35,7 @@ import torch
 from kvbridge.layouts.digests import (
     TORCH_ALGORITHM,
     SliceLayer,
-    merge_ranges,
+    checked_slice,
     mix64_combine,
     mix64_keys,
 )
@@ -245,7 +245,12 @@ class TorchBlockDigester:
         self._check(region, block_ids)
         if not len(block_ids):
             return []
-        layer_digests = self._layer_digests(region, block_ids)
+        return self._combined(self._layer_digests(region, block_ids))
+
+    def _combined(self, layer_digests: torch.Tensor) -> list[int]:
+        """Block digests from layer digests ``[blocks, layers]`` (int64 bit patterns, on
+        the device): ``torch-mix64-v1`` of each row's packed digests, 8 bytes per block
+        to the host."""
         width = layer_digests.shape[1]
         if width > self._keys.numel():
             keys = torch.from_numpy(_signed(mix64_keys(0, width)).copy()).to(self.device)
@@ -254,7 +259,6 @@ class TorchBlockDigester:
         combined = _mix_rows(layer_digests, keys[:width])
         lengths = torch.full((1,), width * 8, dtype=torch.int64, device=self.device)
         return [_unsigned(v) for v in _finish(combined[:, None], lengths)[:, 0].tolist()]
-
 
     def slice_digests(self, layers: Sequence[SliceLayer], block_ids: Sequence[int]
                       ) -> list[int]:
@@ -268,25 +272,9 @@ class TorchBlockDigester:
         single range is its whole block has its layer digest, and whole ranges of every
         layer of a region give the block digest. The ranges' bytes of all the blocks are
         gathered on the device, tile by tile (bounded scratch), never to the host."""
-        prepared = []
-        num_blocks = None
-        for layer_id, ranges in sorted(layers, key=lambda item: item[0]):
-            layer = self._layers.get(layer_id)
-            if layer is None:
-                raise LayoutError("slice", f"no span for layer {layer_id}")
-            merged = merge_ranges(ranges)
-            bad = next(((o, n) for o, n in merged if o < 0 or o + n > layer.block_bytes), None)
-            if bad is not None:
-                raise LayoutError("slice", f"range {bad} of layer {layer_id} outside its "
-                                           f"{layer.block_bytes}-byte block")
-            num_blocks = layer.num_blocks if num_blocks is None else min(num_blocks,
-                                                                         layer.num_blocks)
-            prepared.append((layer, merged))
         ids_list = [int(b) for b in block_ids]
-        if ids_list and num_blocks is not None:
-            bad_id = next((b for b in ids_list if not 0 <= b < num_blocks), None)
-            if bad_id is not None:
-                raise LayoutError("block_id", f"block {bad_id} outside [0, {num_blocks})")
+        prepared = [(self._layers[layer_id], merged) for layer_id, merged in checked_slice(
+            layers, ids_list, {k: (v.block_bytes, v.num_blocks) for k, v in self._layers.items()})]
         if not ids_list:
             return []
         if not prepared:
@@ -296,13 +284,7 @@ class TorchBlockDigester:
                             for layer, merged in prepared], dim=1)
         lengths = torch.tensor([sum(n for _o, n in merged) for _layer, merged in prepared],
                                dtype=torch.int64, device=self.device)
-        layer_digests = _finish(sums, lengths)
-        width = layer_digests.shape[1]
-        keys = self._keys if width <= self._keys.numel() else \
-            torch.from_numpy(_signed(mix64_keys(0, width)).copy()).to(self.device)
-        combined = _mix_rows(layer_digests, keys[:width])
-        total = torch.full((1,), width * 8, dtype=torch.int64, device=self.device)
-        return [_unsigned(v) for v in _finish(combined[:, None], total)[:, 0].tolist()]
+        return self._combined(_finish(sums, lengths))
 
     def _slice_sums(self, layer: _Layer, merged: tuple[tuple[int, int], ...],
                     ids: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import random
 import select
 import signal
 import socket
@@ -67,8 +68,6 @@ def free_port_run(count: int, taken: Collection[int] = ()) -> int:
     to that very port (a TCP connect to a local port nobody listens on can connect to
     itself and then holds the port): a test that connects before the engines bind
     failed that way in CI with "Address already in use"."""
-    import random
-
     low, high = _ephemeral_range()
     # from 20000: Mooncake's transfer engine picks its RPC ports at random below that
     candidates = [start for start in range(20000, 65536 - count, count + 1)

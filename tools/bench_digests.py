@@ -27,7 +27,6 @@ from kvbridge.layouts.digests import (
     TORCH_ALGORITHM,
     TORCH_SLICE_ALGORITHM,
     BlockDigester,
-    Digester,
     LayerSpan,
 )
 from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
@@ -51,22 +50,20 @@ def digest_rates(num_blocks: int, block_bytes: int, *, iters: int = 5,
                              [(0,)])
     quarter = block_bytes // 32 * 8  # the first half of the K heads, then of the V heads
     half_heads = ((0, ((0, quarter), (block_bytes // 2, quarter))),)
-    runs: list[tuple[str, Callable[[Digester], Any]]] = [
-        (ALGORITHM, lambda d: d.block_digests(0, ids)),
-        (TORCH_ALGORITHM, lambda d: d.block_digests(0, ids)),
-        (SLICE_ALGORITHM, lambda d: d.slice_digests(half_heads, ids)),
-        (TORCH_SLICE_ALGORITHM, lambda d: d.slice_digests(half_heads, ids))]
+    runs: list[tuple[str, Callable[[], Any]]] = [
+        (ALGORITHM, lambda: xxh3.block_digests(0, ids)),
+        (TORCH_ALGORITHM, lambda: mix.block_digests(0, ids)),
+        (SLICE_ALGORITHM, lambda: xxh3.slice_digests(half_heads, ids)),
+        (TORCH_SLICE_ALGORITHM, lambda: mix.slice_digests(half_heads, ids))]
     if not quarter:
         runs = runs[:2]
-    digester: dict[str, Digester] = {ALGORITHM: xxh3, TORCH_ALGORITHM: mix,
-                                     SLICE_ALGORITHM: xxh3, TORCH_SLICE_ALGORITHM: mix}
     best = {name: float("inf") for name, _run in runs}
-    for name, run in runs:  # warm-up: allocator, keys, first kernels
-        run(digester[name])
+    for _name, run in runs:  # warm-up: allocator, keys, first kernels
+        run()
     for it in range(max(1, iters)):
         for name, run in runs if it % 2 == 0 else runs[::-1]:
             started = time.perf_counter()
-            run(digester[name])
+            run()
             best[name] = min(best[name], time.perf_counter() - started)
     on_cpu = TorchBlockDigester({0: TensorSpan(host, block_bytes, block_bytes, num_blocks)},
                                 [(0,)])
