@@ -314,7 +314,8 @@ class SharedStorageWorker(WorkerConnector):
                 layers = self._layers(region)
                 if not layers:
                     continue
-                data = b"".join(t[block_id].contiguous().view(-1).view(torch.uint8)
+                # .cpu(): one copy off the device for GPU KV (none for host KV)
+                data = b"".join(t[block_id].contiguous().view(-1).view(torch.uint8).cpu()
                                 .numpy().tobytes() for _, t in layers)
                 batch.append((region, data, block_hash))
             if self.settings.save_async:

@@ -2,7 +2,8 @@
 
 Owns: the fields, their defaults and the checks that need nothing but the config
 itself (counts >= 1, the spec fits the topology). May not touch: the host (see
-:mod:`kvbridge.engine.host_memory` for whether this machine can hold the KV cache),
+:mod:`kvbridge.engine.host_memory` for whether this machine can hold the KV cache,
+:mod:`kvbridge.engine.devices` for whether it has the device),
 the block pools or any connector; building an engine is :mod:`kvbridge.engine.core`'s.
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbridge.connectors import ConfigError, ConnectorConfig
+from kvbridge.engine.devices import parse_device
 from kvbridge.layouts import KVCacheSpec, ParallelTopology
+from kvbridge.layouts.kv_memory import guard_from_env
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,16 @@ class EngineConfig:
     #: (measured 4096 x 16 KiB: ~2x the bandwidth); vLLM's order, after a request
     #: freed its blocks tail first, runs downwards and nothing merges.
     sorted_allocation: bool = True
+    #: where each rank's KV cache lives: ``cpu``, ``cuda`` (rank r on ``cuda:(r mod n)``)
+    #: or ``cuda:N`` (:mod:`kvbridge.engine.devices`)
+    device: str = "cpu"
+    #: give host-memory KV the host-access guard (:mod:`kvbridge.layouts.kv_memory`): it
+    #: then refuses what device KV refuses, so CPU runs catch host reads of device KV;
+    #: default from ``KVBRIDGE_KV_HOST_GUARD``
+    kv_host_guard: bool = field(default_factory=guard_from_env)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", parse_device(self.device))
         if self.num_blocks < 1:
             raise ConfigError("num_blocks", f"expected >= 1, got {self.num_blocks}")
         if self.max_num_batched_tokens < 1:

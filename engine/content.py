@@ -193,6 +193,7 @@ def fill_tokens(tensor: torch.Tensor, shape: RankRegionShape, rank: ParallelTopo
     last = -(-end // tokens_per_block)
     index = torch.arange(first, last, dtype=torch.int64)
     values, _ = expected_blocks(shape, rank, dcp_size, layer, index, seeds)
+    values = values.to(tensor.device)  # one copy to the KV's device, then slices of it
     hnd = shape.region.memory_order is MemoryOrder.HND
     for offset, block_index in enumerate(range(first, last)):
         lo, hi = _slot_range(shape, rank, dcp_size, block_index, start, end)
@@ -237,7 +238,10 @@ def verify_blocks(layers: Mapping[int, torch.Tensor], shapes: Sequence[RankRegio
             values, positions = expected_blocks(shape, rank, dcp_size, layer, index, seeds)
             mask = _token_mask(shape, positions, start, end).expand_as(values)
             tensor = layers[layer]
-            got = torch.stack([tensor[block_id] for block_id in ids_list])
+            # one gather on the KV's device, then one copy to the host: device KV is
+            # never read in place by the host
+            ids = torch.tensor(ids_list, dtype=torch.int64, device=tensor.device)
+            got = tensor.index_select(0, ids).cpu()
             equal = _bitwise_equal(got, values)
             selected = int(mask.sum())
             bad = int((mask & ~equal).sum())

@@ -65,6 +65,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -88,6 +89,7 @@ from kvbridge.engine.block_pool import BlockPool
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.content import next_token
 from kvbridge.engine.control import ControlLimits
+from kvbridge.engine.devices import rank_device
 from kvbridge.engine.host_memory import (
     BLOCK_OVERHEAD_BYTES,
     HOST_MEMORY_FRACTION,
@@ -222,7 +224,8 @@ class Engine(Scheduling):
         self._shut_down = False
         ranks = list(self.sizes.ranks())
         if config.connector is None:
-            self.workers = [Worker(self.spec, self.sizes, rank, index, num_blocks, None)
+            self.workers = [Worker(self.spec, self.sizes, rank, index, num_blocks, None,
+                                   **self._placement(index))
                             for index, rank in enumerate(ranks)]
             return
         resolved = registry.resolve(config.connector)  # raises before anything exists
@@ -240,7 +243,8 @@ class Engine(Scheduling):
                 worker_connector = resolved.plugin.create_worker(ctx)
                 created_workers.append(worker_connector)
                 self.workers.append(Worker(self.spec, self.sizes, rank, index, num_blocks,
-                                           worker_connector, self._record))
+                                           worker_connector, self._record,
+                                           **self._placement(index)))
             metadata = {}
             for worker in self.workers:
                 assert worker.connector is not None
@@ -263,6 +267,12 @@ class Engine(Scheduling):
                              if self.spec.rank_shapes(w.rank)[r].layer_ids)
                    for r in range(self.num_regions)]
         self.aggregator = OutputAggregator(len(self.workers), holders=holders)
+
+    def _placement(self, worker_index: int) -> dict[str, Any]:
+        """Where rank ``worker_index``'s KV lives (``device`` setting) and whether it is
+        guarded against host reads."""
+        return {"device": rank_device(self.config.device, worker_index),
+                "host_guard": self.config.kv_host_guard}
 
     # ------------------------------------------------------------------ client API
 

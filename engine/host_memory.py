@@ -3,16 +3,20 @@
 Owns: the estimate (:func:`kv_cache_bytes`: every rank and region, plus the block
 pools' bookkeeping), what the host can give now (``MemAvailable``, capped by the
 process's memory cgroup, v1 or v2) and the refusal (:func:`check_host_memory`,
-which the engine calls before it allocates anything). Reads ``/proc`` and
-``/sys/fs/cgroup`` only; may not allocate, nor touch an engine, pool or tensor.
+which the engine calls before it allocates anything). Reads ``/proc``,
+``/sys/fs/cgroup`` and a GPU's free memory only; may not allocate, nor touch an
+engine, pool or tensor.
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
+
 from kvbridge.connectors import ConfigError
 from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.devices import check_device, device_free_bytes, rank_device
 
 #: Bytes of bookkeeping per block and region besides its KV (block pool lists, hashes).
 BLOCK_OVERHEAD_BYTES = 256
@@ -23,10 +27,22 @@ HOST_MEMORY_FRACTION = 0.8
 def kv_cache_bytes(config: EngineConfig) -> int:
     """Bytes an engine of ``config`` allocates for its KV cache, every rank and region,
     plus its block pools' bookkeeping (the reference engine keeps every rank in memory)."""
-    per_block = 0
-    for rank in config.topology.sizes().ranks():
-        per_block += sum(shape.block_bytes for shape in config.spec.rank_shapes(rank))
-    return config.num_blocks * (per_block + BLOCK_OVERHEAD_BYTES * len(config.spec.regions))
+    return sum(kv_bytes_by_device(config).values()) + block_overhead_bytes(config)
+
+
+def block_overhead_bytes(config: EngineConfig) -> int:
+    """The block pools' bookkeeping (host memory, whatever the KV's device)."""
+    return config.num_blocks * BLOCK_OVERHEAD_BYTES * len(config.spec.regions)
+
+
+def kv_bytes_by_device(config: EngineConfig) -> dict[str, int]:
+    """KV tensor bytes per device (``cpu``, ``cuda:0``, ...) for ``config``'s ranks."""
+    out: dict[str, int] = {}
+    for index, rank in enumerate(config.topology.sizes().ranks()):
+        where = "cpu" if config.device == "cpu" else str(rank_device(config.device, index))
+        nbytes = config.num_blocks * sum(s.block_bytes for s in config.spec.rank_shapes(rank))
+        out[where] = out.get(where, 0) + nbytes
+    return out
 
 
 def available_memory_bytes(root: str = "/") -> int:
@@ -92,8 +108,22 @@ def cgroup_memory_room(root: str = "/") -> int | None:
 def check_host_memory(config: EngineConfig) -> None:
     """Refuse (``num_blocks`` named) a KV cache this host could not hold, before any of
     it is allocated: too many blocks must be a usage error, not an engine that
-    allocates until the machine runs out."""
-    need = kv_cache_bytes(config)
+    allocates until the machine runs out. KV on a GPU is checked against that GPU's
+    free memory (``device`` named first when the host has no such GPU)."""
+    check_device(config.device)
+    by_device = kv_bytes_by_device(config)
+    for where, nbytes in by_device.items():
+        if where == "cpu":
+            continue
+        free = int(device_free_bytes(torch.device(where)) * HOST_MEMORY_FRACTION)
+        if nbytes > free:
+            raise ConfigError("num_blocks", f"{config.num_blocks} blocks of this model on "
+                                            f"{config.topology.sizes().describe()} need "
+                                            f"{nbytes / 2**30:.1f} GiB of KV memory on "
+                                            f"{where}; it can give {free / 2**30:.1f} GiB "
+                                            f"({HOST_MEMORY_FRACTION:.0%} of its free "
+                                            f"memory): use fewer blocks, ranks or GPUs")
+    need = by_device.get("cpu", 0) + block_overhead_bytes(config)
     have = int(available_memory_bytes() * HOST_MEMORY_FRACTION)
     if need > have:
         raise ConfigError("num_blocks", f"{config.num_blocks} blocks of this model on "

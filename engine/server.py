@@ -97,6 +97,7 @@ from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.owners import ResultOwners
 from kvbridge.events import EventSink, KVEventPublisher, NullEventSink
 from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology, load_spec
+from kvbridge.layouts.kv_memory import guard_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ def config_to_dict(config: EngineConfig) -> dict[str, Any]:
         "engine_id": config.engine_id,
         "enable_kv_cache_events": config.enable_kv_cache_events,
         "sorted_allocation": config.sorted_allocation,
+        "device": config.device,
+        "kv_host_guard": config.kv_host_guard,
     }
 
 
@@ -136,6 +139,8 @@ def config_from_dict(data: dict[str, Any]) -> EngineConfig:
         engine_id=data.get("engine_id"),
         enable_kv_cache_events=bool(data.get("enable_kv_cache_events", False)),
         sorted_allocation=bool(data.get("sorted_allocation", True)),
+        device=str(data.get("device", "cpu")),
+        kv_host_guard=bool(data.get("kv_host_guard", guard_from_env())),
     )
 
 

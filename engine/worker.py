@@ -11,6 +11,7 @@ import torch
 from kvbridge.connectors import ConnectorMetadata, KVCaches, WorkerConnector, WorkerOutput
 from kvbridge.engine.content import fill_tokens, torch_dtype, verify_blocks
 from kvbridge.layouts import KVCacheSpec, ParallelTopology
+from kvbridge.layouts.kv_memory import guard_host_access
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,8 @@ class ComputeItem:
 
 
 class Worker:
-    """A rank's KV cache (CPU torch tensors shaped by the spec) and its step execution.
+    """A rank's KV cache (torch tensors shaped by the spec, on the rank's device) and its
+    step execution.
 
     The step follows a serving engine's model runner: bind metadata, start
     loads, then per layer: wait for its load, compute, save; wait for saves;
@@ -39,7 +41,11 @@ class Worker:
 
     def __init__(self, spec: KVCacheSpec, sizes: ParallelTopology, rank: ParallelTopology,
                  worker_index: int, num_blocks: Sequence[int],
-                 connector: WorkerConnector | None, record: HookRecorder | None = None) -> None:
+                 connector: WorkerConnector | None, record: HookRecorder | None = None, *,
+                 device: torch.device | None = None, host_guard: bool = False) -> None:
+        """``device``: where this rank's KV tensors live (default the host);
+        ``host_guard``: host-memory KV refuses host-only reads, as device KV does
+        (:func:`kvbridge.layouts.kv_memory.guard_host_access`)."""
         self.spec = spec
         self.sizes = sizes
         self.rank = rank
@@ -50,12 +56,17 @@ class Worker:
         layers: dict[int, torch.Tensor] = {}
         for index, shape in enumerate(self.shapes):
             for layer in shape.layer_ids:
-                layers[layer] = torch.zeros(shape.tensor_shape(num_blocks[index]),
-                                            dtype=torch_dtype(shape.region.dtype))
+                tensor = torch.zeros(shape.tensor_shape(num_blocks[index]),
+                                     dtype=torch_dtype(shape.region.dtype), device=device)
+                layers[layer] = (guard_host_access(tensor)
+                                 if host_guard and tensor.device.type == "cpu" else tensor)
         self.layer_order = tuple(sorted(layers))
         self._region_of = {layer: index for index, shape in enumerate(self.shapes)
                            for layer in shape.layer_ids}
         self.caches = KVCaches(self.shapes, tuple(num_blocks), layers)
+        #: the same tensors without the guard: the engine's own compute and checks are
+        #: torch ops on the KV's device, not host reads, and skip the guard's per-op cost
+        self._own_layers = {layer: t.as_subclass(torch.Tensor) for layer, t in layers.items()}
         self.tokens_computed = 0
         if connector is not None:
             self._hook("register_kv_caches")
@@ -100,7 +111,7 @@ class Worker:
     def _compute_layer(self, layer: int, items: Sequence[ComputeItem]) -> None:
         region_index = self._region_of[layer]
         shape = self.shapes[region_index]
-        tensor = self.caches.layers[layer]
+        tensor = self._own_layers[layer]
         for item in items:
             fill_tokens(tensor, shape, self.rank, self.sizes.dcp_size, layer,
                         item.block_ids[region_index], item.seeds, item.start, item.end)
@@ -108,7 +119,7 @@ class Worker:
     def verify(self, block_ids: Sequence[Sequence[int]], token_ids: Sequence[int], start: int,
                end: int) -> tuple[int, int]:
         """``(verified_bytes, mismatched_bytes)`` of tokens ``[start, end)`` on this rank."""
-        return verify_blocks(self.caches.layers, self.shapes, self.spec, self.rank,
+        return verify_blocks(self._own_layers, self.shapes, self.spec, self.rank,
                              self.sizes.dcp_size, block_ids, token_ids, start, end)
 
     def shutdown(self) -> None:
