@@ -23,6 +23,7 @@ import kvbridge.tools as _tools_pkg
 from kvbridge.connectors import ConfigError, TransferMode
 from kvbridge.layouts import LayoutError, ParallelTopology, preset_names
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import add_device_argument, device_from_args
 
 EPILOG = """\
 examples:
@@ -100,6 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-config", metavar="JSON",
                         help="extra connector settings (nixl, mooncake), checked before "
                              "anything starts, e.g. '{\"lease_s\": 10}'")
+    add_device_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     # connector flags: added when `demo` itself is parsed or its help printed, so that
     # `kvbridge --help` does not import the demo runners (they import torch)
@@ -122,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvbridge demo: no demo runner for connector {args.connector!r}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        args.device = device_from_args(args)  # a GPU this host lacks: usage error, at once
+    except ConfigError as exc:
+        print(f"kvbridge demo: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         if hasattr(module, "run_cli"):
             summary: dict[str, Any] = module.run_cli(args, _progress)
         else:
@@ -135,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 requests=args.requests, prompt_tokens=args.prompt_tokens,
                 num_blocks=args.num_blocks, producer_addr=args.producer_addr,
                 producer_control_port=args.producer_control_port, timeout_s=args.timeout,
-                connector_extra=extra)
+                connector_extra=extra, device=args.device)
             summary = module.run_demo(opts, _progress)
     except (ConfigError, LayoutError, ValueError) as exc:
         sys.stderr.write("\n")

@@ -41,7 +41,12 @@ from kvbridge.auth import (
 from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
 from kvbridge.layouts import LayoutError, load_spec, preset_names
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE
-from kvbridge.tools.flags import add_topology_arguments, topology_from_args
+from kvbridge.tools.flags import (
+    add_device_argument,
+    add_topology_arguments,
+    device_from_args,
+    topology_from_args,
+)
 
 if TYPE_CHECKING:
     from kvbridge.engine.core import EngineConfig
@@ -101,6 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine-id", default=None)
     parser.add_argument("--kv-config", metavar="JSON", help="extra connector settings")
     parser.add_argument("--json", action="store_true", help="print the ready line as JSON")
+    add_device_argument(parser)
     from kvbridge.tools.events_flags import add_events_arguments, with_engine_events
 
     add_events_arguments(parser)  # --events-endpoint / --events-replay-endpoint
@@ -139,7 +145,7 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
                                            "kv_connector_extra_config": extra})
     return EngineConfig(spec=load_spec(args.model), topology=topology,
                         num_blocks=args.num_blocks, max_num_batched_tokens=4096,
-                        max_num_seqs=64, connector=connector)
+                        max_num_seqs=64, connector=connector, device=device_from_args(args))
 
 
 class _Announce:

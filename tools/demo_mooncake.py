@@ -65,6 +65,7 @@ class StoreDemoOptions:
     master: str | None = None
     metadata: str | None = None
     connector_extra: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # the engines' KV device: EngineConfig.device
 
 
 def run_cli(args: argparse.Namespace, progress: Callable[[str], None] | None) -> dict[str, Any]:
@@ -77,7 +78,8 @@ def run_cli(args: argparse.Namespace, progress: Callable[[str], None] | None) ->
         model=args.model, producer=ParallelTopology.parse(args.producer, "producer"),
         consumer=ParallelTopology.parse(args.consumer, "consumer"), requests=args.requests,
         prompt_tokens=args.prompt_tokens, num_blocks=args.num_blocks, timeout_s=args.timeout,
-        master=args.master, metadata=args.metadata, connector_extra=extra)
+        master=args.master, metadata=args.metadata, connector_extra=extra,
+        device=args.device)
     return run_store_demo(opts, progress)
 
 
@@ -100,7 +102,7 @@ def _engine_config(opts: StoreDemoOptions, role: KVRole, topology: ParallelTopol
     return EngineConfig(spec=load_spec(opts.model), topology=topology,
                         num_blocks=opts.num_blocks, max_num_batched_tokens=4096,
                         max_num_seqs=64, connector=ConnectorConfig(PLUGIN, role, extra=settings),
-                        remote_kv_timeout_s=opts.timeout_s)
+                        remote_kv_timeout_s=opts.timeout_s, device=opts.device)
 
 
 def run_store_demo(opts: StoreDemoOptions, progress: Callable[[str], None] | None = None,

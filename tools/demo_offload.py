@@ -66,7 +66,8 @@ def run_offload_workload(*, model: str = "tiny-gqa",
                          policy: str = "lru", o_direct: bool = True,
                          timeout_s: float = 300.0, max_steps: int = 1_000_000,
                          progress: Progress | None = None,
-                         record_failed_loads: bool = False) -> dict[str, Any]:
+                         record_failed_loads: bool = False,
+                         device: str = "cpu") -> dict[str, Any]:
     """Run the rounds; returns the summary (see the module docstring).
 
     ``max_steps`` bounds every round (a livelock would show up as a TimeoutError).
@@ -91,7 +92,7 @@ def run_offload_workload(*, model: str = "tiny-gqa",
             extra["fs_faults"] = {"rate": fault_rate, "kinds": list(fault_kinds), "seed": seed}
         config = EngineConfig(spec, topology, num_blocks=num_blocks,
                               connector=ConnectorConfig("offloading", KVRole.BOTH, extra=extra),
-                              remote_kv_timeout_s=timeout_s)
+                              remote_kv_timeout_s=timeout_s, device=device)
         engine = stack.enter_context(Engine(config))
         scheduler = engine.scheduler_connector
         assert isinstance(scheduler, OffloadingScheduler)
@@ -235,7 +236,7 @@ def run_cli(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
         shared_prefix_tokens=args.prompt_tokens // 2, cpu_blocks=args.cpu_blocks,
         num_blocks=args.num_blocks, offload_dir=args.offload_dir,
         fault_rate=args.inject_faults, seed=args.seed, timeout_s=args.timeout,
-        progress=progress)
+        progress=progress, device=args.device)
     summary["producer"] = summary["consumer"] = summary["topology"]
     if not args.json:
         print(format_details(summary))

@@ -61,3 +61,22 @@ def require_subcommand(parser: argparse.ArgumentParser) -> None:
         return EXIT_USAGE
 
     parser.set_defaults(func=usage)
+
+
+DEVICE_HELP = ("where each engine rank's KV cache lives: cpu (default), cuda (rank r on "
+               "cuda:(r mod number of GPUs)) or cuda:N (every rank on GPU N)")
+
+
+def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--device cpu|cuda|cuda:N``: the engines' ``device`` setting."""
+    parser.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N", help=DEVICE_HELP)
+
+
+def device_from_args(args: argparse.Namespace) -> str:
+    """The checked ``--device`` (a :class:`ConfigError` naming ``device`` for a bad value or
+    a CUDA device this host lacks): checked before any engine process starts."""
+    from kvbridge.engine.devices import check_device, parse_device  # imports torch
+
+    device = parse_device(getattr(args, "device", "cpu") or "cpu")
+    check_device(device)
+    return device
