@@ -41,9 +41,13 @@ class LoadPath(WorkerState):
     """The consumer's loads (pull, and the completion push loads share)."""
 
     def _start_load(self, order: LoadOrder, now: float) -> None:
+        # Bootstrapping waits for the peer session, whose handshake has its own deadline
+        # (a cold GPU peer's first one takes seconds): the transfer's own clock,
+        # ``transfer_timeout_s``, starts when the load is posted (:meth:`_post`).
         recv = RecvTransfer(order.request_id, order.params, order.consumer_block_ids,
                             order.producer_block_ids, order.start,
-                            deadline=now + self.settings.transfer_timeout_s, started_at=now)
+                            deadline=now + self.handshake_deadline_s
+                            + self.settings.transfer_timeout_s, started_at=now)
         self._recv[order.request_id] = recv
         self._by_producer_rid[(order.params.producer_engine_id,
                                order.params.producer_request_id)] = order.request_id
@@ -56,6 +60,7 @@ class LoadPath(WorkerState):
         """Post a load on its ready session: pull, its READs (with ``begin`` and the
         ``read`` notifications); push, its ``register`` (:mod:`.push`)."""
         assert self.transport is not None
+        recv.deadline = now + self.settings.transfer_timeout_s
         pull = recv.params.mode is TransferMode.PULL
         indices = self._read_indices(recv, session, now) if pull else {}
         if indices is None:

@@ -94,6 +94,7 @@ from kvbridge.layouts.digests import (
     digest_algorithms,
     slice_algorithm_of,
 )
+from kvbridge.layouts.kv_memory import all_host_readable
 from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
 
 #: What other modules, tools and tests import from here (the worker was one module):
@@ -170,7 +171,10 @@ class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, Progress
             self._pump.start()
         mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
         if self.settings.verify_policy.enabled:
-            self._digesters = self._make_digesters(caches, tensors, mem_type == "DRAM")
+            # XXH3 reads the KV through host pointers: only KV the host may read (not
+            # GPU memory, not guarded host memory standing in for it)
+            self._digesters = self._make_digesters(
+                caches, tensors, mem_type == "DRAM" and all_host_readable(tensors))
             self._digester = next(iter(self._digesters.values()), None)
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
                                    self.ctx.spec, self.rank, layer_addrs,

@@ -22,12 +22,16 @@ HOST_SCRIPT = Path(__file__).with_name("engine_host.py")
 
 
 def nixl_config(model: str, role: KVRole, topology: ParallelTopology, mode: TransferMode,
-                *, num_blocks: int = 32, **extra: Any) -> EngineConfig:
+                *, num_blocks: int = 32, host_kv: bool = False, **extra: Any) -> EngineConfig:
+    """``host_kv``: the ranks' KV is host-readable memory whatever the environment says (a
+    test about host ranks: XXH3-64 digests); otherwise ``KVBRIDGE_KV_HOST_GUARD`` decides
+    (CI runs the suite once with it, every rank then taking a GPU rank's paths)."""
     settings = {"mode": mode.value, "transfer_timeout_s": 10.0, **extra}
+    guard = {"kv_host_guard": False} if host_kv else {}
     return EngineConfig(spec=load_spec(model), topology=topology, num_blocks=num_blocks,
                         max_num_batched_tokens=2048, max_num_seqs=64,
                         connector=ConnectorConfig("nixl", role, extra=settings),
-                        remote_kv_timeout_s=60.0)
+                        remote_kv_timeout_s=60.0, **guard)
 
 
 class EngineHost:

@@ -195,12 +195,15 @@ def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded(
                                    spec_model, me, layer_addrs, 1)
         held_ids = params.block_ids[0]
         stray = max(held_ids) + 1
+        # the producer's first block algorithm: XXH3-64 on host KV, the torch one on
+        # KV that is not host-readable (a GPU, or the host-access guard)
+        alg = _producer_doc(producer).ranks[0].digests[0]
         _send_all(rogue, peers, [
             member_hello(encode_agent(meta)),
-            messages.Begin(rid, 0, ((held_ids[0], stray),), "xxh3-64"),   # one not held
-            messages.Begin(rid, 0, ((held_ids[0],),), "xxh3-64"),         # held: answered
-            messages.Begin("never-held", 0, ((1, 2, 3),), "xxh3-64"),     # waits, bounded
-            messages.Begin("never-held", 0)])                              # waits too
+            messages.Begin(rid, 0, ((held_ids[0], stray),), alg),   # one not held
+            messages.Begin(rid, 0, ((held_ids[0],),), alg),         # held: answered
+            messages.Begin("never-held", 0, ((1, 2, 3),), alg),     # waits, bounded
+            messages.Begin("never-held", 0)])                        # waits too
         answers = _helds(rogue, 4 * len(peers), 60)
         by_rid = {}
         for held in answers:
@@ -209,7 +212,7 @@ def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded(
         good = [h for h in by_rid[rid] if h.digests]
         assert len(stray_answers) == len(good) == len(peers)
         assert all("not held for this request" in h.reason for h in stray_answers)
-        assert all(len(h.digests[0]) == 8 and h.algorithm == "xxh3-64" for h in good)
+        assert all(len(h.digests[0]) == 8 and h.algorithm == alg for h in good)
         assert len(by_rid["never-held"]) == 2 * len(peers)
         assert all(not h.ok and not h.digests and "not held" in h.reason
                    for h in by_rid["never-held"])

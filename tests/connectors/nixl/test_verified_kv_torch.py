@@ -58,10 +58,12 @@ def _pair(mode: TransferMode, producer_algs: list[str] | None,
     consumer_extra.setdefault("verify", "full")
     p_extra = {"verify_algorithms": producer_algs} if producer_algs else {}
     c_extra = {"verify_algorithms": consumer_algs} if consumer_algs else {}
+    # host ranks (a "GPU" one is a host rank limited to the torch algorithm), whatever
+    # KVBRIDGE_KV_HOST_GUARD says
     producer = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), mode,
-                                  lease_s=60.0, **p_extra))
+                                  lease_s=60.0, host_kv=True, **p_extra))
     consumer = Engine(nixl_config(MODEL, KVRole.CONSUMER, ParallelTopology(), mode,
-                                  **c_extra, **consumer_extra))
+                                  host_kv=True, **c_extra, **consumer_extra))
     return producer, consumer
 
 
@@ -117,7 +119,7 @@ def test_a_rank_announcing_gpu_memory_offers_only_the_torch_algorithm(
         patch.setattr(NixlTransport, "memory_type", property(lambda self: (VRAM, 0)))
         gpu = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PULL))
         xxh3_only = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PULL,
-                                       verify_algorithms=[ALGORITHM]))
+                                       host_kv=True, verify_algorithms=[ALGORITHM]))
     try:
         assert _offered(gpu) == (TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
         assert _offered(xxh3_only) == ()  # nothing it can compute: no digests offered

@@ -58,9 +58,11 @@ def _pair(mode: TransferMode, producer_tp: int, consumer_tp: int, model: str = M
     gpu_producer, gpu_consumer = GPU_LIKE[algs]
     torch_only = {"verify_algorithms": [TORCH_ALGORITHM]}
     producer = Engine(nixl_config(model, KVRole.PRODUCER, ParallelTopology(tp_size=producer_tp),
-                                  mode, lease_s=60.0, **(torch_only if gpu_producer else {})))
+                                  mode, lease_s=60.0, host_kv=True,
+                                  **(torch_only if gpu_producer else {})))
     consumer = Engine(nixl_config(model, KVRole.CONSUMER, ParallelTopology(tp_size=consumer_tp),
-                                  mode, verify="full", **(torch_only if gpu_consumer else {})))
+                                  mode, verify="full", host_kv=True,
+                                  **(torch_only if gpu_consumer else {})))
     return producer, consumer
 
 
