@@ -6,7 +6,9 @@ record; NIXL creates an agent with the UCX backend and registers memory *in a
 child process with a timeout* (a broken UCX can hang or crash the process that
 loads it); Mooncake's store module is imported in a child process and
 ``mooncake_master`` is located. Every registered connector is loaded and
-matched against the backends it declares.
+matched against the backends it declares, and listed with where it came from
+(built-in, entry point of a distribution, or registered in-process); an entry
+point the registry ignores (its name belongs to a built-in) is a warning.
 
 Required: torch, pyzmq, msgpack, NIXL (kvbridge's dependencies) and every
 backend a registered connector declares. Exit 1 if a required check fails.
@@ -48,8 +50,10 @@ examples:
   kvbridge doctor --mooncake-master 127.0.0.1:50051 --mooncake-metadata http://127.0.0.1:8080/metadata
 
 --json prints {"ok", "checks": [{"name", "ok", "required", "detail", "fix",
-"seconds"}], "connectors": [{"name", "origin", "loaded", "roles", "backends",
-"usable", ...}], "environment": {...}, "ucx": {"settings": {UCX_*: value},
+"seconds"}], "connectors": [{"name", "origin" (module:Class), "source"
+("built-in", "entry point" or "in-process"), "distribution" (of an entry
+point, else null), "loaded", "roles", "backends", "usable", ...}],
+"environment": {...}, "ucx": {"settings": {UCX_*: value},
 "infiniband_devices", "nvidia_gpus", "tcp_only"}, "mooncake_listen": [{"name",
 "host", "port", "listening", "accepts", "every_interface"}], "python"}.
 
@@ -297,26 +301,38 @@ def check_mooncake_listen(timeout_s: float, master_address: str | None,
 
 
 def check_connectors() -> tuple[list[dict[str, object]], set[str], list[Check]]:
-    """Registered connectors, the backends they need, and a check per unloadable one."""
+    """Registered connectors (with where each came from), the backends they need, and a
+    check per unloadable one (required) or ignored entry point (a warning)."""
     from kvbridge.connectors import registry
 
     rows: list[dict[str, object]] = []
     needed: set[str] = set()
     problems: list[Check] = []
-    for name, origin in registry.available().items():
+    for name, source in registry.sources().items():
+        # "origin" keeps its first meaning (the module:Class target); "source" says where from
+        where = {"name": name, "origin": source.target, "source": source.origin.value,
+                 "distribution": source.distribution}
         try:
             plugin = registry.load(name)
         except Exception as exc:
-            rows.append({"name": name, "origin": origin, "loaded": False, "error": str(exc)})
+            rows.append({**where, "loaded": False, "error": str(exc)})
+            provider = (f"the package {source.distribution}" if source.distribution
+                        else "kvbridge" if source.origin is registry.Origin.BUILTIN
+                        else f"the code registering {source.target}")
             problems.append(Check(f"connector {name}", False, True, str(exc),
-                                  f"fix or reinstall the package providing {origin}"))
+                                  f"fix or reinstall {provider}"))
             continue
         backends = [b for b in plugin.backends]
         needed.update(backends)
-        rows.append({"name": name, "origin": origin, "loaded": True,
+        rows.append({**where, "loaded": True,
                      "roles": sorted(r.value for r in plugin.supported_roles),
                      "deprecated_roles": sorted(r.value for r in plugin.deprecated_roles),
                      "backends": backends, "description": plugin.description})
+    for item in registry.shadowed():
+        problems.append(Check(f"connector {item.name}", False, False, item.describe(),
+                              f"rename the entry point in {item.distribution} (or uninstall "
+                              f"it); to replace {item.name!r} on purpose, call "
+                              "kvbridge.connectors.registry.register() in-process"))
     return rows, needed, problems
 
 
@@ -335,7 +351,7 @@ def run_checks(timeout_s: float, mooncake_master: str | None = None,
         _timed("auth", False, check_auth, _FIXES["auth"]),
     ]
     listen_rows: list[dict[str, object]] = []
-    if mooncake_master is None and not checks[4].ok:
+    if mooncake_master is None and not next(c for c in checks if c.name == "mooncake").ok:
         checks.append(Check("mooncake-listen", True, False,
                             "not checked: Mooncake is not usable here (see the mooncake check)"))
     else:
@@ -361,6 +377,13 @@ def run_checks(timeout_s: float, mooncake_master: str | None = None,
             "ucx": ucx_report(),
             "mooncake_listen": listen_rows,
             "python": sys.version.split()[0]}
+
+
+def _where(row: dict[str, object]) -> str:
+    """A connector row's origin in words: built-in, entry point of DIST, registered in-process."""
+    if row.get("distribution"):
+        return f"{row['source']} of {row['distribution']}"
+    return "registered in-process" if row.get("source") == "in-process" else str(row["source"])
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -418,12 +441,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"connectors ({len(connectors)} registered):")
         for row in connectors:
             if not row.get("loaded"):
-                print(f"  {row['name']:<16} cannot load: {row.get('error')}")
+                print(f"  {row['name']:<16} {_where(row)}; cannot load: {row.get('error')}")
                 continue
             usable = "usable" if row.get("usable") else \
                 f"needs {', '.join(row.get('missing_backends', []))}"
-            print(f"  {row['name']:<16} roles {','.join(row['roles'])}; backends "
-                  f"{','.join(row['backends']) or '-'}; {usable}")
+            print(f"  {row['name']:<16} {_where(row)}; roles {','.join(row['roles'])}; "
+                  f"backends {','.join(row['backends']) or '-'}; {usable}")
         print("doctor: all required checks passed" if report["ok"]
               else "doctor: a required check failed (see fix lines above)")
     return EXIT_OK if report["ok"] else EXIT_FAILURE

@@ -23,6 +23,10 @@ def test_doctor_json_reports_backends_and_connectors(capsys: pytest.CaptureFixtu
     assert report["ok"] == all(c["ok"] for c in report["checks"] if c["required"])
     connectors = {c["name"]: c for c in report["connectors"]}
     assert connectors["shared_storage"]["loaded"] and connectors["shared_storage"]["usable"]
+    for name in ("shared_storage", "nixl", "mooncake_store", "offloading", "multi"):
+        assert connectors[name]["source"] == "built-in", connectors[name]
+        assert connectors[name]["distribution"] is None
+        assert connectors[name]["origin"].startswith(f"kvbridge.connectors.{name}:")
     assert report["environment"]["UCX_MODULES"]  # kvbridge's default applies
     for backend in ("nixl", "mooncake"):  # exercised for real: a broken one must not pass
         if not names[backend]["ok"]:
