@@ -31,9 +31,22 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    mooncake_extra=mooncake
+    extras=test,mooncake
+    # torch first, to learn its CUDA: the NIXL build must link the same CUDA major, and
+    # pip cannot read torch's CUDA in a marker. The base install brings nixl-cu12 (CPU and
+    # CUDA 12 torch); a CUDA 13 torch adds nixl-cu13 (kvbridge[cu13]), which kvbridge
+    # loads first there (backends/nixl_load.py).
+    if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+        echo "setup: installing torch"
+        "${PIP[@]}" install "torch>=2.4"
+    fi
+    cuda_major=$("$VENV/bin/python" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+    case "$cuda_major" in
+        12|13) extras="$extras,cu$cuda_major" ;;
+        *) echo "setup: torch has no CUDA 12/13 build (torch.version.cuda major '${cuda_major}'); NIXL stays nixl-cu12" ;;
+    esac
 else
-    mooncake_extra=mooncake-cpu
+    extras=test,mooncake-cpu
     # A CPU build of torch: an unpinned torch would pull several GB of CUDA.
     if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
         echo "setup: installing CPU torch"
@@ -41,6 +54,6 @@ else
     fi
 fi
 
-echo "setup: installing kvbridge[test,$mooncake_extra] (editable)"
-"${PIP[@]}" install -e ".[test,$mooncake_extra]"
+echo "setup: installing kvbridge[$extras] (editable)"
+"${PIP[@]}" install -e ".[$extras]"
 touch "$VENV/.kvbridge-setup"

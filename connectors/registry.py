@@ -1,22 +1,44 @@
-"""Find connectors by name: entry points of group ``kvbridge.connectors``, or ``module:Class``.
+"""Find connectors by name: kvbridge's own (in code), entry points, in-process, or ``module:Class``.
 
-kvbridge's own connectors register the same way as third-party ones, in
-``pyproject.toml``::
+Where a name comes from, highest precedence first:
 
-    [project.entry-points."kvbridge.connectors"]
-    nixl = "kvbridge.connectors.nixl:NixlPlugin"
+1. **in-process**: :func:`register` (tests, notebooks); it may replace any other.
+2. **built-in**: :data:`BUILTIN_CONNECTORS`, kvbridge's own connectors as lazy
+   ``module:Class`` paths. They are known in code, not through packaging
+   metadata, so a source tree on ``PYTHONPATH`` (no ``pip install``) finds
+   them, and loading a name imports only that connector's module (never NIXL
+   or Mooncake at import time of this module).
+3. **entry point**: group ``kvbridge.connectors`` of any installed
+   distribution, how third-party connectors plug in::
 
-A value resolves to a :class:`ConnectorPlugin` subclass. ``register()`` adds
-one in-process (tests, notebooks) without packaging; in-process entries win
-over entry points of the same name.
+       [project.entry-points."kvbridge.connectors"]
+       my_store = "my_package.kv:MyStorePlugin"
+
+kvbridge's own ``pyproject.toml`` declares the built-ins under the same group
+(for tools that list entry points), but the registry never reads kvbridge's
+own entry points: the code that runs is the truth, whichever kvbridge is
+installed beside it, so an installed kvbridge's metadata can neither duplicate
+a built-in nor point it at other code. A third-party entry point under a
+built-in's name is ignored with a warning naming both (the built-in wins, as a
+package must not silently replace ``nixl`` in every engine of the host);
+replace a built-in deliberately with :func:`register`, or pick another name.
+Two third-party distributions declaring one name: the first on ``sys.path``
+wins, with the same warning. :func:`shadowed` lists every ignored entry point.
+
+A value resolves to a :class:`ConnectorPlugin` subclass; :func:`sources` says
+where each name came from (``kvbridge doctor`` lists it).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from importlib import metadata
+from types import MappingProxyType
 from typing import Any
 
 from kvbridge.connectors.api import ConnectorPlugin
@@ -27,35 +49,146 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvbridge.connectors"
 
+#: kvbridge's own distribution name (normalized): its entry points are never read.
+DISTRIBUTION = "kvbridge"
+
+#: kvbridge's connectors, name -> ``module:Class``; imported only when loaded.
+#: ``pyproject.toml``'s entry points of group ``kvbridge.connectors`` repeat
+#: this table (a test keeps the two equal).
+BUILTIN_CONNECTORS: Mapping[str, str] = MappingProxyType({
+    "shared_storage": "kvbridge.connectors.shared_storage:SharedStoragePlugin",
+    "nixl": "kvbridge.connectors.nixl:NixlPlugin",
+    "mooncake_store": "kvbridge.connectors.mooncake_store:MooncakeStorePlugin",
+    "offloading": "kvbridge.connectors.offloading:OffloadingPlugin",
+    "multi": "kvbridge.connectors.multi:MultiPlugin",
+})
+
 _registered: dict[str, type[ConnectorPlugin]] = {}
+#: (name, distribution, value) of ignored entry points already warned about: once per process
+_warned: set[tuple[str, str, str]] = set()
 
 
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    """Entry points of the group from *every* distribution on the path.
+class Origin(str, Enum):
+    """Where a connector name comes from (the values appear in ``kvbridge doctor --json``)."""
 
-    Not ``metadata.entry_points(group=...)``: it keeps only the first
-    distribution of a name, and a stale ``kvbridge.egg-info`` next to the
-    sources (left by an older editable install) would hide entries that the
-    installed metadata has. The first definition of a name wins.
+    BUILTIN = "built-in"
+    ENTRY_POINT = "entry point"
+    IN_PROCESS = "in-process"
+
+
+@dataclass(frozen=True)
+class ConnectorSource:
+    """One registered name: its ``module:Class`` target and where it came from.
+
+    ``distribution`` is ``"name version"`` of the package declaring an entry
+    point (None for the other origins).
     """
-    found: dict[str, metadata.EntryPoint] = {}
+
+    name: str
+    target: str
+    origin: Origin
+    distribution: str | None = None
+
+    def describe(self) -> str:
+        if self.origin is Origin.ENTRY_POINT:
+            return f"entry point of {self.distribution}"
+        if self.origin is Origin.IN_PROCESS:
+            return "registered in-process"
+        return "built-in"
+
+
+@dataclass(frozen=True)
+class ShadowedEntryPoint:
+    """An entry point the registry ignores because ``winner`` holds its name."""
+
+    name: str
+    value: str
+    distribution: str
+    winner: ConnectorSource
+
+    def describe(self) -> str:
+        return (f"entry point {self.name} = {self.value!r} of {self.distribution} is ignored: "
+                f"the {self.winner.describe()} connector {self.name!r} "
+                f"({self.winner.target}) holds the name")
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _label(dist: metadata.Distribution) -> tuple[str, str]:
+    """(normalized name, ``"Name version"``) of a distribution, tolerating broken metadata."""
+    name = dist.metadata["Name"] or "unknown distribution"
+    return _normalized(name), f"{name} {dist.version}"
+
+
+def _scan() -> tuple[dict[str, tuple[ConnectorSource, metadata.EntryPoint]],
+                   list[ShadowedEntryPoint]]:
+    """Third-party entry points of the group by name, and those ignored.
+
+    Reads *every* distribution on the path, not ``metadata.entry_points(group=...)``,
+    which keeps only the first distribution of a name and so could not report a
+    conflict. The same distribution found twice (an egg-info and a dist-info of
+    one project) repeats its entries: the first is kept, silently.
+    """
+    found: dict[str, tuple[ConnectorSource, metadata.EntryPoint]] = {}
+    ignored: list[ShadowedEntryPoint] = []
     for dist in metadata.distributions():
+        normalized, label = _label(dist)
+        if normalized == DISTRIBUTION:
+            continue  # kvbridge's own connectors are the built-ins, in code
         for entry in dist.entry_points:
-            if entry.group == ENTRY_POINT_GROUP and entry.name not in found:
-                found[entry.name] = entry
-    return found
+            if entry.group != ENTRY_POINT_GROUP:
+                continue
+            builtin = BUILTIN_CONNECTORS.get(entry.name)
+            winner = (ConnectorSource(entry.name, builtin, Origin.BUILTIN) if builtin is not None
+                      else found[entry.name][0] if entry.name in found else None)
+            if winner is None:
+                found[entry.name] = (ConnectorSource(entry.name, entry.value, Origin.ENTRY_POINT,
+                                                     label), entry)
+                continue
+            item = ShadowedEntryPoint(entry.name, entry.value, label, winner)
+            if winner.distribution != label and item not in ignored:
+                ignored.append(item)
+    for item in ignored:
+        key = (item.name, item.distribution, item.value)
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("kvbridge connectors: %s (use another name, or "
+                           "registry.register() to replace it on purpose)", item.describe())
+    return found, ignored
 
 
-def available() -> dict[str, str]:
-    """Registered names -> where they come from (``module:Class``), sorted by name."""
-    found = {name: ep.value for name, ep in _entry_points().items()}
+def sources() -> dict[str, ConnectorSource]:
+    """Every registered name -> where it comes from, sorted by name (precedence applied)."""
+    found = {name: source for name, (source, _) in _scan()[0].items()}
+    for name, target in BUILTIN_CONNECTORS.items():
+        found[name] = ConnectorSource(name, target, Origin.BUILTIN)
     for name, plugin in _registered.items():
-        found[name] = f"{plugin.__module__}:{plugin.__qualname__}"
+        found[name] = ConnectorSource(name, f"{plugin.__module__}:{plugin.__qualname__}",
+                                      Origin.IN_PROCESS)
     return dict(sorted(found.items()))
 
 
+def shadowed() -> list[ShadowedEntryPoint]:
+    """Entry points ignored because a built-in or an earlier distribution holds their name.
+
+    (An in-process :func:`register` is not listed: it replaces any name on purpose.)
+    """
+    return _scan()[1]
+
+
+def available() -> dict[str, str]:
+    """Registered names -> their ``module:Class`` target, sorted by name (see :func:`sources`)."""
+    return {name: source.target for name, source in sources().items()}
+
+
 def register(plugin: type[ConnectorPlugin], name: str | None = None) -> None:
-    """Register ``plugin`` in this process under ``name`` (default ``plugin.name``)."""
+    """Register ``plugin`` in this process under ``name`` (default ``plugin.name``).
+
+    It takes precedence over a built-in or an entry point of the same name until
+    :func:`unregister`.
+    """
     _check_plugin(plugin, name or plugin.name)
     _registered[name or plugin.name] = plugin
 
@@ -91,21 +224,35 @@ def _import_path(path: str) -> Any:
 
 
 def load(name: str) -> type[ConnectorPlugin]:
-    """The plugin class for a registered name or a ``module:Class`` path."""
+    """The plugin class for a registered name or a ``module:Class`` path.
+
+    A built-in name imports its module directly: no packaging metadata is read.
+    """
     if name in _registered:
         return _registered[name]
+    builtin = BUILTIN_CONNECTORS.get(name)
+    if builtin is not None:
+        return _load_named(name, f"built-in connector {name} = {builtin}",
+                           lambda: _import_path(builtin))
     if ":" in name:
         return _check_plugin(_import_path(name), name)
-    entry = _entry_points().get(name)
-    if entry is None:
+    scanned = _scan()[0].get(name)
+    if scanned is None:
         raise UnknownConnectorError(name, list(available()))
+    source, entry = scanned
+    return _load_named(name, f"entry point {name} = {source.target} of {source.distribution}",
+                       entry.load)
+
+
+def _load_named(name: str, what: str, import_target: Callable[[], Any]
+                ) -> type[ConnectorPlugin]:
     try:
-        plugin = entry.load()
+        plugin = import_target()
     except Exception as exc:  # a broken install must name the connector, not crash later
         raise UnknownConnectorError(name, list(available()),
-                                    f"its entry point {entry.value!r} failed to load: "
+                                    f"its {what} failed to load: "
                                     f"{type(exc).__name__}: {exc}") from exc
-    return _check_plugin(plugin, f"entry point {name} = {entry.value}")
+    return _check_plugin(plugin, what)
 
 
 @dataclass(frozen=True)

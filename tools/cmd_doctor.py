@@ -6,16 +6,21 @@ record; NIXL creates an agent with the UCX backend and registers memory *in a
 child process with a timeout* (a broken UCX can hang or crash the process that
 loads it); Mooncake's store module is imported in a child process and
 ``mooncake_master`` is located. Every registered connector is loaded and
-matched against the backends it declares.
+matched against the backends it declares, and listed with where it came from
+(built-in, entry point of a distribution, or registered in-process); an entry
+point the registry ignores (its name belongs to a built-in) is a warning.
 
 Required: torch, pyzmq, msgpack, NIXL (kvbridge's dependencies) and every
 backend a registered connector declares. Exit 1 if a required check fails.
 
 It also says which NIXL build loaded and why (``nixl._api`` of the meta
 package, else the ``nixl_cu13`` / ``nixl_cu12`` wheel matching torch's CUDA),
-prints every UCX setting in force, and warns (check ``rdma``, not required)
-when the host has InfiniBand/RoCE devices but UCX is held to TCP
-(``UCX_MODULES=^ib``, or a ``UCX_TLS`` without an RDMA transport).
+and which build torch's CUDA wants, warning (check ``nixl-build``, not
+required) when they differ (:func:`nixl_build`: e.g. ``nixl_cu12`` beside a
+CUDA 13 torch, fixed by ``pip install 'kvbridge[cu13]'``). It prints every UCX
+setting in force, and warns (check ``rdma``, not required) when the host has
+InfiniBand/RoCE devices but UCX is held to TCP (``UCX_MODULES=^ib``, or a
+``UCX_TLS`` without an RDMA transport).
 
 Check ``mooncake-listen`` (not required) says on which addresses a Mooncake
 master's ports listen: the master given with ``--mooncake-master`` (and its
@@ -48,10 +53,14 @@ examples:
   kvbridge doctor --mooncake-master 127.0.0.1:50051 --mooncake-metadata http://127.0.0.1:8080/metadata
 
 --json prints {"ok", "checks": [{"name", "ok", "required", "detail", "fix",
-"seconds"}], "connectors": [{"name", "origin", "loaded", "roles", "backends",
-"usable", ...}], "environment": {...}, "ucx": {"settings": {UCX_*: value},
+"seconds"}], "connectors": [{"name", "origin" (module:Class), "source"
+("built-in", "entry point" or "in-process"), "distribution" (of an entry
+point, else null), "loaded", "roles", "backends", "usable", ...}],
+"environment": {...}, "ucx": {"settings": {UCX_*: value},
 "infiniband_devices", "nvidia_gpus", "tcp_only"}, "mooncake_listen": [{"name",
-"host", "port", "listening", "accepts", "every_interface"}], "python"}.
+"host", "port", "listening", "accepts", "every_interface"}], "nixl_build":
+{"loaded", "wanted", "torch_cuda_major", "mismatch"} (null if NIXL did not
+load), "python"}.
 
 exit codes: 0 every required check passed, 1 a required check failed, 2 usage error
 """
@@ -63,6 +72,7 @@ import json, sys
 import kvbridge.backends  # UCX_MODULES=^ib before the first agent
 import torch
 from kvbridge.backends.nixl import NixlTransport, load_nixl_api, loaded_nixl
+from kvbridge.backends.nixl_load import torch_cuda_major
 api = load_nixl_api()
 transport = NixlTransport("kvbridge-doctor")
 buf = torch.zeros(4096, dtype=torch.uint8)
@@ -70,7 +80,9 @@ transport.register_regions([buf])
 metadata = transport.agent_metadata()
 transport.close()
 module, why = loaded_nixl()
-print(json.dumps({"module": module, "why": why, "metadata_bytes": len(metadata)}))
+# api.__name__ is the build behind the meta package's nixl._api alias too
+print(json.dumps({"module": module, "why": why, "metadata_bytes": len(metadata),
+                  "build_module": api.__name__, "torch_cuda_major": torch_cuda_major()}))
 sys.stdout.flush()
 """
 
@@ -87,8 +99,9 @@ _FIXES = {
              "--index-url https://download.pytorch.org/whl/cpu (or run `make setup`)",
     "zmq": "pip install 'pyzmq>=25' into this environment",
     "msgpack": "pip install 'msgpack>=1.0' into this environment",
-    "nixl": "pip install nixl-cu12==1.5.1 after torch (an unpinned `nixl` pulls CUDA builds; "
-            "with a CUDA 13 torch: nixl-cu13); on a host without InfiniBand keep "
+    "nixl": "pip install nixl-cu12==1.5.1 after torch, or with a CUDA 13 torch nixl-cu13==1.5.1 "
+            "(pip install 'kvbridge[cu13]'; an unpinned `nixl` pulls both builds and a CUDA "
+            "torch); on a host without InfiniBand keep "
             "UCX_MODULES=^ib (kvbridge sets it there unless you override it) and check "
             "UCX_TLS if you set it",
     "rdma": "this host has InfiniBand/RoCE devices: unset UCX_MODULES (or drop ib from its "
@@ -214,10 +227,61 @@ def _probe(code: str, timeout_s: float) -> dict[str, object]:
     raise RuntimeError("probe printed no result")
 
 
-def check_nixl(timeout_s: float) -> str:
+def check_nixl(timeout_s: float, found: dict[str, object] | None = None) -> str:
+    """Create a NIXL agent in a child process; ``found`` gets the probe's answer."""
     data = _probe(_NIXL_PROBE, timeout_s)
+    if found is not None:
+        found.update(data)
     return (f"{data['module']} loaded ({data.get('why', '')}): agent with UCX created, "
             f"4 KiB registered, {data['metadata_bytes']} B of agent metadata")
+
+
+#: NIXL's per-CUDA builds: module -> (kvbridge's extra that installs it, its wheel)
+NIXL_BUILDS = {"nixl_cu12": ("cu12", "nixl-cu12"), "nixl_cu13": ("cu13", "nixl-cu13")}
+
+
+def nixl_build(loaded_module: str, cuda_major: int | None) -> dict[str, object]:
+    """The NIXL build that loaded against the one torch's CUDA wants (pure).
+
+    ``loaded_module`` is the ``_api`` module that loaded (``nixl_cu12._api``;
+    the meta package's ``nixl._api`` is an alias whose ``__name__`` is the
+    build's), ``cuda_major`` torch's CUDA major (None: a CPU build). The wanted
+    build is the first per-CUDA wheel :func:`~kvbridge.backends.nixl_load.nixl_candidates`
+    tries for that CUDA. ``mismatch`` only with a CUDA torch and a known build:
+    on host memory (a CPU torch) either build works.
+    """
+    from kvbridge.backends.nixl_load import nixl_candidates
+
+    names, _ = nixl_candidates(cuda_major, from_torch=False)
+    wanted = names[1].split(".")[0]
+    loaded = loaded_module.split(".")[0]
+    return {"loaded": loaded, "wanted": wanted, "torch_cuda_major": cuda_major,
+            "mismatch": cuda_major is not None and loaded in NIXL_BUILDS and loaded != wanted}
+
+
+def check_nixl_build(build: dict[str, object] | None) -> str:
+    """Says which NIXL build loaded and which torch wants; raises when they differ."""
+    if build is None:
+        return "not checked: NIXL did not load (see the nixl check)"
+    major = build["torch_cuda_major"]
+    torch_says = (f"torch is built for CUDA {major}, wants {build['wanted']}" if major is not None
+                  else f"torch has no CUDA (CPU build): either build serves host memory, "
+                       f"{build['wanted']} is the one tested")
+    if build["loaded"] not in NIXL_BUILDS:
+        return f"{build['loaded']} loaded (a build of unknown CUDA); {torch_says}"
+    if build["mismatch"]:
+        raise RuntimeError(f"{build['loaded']} loaded but {torch_says}: NIXL links another "
+                           "CUDA runtime than torch (GPU memory transfers may fail)")
+    return f"{build['loaded']} loaded; {torch_says}"
+
+
+def _nixl_build_fix(build: dict[str, object] | None) -> str:
+    if build is None or build["wanted"] not in NIXL_BUILDS:
+        return ("pip install 'kvbridge[cuN]' for torch's CUDA major N (12 or 13), or run "
+                ".ci/setup.sh, which asks torch")
+    extra, wheel = NIXL_BUILDS[str(build["wanted"])]
+    return (f"pip install 'kvbridge[{extra}]' (adds {wheel}, the build for torch's CUDA, which "
+            "kvbridge then loads first), or run .ci/setup.sh, which asks torch")
 
 
 def ucx_report(root: str = "/") -> dict[str, object]:
@@ -297,45 +361,64 @@ def check_mooncake_listen(timeout_s: float, master_address: str | None,
 
 
 def check_connectors() -> tuple[list[dict[str, object]], set[str], list[Check]]:
-    """Registered connectors, the backends they need, and a check per unloadable one."""
+    """Registered connectors (with where each came from), the backends they need, and a
+    check per unloadable one (required) or ignored entry point (a warning)."""
     from kvbridge.connectors import registry
 
     rows: list[dict[str, object]] = []
     needed: set[str] = set()
     problems: list[Check] = []
-    for name, origin in registry.available().items():
+    for name, source in registry.sources().items():
+        # "origin" keeps its first meaning (the module:Class target); "source" says where from
+        where = {"name": name, "origin": source.target, "source": source.origin.value,
+                 "distribution": source.distribution}
         try:
             plugin = registry.load(name)
         except Exception as exc:
-            rows.append({"name": name, "origin": origin, "loaded": False, "error": str(exc)})
+            rows.append({**where, "loaded": False, "error": str(exc)})
+            provider = (f"the package {source.distribution}" if source.distribution
+                        else "kvbridge" if source.origin is registry.Origin.BUILTIN
+                        else f"the code registering {source.target}")
             problems.append(Check(f"connector {name}", False, True, str(exc),
-                                  f"fix or reinstall the package providing {origin}"))
+                                  f"fix or reinstall {provider}"))
             continue
         backends = [b for b in plugin.backends]
         needed.update(backends)
-        rows.append({"name": name, "origin": origin, "loaded": True,
+        rows.append({**where, "loaded": True,
                      "roles": sorted(r.value for r in plugin.supported_roles),
                      "deprecated_roles": sorted(r.value for r in plugin.deprecated_roles),
                      "backends": backends, "description": plugin.description})
+    for item in registry.shadowed():
+        problems.append(Check(f"connector {item.name}", False, False, item.describe(),
+                              f"rename the entry point in {item.distribution} (or uninstall "
+                              f"it); to replace {item.name!r} on purpose, call "
+                              "kvbridge.connectors.registry.register() in-process"))
     return rows, needed, problems
 
 
 def run_checks(timeout_s: float, mooncake_master: str | None = None,
                mooncake_metadata: str | None = None) -> dict[str, object]:
     connectors, needed, connector_problems = check_connectors()
+    nixl_found: dict[str, object] = {}
     required = set(CORE_BACKENDS) | needed
     checks = [
         _timed("torch", "torch" in required, check_torch, _FIXES["torch"]),
         _timed("zmq", "zmq" in required, check_zmq, _FIXES["zmq"]),
         _timed("msgpack", "msgpack" in required, check_msgpack, _FIXES["msgpack"]),
-        _timed("nixl", "nixl" in required, lambda: check_nixl(timeout_s), _FIXES["nixl"]),
+        _timed("nixl", "nixl" in required, lambda: check_nixl(timeout_s, nixl_found),
+               _FIXES["nixl"]),
         _timed("mooncake", "mooncake" in required, lambda: check_mooncake(timeout_s),
                _FIXES["mooncake"]),
         _timed("rdma", False, check_rdma, _FIXES["rdma"]),
         _timed("auth", False, check_auth, _FIXES["auth"]),
     ]
+    build = (nixl_build(str(nixl_found["build_module"]),
+                        _int_or_none(nixl_found.get("torch_cuda_major")))
+             if "build_module" in nixl_found else None)
+    checks.insert(4, _timed("nixl-build", False, lambda: check_nixl_build(build),
+                            _nixl_build_fix(build)))
     listen_rows: list[dict[str, object]] = []
-    if mooncake_master is None and not checks[4].ok:
+    if mooncake_master is None and not next(c for c in checks if c.name == "mooncake").ok:
         checks.append(Check("mooncake-listen", True, False,
                             "not checked: Mooncake is not usable here (see the mooncake check)"))
     else:
@@ -360,7 +443,19 @@ def run_checks(timeout_s: float, mooncake_master: str | None = None,
                              "MC_TCP_BIND_ADDRESS")},
             "ucx": ucx_report(),
             "mooncake_listen": listen_rows,
+            "nixl_build": build,
             "python": sys.version.split()[0]}
+
+
+def _where(row: dict[str, object]) -> str:
+    """A connector row's origin in words: built-in, entry point of DIST, registered in-process."""
+    if row.get("distribution"):
+        return f"{row['source']} of {row['distribution']}"
+    return "registered in-process" if row.get("source") == "in-process" else str(row["source"])
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) else None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -418,12 +513,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"connectors ({len(connectors)} registered):")
         for row in connectors:
             if not row.get("loaded"):
-                print(f"  {row['name']:<16} cannot load: {row.get('error')}")
+                print(f"  {row['name']:<16} {_where(row)}; cannot load: {row.get('error')}")
                 continue
             usable = "usable" if row.get("usable") else \
                 f"needs {', '.join(row.get('missing_backends', []))}"
-            print(f"  {row['name']:<16} roles {','.join(row['roles'])}; backends "
-                  f"{','.join(row['backends']) or '-'}; {usable}")
+            print(f"  {row['name']:<16} {_where(row)}; roles {','.join(row['roles'])}; "
+                  f"backends {','.join(row['backends']) or '-'}; {usable}")
         print("doctor: all required checks passed" if report["ok"]
               else "doctor: a required check failed (see fix lines above)")
     return EXIT_OK if report["ok"] else EXIT_FAILURE

@@ -23,6 +23,20 @@ def test_doctor_json_reports_backends_and_connectors(capsys: pytest.CaptureFixtu
     assert report["ok"] == all(c["ok"] for c in report["checks"] if c["required"])
     connectors = {c["name"]: c for c in report["connectors"]}
     assert connectors["shared_storage"]["loaded"] and connectors["shared_storage"]["usable"]
+    for name in ("shared_storage", "nixl", "mooncake_store", "offloading", "multi"):
+        assert connectors[name]["source"] == "built-in", connectors[name]
+        assert connectors[name]["distribution"] is None
+        assert connectors[name]["origin"].startswith(f"kvbridge.connectors.{name}:")
+    assert "nixl-build" in names and not names["nixl-build"]["required"]
+    if names["nixl"]["ok"]:  # which build loaded, beside what this host's torch wants
+        from kvbridge.backends.nixl_load import torch_cuda_major
+
+        build = report["nixl_build"]
+        assert build["loaded"] in ("nixl_cu12", "nixl_cu13")
+        assert build["torch_cuda_major"] == torch_cuda_major()
+        assert build == cmd_doctor.nixl_build(build["loaded"], torch_cuda_major())
+        assert names["nixl-build"]["ok"] == (not build["mismatch"])
+        assert build["loaded"] in names["nixl-build"]["detail"]
     assert report["environment"]["UCX_MODULES"]  # kvbridge's default applies
     for backend in ("nixl", "mooncake"):  # exercised for real: a broken one must not pass
         if not names[backend]["ok"]:
@@ -44,7 +58,8 @@ def test_a_failing_required_check_exits_1_with_a_fix(
         raise ImportError("No module named 'zmq'")
 
     monkeypatch.setattr(cmd_doctor, "check_zmq", broken)
-    monkeypatch.setattr(cmd_doctor, "check_nixl", lambda timeout_s: "skipped in this test")
+    monkeypatch.setattr(cmd_doctor, "check_nixl",
+                        lambda timeout_s, found=None: "skipped in this test")
     monkeypatch.setattr(cmd_doctor, "check_mooncake", lambda timeout_s: "skipped in this test")
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
@@ -52,7 +67,8 @@ def test_a_failing_required_check_exits_1_with_a_fix(
 
 
 def _skip_backend_probes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cmd_doctor, "check_nixl", lambda timeout_s: "skipped in this test")
+    monkeypatch.setattr(cmd_doctor, "check_nixl",
+                        lambda timeout_s, found=None: "skipped in this test")
     monkeypatch.setattr(cmd_doctor, "check_mooncake", lambda timeout_s: "skipped in this test")
 
 
@@ -90,6 +106,47 @@ def test_doctor_says_which_nixl_build_loaded_and_why() -> None:
     require("nixl_cu12._api", "NIXL")
     detail = cmd_doctor.check_nixl(120)
     assert "._api loaded (nixl._api (meta package) first, then " in detail
+
+
+def test_nixl_build_wants_the_build_for_torchs_cuda_major() -> None:
+    """Pure: the build that loaded against the one torch's CUDA wants (no CUDA faked)."""
+    wrong = cmd_doctor.nixl_build("nixl_cu12._api", 13)
+    assert wrong == {"loaded": "nixl_cu12", "wanted": "nixl_cu13", "torch_cuda_major": 13,
+                     "mismatch": True}
+    with pytest.raises(RuntimeError, match=r"nixl_cu12 loaded but torch is built for CUDA 13, "
+                                           r"wants nixl_cu13"):
+        cmd_doctor.check_nixl_build(wrong)
+    assert "pip install 'kvbridge[cu13]' (adds nixl-cu13" in cmd_doctor._nixl_build_fix(wrong)
+    assert cmd_doctor.nixl_build("nixl_cu13._api", 12)["wanted"] == "nixl_cu12"
+    assert cmd_doctor.nixl_build("nixl_cu13._api", 12)["mismatch"] is True
+    assert "'kvbridge[cu12]'" in cmd_doctor._nixl_build_fix(
+        cmd_doctor.nixl_build("nixl_cu13._api", 12))
+    for module, major in (("nixl_cu13._api", 13), ("nixl_cu12._api", 12)):
+        match = cmd_doctor.nixl_build(module, major)
+        assert match["mismatch"] is False
+        assert cmd_doctor.check_nixl_build(match) == (
+            f"{module.split('.')[0]} loaded; torch is built for CUDA {major}, "
+            f"wants {match['wanted']}")
+    cpu = cmd_doctor.nixl_build("nixl_cu13._api", None)  # host memory: either build serves
+    assert cpu["mismatch"] is False and cpu["wanted"] == "nixl_cu12"
+    assert "torch has no CUDA" in cmd_doctor.check_nixl_build(cpu)
+    unknown = cmd_doctor.nixl_build("nixl._api", 13)  # a single-build source install
+    assert unknown["mismatch"] is False
+    assert "unknown CUDA" in cmd_doctor.check_nixl_build(unknown)
+    assert cmd_doctor.check_nixl_build(None).startswith("not checked")
+
+
+def test_the_extras_doctor_names_exist_in_pyproject() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml")
+                            .read_text())["project"]
+    for module, (extra, wheel) in cmd_doctor.NIXL_BUILDS.items():
+        assert wheel == module.replace("_", "-")
+        assert [r for r in project["optional-dependencies"][extra] if r.startswith(wheel)], extra
+    assert any(r.startswith("nixl-cu12") for r in project["dependencies"])
+    assert not any(r.startswith(("nixl-cu13", "nixl>", "nixl=", "nixl["))
+                   for r in project["dependencies"])
 
 
 # ---- where a Mooncake master's ports listen (real masters, real sockets) --------------------
