@@ -45,14 +45,13 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("env", "cuda_ipc", "transfers", "connector", "digests")
+CHECKS = ("env", "cuda_ipc", "transfers", "connector", "digests", "demos")
 #: (num_blocks, block_bytes) moved by the transfers check
 PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
 QUICK_PATTERNS = ((16, 1 << 20),)
@@ -71,6 +70,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda:0",
                         help="CUDA device (default cuda:0); cpu runs the transfers check on "
                              "host memory (a dry run of the script's logic)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                        help="demos run at once by the demos check (default: cores / 4, "
+                             "at most 4)")
+    parser.add_argument("--demo-timeout", type=float, default=150.0, metavar="S",
+                        help="each demo's --timeout (default 150 s)")
+    parser.add_argument("--doc", metavar="FILE.md",
+                        help="also write the report as markdown (docs/gpu.md): date, "
+                             "device, driver, every figure")
     # internal: the transfers check re-runs this script in a child under UCX_PROTO_INFO=y
     parser.add_argument("--child-transfers", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -118,8 +125,26 @@ def check_env(args: argparse.Namespace) -> dict[str, Any]:
             "gpu": torch.cuda.get_device_name(args.device),
             "gpus_seen_by_driver": backends.nvidia_gpus(),
             "infiniband_devices": backends.infiniband_devices(),
+            "driver": driver_version(),
             "nixl": loaded_nixl(),
             "ucx": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}}
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (``/proc/driver/nvidia/version``, else nvidia-smi)."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        match = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", text)
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+        return done.stdout.strip().splitlines()[0] if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return None
 
 
 _IPC_CHILD = r"""
@@ -319,14 +344,6 @@ def check_transfers(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-_SITECUSTOMIZE = """
-import os
-if os.environ.get("KVBRIDGE_GPU_CHECK_DEVICE"):
-    import torch
-    torch.set_default_device(os.environ["KVBRIDGE_GPU_CHECK_DEVICE"])
-"""
-
-
 #: the connector check's cases: (name, mode, consumer TP); the producer has TP 1. TP 1 -> 2
 #: reads head slices, verified with ``torch-mix64-v1-slices`` (both consumer ranks on
 #: the same device)
@@ -342,11 +359,10 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     from kvbridge.layouts import ParallelTopology, load_spec
     from kvbridge.tools.demo_nixl import Router
 
-    site = tempfile.mkdtemp(prefix="kvb-gpu-site-")
-    Path(site, "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    env = {"KVBRIDGE_GPU_CHECK_DEVICE": args.device,
-           "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
-    expected_mem = "DRAM" if args.device == "cpu" else "VRAM"  # cpu: a dry run of the logic
+    # the engines' own device setting puts each rank's KV on the GPU; a dry run on the
+    # host guards its KV against host reads, so it takes the GPU ranks' paths
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    expected_mem = "DRAM" if device == "cpu" else "VRAM"
     out: dict[str, Any] = {}
     for name, mode_name, consumer_tp in CONNECTOR_CASES:
         mode = TransferMode(mode_name)
@@ -362,12 +378,13 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
                                 topology=ParallelTopology(tp_size=tp),
                                 num_blocks=64, max_num_batched_tokens=2048, max_num_seqs=16,
                                 connector=ConnectorConfig("nixl", role, extra=extra),
-                                remote_kv_timeout_s=60.0)
+                                remote_kv_timeout_s=60.0, device=device,
+                                kv_host_guard=device == "cpu")
 
-        with EngineProcess(config(KVRole.PRODUCER, 1), name="gpu-producer", env=env,
+        with EngineProcess(config(KVRole.PRODUCER, 1), name="gpu-producer",
                            start_timeout_s=180) as producer, \
                 EngineProcess(config(KVRole.CONSUMER, consumer_tp), name="gpu-consumer",
-                              env=env, start_timeout_s=180) as consumer:
+                              start_timeout_s=180) as consumer:
             host, port = producer.endpoint or ("", 0)
             rank = HandshakeClient(timeout_s=10).fetch(format_address(host, port)).metadata
             mem = [(m.mem_type, m.device_id) for m in rank.ranks]
@@ -394,6 +411,98 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
                          "producer_memory": mem,
                          **verified_kv(producer.stats(), consumer.stats(), name)}
     return out
+
+
+#: the demos check's cases: (name, ``kvbridge demo`` arguments). Every connector with its KV
+#: on the device, each model preset, and TP 1 -> 2, 2 -> 1 and PP 2 -> 1 over NIXL
+DEMO_CASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("nixl-pull", ("--connector", "nixl", "--mode", "pull")),
+    ("nixl-push", ("--connector", "nixl", "--mode", "push")),
+    ("nixl-tiny-mla-push", ("--connector", "nixl", "--mode", "push", "--model", "tiny-mla")),
+    ("nixl-tiny-hybrid", ("--connector", "nixl", "--model", "tiny-hybrid")),
+    ("nixl-tiny-gqa-nhd", ("--connector", "nixl", "--model", "tiny-gqa-nhd")),
+    ("nixl-bench-gqa", ("--connector", "nixl", "--model", "bench-gqa")),
+    ("nixl-tp1-tp2", ("--connector", "nixl", "--producer", "tp=1", "--consumer", "tp=2")),
+    ("nixl-tp2-tp1", ("--connector", "nixl", "--producer", "tp=2", "--consumer", "tp=1")),
+    ("nixl-hybrid-tp2-tp1", ("--connector", "nixl", "--model", "tiny-hybrid",
+                             "--producer", "tp=2", "--consumer", "tp=1")),
+    ("nixl-pp2-tp1", ("--connector", "nixl", "--producer", "tp=1,pp=2", "--consumer", "tp=1")),
+    ("mooncake", ("--connector", "mooncake")),
+    ("offload", ("--connector", "offload")),
+)
+QUICK_DEMO_CASES = ("nixl-pull", "offload")
+
+
+def demo_command(device: str, case: Sequence[str], requests: int, timeout_s: float
+                 ) -> list[str]:
+    """The ``kvbridge demo`` command line of one case (run from the repository root)."""
+    return [sys.executable, "-m", "kvbridge.tools.cli", "demo", "--device", device,
+            "--requests", str(requests), "--timeout", str(int(timeout_s)), "--json", *case]
+
+
+def demo_row(name: str, rc: int, stdout: str, stderr: str, seconds: float) -> dict[str, Any]:
+    """One demo's row: ok only when it exited 0 having verified bytes and none differed."""
+    row: dict[str, Any] = {"case": name, "rc": rc, "seconds": round(seconds, 1)}
+    try:
+        summary = json.loads(stdout) if stdout.strip() else {}
+    except ValueError:
+        summary = {}
+    for key in ("requests", "failed_requests", "verified_bytes", "mismatched_bytes",
+                "first_transfer_ms", "throughput_gbps"):
+        if key in summary:
+            row[key] = summary[key]
+    if isinstance(summary.get("latency_ms"), dict):
+        row["p50_ms"] = summary["latency_ms"].get("p50")
+    row["ok"] = (rc == 0 and int(summary.get("verified_bytes", 0)) > 0
+                 and int(summary.get("mismatched_bytes", 1)) == 0)
+    if not row["ok"]:
+        row["error"] = (stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    return row
+
+
+def check_demos(args: argparse.Namespace) -> dict[str, Any]:
+    """``kvbridge demo --device`` for every case, ``--jobs`` at a time (each case is its own
+    producer and consumer processes, all on the device). A case whose connector's
+    library is not on this host (Mooncake's wheel) is reported as not run, not failed.
+    On the host (``--device cpu``, a dry run) the KV carries the host-access guard."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    env = dict(os.environ)
+    if device == "cpu":
+        env["KVBRIDGE_KV_HOST_GUARD"] = "1"
+    chosen = [c for c in DEMO_CASES if not args.quick or c[0] in QUICK_DEMO_CASES]
+    not_run: dict[str, str] = {}
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as exc:  # the wheel is missing, or cannot load without its CUDA
+        not_run["mooncake"] = f"Mooncake not importable here: {exc!r}"[:200]
+    requests = 4 if args.quick else 8
+
+    def one(case: tuple[str, tuple[str, ...]]) -> dict[str, Any]:
+        name, argv = case
+        started = time.monotonic()
+        try:
+            done = subprocess.run(demo_command(device, argv, requests, args.demo_timeout),
+                                  capture_output=True, text=True, env=env,
+                                  timeout=args.demo_timeout + 60)
+        except subprocess.TimeoutExpired:
+            return {"case": name, "ok": False, "rc": None,
+                    "error": f"no answer in {args.demo_timeout + 60:.0f} s",
+                    "seconds": round(time.monotonic() - started, 1)}
+        return demo_row(name, done.returncode, done.stdout, done.stderr,
+                        time.monotonic() - started)
+
+    runnable = [c for c in chosen if c[0] not in not_run]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = list(pool.map(one, runnable))
+    rows += [{"case": name, "ok": None, "not_run": why} for name, why in not_run.items()
+             if any(c[0] == name for c in chosen)]
+    failed = [r["case"] for r in rows if r.get("ok") is False]
+    if failed:
+        raise RuntimeError(f"demos failed: {failed}: " + json.dumps(
+            [r for r in rows if r.get("ok") is False])[:1500])
+    return {"device": device, "rows": rows}
 
 
 def verified_kv(producer: dict[str, Any], consumer: dict[str, Any], name: str
@@ -467,7 +576,79 @@ def check_digests(args: argparse.Namespace) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "env": check_env, "cuda_ipc": check_cuda_ipc, "transfers": check_transfers,
-    "connector": check_connector, "digests": check_digests}
+    "connector": check_connector, "digests": check_digests, "demos": check_demos}
+
+
+# ------------------------------------------------------------------ the report
+
+
+def _figures(value: Any, prefix: str = "", limit: int = 12) -> list[str]:
+    """``key=value`` of the numbers, booleans and short strings in ``value`` (nested
+    keys joined by '.'), at most ``limit``: one table cell of figures."""
+    out: list[str] = []
+
+    def walk(v: Any, path: str) -> None:
+        if len(out) >= limit:
+            return
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{path}.{k}" if path else str(k))
+        elif isinstance(v, bool | int | float) or (isinstance(v, str) and len(v) <= 40):
+            out.append(f"{path}={v}")
+        elif isinstance(v, list) and v and all(isinstance(x, int | float | str) for x in v):
+            out.append(f"{path}={','.join(str(x) for x in v[:6])}")
+
+    walk(value, prefix)
+    return out
+
+
+def report_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """``(check, case, result, figures)`` per check, and per case where a check has
+    cases (the demos' rows, the connector's cases, the transfer patterns)."""
+    rows: list[tuple[str, str, str, str]] = []
+    for name, entry in report["checks"].items():
+        result = "ok" if entry["ok"] else "FAIL"
+        if not entry["ok"]:
+            rows.append((name, "", result, str(entry.get("error", ""))[:300]))
+            continue
+        detail = entry.get("detail") or {}
+        cases = detail.get("rows") if isinstance(detail, dict) else None
+        if name == "connector" and isinstance(detail, dict):
+            cases = [{"case": k, **v} for k, v in detail.items() if isinstance(v, dict)]
+        if isinstance(cases, list) and cases and all(isinstance(c, dict) for c in cases):
+            for case in cases:
+                state = ("not run" if case.get("ok") is None and "not_run" in case
+                         else "ok" if case.get("ok", True) else "FAIL")
+                label = str(case.get("case") or case.get("pattern") or case.get("name") or "")
+                rest = {k: v for k, v in case.items() if k not in ("case", "ok")}
+                rows.append((name, label, state, " ".join(_figures(rest))))
+        else:
+            rows.append((name, "", result, " ".join(_figures(detail, limit=16))))
+    return rows
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [("check", "case", "result", "figures"), *report_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}"
+                     for r in rows)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """docs/gpu.md: when, where (device, driver, torch, NIXL), and every figure."""
+    env = report["checks"].get("env", {}).get("detail") or {}
+    lines = ["# kvbridge on a GPU: the last run of tests/gpu/run_gpu_checks.sh", "",
+             "Written by `tests/gpu/gpu_checks.py --doc`; do not edit by hand: run the script "
+             "on a GPU host (see its `--help`) and commit what it writes.", "",
+             f"- date: {report.get('date', '?')}",
+             f"- device: {env.get('gpu', '?')} (driver {env.get('driver', '?')}); "
+             f"torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda', '?')})",
+             f"- NIXL: {env.get('nixl', '?')}",
+             f"- command: `{report.get('command', '?')}`", "",
+             "| check | case | result | figures |", "| --- | --- | --- | --- |"]
+    for check, case, result, figures in report_rows(report):
+        lines.append(f"| {check} | {case} | {result} | {figures.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -485,7 +666,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print("gpu_checks: torch is not importable", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {"checks": {}}
+    report: dict[str, Any] = {"checks": {}, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                  time.gmtime()),
+                              "command": " ".join(["gpu_checks.py", *(argv or sys.argv[1:])])}
     failed = False
     for name in args.checks:
         t0 = time.monotonic()
@@ -500,8 +683,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         shown = json.dumps(entry.get("detail", entry.get("error")))[:2000]
         print(f"[{'ok  ' if entry['ok'] else 'FAIL'}] {name} ({entry['seconds']} s): {shown}",
               flush=True)
+    print()
+    print(format_table(report), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.doc:
+        Path(args.doc).write_text(format_markdown(report))
     return 1 if failed else 0
 
 

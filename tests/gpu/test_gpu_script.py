@@ -9,6 +9,7 @@ unnoticed between GPU sessions.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -85,10 +86,15 @@ def test_without_cuda_the_checks_say_so(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_dry_run_on_host_memory_moves_verified_bytes(tmp_path: Path) -> None:
+    """The script as a GPU host runs it, on host memory: the set-up check imports every
+    module, then the transfers, connector and demos checks run with the KV guarded
+    against host reads (the connector check's engines and the demos take the paths of
+    GPU ranks), every byte verified, one table printed and a gpu.md written."""
     require("nixl_cu12._api", "NIXL")
     done = _sh("--python", sys.executable, "--wheels", str(tmp_path / "none"),
                "--out", str(tmp_path), "--dry-run-cpu", timeout=280)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "every kvbridge module imports" in done.stdout
     report = json.loads((tmp_path / "gpu_checks.json").read_text())
     entry = report["checks"]["transfers"]
     assert entry["ok"], entry
@@ -96,35 +102,61 @@ def test_dry_run_on_host_memory_moves_verified_bytes(tmp_path: Path) -> None:
     assert pattern["read_verified"] and pattern["write_verified"] and pattern["leaks"] == 0
     assert pattern["kvbridge_read_gbps"] > 0 and pattern["raw_nixl_read_gbps"] > 0
     assert entry["detail"]["ucx_protocols"]  # UCX_PROTO_INFO lines were seen and counted
-    assert "[ok  ] transfers" in (tmp_path / "gpu_checks.log").read_text()
+    log = (tmp_path / "gpu_checks.log").read_text()
+    assert "[ok  ] transfers" in log and "[ok  ] connector" in log and "[ok  ] demos" in log
 
-
-def test_the_digests_check_runs_on_cpu_tensors() -> None:
-    """The same code as on a GPU host, with the device a CPU: digests of the device
-    tensors equal the CPU copy's and the reference, a flipped bit is seen."""
-    assert gpu_checks.main(["--checks", "digests", "--device", "cpu", "--quick",
-                            "--iters", "1"]) == 0
-
-
-def test_the_connector_check_runs_on_host_memory() -> None:
-    """The same code as on a GPU host, with the device a CPU (the engines' KV in host
-    memory, which the check then expects the producer to announce): every case moves
-    verified outputs, and the consumer verified every loaded block with the digests a
-    GPU rank offers (at TP 1 -> 2: the torch slice digests, on both consumer ranks)."""
-    require("nixl_cu12._api", "NIXL")
-    out = gpu_checks.check_connector(gpu_checks.parse_args(["--checks", "connector",
-                                                            "--device", "cpu"]))
-    assert set(out) == {name for name, _mode, _tp in gpu_checks.CONNECTOR_CASES}
+    connector = report["checks"]["connector"]["detail"]
+    assert set(connector) == {name for name, _mode, _tp in gpu_checks.CONNECTOR_CASES}
     for name, _mode, consumer_tp in gpu_checks.CONNECTOR_CASES:
-        case = out[name]
-        assert case["producer_memory"] == [("DRAM", 0)], case
+        case = connector[name]
+        assert case["producer_memory"] == [["DRAM", 0]], case
         # each request loads its prompt's blocks, the partial last one too (tiny-gqa:
-        # 16-token blocks, one region)
+        # 16-token blocks, one region), verified with the digests a GPU rank offers
         per_request = case["external_tokens"] // case["requests"]
         blocks = case["requests"] * -(-per_request // 16)
         assert case["blocks_verified"] == blocks * consumer_tp > 0, (name, case)
         assert case["digest_mismatches"] == case["blocks_unverified"] == 0
         assert case["producer_digest_bytes"] > 0
+
+    rows = report["checks"]["demos"]["detail"]["rows"]
+    assert [r["case"] for r in rows] == list(gpu_checks.QUICK_DEMO_CASES)
+    for row in rows:
+        assert row["ok"] and row["verified_bytes"] > 0 and row["mismatched_bytes"] == 0, row
+    doc = (tmp_path / "gpu.md").read_text()
+    assert "| demos | nixl-pull | ok |" in doc and "| connector | pull-tp1-tp2 | ok |" in doc
+    assert re.search(r"^check +case +result +figures$", done.stdout, re.M)  # the one table
+
+
+def test_a_demo_row_is_ok_only_with_verified_bytes_and_none_wrong() -> None:
+    good = json.dumps({"requests": 4, "verified_bytes": 10, "mismatched_bytes": 0,
+                       "latency_ms": {"p50": 1.5}, "first_transfer_ms": 9.0})
+    row = gpu_checks.demo_row("x", 0, good, "", 1.0)
+    assert row["ok"] and row["p50_ms"] == 1.5 and row["first_transfer_ms"] == 9.0
+    wrong = json.dumps({"verified_bytes": 10, "mismatched_bytes": 2})
+    assert not gpu_checks.demo_row("x", 1, wrong, "bytes differ\n", 1.0)["ok"]
+    assert not gpu_checks.demo_row("x", 0, json.dumps({"verified_bytes": 0,
+                                                       "mismatched_bytes": 0}), "", 1.0)["ok"]
+    failed = gpu_checks.demo_row("x", 2, "", "kvbridge demo: device: no GPU\n", 1.0)
+    assert not failed["ok"] and failed["error"] == "kvbridge demo: device: no GPU"
+
+
+def test_the_report_renders_every_case_and_failures() -> None:
+    report = {"date": "d", "command": "c", "checks": {
+        "env": {"ok": True, "detail": {"gpu": "H200", "driver": "580.1", "torch": "2.11",
+                                       "torch_cuda": "13.0", "nixl": ["nixl_cu13._api", "x"]}},
+        "demos": {"ok": True, "detail": {"rows": [
+            {"case": "nixl-pull", "ok": True, "verified_bytes": 5},
+            {"case": "mooncake", "ok": None, "not_run": "no wheel"}]}},
+        "digests": {"ok": False, "error": "RuntimeError: differ"}}}
+    rows = gpu_checks.report_rows(report)
+    assert ("demos", "nixl-pull", "ok", "verified_bytes=5") in rows
+    assert ("demos", "mooncake", "not run", "not_run=no wheel") in rows
+    assert ("digests", "", "FAIL", "RuntimeError: differ") in rows
+    doc = gpu_checks.format_markdown(report)
+    assert "H200 (driver 580.1)" in doc and "| digests |  | FAIL |" in doc
+
+
+def test_verified_kv_refuses_unverified_blocks() -> None:
     with pytest.raises(RuntimeError, match="verified KV counters"):
         gpu_checks.verified_kv({}, {"stats": {"worker_stats": {"blocks_verified": 3,
                                                                "blocks_unverified": 1}}}, "x")
