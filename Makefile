@@ -10,7 +10,7 @@ endif
 export NIXL_LOG_LEVEL ?= WARN
 export MC_LOG_LEVEL ?= WARNING
 
-.PHONY: setup demo test lint typecheck pytest test-slow test-auth clean
+.PHONY: setup demo test lint typecheck pytest test-slow test-auth test-guard clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,13 @@ AUTH_TESTS ?= tests/auth tests/handshake tests/connectors/nixl tests/engine test
 test-auth: $(STAMP)
 	KVBRIDGE_SECRET=make-test-auth-cluster-secret-0123456789 KVBRIDGE_SECRET_FILE= \
 		$(PY) -m pytest -q -m "not slow and not vllm" $(AUTH_TESTS) $(PYTEST_ARGS)
+
+# The connector suite again with every engine's KV guarded against host reads
+# (kvbridge.layouts.kv_memory): KV then refuses what GPU memory refuses (numpy, tolist,
+# the buffer protocol), so a host-only read of device KV fails here, on a CPU.
+GUARD_TESTS ?= tests/connectors tests/engine
+test-guard: $(STAMP)
+	KVBRIDGE_KV_HOST_GUARD=1 $(PY) -m pytest -q -m "not slow and not vllm" $(GUARD_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
