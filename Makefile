@@ -46,7 +46,7 @@ test-auth: $(STAMP)
 # The connector suite again with every engine's KV guarded against host reads
 # (kvbridge.layouts.kv_memory): KV then refuses what GPU memory refuses (numpy, tolist,
 # the buffer protocol), so a host-only read of device KV fails here, on a CPU.
-GUARD_TESTS ?= tests/connectors tests/engine
+GUARD_TESTS ?= tests/connectors
 test-guard: $(STAMP)
 	KVBRIDGE_KV_HOST_GUARD=1 $(PY) -m pytest -q -m "not slow and not vllm" $(GUARD_TESTS) $(PYTEST_ARGS)
 
