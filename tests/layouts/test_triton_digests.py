@@ -227,3 +227,47 @@ sys.stdout.write(json.dumps(out))
                               for b in (1, 2)]
     assert out["engine"] == "torch" and "cpu" in out["note"] and not out["triton_imported"]
     assert "TRITON_INTERPRET=1" in out["forced"] and "engine" in out["forced"]
+
+
+COMPILE = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvbridge.layouts import triton_digests as td
+assert td._import() is None and not td.interpreter_active()
+kernel = triton.jit(td._mix_sums_kernel)
+names = ["src", "ids", "items", "index", "out", "num_items", "stride", "total_bytes",
+         "BYTES", "INDEXED", "ALIGN", "TILE"]
+out = {}
+for byte_mode, indexed, align in ((False, False, 2), (False, False, 1), (True, False, 1),
+                                  (False, True, 1), (True, True, 1)):
+    types = ["*u8" if byte_mode else "*i64", "*i64", "*i64", "*i64", "*i64", "i32", "i64",
+             "i64"] + ["constexpr"] * 4
+    values = {"BYTES": byte_mode, "INDEXED": indexed, "ALIGN": align, "TILE": td.TILE_WORDS}
+    source = ASTSource(kernel, dict(zip(names, types)),
+                       constexprs={(names.index(k),): v for k, v in values.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    out[f"{byte_mode}-{indexed}-{align}"] = {
+        "vector_loads": len(re.findall(r"ld\\.global\\.v[248]\\.b64", ptx)),
+        "cubin": len(compiled.asm.get("cubin", b""))}
+sys.stdout.write(json.dumps(out))
+"""
+
+
+def test_the_kernel_compiles_for_an_h200_without_one() -> None:
+    """The interpreter runs the kernel's Python with numpy; the compiler checks what it
+    does not (types, the constexpr branches, lowering to PTX). Triton compiles for a
+    target without a device (sm_90, an H100/H200): every kind of launch, down to a
+    cubin by the ptxas the wheel ships; and the 16-byte-aligned whole-word path, the
+    hot one, loads 16-byte vectors. In a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert len(out) == 5 and all(v["cubin"] > 0 for v in out.values())
+    assert out["False-False-2"]["vector_loads"] > 0
