@@ -63,8 +63,10 @@ triton: Any = None
 tl: Any = None
 _IMPORT_ERROR: str | None = None
 
-#: words each lane group of a program handles per iteration (4 warps: 8 words a thread)
+#: the widest tile: words a program loads per iteration (4 warps: 8 words a thread)
 TILE_WORDS = 1024
+#: the narrowest tile (4 warps: one word a thread)
+_MIN_TILE_WORDS = 128
 #: most words one program sums (64 KiB); fewer when a batch is small, so that enough
 #: programs run to keep every SM's loads in flight
 MAX_CHUNK_WORDS = 8192
@@ -321,6 +323,12 @@ class TritonSums:
             # ALIGN 2 only when every affine word item starts on a 16-byte boundary
             item_align = align if not launch.byte_mode and not launch.indexed and \
                 bool((launch.items[0] % 2 == 0).all()) else 1
+            # a tile no wider than the longest item (HND halves, NHD rows of a few words):
+            # fewer idle lanes; a few compiled variants at most (powers of two)
+            longest = int(launch.items[1].max())
+            if launch.byte_mode and not launch.indexed:
+                longest = math.ceil(longest / 8)
+            tile = min(TILE_WORDS, max(_MIN_TILE_WORDS, 1 << (longest - 1).bit_length()))
             per_launch = max(1, _MAX_PROGRAMS // num_items)
             for r0 in range(0, rows, per_launch):
                 part = ids[r0:r0 + per_launch]
@@ -331,7 +339,7 @@ class TritonSums:
                         source, part, items, index if index is not None else items,
                         partials, num_items, stride, launch.total_bytes,
                         BYTES=launch.byte_mode, INDEXED=launch.indexed, ALIGN=item_align,
-                        TILE=TILE_WORDS, **({} if self.interpreted else {"num_warps": 4}))
+                        TILE=tile, **({} if self.interpreted else {"num_warps": 4}))
                 self.launches += 1
                 pieces.append((r0, partials.sum(dim=1, dtype=torch.int64) if num_items > 1
                                else partials[:, 0]))
