@@ -17,7 +17,9 @@ Arithmetic: the words are loaded as int64 and bitcast to uint64, on which Triton
 ``*`` wraps mod 2^64 and ``>>`` is a logical shift, exactly the definition
 (``layouts.digests``). The multiplier ``c_i`` of position ``i`` is computed in
 registers (splitmix64 of ``(i + 1) * G``, ``| 1``) instead of read from a table:
-a few integer multiplies per word cost less than a second stream of loads.
+four 64-bit multiplies a word in all, no second stream of loads (a choice by
+arithmetic, ~40 integer instructions a word against an H200's budget at its memory
+bandwidth, not yet measured against a table on a GPU).
 A masked-off word is loaded as 0, and a zero word mixes to 0, so the zero padding
 of a partial last word is the definition's padding.
 
@@ -34,8 +36,12 @@ launches of four kinds:
 * bytes, indexed: ranges that cut words (a byte offset per byte of the
   concatenation; rare, small).
 
-Every program writes its own partial (no atomics), so the result does not
-depend on the order in which programs run.
+No atomics: every program writes its own partial, and one row sum per launch
+(none when a block is one item) adds them. What a batch pays besides the kernel
+is fixed: the block ids to the device, the shared finaliser and combination
+(a few dozen small torch kernels, whatever the bytes), the digests to the host;
+a batch of few or small blocks of one layer is dominated by it, which is why
+``kvbridge bench digests`` reports the kernel's sums alone too.
 
 On a CUDA tensor the kernel is compiled by ``triton.jit``; on a CPU tensor it runs
 only under Triton's interpreter (numpy semantics, slow: tests only), which is a
