@@ -76,8 +76,11 @@ _MIN_TILE_WORDS = 128
 #: most words one program sums (64 KiB); fewer when a batch is small, so that enough
 #: programs run to keep every SM's loads in flight
 MAX_CHUNK_WORDS = 8192
-#: the fewest programs a launch aims for before it stops halving its chunk
-_MIN_PROGRAMS = 2048
+#: the fewest programs a launch aims for before it stops halving its chunk: ptxas gives
+#: the whole-word kernel 80 registers a thread (sm_90), so about 6 programs of 4 warps
+#: are resident per SM, ~800 on an H200's 132 SMs: 4096 programs are ~5 waves, a short
+#: last wave (64 x 2 MiB blocks: 32 KiB a program)
+_MIN_PROGRAMS = 4096
 #: a slice layer with more ranges than this is read through a per-position table
 #: (the torch engine's threshold for a gather index: ``torch_digests._VIEW_RANGES``)
 AFFINE_RANGES = 16

@@ -36,7 +36,12 @@ from kvbridge.layouts.digests import (  # noqa: E402
 )
 from kvbridge.layouts.errors import LayoutError  # noqa: E402
 from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester  # noqa: E402
-from kvbridge.layouts.triton_digests import plan_ranges  # noqa: E402
+from kvbridge.layouts.triton_digests import (  # noqa: E402
+    MAX_CHUNK_WORDS,
+    TILE_WORDS,
+    chunk_words,
+    plan_ranges,
+)
 from tests.conftest import missing_backend, require  # noqa: E402
 from tests.layouts import test_slice_digests, test_torch_digests  # noqa: E402
 
@@ -147,6 +152,10 @@ def test_the_planner_makes_each_kind_of_launch() -> None:
     # a long range is cut into items of at most a chunk, positions continuing
     items = plan_ranges(((16, 20000 * 8),), True, 8192)[0].items
     assert items.tolist() == [[2, 8194, 16386], [8192, 8192, 3616], [0, 8192, 16384]]
+    # few blocks are cut into more, smaller items (enough programs), never under a tile
+    assert chunk_words(4096, 2048) == MAX_CHUNK_WORDS  # 4096 x 16 KiB: a block an item
+    assert chunk_words(64, 2 << 17) < MAX_CHUNK_WORDS  # 64 x 2 MiB: more programs
+    assert chunk_words(1, 10) == TILE_WORDS
 
 
 def test_a_flipped_bit_changes_exactly_its_blocks_digest() -> None:
