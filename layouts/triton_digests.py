@@ -87,7 +87,10 @@ AFFINE_RANGES = 16
 #: most programs in one launch (a 1-D grid's limit is 2^31 - 1); more rows are launched
 #: in batches
 _MAX_PROGRAMS = 1 << 30
+#: plans a digester keeps (geometries: one per layer shape and slice), and the device
+#: bytes their tables may hold (an indexed byte plan holds 8 bytes per hashed byte)
 _PLAN_CACHE = 256
+_PLAN_CACHE_BYTES = 64 << 20
 INTERPRET_HINT = ("set TRITON_INTERPRET=1 before triton is first imported in the process "
                   "(Triton's interpreter, for tests)")
 
@@ -307,6 +310,7 @@ class TritonSums:
         self._kernel = _kernel(self.interpreted)
         self._plans: dict[tuple[Any, ...], list[tuple[Launch, torch.Tensor,
                                                       torch.Tensor | None]]] = {}
+        self._plan_bytes = 0
         #: kernel launches so far (what a bench or a GPU check reports as proof it ran)
         self.launches = 0
 
@@ -364,13 +368,19 @@ class TritonSums:
         key = (ranges, words_ok, align, chunk)
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) >= _PLAN_CACHE:
+            launches = plan_ranges(ranges, words_ok, chunk)
+            nbytes = sum(launch.items.nbytes + (launch.index.nbytes if launch.index is not None
+                                                else 0) for launch in launches)
+            if len(self._plans) >= _PLAN_CACHE or self._plan_bytes + nbytes > _PLAN_CACHE_BYTES:
                 self._plans.clear()
+                self._plan_bytes = 0
             plan = [(launch, torch.from_numpy(launch.items).to(self.device),
                      torch.from_numpy(launch.index).to(self.device)
                      if launch.index is not None else None)
-                    for launch in plan_ranges(ranges, words_ok, chunk)]
-            self._plans[key] = plan
+                    for launch in launches]
+            if nbytes <= _PLAN_CACHE_BYTES:  # a larger one is used once, not kept
+                self._plans[key] = plan
+                self._plan_bytes += nbytes
         return plan
 
     @contextlib.contextmanager
