@@ -8,8 +8,10 @@ The interpreter is a mode of the whole process, fixed when triton is first impor
 (its own library functions are decorated then), so this module sets
 ``TRITON_INTERPRET=1`` before anything imports triton: pytest imports every test
 module before it runs any test, and nothing else in kvbridge imports triton unless
-the Triton engine is asked for. The dispatch checks that need a process without it
-run in a subprocess. A compiled GPU run of the same kernel is in tests/gpu.
+the Triton engine is asked for. What needs a process without it runs in a
+subprocess: the dispatch on CPU tensors, and the compiler (the kernel compiled for
+sm_90 without a GPU). On a GPU, tests/gpu's digests check runs the compiled kernel
+(``engine="auto"`` takes it there) against a CPU copy and the reference.
 """
 
 from __future__ import annotations
