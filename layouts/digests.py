@@ -468,7 +468,7 @@ def _progression(ranges: tuple[tuple[int, int], ...]) -> tuple[int, int, int, in
     return first, length, step, len(ranges)
 
 
-def checked_slice(layers: Sequence[SliceLayer], block_ids: Sequence[int],
+def checked_slice(layers: Sequence[SliceLayer], block_ids: Sequence[int] | np.ndarray,
                   spans: Mapping[int, tuple[int, int]]
                   ) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
     """A slice's layers in ascending id, each with its ranges merged (:func:`merge_ranges`),
@@ -490,8 +490,11 @@ def checked_slice(layers: Sequence[SliceLayer], block_ids: Sequence[int],
         num_blocks = blocks if num_blocks is None else min(num_blocks, blocks)
         out.append((layer, merged))
     if len(block_ids) and num_blocks is not None:
-        bad_id = next((b for b in block_ids if not 0 <= b < num_blocks), None)
-        if bad_id is not None:
+        # min and max first (vectorised for an array): the search only when one is out
+        lo, hi = (int(block_ids.min()), int(block_ids.max())) \
+            if isinstance(block_ids, np.ndarray) else (min(block_ids), max(block_ids))
+        if lo < 0 or hi >= num_blocks:
+            bad_id = next(int(b) for b in block_ids if not 0 <= b < num_blocks)
             raise LayoutError("block_id", f"block {bad_id} outside [0, {num_blocks})")
     return out
 

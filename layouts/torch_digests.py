@@ -19,6 +19,15 @@ the low ``64 - s`` bits. A span whose start or stride is not a multiple of 8
 bytes, or whose length is not, goes through a small zero-padded copy (on the
 device) of just what does not fit the int64 view: the tail word.
 
+Two engines compute the word sums ``S`` (the hot part): the torch ops above,
+and a fused Triton kernel (``layouts.triton_digests``: one pass over the KV in
+place, the mix in registers), bit-identical by construction and by test. The
+finaliser and the combination of layer digests into a block digest are this
+module's, shared by both. ``engine="auto"`` (the default) takes the Triton
+kernel for CUDA tensors when triton imports, the torch ops otherwise (CPU
+tensors always); ``"torch"`` or ``"triton"`` force one. The digester says which
+ran: :attr:`TorchBlockDigester.engine` and ``engine_note``.
+
 Reads the memory in place on the current stream of the calling thread; a
 digest taken while another stream still writes the block is a digest of
 whatever was there. ``.tolist()`` of the sums synchronises with that stream.
@@ -26,6 +35,7 @@ whatever was there. ``.tolist()`` of the sums synchronises with that stream.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +50,9 @@ from kvbridge.layouts.digests import (
     mix64_keys,
 )
 from kvbridge.layouts.errors import LayoutError
+from kvbridge.layouts.triton_digests import TritonSums, interpreter_active, unavailable
+
+logger = logging.getLogger(__name__)
 
 #: scratch words per tile on a CPU: two ~256 KiB tensors that stay in a core's cache, and
 #: just under torch's intra-op grain size (32768 elements), so each op of a tile runs on
@@ -54,6 +67,8 @@ DEVICE_CHUNK_WORDS = 1 << 24
 _VIEW_RANGES = 16
 _LOW32 = (1 << 32) - 1
 _LOW35 = (1 << 35) - 1
+#: what ``engine=`` accepts: the Triton kernel where it runs on CUDA tensors, or either
+ENGINES = ("auto", "torch", "triton")
 
 
 def _signed(values: np.ndarray) -> np.ndarray:
@@ -94,6 +109,7 @@ class _Layer:
         self.device = tensor.device
         self.num_blocks = span.num_blocks
         self.block_bytes = span.block_bytes
+        self.block_stride = span.block_stride
         self.full_words = span.block_bytes // 8
         self.tail_bytes = span.block_bytes % 8
         rows = span.num_blocks
@@ -114,12 +130,20 @@ class TorchBlockDigester:
     ids (in layer order). The same results as :func:`layouts.digests.mix64_digest`
     of each span (layer digests) and :func:`~layouts.digests.mix64_combine` of
     them (block digests), the interface of ``layouts.digests.BlockDigester``.
+
+    ``engine``: which computes the word sums, ``"auto"`` (the Triton kernel for CUDA
+    tensors when triton imports and is not under its interpreter, else the torch ops),
+    ``"torch"`` or ``"triton"`` (a :class:`LayoutError` naming ``engine`` where it cannot
+    run; on CPU tensors only under Triton's interpreter, for tests). The choice is
+    :attr:`engine`, and why, :attr:`engine_note`. Under ``"auto"``, a Triton kernel that
+    fails on its first use (a triton this code does not compile with) is logged and
+    the torch ops take over for good; a forced ``"triton"`` raises instead.
     """
 
     algorithm = TORCH_ALGORITHM
 
     def __init__(self, layers: Mapping[int, TensorSpan], regions: Sequence[Sequence[int]],
-                 chunk_words: int | None = None) -> None:
+                 chunk_words: int | None = None, engine: str = "auto") -> None:
         self.regions = tuple(tuple(ids) for ids in regions)
         self._layers = {layer: _Layer(span, f"layers[{layer}]") for layer, span in layers.items()}
         for index, ids in enumerate(self.regions):
@@ -139,21 +163,41 @@ class TorchBlockDigester:
         self._keys = torch.from_numpy(_signed(mix64_keys(0, widest)).copy()).to(self.device)
         self._num_blocks = tuple(min((self._layers[layer].num_blocks for layer in ids),
                                      default=0) for ids in self.regions)
+        self._asked = engine
+        self._triton, self.engine_note = _engine(engine, self.device)
+        #: the triton engine has computed sums once (a later failure is not a fallback)
+        self._triton_ran = False
+
+    @property
+    def engine(self) -> str:
+        """``"triton"`` or ``"torch"``: the engine that computes this digester's sums."""
+        return "torch" if self._triton is None else "triton"
+
+    @property
+    def kernel_launches(self) -> int:
+        """Triton kernel launches so far (0 on the torch engine)."""
+        return 0 if self._triton is None else self._triton.launches
 
     def block_bytes(self, region: int) -> int:
         """Bytes one block of ``region`` spans over all its layers (what one digest reads)."""
         return sum(self._layers[layer].block_bytes for layer in self.regions[region])
 
-    def _check(self, region: int, block_ids: Sequence[int]) -> None:
+    def _check(self, region: int, block_ids: Sequence[int]) -> np.ndarray:
+        """``block_ids`` as int64 after checking them against ``region``'s blocks."""
         num_blocks = self._num_blocks[region]
-        if len(block_ids) and not (min(block_ids) >= 0 and max(block_ids) < num_blocks):
-            bad = next(b for b in block_ids if not 0 <= b < num_blocks)
+        ids = _id_array(block_ids)
+        if ids.size and not (ids.min() >= 0 and ids.max() < num_blocks):
+            bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
             raise LayoutError("block_id", f"block {bad} outside [0, {num_blocks}) of region "
                                           f"{region}")
+        return ids
 
     def _sums(self, layer: _Layer, ids: torch.Tensor, run: tuple[int, int] | None
               ) -> torch.Tensor:
         """``S`` of each block ``ids`` of one layer (int64 [len(ids)], on the device)."""
+        fused = self._triton_sums(layer, ((0, layer.block_bytes),), ids)
+        if fused is not None:
+            return fused
         rows = int(ids.numel())
         if layer.words is None:  # not 8-byte aligned: a zero-padded copy of the blocks
             out = torch.zeros(rows, dtype=torch.int64, device=self.device)
@@ -171,6 +215,27 @@ class TorchBlockDigester:
             tail = torch.zeros((rows, 8), dtype=torch.uint8, device=self.device)
             tail[:, :layer.tail_bytes] = layer.raw[:, words * 8:].index_select(0, ids)
             out += self._mix_sum(tail.view(torch.int64), words)
+        return out
+
+    def _triton_sums(self, layer: _Layer, ranges: tuple[tuple[int, int], ...],
+                     ids: torch.Tensor) -> torch.Tensor | None:
+        """``S`` of the concatenated ``ranges`` of each block ``ids`` by the Triton kernel,
+        or None: the torch ops compute it (their engine, or auto's fallback when the
+        kernel fails the first time it runs)."""
+        if self._triton is None:
+            return None
+        try:
+            out = self._triton.sums(layer.words, layer.raw, layer.block_stride, ranges, ids)
+        except Exception as exc:
+            if self._asked != "auto" or self._triton_ran:
+                raise
+            logger.warning("torch-mix64-v1 digests on %s: the Triton kernel failed on its "
+                           "first use (%s: %s); the torch ops compute them from now on",
+                           self.device, type(exc).__name__, exc)
+            self._triton = None
+            self.engine_note = f"auto: the Triton kernel failed ({type(exc).__name__}: {exc})"
+            return None
+        self._triton_ran = True
         return out
 
     def _word_sums(self, words: torch.Tensor, ids: torch.Tensor, run: tuple[int, int] | None,
@@ -206,35 +271,32 @@ class TorchBlockDigester:
         mixed.bitwise_xor_(shifted)
         return mixed.sum(dim=1, dtype=torch.int64)
 
-    def _layer_sums(self, region: int, block_ids: Sequence[int]) -> torch.Tensor:
+    def _layer_sums(self, region: int, block_ids: np.ndarray) -> torch.Tensor:
         """Word sums ``[len(block_ids), layers]`` of the region's layers (on the device)."""
-        ids_list = [int(b) for b in block_ids]
-        run = _run_of(ids_list)
-        ids = torch.tensor(ids_list, dtype=torch.int64, device=self.device)
-        return torch.stack([self._sums(self._layers[layer], ids, run)
-                            for layer in self.regions[region]], dim=1)
+        run = _run_of(block_ids) if self._triton is None else None
+        ids = torch.from_numpy(block_ids).to(self.device)
+        return _columns([self._sums(self._layers[layer], ids, run)
+                         for layer in self.regions[region]])
 
-    def _layer_digests(self, region: int, block_ids: Sequence[int]) -> torch.Tensor:
+    def _layer_digests(self, region: int, block_ids: np.ndarray) -> torch.Tensor:
         """Layer digests ``[len(block_ids), layers]`` (int64 bit patterns, on the device)."""
         sums = self._layer_sums(region, block_ids)
-        lengths = torch.tensor([self._layers[layer].block_bytes for layer in self.regions[region]],
-                               dtype=torch.int64, device=self.device)
-        return _finish(sums, lengths)
+        return _finish(sums, [self._layers[layer].block_bytes for layer in self.regions[region]])
 
     def layer_digests_of(self, region: int, block_ids: Sequence[int]) -> np.ndarray:
         """``(len(block_ids), layers)`` uint64: the layer digests of many blocks at once
         (a few kernels per layer; 8 bytes per block and layer to the host)."""
-        self._check(region, block_ids)
+        ids = self._check(region, block_ids)
         width = len(self.regions[region])
-        if not len(block_ids):
+        if not len(ids):
             return np.zeros((0, width), dtype=np.uint64)
-        digests = self._layer_digests(region, block_ids).cpu().numpy()
+        digests = self._layer_digests(region, ids).cpu().numpy()
         return digests.view(np.uint64).reshape(len(block_ids), width)
 
     def layer_digests(self, region: int, block_id: int) -> tuple[int, ...]:
         """``torch-mix64-v1`` of ``block_id``'s span in each layer of ``region``."""
-        self._check(region, (block_id,))
-        return tuple(_unsigned(v) for v in self._layer_digests(region, [block_id])[0].tolist())
+        ids = self._check(region, (block_id,))
+        return tuple(_unsigned(v) for v in self._layer_digests(region, ids)[0].tolist())
 
     def block_digest(self, region: int, block_id: int) -> int:
         return self.block_digests(region, [block_id])[0]
@@ -242,10 +304,10 @@ class TorchBlockDigester:
     def block_digests(self, region: int, block_ids: Sequence[int]) -> list[int]:
         """The block digest of each of ``block_ids``: the layer digests of all of them
         per layer at once, combined on the device, 8 bytes per block to the host."""
-        self._check(region, block_ids)
-        if not len(block_ids):
+        ids = self._check(region, block_ids)
+        if not len(ids):
             return []
-        return self._combined(self._layer_digests(region, block_ids))
+        return self._combined(self._layer_digests(region, ids))
 
     def _combined(self, layer_digests: torch.Tensor) -> list[int]:
         """Block digests from layer digests ``[blocks, layers]`` (int64 bit patterns, on
@@ -257,8 +319,9 @@ class TorchBlockDigester:
         else:
             keys = self._keys
         combined = _mix_rows(layer_digests, keys[:width])
-        lengths = torch.full((1,), width * 8, dtype=torch.int64, device=self.device)
-        return [_unsigned(v) for v in _finish(combined[:, None], lengths)[:, 0].tolist()]
+        digests: list[int] = _finish(combined[:, None], [width * 8])[:, 0].cpu().numpy() \
+            .view(np.uint64).tolist()
+        return digests
 
     def slice_digests(self, layers: Sequence[SliceLayer], block_ids: Sequence[int]
                       ) -> list[int]:
@@ -272,19 +335,20 @@ class TorchBlockDigester:
         single range is its whole block has its layer digest, and whole ranges of every
         layer of a region give the block digest. The ranges' bytes of all the blocks are
         gathered on the device, tile by tile (bounded scratch), never to the host."""
-        ids_list = [int(b) for b in block_ids]
+        ids_array = _id_array(block_ids)
         prepared = [(self._layers[layer_id], merged) for layer_id, merged in checked_slice(
-            layers, ids_list, {k: (v.block_bytes, v.num_blocks) for k, v in self._layers.items()})]
-        if not ids_list:
+            layers, ids_array,
+            {k: (v.block_bytes, v.num_blocks) for k, v in self._layers.items()})]
+        if not len(ids_array):
             return []
         if not prepared:
-            return [mix64_combine(())] * len(ids_list)
-        ids = torch.tensor(ids_list, dtype=torch.int64, device=self.device)
-        sums = torch.stack([self._slice_sums(layer, merged, ids, _run_of(ids_list))
-                            for layer, merged in prepared], dim=1)
-        lengths = torch.tensor([sum(n for _o, n in merged) for _layer, merged in prepared],
-                               dtype=torch.int64, device=self.device)
-        return self._combined(_finish(sums, lengths))
+            return [mix64_combine(())] * len(ids_array)
+        ids = torch.from_numpy(ids_array).to(self.device)
+        run = _run_of(ids_array) if self._triton is None else None
+        sums = _columns([self._slice_sums(layer, merged, ids, run)
+                         for layer, merged in prepared])
+        return self._combined(_finish(sums, [sum(n for _o, n in merged)
+                                             for _layer, merged in prepared]))
 
     def _slice_sums(self, layer: _Layer, merged: tuple[tuple[int, int], ...],
                     ids: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
@@ -292,7 +356,11 @@ class TorchBlockDigester:
         (int64 [len(ids)], on the device). A few word-aligned ranges of an aligned layer
         (HND heads: one per K and V) are summed as column views of its words, like
         whole blocks; many (NHD rows) are gathered as int64 words in one index; any
-        other range as bytes, zero-padded to whole words."""
+        other range as bytes, zero-padded to whole words. (The Triton kernel, when it
+        is the engine, reads all of them in place.)"""
+        fused = self._triton_sums(layer, merged, ids)
+        if fused is not None:
+            return fused
         rows = int(ids.numel())
         out = torch.zeros(rows, dtype=torch.int64, device=self.device)
         total = sum(n for _o, n in merged)
@@ -326,10 +394,42 @@ class TorchBlockDigester:
         return out
 
 
-def _run_of(ids: list[int]) -> tuple[int, int] | None:
+def _run_of(ids: np.ndarray) -> tuple[int, int] | None:
     """``(first, count)`` when ``ids`` are consecutive (their rows are one view), else None."""
-    first = ids[0] if ids else 0
-    return (first, len(ids)) if ids == list(range(first, first + len(ids))) else None
+    first = int(ids[0]) if len(ids) else 0
+    consecutive = bool((ids == np.arange(first, first + len(ids))).all())
+    return (first, len(ids)) if consecutive else None
+
+
+def _id_array(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block ids as a fresh int64 array (one conversion, not a Python int per id)."""
+    try:
+        if isinstance(block_ids, np.ndarray):
+            return block_ids.astype(np.int64, copy=True).reshape(-1)
+        return np.fromiter(block_ids, dtype=np.int64, count=len(block_ids))
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise LayoutError("block_id", f"expected block ids (integers), got {exc}") from exc
+
+
+def _engine(engine: str, device: torch.device) -> tuple[TritonSums | None, str]:
+    """The Triton engine (None: the torch ops) for ``engine`` on ``device``, and why."""
+    if engine not in ENGINES:
+        raise LayoutError("engine", f"expected one of {list(ENGINES)}, got {engine!r}")
+    if engine == "torch":
+        return None, "torch: asked for"
+    if engine == "auto" and device.type != "cuda":
+        return None, f"auto: tensors on {device.type}; the Triton kernel is for CUDA tensors"
+    reason = unavailable(device)
+    if reason is not None:
+        if engine == "triton":
+            raise LayoutError("engine", f"the Triton kernel cannot run here: {reason}")
+        return None, f"auto: {reason}"
+    if engine == "auto" and interpreter_active():
+        return None, ("auto: triton was imported under its interpreter (TRITON_INTERPRET=1), "
+                      "slower than the torch ops")
+    fused = TritonSums(device)
+    mode = "interpreted" if fused.interpreted else "compiled"
+    return fused, f"{engine}: the Triton kernel, {mode}, on {device}"
 
 
 def _mix_rows(tile: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -340,7 +440,7 @@ def _mix_rows(tile: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return mixed.sum(dim=1, dtype=torch.int64)
 
 
-_GOLDEN_S = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))
+_GOLDEN_U = 0x9E3779B97F4A7C15
 _M1_S = int(np.uint64(0xBF58476D1CE4E5B9).view(np.int64))
 _M2_S = int(np.uint64(0x94D049BB133111EB).view(np.int64))
 
@@ -349,15 +449,32 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     return torch.bitwise_right_shift(x, s).bitwise_and_((1 << (64 - s)) - 1)
 
 
-def _finish(sums: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def _finish(sums: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """:func:`layouts.digests.mix64_finish` elementwise: ``splitmix64(S + (n + 1) * G)``
-    of word sums ``[rows, k]`` and byte lengths ``[k]`` (int64 bit patterns, wrapping)."""
-    x = sums + (lengths + 1) * _GOLDEN_S
-    x = x ^ _shr(x, 30)
-    x = x * _M1_S
-    x = x ^ _shr(x, 27)
-    x = x * _M2_S
-    return x ^ _shr(x, 31)
+    of word sums ``[rows, k]`` and the ``k`` byte lengths (int64 bit patterns, wrapping).
+    ``(n + 1) * G`` is computed here on the host, a scalar when the lengths are equal
+    (every layer of a region, as a rule): each op on a small tensor is a kernel launch
+    on a GPU, what a batch of blocks pays however few bytes they have."""
+    terms = [_signed_int((n + 1) * _GOLDEN_U) for n in lengths]
+    x = sums + (terms[0] if len(set(terms)) == 1 else
+                torch.tensor(terms, dtype=torch.int64, device=sums.device))
+    x.bitwise_xor_(_shr(x, 30))
+    x.mul_(_M1_S)
+    x.bitwise_xor_(_shr(x, 27))
+    x.mul_(_M2_S)
+    return x.bitwise_xor_(_shr(x, 31))
 
 
-__all__ = ["CPU_CHUNK_WORDS", "DEVICE_CHUNK_WORDS", "TensorSpan", "TorchBlockDigester"]
+def _signed_int(value: int) -> int:
+    """``value`` mod 2^64 as the int64 of the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _columns(sums: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer sums ``[rows]`` as ``[rows, layers]`` (one layer: a view, no copy)."""
+    return sums[0][:, None] if len(sums) == 1 else torch.stack(sums, dim=1)
+
+
+__all__ = ["CPU_CHUNK_WORDS", "DEVICE_CHUNK_WORDS", "ENGINES", "TensorSpan",
+           "TorchBlockDigester"]

@@ -214,12 +214,14 @@ def _stat_probe_us(num_keys: int, iterations: int) -> dict[str, float]:
             "p99": samples[min(len(samples) - 1, int(len(samples) * 0.99))]}
 
 
-def bench_digests(patterns: Sequence[tuple[int, int]], iters: int) -> dict[str, Any]:
+def bench_digests(patterns: Sequence[tuple[int, int]], iters: int,
+                  device: str = "cpu") -> dict[str, Any]:
     """torch-mix64-v1 (the digests of GPU memory) against xxh3-64 on the same bytes, block
-    digests and head-slice digests."""
+    digests and head-slice digests; on a CUDA device with triton, the fused kernel's
+    rows too, against the torch ops and a device copy of the same bytes."""
     from kvbridge.tools.bench_digests import digest_rates
 
-    detail = [digest_rates(nb, bb, iters=iters) for nb, bb in patterns]
+    detail = [digest_rates(nb, bb, iters=iters, device=device) for nb, bb in patterns]
     rows = []
     for d in detail:
         label = f"{d['num_blocks']}x{size_label(d['block_bytes'])}"
@@ -232,7 +234,21 @@ def bench_digests(patterns: Sequence[tuple[int, int]], iters: int) -> dict[str, 
                      block_bytes=d["block_bytes"], limit=limit, limit_name="torch copy",
                      verified=d["same_on_cpu"])
                  for suffix, mine, raw in kinds]
-    return {"rows": rows, "detail": detail}
+        if "triton_mix64_gbps" not in d:
+            continue
+        copy = d["device_copy_gbps"]
+        kernel = [("", "triton_mix64_gbps", "torch_mix64_gbps")]
+        if "triton_mix64_slices_gbps" in d:
+            kernel.append(("-slices", "triton_mix64_slices_gbps", "torch_mix64_slices_gbps"))
+        common = {"num_blocks": d["num_blocks"], "block_bytes": d["block_bytes"],
+                  "limit": copy, "limit_name": "device copy", "verified": d["same_on_cpu"]}
+        rows += [row("digests", label, f"torch-mix64-v1{suffix} triton", "GB/s", d[mine],
+                     d[raw], f"torch-mix64-v1{suffix} torch ops", **common)
+                 for suffix, mine, raw in kernel]
+        rows.append(row("digests", label, "torch-mix64-v1 triton sums", "GB/s",
+                        d["triton_sums_gbps"], copy, "device copy", **common))
+    notes = sorted({d["triton"] for d in detail if "triton_mix64_gbps" not in d})
+    return {"rows": rows, "detail": detail, **({"note": "; ".join(notes)} if notes else {})}
 
 
 def bench_lookup(quick: bool, master: str | None = None,

@@ -40,6 +40,8 @@ def format_table(report: dict[str, Any]) -> str:
     for name, entry in report["paths"].items():
         if entry["status"] != "ok":
             lines.append(f"{name}: {entry['status']}: {entry['reason']}")
+        elif entry.get("note"):  # e.g. which rows a path could not measure here, and why
+            lines.append(f"{name}: {entry['note']}")
     lines.append("ratio = kvbridge / raw (latency rows: raw / kvbridge); limit = memory copy of "
                  "the same bytes, in the row's unit; every number from this run")
     return "\n".join(lines)

@@ -24,7 +24,9 @@ Paths (``PATHS``):
   (full and conditional) and the NIXL connector's load with both engines sealed.
 * ``digests``  -- ``torch-mix64-v1`` block digests (tensor reductions on the KV's own
   device: what GPU memory is verified with) vs ``xxh3-64`` (the C hash of host memory)
-  on the same bytes (:mod:`kvbridge.tools.bench_digests`); limit: torch copy.
+  on the same bytes (:mod:`kvbridge.tools.bench_digests`); limit: torch copy. With
+  ``--device cuda`` and triton, the fused Triton kernel's rows against the torch ops
+  and a device copy of the same bytes.
 
 Every path returns rows of one shape (:func:`row`), so the table, the JSON file
 and the plot treat them alike::
@@ -113,7 +115,7 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
               batch_sizes: Sequence[int] = (16, 64), master: str | None = None,
               metadata: str | None = None, directory: str | None = None,
               block_order: str = "sorted", layers: int | None = None,
-              per_block: bool = False,
+              per_block: bool = False, device: str = "cpu",
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the named paths; returns ``{"machine", "paths": {name: {...}}, "rows": [...]}``.
 
@@ -146,7 +148,7 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
             elif name == "auth":
                 result = bench_auth(chosen, iters, quick)
             elif name == "digests":
-                result = bench_digests(chosen, iters)
+                result = bench_digests(chosen, iters, device)
             else:
                 raise ValueError(f"unknown bench path {name!r}; expected one of {PATHS}")
             entry: dict[str, Any] = {"status": "ok", **result}
@@ -238,6 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-block", action="store_true",
                         help="nixl-scale: also prepare per-block lists (one row per block and "
                              "layer: slow and memory-hungry at real sizes)")
+    parser.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+                        help="where the digests path puts the KV it digests (default cpu); "
+                             "on cuda, with triton, the fused Triton kernel's rows too")
     parser.add_argument("--progress", action="store_true",
                         help="progress on stderr even when it is not a terminal")
     parser.add_argument("--markdown", action="store_true",
@@ -245,6 +250,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="FILE.json",
                         help="render a report saved with --json instead of running (PATH "
                              "all: every path in it; a name: that path's rows)")
+
+
+def _device_problem(name: str) -> str | None:
+    """Why ``--device`` cannot be used here (None: it can)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        return f"not a torch device ({exc})"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device on this host"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"this host has {torch.cuda.device_count()} CUDA device(s)"
+    elif device.type != "cpu":
+        return "expected cpu, cuda or cuda:N"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,6 +288,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.master is None) != (args.metadata is None):
         print("kvbridge bench: --master and --metadata go together", file=sys.stderr)
         return EXIT_USAGE
+    if args.device != "cpu":
+        problem = _device_problem(args.device)
+        if problem:
+            print(f"kvbridge bench: --device {args.device}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -290,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
                        events=args.events, batch_sizes=sizes, master=args.master,
                        metadata=args.metadata, directory=args.dir,
                        block_order=args.block_order, layers=args.layers,
-                       per_block=args.per_block, progress=progress.update)
+                       per_block=args.per_block, device=args.device,
+                       progress=progress.update)
     progress.done()
     if args.json == "-":
         print(json.dumps(report, indent=2))

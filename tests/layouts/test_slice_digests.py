@@ -42,12 +42,14 @@ REGEN = os.environ.get("KVBRIDGE_REGEN_GOLDEN") == "1"
 NUM_BLOCKS = 3
 
 
-def _as_torch(digester: BlockDigester, buffers: dict) -> TorchBlockDigester:
-    """The ``torch-mix64-v1`` digester of the same layer buffers (CPU tensors, no copy)."""
+def _as_torch(digester: BlockDigester, buffers: dict, engine: str = "auto"
+              ) -> TorchBlockDigester:
+    """The ``torch-mix64-v1`` digester of the same layer buffers (CPU tensors, no copy;
+    ``engine``: which computes the sums, test_triton_digests renders with both)."""
     spans = {layer: TensorSpan(torch.from_numpy(buf), view[1], view[2], view[3])
              for layer, buf in buffers.items()
              for view in (digester._views[layer],)}
-    return TorchBlockDigester(spans, digester.regions)
+    return TorchBlockDigester(spans, digester.regions, engine=engine)
 
 
 def _rank_buffers(model: str, topology: ParallelTopology) -> tuple[BlockDigester, dict]:
@@ -74,7 +76,7 @@ def _ranges_text(layers: tuple[SliceLayer, ...]) -> str:
                     for layer, ranges in layers)
 
 
-def render(algorithm: str) -> str:
+def render(algorithm: str, engine: str = "auto") -> str:
     torch_alg = algorithm == TORCH_SLICE_ALGORITHM
     lines = [f"algorithm {algorithm} version {SLICE_DIGEST_VERSION}"]
     # the bare definition: two ranges of layer 0, one of layer 1, of a 256-byte block
@@ -84,7 +86,7 @@ def render(algorithm: str) -> str:
              1: LayerSpan(buf.ctypes.data + 256, 256, 256, 1)}
     d: Digester = BlockDigester(spans, [(0, 1)], owner=buf)
     if torch_alg:
-        d = _as_torch(d, {0: buf[:256], 1: buf[256:]})
+        d = _as_torch(d, {0: buf[:256], 1: buf[256:]}, engine)
     # and for the torch one, ranges inside words (the gathered bytes, not words)
     bare = ((0, ((16, 32), (128, 8))), (1, ((200, 56),)))
     lines.append(f"bare {_ranges_text(bare)} block 0 slice {d.slice_digests(bare, [0])[0]:016x}")
@@ -102,7 +104,7 @@ def render(algorithm: str) -> str:
             for p in rank_plan.sources:
                 digester, buffers = _rank_buffers(model, rank_at(p_sizes, p))
                 if torch_alg:
-                    digester = _as_torch(digester, buffers)
+                    digester = _as_torch(digester, buffers, engine)
                 layers = slice_layers(rank_plan, p, 0, "producer")
                 head = f"{model} tp{producer}->tp{consumer} consumer {c} producer {p} region 0"
                 if model.endswith("nhd"):

@@ -48,12 +48,15 @@ def reference_layers() -> dict[int, torch.Tensor]:
 
 
 def digester(layers: dict[int, torch.Tensor], block_bytes: int = BLOCK_BYTES,
-             stride: int = STRIDE, chunk_words: int | None = None) -> TorchBlockDigester:
+             stride: int = STRIDE, chunk_words: int | None = None,
+             engine: str = "auto") -> TorchBlockDigester:
     spans = {layer: TensorSpan(t, stride, block_bytes, NUM_BLOCKS) for layer, t in layers.items()}
-    return TorchBlockDigester(spans, [(0, 1), (2,)], chunk_words=chunk_words)
+    return TorchBlockDigester(spans, [(0, 1), (2,)], chunk_words=chunk_words, engine=engine)
 
 
-def render() -> str:
+def render(engine: str = "auto") -> str:
+    """The golden file's text, the sums computed by ``engine`` (test_triton_digests
+    renders it with the Triton kernel too)."""
     lines = [f"empty {mix64_digest(b''):016x}", f"kvbridge {mix64_digest(b'kvbridge'):016x}",
              f"zeros16 {mix64_digest(bytes(16)):016x}"]
     layers = reference_layers()
@@ -63,7 +66,7 @@ def render() -> str:
              ("tail", layers, BLOCK_BYTES - 3, STRIDE),
              ("unaligned", {k: t[3:] for k, t in layers.items()}, BLOCK_BYTES - 8, STRIDE - 1))
     for name, tensors, block_bytes, stride in cases:
-        d = digester(tensors, block_bytes, stride)
+        d = digester(tensors, block_bytes, stride, engine=engine)
         for region in range(2):
             for b in range(NUM_BLOCKS):
                 layer_hex = " ".join(f"{x:016x}" for x in d.layer_digests(region, b))

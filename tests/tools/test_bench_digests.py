@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.tools.bench_digests import digest_rates
-from kvbridge.tools.cli import EXIT_OK, main
+from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
 
 
 def test_digest_rates_measure_both_algorithms_over_the_same_blocks() -> None:
@@ -16,6 +16,9 @@ def test_digest_rates_measure_both_algorithms_over_the_same_blocks() -> None:
     assert out["num_blocks"] == 8 and out["block_bytes"] == 4096 and out["device"] == "cpu"
     assert out["xxh3_gbps"] > 0 and out["torch_mix64_gbps"] > 0 and out["same_on_cpu"] is True
     assert out["xxh3_slices_gbps"] > 0 and out["torch_mix64_slices_gbps"] > 0
+    # the Triton kernel's rows are measured on a CUDA device only; here the result says so
+    assert out["triton"] == "the Triton rows need a CUDA device (tensors on cpu)"
+    assert "triton_mix64_gbps" not in out
     assert "xxh3_slices_gbps" not in digest_rates(2, 16, iters=1)  # no quarter of 8 bytes
     with pytest.raises(ValueError, match="multiple of 8"):
         digest_rates(8, 4095)
@@ -32,4 +35,18 @@ def test_bench_digests_prints_one_row_per_pattern(tmp_path: Path,
         ("digests", f"torch-mix64-v1{s}", f"xxh3-64{s}", size)
         for size in (16 << 10, 64 << 10) for s in ("", "-slices")]
     assert all(r["verified"] and r["kvbridge"] > 0 and r["raw"] > 0 for r in rows)
-    assert "torch-mix64-v1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "torch-mix64-v1" in printed
+    assert "digests: the Triton rows need a CUDA device (tensors on cpu)" in printed
+
+
+def test_bench_device_cuda_without_cuda_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():  # the case this checks is a host without CUDA
+        assert main(["bench", "digests", "--device", "cuda:9999"]) == EXIT_USAGE
+        return
+    assert main(["bench", "digests", "--device", "cuda"]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip() == \
+        "kvbridge bench: --device cuda: no CUDA device on this host"
