@@ -31,7 +31,7 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    extras=test,mooncake
+    extras=test,triton,mooncake
     # torch first, to learn its CUDA: the NIXL build must link the same CUDA major, and
     # pip cannot read torch's CUDA in a marker. The base install brings nixl-cu12 (CPU and
     # CUDA 12 torch); a CUDA 13 torch adds nixl-cu13 (kvbridge[cu13]), which kvbridge
@@ -46,7 +46,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         *) echo "setup: torch has no CUDA 12/13 build (torch.version.cuda major '${cuda_major}'); NIXL stays nixl-cu12" ;;
     esac
 else
-    extras=test,mooncake-cpu
+    extras=test,triton,mooncake-cpu
     # A CPU build of torch: an unpinned torch would pull several GB of CUDA.
     if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
         echo "setup: installing CPU torch"
