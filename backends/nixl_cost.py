@@ -147,6 +147,11 @@ class _Raw:
         finally:
             self.agent.release_xfer_handle(handle)
 
+    def make_release(self, op: str, li: np.ndarray, ri: np.ndarray) -> None:
+        """The part of a request's transfer that a reused handle skips: make and release."""
+        self.agent.release_xfer_handle(
+            self.agent.make_prepped_xfer(op, self.ldl, li, self.rdl, ri, b"", ["UCX"]))
+
     def reused_handle(self, op: str, li: np.ndarray, ri: np.ndarray) -> None:
         """One handle per (op, size), made the first time and re-posted."""
         key = (op, int(li.size))
@@ -297,6 +302,7 @@ def _one(p: CostPattern, *, device: str, min_iters: int, min_time_s: float,
                 steps.append((f"{name}:{op}", _step(fn, op, li, ri, 1, device)))
                 steps.append((f"{name}:{op}:1", _step(fn, op, li1, ri1, _SINGLE_REPEATS,
                                                       device)))
+            steps.append((f"make_release:{op}", _step(raw.make_release, op, li, ri, 1, device)))
         times: dict[str, list[float]] = {key: [] for key, _ in steps}
         t_stop = time.perf_counter() + min_time_s
         n = 0
@@ -320,6 +326,8 @@ def _one(p: CostPattern, *, device: str, min_iters: int, min_time_s: float,
         kv, req = times[f"kvbridge:{op}"], times[f"raw_per_request:{op}"]
         ops[op] = {
             "gbps": {name: round(total / med[f"{name}:{op}"] / 1e9, 3) for name in ways},
+            # NIXL making and releasing the pattern's handle, nothing posted
+            "raw_make_release_us": round(med[f"make_release:{op}"] * 1e6, 2),
             "one_desc_us": {name: round(med[f"{name}:{op}:1"] * 1e6, 2) for name in ways},
             "kvbridge_one_desc_excess_us": round(statistics.median(
                 (k - r) * 1e6 for r, k in zip(times[f"raw_per_request:{op}:1"],
@@ -349,7 +357,9 @@ def run_nixl_cost_bench(patterns: Sequence[CostPattern] | None = None, *,
     ``raw_per_request`` and ``kvbridge``; ``kvbridge_over_raw_per_request`` (the fair
     ratio) and ``..._reused_handle`` (paired medians); ``kvbridge_excess_us`` and
     ``kvbridge_one_desc_excess_us`` (kvbridge's time over raw per request, per transfer
-    of the pattern and of one descriptor); ``torch_copy_gbps``; ``verified``
+    of the pattern and of one descriptor); ``raw_make_release_us`` (NIXL's
+    ``make_prepped_xfer`` + ``release_xfer_handle`` of the pattern, nothing posted: what
+    a reused handle saves); ``torch_copy_gbps``; ``verified``
     (every way's READ and WRITE bytes checked once before timing) and
     ``kvbridge_leaks`` (live NIXL objects at close: 0). A peer process per pattern,
     always reaped."""
