@@ -271,6 +271,8 @@ def _one(p: CostPattern, *, device: str, min_iters: int, min_time_s: float,
     ri = (rng.permutation(p.num_descs) if p.scattered
           else np.arange(p.num_descs)).astype(np.int32)  # its own array, as a connector's
     li1, ri1 = li[:1].copy(), ri[:1].copy()
+    if device != "cpu":  # UCX's CUDA transports need a current CUDA context on this thread
+        torch.cuda.set_device(torch.device(device))
     peer = PeerProcess(f"cost-peer-{os.getpid()}-{p.num_descs}x{p.desc_bytes}", total,
                        seed=seed, device=device)
     raw: _Raw | None = None
