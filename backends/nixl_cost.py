@@ -47,7 +47,8 @@ from .nixl_bench import PeerProcess, pattern
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CostPattern", "default_cost_patterns", "request_pattern", "run_nixl_cost_bench"]
+__all__ = ["CostPattern", "check_memory", "default_cost_patterns", "memory_needed",
+           "request_pattern", "run_nixl_cost_bench"]
 
 #: the 70B-class model of the request-sized patterns (Llama-3-70B's KV shape)
 MODEL_LAYERS = 80
@@ -107,6 +108,42 @@ def default_cost_patterns(layers: int = MODEL_LAYERS, tp: int = DEFAULT_TP,
     return (CostPattern("64x2MiB", 64, 2 << 20), CostPattern("4096x16KiB", 4096, 16 << 10),
             request_pattern(4096, layers=layers, tp=tp),
             request_pattern(32768, layers=layers, tp=tp))
+
+
+#: bytes this process and its peer hold per byte of a pattern, at the peak: on the host
+#: the peer's buffer, the local one, the copy's destination and the verification's
+#: arrays (the peer's content, the expected bytes, a fresh pattern, where it lands);
+#: with ``device`` CUDA the three buffers are on the device and the host keeps the rest
+_HOST_COPIES = {"cpu": 7, "cuda": 5}
+_DEVICE_COPIES = 3
+
+
+def memory_needed(p: CostPattern, device: str = "cpu") -> tuple[int, int]:
+    """``(host_bytes, device_bytes)`` a run of ``p`` holds at its peak."""
+    on_cpu = device == "cpu"
+    return (p.total_bytes * _HOST_COPIES["cpu" if on_cpu else "cuda"],
+            0 if on_cpu else p.total_bytes * _DEVICE_COPIES)
+
+
+def check_memory(patterns: Sequence[CostPattern], device: str,
+                 host_available_bytes: int | None) -> None:
+    """Refuse, before anything is allocated, a pattern that would not fit: the host's
+    ``host_available_bytes`` (None: not checked) and the CUDA device's free memory."""
+    free_device = None
+    if device != "cpu":
+        import torch
+
+        free_device = int(torch.cuda.mem_get_info(torch.device(device))[0])
+    for p in patterns:
+        host, dev = memory_needed(p, device)
+        if host_available_bytes is not None and host > host_available_bytes:
+            raise ValueError(f"pattern {p.label} needs ~{host / 2**30:.1f} GiB of host memory "
+                             f"({p.total_bytes / 2**30:.2f} GiB moved), "
+                             f"{host_available_bytes / 2**30:.1f} GiB available: fewer layers "
+                             f"(--layers) or a smaller --pattern")
+        if free_device is not None and dev > free_device:
+            raise ValueError(f"pattern {p.label} needs ~{dev / 2**30:.1f} GiB on {device}, "
+                             f"{free_device / 2**30:.1f} GiB free: fewer layers (--layers)")
 
 
 # ------------------------------------------------------------------ the ways
@@ -351,7 +388,8 @@ def _one(p: CostPattern, *, device: str, min_iters: int, min_time_s: float,
 
 def run_nixl_cost_bench(patterns: Sequence[CostPattern] | None = None, *,
                         device: str = "cpu", min_iters: int = 5, min_time_s: float = 2.0,
-                        deadline_s: float = 60.0) -> dict[str, Any]:
+                        deadline_s: float = 60.0,
+                        host_available_bytes: int | None = None) -> dict[str, Any]:
     """Per pattern: raw NIXL (handle reused; handle per request) and kvbridge's transport,
     READ and WRITE, and a torch copy of the same bytes, interleaved (module docstring).
 
@@ -364,8 +402,11 @@ def run_nixl_cost_bench(patterns: Sequence[CostPattern] | None = None, *,
     a reused handle saves); ``torch_copy_gbps``; ``verified``
     (every way's READ and WRITE bytes checked once before timing) and
     ``kvbridge_leaks`` (live NIXL objects at close: 0). A peer process per pattern,
-    always reaped."""
+    always reaped. Every pattern is checked against ``host_available_bytes`` (None:
+    not checked) and a CUDA device's free memory before anything is allocated
+    (:func:`check_memory`)."""
     chosen = tuple(patterns) if patterns is not None else default_cost_patterns()
+    check_memory(chosen, device, host_available_bytes)
     rows = [_one(p, device=device, min_iters=min_iters, min_time_s=min_time_s,
                  deadline_s=deadline_s) for p in chosen]
     return {"device": device, "patterns": rows,

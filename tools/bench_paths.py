@@ -71,7 +71,10 @@ def bench_nixl_cost(patterns: Sequence[tuple[int, int]], iters: int, quick: bool
     if patterns:
         chosen = [CostPattern(f"{n}x{size_label(b)}", n, b) for n, b in patterns] + \
             [p for p in chosen if p.scattered]
-    report = run_cost(chosen, min_iters=max(1, iters), min_time_s=0.2 if quick else 2.0)
+    from kvbridge.engine.host_memory import HOST_MEMORY_FRACTION, available_memory_bytes
+
+    report = run_cost(chosen, min_iters=max(1, iters), min_time_s=0.2 if quick else 2.0,
+                      host_available_bytes=int(available_memory_bytes() * HOST_MEMORY_FRACTION))
     rows = []
     for p in report["patterns"]:
         ok = bool(p["verified"]) and p["kvbridge_leaks"] == 0

@@ -60,3 +60,13 @@ def test_request_pattern_is_one_ranks_kv_of_a_70b_prompt() -> None:
     assert request_pattern(4096, tp=8).desc_bytes == 4096
     with pytest.raises(ValueError, match="do not split"):
         request_pattern(4096, tp=3)
+
+
+def test_cost_bench_refuses_a_pattern_that_does_not_fit_before_allocating() -> None:
+    from kvbridge.backends.nixl_cost import memory_needed, request_pattern, run_nixl_cost_bench
+
+    big = request_pattern(32768)  # 2.5 GiB moved per rank at 80 layers
+    host, device = memory_needed(big)
+    assert host >= 3 * big.total_bytes and device == 0  # peer, local, copy at least
+    with pytest.raises(ValueError, match=r"32k-tok L80 TP4 needs ~.* GiB of host memory.*--layers"):
+        run_nixl_cost_bench((big,), host_available_bytes=host - 1)
