@@ -110,6 +110,9 @@ from .nixl_records import (
 
 logger = logging.getLogger(__name__)
 
+#: the backends a transfer may use (one list, not one per call)
+_UCX = ["UCX"]
+
 __all__ = [
     "DescList",
     "NixlTransport",
@@ -405,24 +408,31 @@ class NixlTransport:
         transfer without ``notif`` is cut across the lanes (:mod:`.nixl_lanes`)
         when its parts are large enough; it is still one :class:`Transfer`.
         """
-        op = XferOp(op)
+        op = op if isinstance(op, XferOp) else XferOp(op)
         if not deadline_s > 0:
             raise NixlTransportError(f"deadline_s must be > 0, got {deadline_s}")
+        if remote.peer is None:
+            raise NixlTransportError("remote: expected a list from prepare_remote, got a local one")
+        # Index checks need no lock: they read the caller's arrays and the lists' sizes
+        # (fixed at prepare time); whether the lists are still alive is checked below.
+        li = as_indices(local_idx, local.num_descs, "local_idx")
+        if remote_idx is local_idx and remote.num_descs >= local.num_descs:
+            ri = li  # one array for both sides: checked once, against the smaller bound
+        else:
+            ri = as_indices(remote_idx, remote.num_descs, "remote_idx")
+        if li.size != ri.size:
+            raise NixlTransportError(
+                f"local_idx and remote_idx must have equal length, got {li.size} and {ri.size}"
+            )
+        notif = bytes(notif)
         with self._lock:
             self._check_open()
             lentry = self._dlist(local, want_peer=None)
-            if remote.peer is None:
-                raise NixlTransportError("remote: expected a list from prepare_remote, got a local one")
             rentry = self._dlist(remote, want_peer=remote.peer)
-            li = as_indices(local_idx, local.num_descs, "local_idx")
-            ri = as_indices(remote_idx, remote.num_descs, "remote_idx")
-            if li.size != ri.size:
-                raise NixlTransportError(
-                    f"local_idx and remote_idx must have equal length, got {li.size} and {ri.size}"
-                )
+            count = int(li.size)
             uniform = lentry.uniform_length
             if uniform is not None and uniform == rentry.uniform_length:
-                nbytes = int(li.size) * uniform  # every row of both lists: one length
+                nbytes = count * uniform  # every row of both lists: one length
             else:
                 llen, rlen = lentry.lengths(li), rentry.lengths(ri)
                 if not np.array_equal(llen, rlen):
@@ -438,26 +448,26 @@ class NixlTransport:
                 op=op,
                 peer=remote.peer,
                 nbytes=nbytes,
-                num_descs=int(li.size),
-                notif=bytes(notif),
+                num_descs=count,
+                notif=notif,
                 posted_at=now,
                 deadline=now + deadline_s,
             )
             self._posted += 1
             lanes = self._lanes
-            ranges = [(0, int(li.size))] if lanes is None else lanes.ranges(lentry, rentry, li,
-                                                                             notif)
-            a, b = ranges[0]
+            ranges = None if lanes is None else lanes.ranges(lentry, rentry, li, notif)
             try:
-                if len(ranges) > 1:
+                if ranges is not None and len(ranges) > 1:
                     assert lanes is not None
                     xfer._lane_parts = lanes.make_parts(
                         op.value, (lentry.lane_handles, rentry.lane_handles), li, ri, ranges)
                     self._cut += 1
+                    a, b = ranges[0]
+                    first_li, first_ri = li[a:b], ri[a:b]
+                else:
+                    first_li, first_ri = li, ri
                 xfer._handle = self._agent.make_prepped_xfer(
-                    op.value, lentry.handle, li[a:b], rentry.handle, ri[a:b], bytes(notif),
-                    ["UCX"]
-                )
+                    op.value, lentry.handle, first_li, rentry.handle, first_ri, notif, _UCX)
             except Exception as exc:
                 release_parts(xfer._lane_parts)
                 self._finish(xfer, XferState.FAILED, f"make_prepped_xfer: {exc!r}")
@@ -480,7 +490,8 @@ class NixlTransport:
 
     def _status(self, xfer: Transfer) -> str:
         """NIXL's status of every part of ``xfer`` in one word (see ``combined_status``)."""
-        return combined_status(str(self._agent.check_xfer_state(xfer._handle)), xfer._lane_parts)
+        status = self._agent.check_xfer_state(xfer._handle)
+        return combined_status(str(status), xfer._lane_parts) if xfer._lane_parts else status
 
     def poll(self, xfer: Transfer) -> XferState:
         """Advance ``xfer``: PENDING until NIXL says DONE, an error turns it FAILED
@@ -506,8 +517,10 @@ class NixlTransport:
             return [x for x in list(self._pending.values()) if self.poll(x).terminal]
 
     def wait(self, xfer: Transfer, interval_s: float = 0.0) -> XferState:
-        """Poll until terminal (bounded by the transfer's own deadline)."""
-        while self.poll(xfer) is XferState.PENDING:
+        """Poll until terminal (bounded by the transfer's own deadline). A transfer that
+        ``post`` already finished (NIXL ran the copy in ``transfer()``) returns at once:
+        terminal states never change, so reading one needs no lock."""
+        while xfer.state is XferState.PENDING and self.poll(xfer) is XferState.PENDING:
             if interval_s:
                 time.sleep(interval_s)
         return xfer.state
@@ -530,9 +543,9 @@ class NixlTransport:
         """NIXL's ``xferDuration`` of a DONE transfer, in seconds (None: none given); of a
         cut one, its longest part's (the parts ran at once)."""
         try:
-            duration_us = max(
-                [self._agent.get_xfer_telemetry(xfer._handle).xferDuration]
-                + [p.agent.get_xfer_telemetry(p.handle).xferDuration for p in xfer._lane_parts])
+            duration_us = self._agent.get_xfer_telemetry(xfer._handle).xferDuration
+            for p in xfer._lane_parts:
+                duration_us = max(duration_us, p.agent.get_xfer_telemetry(p.handle).xferDuration)
         except Exception:  # noqa: BLE001 (an older NIXL, or telemetry off: not an error)
             return None
         return duration_us / 1e6 if duration_us and duration_us > 0 else None
@@ -572,7 +585,8 @@ class NixlTransport:
         """Release the NIXL handles (every part's); False if NIXL refuses one (kept as a
         zombie, with the parts not released yet)."""
         try:
-            release_parts(xfer._lane_parts)
+            if xfer._lane_parts:
+                release_parts(xfer._lane_parts)
             xfer._handle.release()
         except Exception as exc:
             logger.info("nixl transfer %d: release refused (%r); kept as zombie", xfer.transfer_id, exc)
@@ -708,7 +722,8 @@ class NixlTransport:
 
     def _check_peer(self, peer: PeerHandle) -> None:
         self._check_open()
-        if self._peers.get(peer.name) != peer:
+        current = self._peers.get(peer.name)
+        if current is not peer and current != peer:
             raise NixlTransportError(
                 f"peer {peer.name} generation {peer.generation} is not current "
                 f"(current: {self._peers.get(peer.name)})"

@@ -14,6 +14,9 @@ arguments are plain strings and the socket end is inherited with ``pass_fds``.
 called directly with one prepared transfer of all blocks, this package's
 adapter (one ``post`` per iteration, as a connector does), and a ``torch``
 copy of the same bytes in one process (the memory-bandwidth limit).
+Its raw side re-posts one handle while the adapter makes and releases one per
+transfer: :mod:`.nixl_cost` (``kvbridge bench nixl-cost``) compares the adapter
+with raw NIXL doing what one request does, and reports the fixed cost per transfer.
 """
 
 from __future__ import annotations

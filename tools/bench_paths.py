@@ -45,6 +45,52 @@ def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
     return {"rows": rows, "detail": raw}
 
 
+def bench_nixl_cost(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
+                    layers: int | None, tp: int | None = None) -> dict[str, Any]:
+    """The transport's cost per transfer (:mod:`kvbridge.backends.nixl_cost`): kvbridge
+    vs raw NIXL making and releasing a handle per transfer, READ and WRITE, plus the
+    fixed cost: a one-descriptor transfer (µs rows). ``patterns`` (``--pattern``)
+    replace the default block patterns; the request-sized ones (4k and 32k tokens at
+    ``layers``, default 80, --quick 1) always run."""
+    try:
+        from kvbridge.backends.nixl import load_nixl_api
+
+        load_nixl_api()
+    except Exception as exc:
+        raise Skipped(f"NIXL cannot load: {exc}") from None
+    from kvbridge.backends.nixl_cost import (
+        DEFAULT_TP,
+        MODEL_LAYERS,
+        CostPattern,
+        default_cost_patterns,
+    )
+    from kvbridge.backends.nixl_cost import run_nixl_cost_bench as run_cost
+
+    chosen = list(default_cost_patterns(layers or (1 if quick else MODEL_LAYERS),
+                                        tp or DEFAULT_TP, quick=quick))
+    if patterns:
+        chosen = [CostPattern(f"{n}x{size_label(b)}", n, b) for n, b in patterns] + \
+            [p for p in chosen if p.scattered]
+    from kvbridge.engine.host_memory import HOST_MEMORY_FRACTION, available_memory_bytes
+
+    report = run_cost(chosen, min_iters=max(1, iters), min_time_s=0.2 if quick else 2.0,
+                      host_available_bytes=int(available_memory_bytes() * HOST_MEMORY_FRACTION))
+    rows = []
+    for p in report["patterns"]:
+        ok = bool(p["verified"]) and p["kvbridge_leaks"] == 0
+        for op, o in p["ops"].items():
+            rows.append(row("nixl-cost", p["pattern"], op, "GB/s", o["gbps"]["kvbridge"],
+                            o["gbps"]["raw_per_request"], "raw NIXL, handle per transfer",
+                            num_blocks=p["num_descs"], block_bytes=p["desc_bytes"],
+                            limit=p["torch_copy_gbps"], limit_name="torch copy",
+                            ratio=o["kvbridge_over_raw_per_request"], verified=ok))
+            rows.append(row("nixl-cost", p["pattern"], f"{op} 1 desc", "us",
+                            o["one_desc_us"]["kvbridge"], o["one_desc_us"]["raw_per_request"],
+                            "raw NIXL, handle per transfer", verified=ok,
+                            lower_is_better=True))
+    return {"rows": rows, "detail": report}
+
+
 SCALE_STEPS = (("register", "register"), ("prepare_lists", "prepare lists"),
                ("first_transfer", "first transfer"))
 

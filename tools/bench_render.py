@@ -118,6 +118,32 @@ def format_nixl_detail(detail: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_cost_detail(detail: dict[str, Any]) -> str:
+    """The nixl-cost path: per pattern and op, GB/s and one-descriptor µs of each way."""
+    lines = [f"{'pattern':>22} {'op':>5} {'reused':>8} {'per req':>8} {'kvbridge':>8} "
+             f"{'kvb/req':>7} {'kvb/reu':>7} {'1d reused':>9} {'1d perreq':>9} "
+             f"{'1d kvb':>7} {'1d +kvb':>7} {'make us':>8} {'descs':>7} {'desc B':>7}"]
+    for p in detail["patterns"]:
+        for op, o in p["ops"].items():
+            g, us = o["gbps"], o["one_desc_us"]
+            lines.append(f"{p['pattern']:>22} {op:>5} {g['raw_reused_handle']:8.3f} "
+                         f"{g['raw_per_request']:8.3f} {g['kvbridge']:8.3f} "
+                         f"{o['kvbridge_over_raw_per_request']:7.3f} "
+                         f"{o['kvbridge_over_raw_reused_handle']:7.3f} "
+                         f"{us['raw_reused_handle']:9.2f} {us['raw_per_request']:9.2f} "
+                         f"{us['kvbridge']:7.2f} {o['kvbridge_one_desc_excess_us']:7.2f} "
+                         f"{o['raw_make_release_us']:8.1f} "
+                         f"{p['num_descs']:7d} {p['desc_bytes']:7d}")
+    lines.append("GB/s of raw NIXL re-posting one handle (reused), raw NIXL making and "
+                 "releasing a handle per transfer (per req, what a request does) and kvbridge; "
+                 "kvb/*: paired medians; 1d: µs of a one-descriptor transfer, +kvb: kvbridge's "
+                 "paired excess over per req; make us: NIXL making and releasing the "
+                 "pattern's handle (what a reused handle skips); torch copy: "
+                 + ", ".join(f"{p['pattern']} {p['torch_copy_gbps']:.3f}"
+                             for p in detail["patterns"]) + " GB/s")
+    return "\n".join(lines)
+
+
 def format_scale_detail(detail: dict[str, Any]) -> str:
     """Per step: ms and peak MiB of each side (and of per-block lists if they ran)."""
     lines = []
@@ -186,6 +212,8 @@ def format_details(report: dict[str, Any]) -> str | None:
         return format_nixl_detail(detail)
     if name == "nixl-scale":
         return format_scale_detail(detail)
+    if name == "nixl-cost":
+        return format_cost_detail(detail)
     if name == "mooncake":
         from kvbridge.connectors.mooncake_store.bench import format_report
 

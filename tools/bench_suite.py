@@ -4,6 +4,10 @@ Paths (``PATHS``):
 
 * ``nixl``     -- the NIXL connector's pull load vs a raw NIXL READ of the same held
   blocks (:mod:`kvbridge.tools.bench_nixl`); limit: torch copy of the same bytes.
+* ``nixl-cost`` -- the NIXL transport's cost per transfer: kvbridge's ``post``/``wait``
+  vs raw NIXL making, posting, waiting on and releasing a handle per transfer (and
+  re-posting one handle), READ and WRITE, block patterns and a 4k-/32k-token request of a
+  70B-class model; GB/s and the fixed cost in µs (:mod:`kvbridge.backends.nixl_cost`).
 * ``nixl-scale`` -- set-up at a real cache size (default 64 layers x 100,000 blocks):
   register, handshake document, both sides' lists, first transfer to a new peer, each
   timed with its peak memory, vs raw NIXL doing the same
@@ -70,6 +74,7 @@ from kvbridge.tools.bench_paths import (
     bench_lookup,
     bench_mooncake,
     bench_nixl,
+    bench_nixl_cost,
     bench_nixl_scale,
     bench_offload,
 )
@@ -100,14 +105,14 @@ from kvbridge.tools.progress import Progress
 __all__ = [
     "DEFAULT_PATTERNS", "EPILOG", "GB", "PATHS", "QUICK_PATTERNS", "SCALE_STEPS", "Skipped",
     "add_arguments", "bench_auth", "bench_digests", "bench_events", "bench_lookup",
-    "bench_mooncake", "bench_nixl", "bench_nixl_scale", "bench_offload", "format_details",
+    "bench_mooncake", "bench_nixl", "bench_nixl_cost", "bench_nixl_scale", "bench_offload", "format_details",
     "format_markdown", "format_nixl_detail", "format_offload_verify", "format_scale_detail",
     "format_table", "machine_info", "memcpy_gbps", "parse_pattern", "plot", "register", "row",
     "run", "run_suite", "size_label", "slim_report", "suite_ok",
 ]
 
 
-PATHS = ("nixl", "nixl-scale", "mooncake", "offload", "events", "lookup", "auth", "digests")
+PATHS = ("nixl", "nixl-cost", "nixl-scale", "mooncake", "offload", "events", "lookup", "auth", "digests")
 
 
 def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | None = None,
@@ -135,6 +140,8 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
         try:
             if name == "nixl":
                 result = bench_nixl(chosen, iters, quick, block_order)
+            elif name == "nixl-cost":
+                result = bench_nixl_cost(patterns or (), iters, quick, layers)
             elif name == "nixl-scale":
                 result = bench_nixl_scale(chosen, quick, layers, per_block)
             elif name == "mooncake":
@@ -186,6 +193,8 @@ examples:
   kvbridge bench all --json results.json --plot results.png   # every path, one file
   kvbridge bench nixl                    # NIXL connector vs raw NIXL READ vs torch copy
   kvbridge bench nixl --block-order vllm # the same with vLLM's block order
+  kvbridge bench nixl-cost               # transport per transfer vs raw NIXL, READ+WRITE
+  kvbridge bench nixl-cost --layers 8    # its 4k/32k-token requests at 8 of 80 layers
   kvbridge bench nixl-scale              # set-up at 64 layers x 100,000 blocks vs raw NIXL
   kvbridge bench nixl-scale --layers 32 --pattern 50000x64 --per-block
   kvbridge bench mooncake --pattern 64x2MiB --iters 9 --json
@@ -210,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=("all", *PATHS), metavar="PATH",
                         help=f"all, or one of: {', '.join(PATHS)}")
     parser.add_argument("--pattern", action="append", metavar="NUMxSIZE",
-                        help="blocks x block size, e.g. 64x2MiB (repeatable; nixl, mooncake, "
+                        help="blocks x block size, e.g. 64x2MiB (repeatable; nixl, nixl-cost, mooncake, "
                              "offload, digests; default: a few block sizes)")
     parser.add_argument("--iters", type=int, default=5, metavar="N",
                         help="timed iterations / rounds per case (default 5)")
@@ -236,7 +245,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "order, which runs downwards after frees)")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
                         help="nixl-scale: layers per rank (default 64, --quick 8); --pattern "
-                             "gives blocks per layer x bytes of one layer's block")
+                             "gives blocks per layer x bytes of one layer's block. nixl-cost: "
+                             "layers of its 4k- and 32k-token requests (default 80, the "
+                             "model's; --quick 1)")
     parser.add_argument("--per-block", action="store_true",
                         help="nixl-scale: also prepare per-block lists (one row per block and "
                              "layer: slow and memory-hungry at real sizes)")

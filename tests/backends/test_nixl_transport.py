@@ -197,6 +197,23 @@ def test_argument_errors(side) -> None:
     assert t.counters().posted == 0
 
 
+def test_one_index_array_for_both_sides_is_checked_against_each_list(side, peer) -> None:
+    """A caller may pass the same array as local and remote indices: it is checked
+    once only when the remote list is at least as long as the local one."""
+    t, local, ldl, ph, rdl = side
+    short = t.prepare_remote(ph, block_descs(peer.addr, BB, NB // 2))
+    idx = np.array([0, NB - 1], dtype=np.int32)
+    with pytest.raises(NixlTransportError, match=r"remote_idx: indices must lie in \[0, 8\)"):
+        t.post("READ", ldl, idx, short, idx)
+    assert t.counters().posted == 0
+    x = t.post("READ", ldl, idx, rdl, idx)
+    assert t.wait(x) is XferState.DONE and x.nbytes == 2 * BB
+    want = pattern(NB * BB, SEED)
+    for b in (0, NB - 1):
+        assert _bytes(local[b * BB:(b + 1) * BB]) == _bytes(want[b * BB:(b + 1) * BB])
+    t.release_dlist(short)
+
+
 # ------------------------------------------------------------ failures
 
 FB, FN = 1 << 20, 8  # 8 MiB: over TCP any of these stays in PROC while the peer is stopped

@@ -122,6 +122,27 @@ def test_as_indices_int32_fast_path_checks_like_the_general_one() -> None:
     assert as_indices(strided, 16, "x").tolist() == list(range(0, 16, 2))
 
 
+@pytest.mark.parametrize("count", [1, 32, 33, 4096])  # the Python and the numpy check
+def test_as_indices_rejects_out_of_range_in_one_pass(count: int) -> None:
+    """Negative indices read as unsigned exceed any bound: one pass checks both ends,
+    for short arrays (checked in Python) and long ones (one numpy reduction)."""
+    from kvbridge.backends.nixl_descs import as_indices
+
+    for dtype in (np.int32, np.int64):
+        good = np.arange(count, dtype=dtype)
+        assert as_indices(good, count, "x").tolist() == list(range(count))
+        for bad_value in (-1, count, -(2**31)):
+            bad = good.copy()
+            bad[count // 2] = bad_value
+            with pytest.raises(NixlTransportError, match=rf"indices must lie in \[0, {count}\)"):
+                as_indices(bad, count, "x")
+    huge = np.full(count, 2**63 + 5, dtype=np.uint64)  # wraps negative as int64
+    with pytest.raises(NixlTransportError, match="indices must lie"):
+        as_indices(huge, count, "x")
+    with pytest.raises(NixlTransportError, match="indices must lie"):
+        as_indices([count] * count, count, "x")
+
+
 def test_dlist_entry_uniform_length() -> None:
     from kvbridge.backends.nixl_descs import DListEntry
 
