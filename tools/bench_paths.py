@@ -46,7 +46,8 @@ def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
 
 
 def bench_nixl_cost(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
-                    layers: int | None, tp: int | None = None) -> dict[str, Any]:
+                    layers: int | None, tp: int | None = None,
+                    device: str = "cpu") -> dict[str, Any]:
     """The transport's cost per transfer (:mod:`kvbridge.backends.nixl_cost`): kvbridge
     vs raw NIXL making and releasing a handle per transfer, READ and WRITE, plus the
     fixed cost: a one-descriptor transfer (µs rows). ``patterns`` (``--pattern``)
@@ -73,8 +74,8 @@ def bench_nixl_cost(patterns: Sequence[tuple[int, int]], iters: int, quick: bool
             [p for p in chosen if p.scattered]
     from kvbridge.engine.host_memory import HOST_MEMORY_FRACTION, available_memory_bytes
 
-    report = run_cost(chosen, min_iters=max(1, iters), min_time_s=0.2 if quick else 2.0,
-                      host_available_bytes=int(available_memory_bytes() * HOST_MEMORY_FRACTION))
+    report = run_cost(chosen, device=device, min_iters=max(1, iters),
+                      min_time_s=0.2 if quick else 2.0, host_available_bytes=int(available_memory_bytes() * HOST_MEMORY_FRACTION))
     rows = []
     for p in report["patterns"]:
         ok = bool(p["verified"]) and p["kvbridge_leaks"] == 0

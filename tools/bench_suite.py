@@ -66,6 +66,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvbridge.connectors.errors import ConfigError
 from kvbridge.tools.bench_paths import (
     SCALE_STEPS,
     bench_auth,
@@ -99,6 +100,7 @@ from kvbridge.tools.bench_rows import (
     size_label,
 )
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from kvbridge.tools.flags import device_from_args
 from kvbridge.tools.progress import Progress
 
 # what this module offered before the split stays importable from here
@@ -141,7 +143,7 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
             if name == "nixl":
                 result = bench_nixl(chosen, iters, quick, block_order)
             elif name == "nixl-cost":
-                result = bench_nixl_cost(patterns or (), iters, quick, layers)
+                result = bench_nixl_cost(patterns or (), iters, quick, layers, device=device)
             elif name == "nixl-scale":
                 result = bench_nixl_scale(chosen, quick, layers, per_block)
             elif name == "mooncake":
@@ -252,8 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nixl-scale: also prepare per-block lists (one row per block and "
                              "layer: slow and memory-hungry at real sizes)")
     parser.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
-                        help="where the digests path puts the KV it digests (default cpu); "
-                             "on cuda, with triton, the fused Triton kernel's rows too")
+                        help="where the KV of the digests and nixl-cost paths lives (default "
+                             "cpu); cuda[:N]: digests on the device (with triton, the fused "
+                             "Triton kernel's rows too), nixl-cost VRAM to VRAM")
     parser.add_argument("--progress", action="store_true",
                         help="progress on stderr even when it is not a terminal")
     parser.add_argument("--markdown", action="store_true",
@@ -261,24 +264,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="FILE.json",
                         help="render a report saved with --json instead of running (PATH "
                              "all: every path in it; a name: that path's rows)")
-
-
-def _device_problem(name: str) -> str | None:
-    """Why ``--device`` cannot be used here (None: it can)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as exc:
-        return f"not a torch device ({exc})"
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "no CUDA device on this host"
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            return f"this host has {torch.cuda.device_count()} CUDA device(s)"
-    elif device.type != "cpu":
-        return "expected cpu, cuda or cuda:N"
-    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -299,11 +284,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.master is None) != (args.metadata is None):
         print("kvbridge bench: --master and --metadata go together", file=sys.stderr)
         return EXIT_USAGE
-    if args.device != "cpu":
-        problem = _device_problem(args.device)
-        if problem:
-            print(f"kvbridge bench: --device {args.device}: {problem}", file=sys.stderr)
-            return EXIT_USAGE
+    try:
+        args.device = device_from_args(args)
+    except ConfigError as exc:
+        print(f"kvbridge bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.plot:
         try:
             import matplotlib  # noqa: F401
