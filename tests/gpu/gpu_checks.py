@@ -1,4 +1,4 @@
-"""GPU checks of kvbridge's NIXL path (issue 15), run by ``run_gpu_checks.sh``.
+"""GPU checks of kvbridge with its KV in GPU memory, run by ``run_gpu_checks.sh``.
 
 Not part of the default test suite (no ``test_`` prefix, and CI has no GPU):
 run it on a host with an NVIDIA GPU. Each check prints one line and adds a
@@ -19,10 +19,15 @@ Checks (``--checks`` selects; default all, in this order):
   copy of the same bytes. Runs in a child with ``UCX_PROTO_INFO=y``; the UCX
   protocol lines it printed are summarised (``cuda_ipc`` / ``cuda_copy`` /
   ``tcp`` ...).
+* ``cost``       -- kvbridge's NIXL transport per transfer against raw NIXL doing what
+  one request does (make, post, wait, release) and against one re-posted handle,
+  VRAM to VRAM, READ and WRITE: GB/s, the one-descriptor fixed cost, kvbridge's
+  excess in µs, NIXL's own make + release, a device copy of the same bytes; the
+  4k- and 32k-token requests of a 70B-class model (:mod:`kvbridge.backends.nixl_cost`).
 * ``connector``  -- the ``nixl`` connector end to end, pull and push, and pull at
   TP 1 -> 2 (head slices), producer and consumer reference engines in two
-  processes with their KV caches in CUDA memory (``torch.set_default_device``
-  through a ``sitecustomize`` on the children's path); outputs verified, the
+  processes with their KV caches on the GPU (the engine's ``device`` setting;
+  on the host, a dry run, guarded against host reads instead); outputs verified, the
   producer's handshake must announce VRAM; the consumer verifies every block
   (``verify: full``, ``torch-mix64-v1`` and its slice digests): every loaded
   block verified, none mismatched or unverified; the producer's digest GB/s.
@@ -31,7 +36,15 @@ Checks (``--checks`` selects; default all, in this order):
   pages, a tail word, an unaligned span), a bit flipped on the device changes
   exactly its block's digest; ``torch-mix64-v1-slices`` head-slice digests
   (ranges gathered on the device as words, and as bytes inside words) equal the
-  CPU's and the reference; GB/s on the device against XXH3-64 of host bytes.
+  CPU's and the reference; GB/s on the device against XXH3-64 of host bytes (with
+  triton, the fused kernel's rows beside the torch ops').
+* ``demos``      -- ``kvbridge demo --device cuda`` for every connector (nixl pull and
+  push, mooncake when its wheel loads, offload), each model preset, and TP 1 -> 2,
+  2 -> 1 and PP 2 -> 1, ``--jobs`` at once; each must verify bytes and find none
+  wrong; the first transfer's time (the cold peer) is reported.
+
+``--doc FILE.md`` writes the report as markdown (``docs/gpu.md``); one table of
+every check and case is printed at the end.
 
 Usage: ``python3 tests/gpu/gpu_checks.py [--checks env,cuda_ipc,...] [--json FILE]
 [--quick]`` from the repository root with ``kvbridge`` importable.
@@ -51,7 +64,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("env", "cuda_ipc", "transfers", "connector", "digests", "demos")
+CHECKS = ("env", "cuda_ipc", "transfers", "cost", "connector", "digests", "demos")
 #: (num_blocks, block_bytes) moved by the transfers check
 PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
 QUICK_PATTERNS = ((16, 1 << 20),)
@@ -413,6 +426,41 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def check_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """kvbridge's NIXL transport against raw NIXL doing what one request does (make, post,
+    wait, release), and against one re-posted handle, on the device's memory (VRAM to
+    VRAM between two processes), READ and WRITE: GB/s, the fixed cost of a one-
+    descriptor transfer, kvbridge's excess per transfer, NIXL's own make + release,
+    and a device copy of the same bytes; the 4k- and 32k-token requests of a 70B-class
+    model at TP 4 (``--quick``: small patterns)."""
+    from kvbridge.backends.nixl_cost import default_cost_patterns, run_nixl_cost_bench
+
+    device = args.device if args.device.startswith("cuda") else "cpu"
+    report = run_nixl_cost_bench(default_cost_patterns(quick=args.quick), device=device,
+                                 min_iters=args.iters, min_time_s=0.3 if args.quick else 1.0,
+                                 deadline_s=60.0)
+    rows = []
+    for p in report["patterns"]:
+        if not p["verified"] or p["kvbridge_leaks"]:
+            raise RuntimeError(f"{p['pattern']}: verified {p['verified']}, "
+                               f"leaks {p['kvbridge_leaks']}")
+        for op, o in p["ops"].items():
+            rows.append({"case": f"{p['pattern']} {op}", "descs": p["num_descs"],
+                         "kvbridge_gbps": o["gbps"]["kvbridge"],
+                         "raw_per_request_gbps": o["gbps"]["raw_per_request"],
+                         "raw_reused_gbps": o["gbps"]["raw_reused_handle"],
+                         "device_copy_gbps": p["torch_copy_gbps"],
+                         "kvbridge_over_raw": o["kvbridge_over_raw_per_request"],
+                         "kvbridge_over_copy": round(o["gbps"]["kvbridge"]
+                                                     / p["torch_copy_gbps"], 3)
+                         if p["torch_copy_gbps"] else None,
+                         "excess_us": o["kvbridge_excess_us"],
+                         "one_desc_us": o["one_desc_us"]["kvbridge"],
+                         "one_desc_raw_us": o["one_desc_us"]["raw_per_request"],
+                         "make_release_us": o["raw_make_release_us"]})
+    return {"device": device, "rows": rows}
+
+
 #: the demos check's cases: (name, ``kvbridge demo`` arguments). Every connector with its KV
 #: on the device, each model preset, and TP 1 -> 2, 2 -> 1 and PP 2 -> 1 over NIXL
 DEMO_CASES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -576,7 +624,8 @@ def check_digests(args: argparse.Namespace) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "env": check_env, "cuda_ipc": check_cuda_ipc, "transfers": check_transfers,
-    "connector": check_connector, "digests": check_digests, "demos": check_demos}
+    "cost": check_cost, "connector": check_connector, "digests": check_digests,
+    "demos": check_demos}
 
 
 # ------------------------------------------------------------------ the report

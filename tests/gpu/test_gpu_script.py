@@ -103,7 +103,10 @@ def test_dry_run_on_host_memory_moves_verified_bytes(tmp_path: Path) -> None:
     assert pattern["kvbridge_read_gbps"] > 0 and pattern["raw_nixl_read_gbps"] > 0
     assert entry["detail"]["ucx_protocols"]  # UCX_PROTO_INFO lines were seen and counted
     log = (tmp_path / "gpu_checks.log").read_text()
-    assert "[ok  ] transfers" in log and "[ok  ] connector" in log and "[ok  ] demos" in log
+    assert all(f"[ok  ] {check}" in log for check in ("transfers", "cost", "connector", "demos"))
+    cost = report["checks"]["cost"]["detail"]["rows"]
+    assert {r["case"].split()[-1] for r in cost} == {"READ", "WRITE"}
+    assert all(r["kvbridge_gbps"] > 0 and r["raw_per_request_gbps"] > 0 for r in cost)
 
     connector = report["checks"]["connector"]["detail"]
     assert set(connector) == {name for name, _mode, _tp in gpu_checks.CONNECTOR_CASES}
