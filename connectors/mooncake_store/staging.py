@@ -9,12 +9,17 @@ worker registers :class:`StagedKV`'s buffer with the client instead of the KV
 tensors and moves the bytes in rounds:
 
 * **put**: gather the round's blocks on the KV's device into the staging
-  buffer (one ``index_select`` and one copy across per run of keys of one
-  layer), wait (bounded) for the copy stream, then ``batch_put_from`` out of
+  buffer (on a GPU one ``index_select`` and one copy across per run of keys of
+  one layer), wait (bounded) for the copy stream, then ``batch_put_from`` out of
   the buffer;
 * **get**: ``batch_get_into`` the buffer, then copy across and scatter the keys
-  that arrived in full into their blocks (one copy and one ``index_copy_`` per
-  run of keys of one layer), and wait (bounded) for the copy stream.
+  that arrived in full into their blocks (on a GPU one copy across per run of
+  adjacent keys and one ``index_copy_`` per run of keys of one layer), and wait
+  (bounded) for the copy stream.
+
+On the host the gather and the scatter are row copies straight between the KV
+and the buffer: torch's host ``index_select`` / ``index_copy_`` go element by
+element, row copies are memcpy.
 
 A round holds at most half of ``staging_bytes`` (puts and gets have a half each,
 so the save path and the load thread never share bytes); a batch larger than
@@ -189,9 +194,14 @@ class StagedKV:
         with on_copy_stream(self.device):
             for first, stop in _runs(places):
                 tensor, size = places[first][0], places[first][2]
-                rows = _rows(tensor, [p[1] for p in places[first:stop]], size, self.device)
                 staged = half.tensor.narrow(0, offsets[first], size * (stop - first))
-                staged.view(stop - first, size).copy_(rows, non_blocking=self._async)
+                spans = [p[1] for p in places[first:stop]]
+                if self._async:  # gather on the device, one copy across
+                    rows = gather_spans(tensor, spans, size, self.device)
+                    staged.view(stop - first, size).copy_(rows, non_blocking=True)
+                else:  # the host gathers fastest by row copies (index_select is elementwise)
+                    for n, offset in enumerate(spans):
+                        staged.narrow(0, n * size, size).copy_(tensor.narrow(0, offset, size))
         if not finish(self.device, self._timeout_s):
             with self._lock:
                 self.stats["staging_copy_timeouts"] += 1
@@ -215,15 +225,20 @@ class StagedKV:
             for first, stop in _runs(places, arrived):
                 tensor, size = places[arrived[first]][0], places[arrived[first]][2]
                 chosen = arrived[first:stop]
+                moved += size * len(chosen)
+                if not self._async:  # the host scatters fastest by row copies
+                    for i in chosen:
+                        tensor.narrow(0, places[i][1], size).copy_(
+                            half.tensor.narrow(0, offsets[i], size))
+                    continue
                 rows = torch.empty((len(chosen), size), dtype=torch.uint8, device=self.device)
                 row = 0
-                for key_first, count in _consecutive(chosen, offsets, size):
+                for key_first, count in adjacent_runs(chosen, offsets, size):
                     rows[row:row + count].copy_(
                         half.tensor.narrow(0, offsets[key_first], size * count)
-                        .view(count, size), non_blocking=self._async)
+                        .view(count, size), non_blocking=True)
                     row += count
-                _scatter(tensor, [places[i][1] for i in chosen], size, rows, self.device)
-                moved += size * len(chosen)
+                scatter_spans(tensor, [places[i][1] for i in chosen], size, rows, self.device)
         if not finish(self.device, self._timeout_s):
             with self._lock:
                 self.stats["staging_copy_timeouts"] += 1
@@ -258,7 +273,7 @@ def _runs(places: Sequence[tuple[torch.Tensor, int, int]],
     return runs
 
 
-def _consecutive(chosen: Sequence[int], offsets: Sequence[int],
+def adjacent_runs(chosen: Sequence[int], offsets: Sequence[int],
                  size: int) -> list[tuple[int, int]]:
     """``(first key, count)`` of the runs of ``chosen`` keys adjacent in the staging
     buffer (all of them unless some key of the round did not arrive)."""
@@ -281,7 +296,7 @@ def _block_index(offsets: Sequence[int], size: int, tensor: torch.Tensor,
         device, non_blocking=True)
 
 
-def _rows(tensor: torch.Tensor, offsets: Sequence[int], size: int,
+def gather_spans(tensor: torch.Tensor, offsets: Sequence[int], size: int,
           device: torch.device) -> torch.Tensor:
     """Gather ``[len(offsets), size]`` bytes of ``tensor`` on its device."""
     index = _block_index(offsets, size, tensor, device)
@@ -290,7 +305,7 @@ def _rows(tensor: torch.Tensor, offsets: Sequence[int], size: int,
     return torch.stack([tensor.narrow(0, o, size) for o in offsets])
 
 
-def _scatter(tensor: torch.Tensor, offsets: Sequence[int], size: int, rows: torch.Tensor,
+def scatter_spans(tensor: torch.Tensor, offsets: Sequence[int], size: int, rows: torch.Tensor,
              device: torch.device) -> None:
     """Write ``rows`` (``[len(offsets), size]`` on the device) at ``offsets`` of ``tensor``."""
     index = _block_index(offsets, size, tensor, device)

@@ -110,16 +110,7 @@ class SlotCopier:
     def _store_round(self, layers: Sequence[torch.Tensor], pool: torch.Tensor,
                      blocks: Sequence[int], slots: Sequence[int]) -> None:
         rows = self._rows(len(blocks), int(pool.shape[1]))
-        if self._async:  # gather kernels on the device
-            index = torch.tensor(blocks, dtype=torch.int64).to(self.device, non_blocking=True)
-            torch.cat([layer.index_select(0, index) for layer in layers], dim=1, out=rows)
-        else:  # the host gathers rows fastest as row copies (index_select is elementwise)
-            offset = 0
-            for layer in layers:
-                size = layer.shape[1]
-                for position, block in enumerate(blocks):
-                    rows[position, offset:offset + size].copy_(layer[block])
-                offset += size
+        gather_rows(layers, blocks, rows, kernels=self._async)
         for position, slot, count in slot_runs(slots):
             pool[slot:slot + count].copy_(rows[position:position + count],
                                           non_blocking=self._async)
@@ -130,17 +121,38 @@ class SlotCopier:
         for position, slot, count in slot_runs(slots):
             rows[position:position + count].copy_(pool[slot:slot + count],
                                                   non_blocking=self._async)
-        if self._async:  # scatter kernels on the device
-            index = torch.tensor(blocks, dtype=torch.int64).to(self.device, non_blocking=True)
-            offset = 0
-            for layer in layers:
-                size = layer.shape[1]
-                layer.index_copy_(0, index, rows[:, offset:offset + size])
-                offset += size
+        scatter_rows(layers, blocks, rows, kernels=self._async)
+
+
+def gather_rows(layers: Sequence[torch.Tensor], blocks: Sequence[int], rows: torch.Tensor, *,
+                kernels: bool) -> None:
+    """``rows[j]`` = block ``blocks[j]`` of every layer, layer after layer (all on one
+    device). ``kernels``: one ``index_select`` per layer and one ``cat`` (a GPU's way);
+    else row copies (the host's: its ``index_select`` goes element by element)."""
+    if kernels:
+        index = torch.tensor(blocks, dtype=torch.int64).to(rows.device, non_blocking=True)
+        torch.cat([layer.index_select(0, index) for layer in layers], dim=1, out=rows)
+        return
+    offset = 0
+    for layer in layers:
+        size = layer.shape[1]
+        for position, block in enumerate(blocks):
+            rows[position, offset:offset + size].copy_(layer[block])
+        offset += size
+
+
+def scatter_rows(layers: Sequence[torch.Tensor], blocks: Sequence[int], rows: torch.Tensor, *,
+                 kernels: bool) -> None:
+    """The inverse of :func:`gather_rows`: block ``blocks[j]`` of every layer = its span
+    of ``rows[j]``. ``kernels``: one ``index_copy_`` per layer; else row copies."""
+    index = (torch.tensor(blocks, dtype=torch.int64).to(rows.device, non_blocking=True)
+             if kernels else None)
+    offset = 0
+    for layer in layers:
+        size = layer.shape[1]
+        if index is not None:
+            layer.index_copy_(0, index, rows[:, offset:offset + size])
         else:
-            offset = 0
-            for layer in layers:
-                size = layer.shape[1]
-                for position, block in enumerate(blocks):
-                    layer[block].copy_(rows[position, offset:offset + size])
-                offset += size
+            for position, block in enumerate(blocks):
+                layer[block].copy_(rows[position, offset:offset + size])
+        offset += size

@@ -19,7 +19,12 @@ import torch
 from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient
 from kvbridge.connectors import ConfigError
 from kvbridge.connectors.mooncake_store.settings import parse_settings
-from kvbridge.connectors.mooncake_store.staging import StagedKV
+from kvbridge.connectors.mooncake_store.staging import (
+    StagedKV,
+    adjacent_runs,
+    gather_spans,
+    scatter_spans,
+)
 from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts.digests import TORCH_ALGORITHM
@@ -154,3 +159,23 @@ def test_staged_gets_land_only_the_keys_that_arrived(
         client.remove(keys, force=True)
         for ptr, _ in staged.buffers:
             client.unregister_buffer(ptr)
+
+
+def test_gpu_form_of_staged_gather_and_scatter_on_guarded_kv() -> None:
+    """The device kernels staging uses on a GPU (``index_select`` / ``index_copy_`` for
+    whole rows, row by row otherwise), run here on guarded KV: the same bytes."""
+    generator = torch.Generator().manual_seed(5)
+    kv = guard_host_access(torch.randint(0, 256, (1024,), dtype=torch.uint8,
+                                         generator=generator))
+    plain = kv.cpu()
+    for offsets, size in (([128, 0, 896], 128), ([5, 300, 77], 50)):  # rows; unaligned
+        rows = gather_spans(kv, offsets, size, kv.device)
+        assert torch.equal(rows.cpu(), torch.stack([plain[o:o + size] for o in offsets]))
+        target = guard_host_access(torch.zeros(1024, dtype=torch.uint8))
+        scatter_spans(target, offsets, size, rows, kv.device)
+        expected = torch.zeros(1024, dtype=torch.uint8)
+        for o in offsets:
+            expected[o:o + size] = plain[o:o + size]
+        assert torch.equal(target.cpu(), expected)
+    # keys 0, 1, 3 arrived of four packed 10-byte keys: runs of adjacent staging bytes
+    assert adjacent_runs([0, 1, 3], [0, 10, 20, 30], 10) == [(0, 2), (3, 1)]

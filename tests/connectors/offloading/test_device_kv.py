@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from kvbridge.connectors.offloading.bench import render, run_copy_bench
-from kvbridge.connectors.offloading.copier import SlotCopier, slot_runs
+from kvbridge.connectors.offloading.copier import (
+    SlotCopier,
+    gather_rows,
+    scatter_rows,
+    slot_runs,
+)
 from kvbridge.engine.workload import make_requests
 from kvbridge.layouts import ParallelTopology
 from kvbridge.layouts.kv_memory import HostAccessError, guard_host_access
@@ -128,3 +133,24 @@ def test_copy_bench_runs_on_cpu_and_verifies() -> None:
     assert_figures(row, ["store_gbps", "load_gbps", "plain_d2h_gbps", "plain_h2d_gbps",
                          "store_ratio", "load_ratio"])
     assert "offload copy store on cpu" in render(row)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["index-kernels", "row-copies"])
+def test_gather_and_scatter_rows_agree_in_both_forms(kernels: bool) -> None:
+    """The GPU form (``index_select`` / ``index_copy_``) and the host form (row copies)
+    of the copier's gather and scatter move the same bytes; run here on guarded KV."""
+    generator = torch.Generator().manual_seed(11)
+    layers = [guard_host_access(torch.randint(0, 256, (12, n), dtype=torch.uint8,
+                                              generator=generator)) for n in (64, 192)]
+    blocks = [7, 0, 11, 3]
+    rows = torch.empty((4, 256), dtype=torch.uint8)
+    gather_rows(layers, blocks, rows, kernels=kernels)
+    for j, block in enumerate(blocks):
+        assert torch.equal(rows[j].cpu(), torch.cat([x[block].cpu() for x in layers]))
+    target = [guard_host_access(torch.zeros((12, n), dtype=torch.uint8)) for n in (64, 192)]
+    scatter_rows(target, blocks, rows, kernels=kernels)
+    for layer, back in zip(layers, target, strict=True):
+        for block in range(12):
+            want = layer[block].cpu() if block in blocks else torch.zeros_like(
+                layer[block].cpu())
+            assert torch.equal(back[block].cpu(), want)
