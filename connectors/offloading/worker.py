@@ -25,7 +25,10 @@ synchronised (bounded, ``FENCE_TIMEOUT_S``) before ``start_load_kv`` or
 ``wait_for_save`` returns, so the scheduler hears of a load or store only once
 its bytes landed. Host KV (plain, or guarded as device KV is) runs the same
 path without a stream and without pinning. A batch that fails is retried
-block by block (blocking copies) to isolate the bad block.
+block by block (blocking copies) to isolate the bad block, except one whose
+device did not finish in time (``copy_timeouts``): a blocking copy would wait
+on the stuck device without a bound, so all its blocks fail (loads are
+recomputed, stores dropped).
 
 Stores are issued only after the kernels that wrote the KV finished:
 ``wait_for_save`` records a fence (:mod:`kvbridge.backends.fence`) and waits
@@ -47,7 +50,7 @@ from kvbridge.backends.device_copy import is_cuda
 from kvbridge.backends.fence import FENCE_TIMEOUT_S, Fence, record_fence, wait_fence
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
-from kvbridge.connectors.offloading.copier import SlotCopier
+from kvbridge.connectors.offloading.copier import CopyTimeout, SlotCopier
 from kvbridge.connectors.offloading.parts import build_part_table
 from kvbridge.connectors.offloading.scheduler import CopyItem, OffloadMetadata, pools_of
 from kvbridge.offload.cpu import SlotMemory
@@ -76,7 +79,8 @@ class OffloadingWorker(WorkerConnector):
         self._pin_slots = False
         self._stats = {"load_copies": 0, "store_copies": 0, "load_bytes": 0, "store_bytes": 0,
                        "load_copy_errors": 0, "store_copy_errors": 0,
-                       "store_fence_timeouts": 0, "copy_batches": 0, "slot_bytes_pinned": 0}
+                       "store_fence_timeouts": 0, "copy_batches": 0, "copy_timeouts": 0,
+                       "slot_bytes_pinned": 0}
 
     def register_kv_caches(self, caches: KVCaches) -> None:
         self.caches = caches
@@ -189,6 +193,11 @@ class OffloadingWorker(WorkerConnector):
             self._stats["load_bytes"] += self._copy_batch([i for _, i in mine], pools, True)
             self._stats["load_copies"] += len(mine)
             return
+        except CopyTimeout as exc:  # the device is stuck: a blocking retry would hang
+            self._stats["copy_timeouts"] += 1
+            for request_id, item in mine:
+                self._load_failed(request_id, item, exc)
+            return
         except (RuntimeError, ContractError) as exc:
             logger.debug("offloading worker %s: batched load failed (%s); copying block by "
                          "block", self.ctx.worker_index, exc)
@@ -237,6 +246,12 @@ class OffloadingWorker(WorkerConnector):
         try:
             self._stats["store_bytes"] += self._copy_batch(mine, pools, False)
             self._stats["store_copies"] += len(mine)
+            return
+        except CopyTimeout as exc:  # the device is stuck: a blocking retry would hang
+            logger.error("offloading worker %s: %s; %d block stores dropped",
+                         self.ctx.worker_index, exc, len(mine))
+            self._stats["copy_timeouts"] += 1
+            self._stats["store_copy_errors"] += len(mine)
             return
         except (RuntimeError, ContractError) as exc:
             logger.debug("offloading worker %s: batched store failed (%s); copying block by "

@@ -7,7 +7,9 @@ ops and ``data_ptr()`` work, ``.numpy()`` / ``tolist`` / the buffer protocol /
 pickling / iteration raise :class:`~kvbridge.layouts.kv_memory.HostAccessError`.
 The engine's own compute and byte check use torch ops only, so they run
 unchanged. It wraps the tensors where the engine allocated them (the name
-``KVCaches`` in :mod:`kvbridge.engine.worker`), leaving the engine's code alone.
+``KVCaches`` in :mod:`kvbridge.engine.worker`), leaving the engine's code alone,
+and sets the engine's own switch (``KVBRIDGE_KV_HOST_GUARD``) too.
+:func:`host_engine_kv` clears that switch for tests that need host KV.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import kvbridge.engine.worker as engine_worker
 from kvbridge.connectors import KVCaches
 from kvbridge.layouts import RankRegionShape
-from kvbridge.layouts.kv_memory import guard_host_access, host_readable
+from kvbridge.layouts.kv_memory import GUARD_ENV, guard_host_access, host_readable
 
 
 def guard_engine_kv(monkeypatch: pytest.MonkeyPatch) -> list[KVCaches]:
@@ -37,7 +39,13 @@ def guard_engine_kv(monkeypatch: pytest.MonkeyPatch) -> list[KVCaches]:
         return caches
 
     monkeypatch.setattr(engine_worker, "KVCaches", guarded)
+    monkeypatch.setenv(GUARD_ENV, "1")  # the engine's own switch, where it has one
     return made
+
+
+def host_engine_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines made from now on keep plain host KV, also in a run under the guard switch."""
+    monkeypatch.delenv(GUARD_ENV, raising=False)
 
 
 def kv_pointers(caches: Sequence[KVCaches]) -> set[int]:

@@ -29,7 +29,7 @@ from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts.digests import TORCH_ALGORITHM
 from kvbridge.layouts.kv_memory import guard_host_access
-from tests.connectors.guarded_kv import guard_engine_kv, kv_pointers
+from tests.connectors.guarded_kv import guard_engine_kv, host_engine_kv, kv_pointers
 from tests.connectors.mooncake_store.conftest import store_extra
 from tests.connectors.mooncake_store.test_roundtrip import TOPOLOGIES, both_engine
 
@@ -92,7 +92,9 @@ def test_guarded_kv_is_staged_and_every_byte_verified(
 
 
 def test_host_kv_keeps_the_zero_copy_path(
+        monkeypatch: pytest.MonkeyPatch,
         held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    host_engine_kv(monkeypatch)
     engine = both_engine("tiny-gqa", TOPOLOGIES["tp2"], held_store[0])
     try:
         for w in engine.workers:
@@ -179,3 +181,49 @@ def test_gpu_form_of_staged_gather_and_scatter_on_guarded_kv() -> None:
         assert torch.equal(target.cpu(), expected)
     # keys 0, 1, 3 arrived of four packed 10-byte keys: runs of adjacent staging bytes
     assert adjacent_runs([0, 1, 3], [0, 10, 20, 30], 10) == [(0, 2), (3, 1)]
+
+
+def test_a_device_copy_that_never_finishes_fails_puts_and_loads(
+        monkeypatch: pytest.MonkeyPatch,
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """A copy stream that does not finish in time (a stuck GPU): the step's puts are
+    never made (nothing to read but unfinished bytes), counted; a load whose scatter
+    did not finish reports its blocks failed and the engine recomputes them."""
+    from kvbridge.connectors.mooncake_store import staging
+
+    guard_engine_kv(monkeypatch)
+    extra = {**held_store[0], "staging_bytes": STAGING_BYTES}
+    requests = make_requests(2, prompt_tokens=70, max_tokens=2, seed=zlib.crc32(b"stuck"),
+                             prefix="staged-stuck")
+    engine = both_engine("tiny-gqa", TOPOLOGIES["tp2"], extra)
+    try:
+        monkeypatch.setattr(staging, "finish", lambda device, timeout_s: False)
+        for spec in requests:
+            engine.add_request(spec)
+        assert not check_outputs(engine.run_until_done(timeout_s=60), requests)
+        stuck = engine.stats()["worker_stats"]
+        assert isinstance(stuck, dict)
+        assert stuck["staging_copy_timeouts"] > 0 and stuck["blocks_saved"] == 0
+        assert stuck["put_failures"] > 0 and stuck["staged_put_bytes"] == 0
+        monkeypatch.undo()  # the device recovers: store, then load with a stuck scatter
+        guard_engine_kv(monkeypatch)
+        engine.reset_prefix_cache()
+        again = [replace(s, request_id=s.request_id + "-stored") for s in requests]
+        for spec in again:
+            engine.add_request(spec)
+        assert not check_outputs(engine.run_until_done(timeout_s=60), again)
+        engine.reset_prefix_cache()
+        monkeypatch.setattr(staging, "finish", lambda device, timeout_s: False)
+        last = [replace(s, request_id=s.request_id + "-stuck-load") for s in requests]
+        for spec in last:
+            engine.add_request(spec)
+        results = engine.run_until_done(timeout_s=60)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert not check_outputs(results, last)
+    assert stats["mismatched_bytes"] == 0 and stats["failed_loads"] > 0
+    worker = stats["worker_stats"]
+    assert isinstance(worker, dict)
+    assert worker["load_errors"] > 0 and worker["staging_copy_timeouts"] > stuck[
+        "staging_copy_timeouts"]

@@ -29,7 +29,7 @@ from kvbridge.engine.request import RequestSpec
 from kvbridge.engine.workload import check_outputs, make_requests, run_workload
 from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec, namespace_for
 from kvbridge.layouts.digests import TORCH_ALGORITHM, sample_selected
-from tests.connectors.guarded_kv import guard_engine_kv
+from tests.connectors.guarded_kv import guard_engine_kv, host_engine_kv
 from tests.connectors.mooncake_store.conftest import store_extra
 
 
@@ -299,6 +299,8 @@ def test_overwritten_object_is_detected_and_only_its_blocks_recomputed(
         monkeypatch.setattr(store_worker, "PIPELINE_MIN_BYTES", 1)
     if guarded:
         guard_engine_kv(monkeypatch)
+    else:
+        host_engine_kv(monkeypatch)
     _scratch_registered(client)
     # distinct prompts per case: the module's store keeps every other test's keys
     seed = (200 if guarded else 40) + parts + (10 if algorithm != "auto" else 0)

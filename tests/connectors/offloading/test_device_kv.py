@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from kvbridge.connectors.offloading import copier as copier_module
 from kvbridge.connectors.offloading.bench import render, run_copy_bench
 from kvbridge.connectors.offloading.copier import (
     SlotCopier,
@@ -21,6 +23,7 @@ from kvbridge.connectors.offloading.copier import (
     scatter_rows,
     slot_runs,
 )
+from kvbridge.connectors.offloading.worker import OffloadingWorker
 from kvbridge.engine.workload import make_requests
 from kvbridge.layouts import ParallelTopology
 from kvbridge.layouts.kv_memory import HostAccessError, guard_host_access
@@ -154,3 +157,32 @@ def test_gather_and_scatter_rows_agree_in_both_forms(kernels: bool) -> None:
             want = layer[block].cpu() if block in blocks else torch.zeros_like(
                 layer[block].cpu())
             assert torch.equal(back[block].cpu(), want)
+
+
+def test_a_device_that_never_finishes_fails_the_batch_without_blocking_retries(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy stream that does not finish in time (a stuck GPU) drops the step's stores:
+    no block-by-block retry (a blocking copy would wait on the device without a bound),
+    and the next round recomputes what was never stored, byte for byte."""
+    guard_engine_kv(monkeypatch)
+    monkeypatch.setattr(copier_module, "finish", lambda device, timeout_s: False)
+    retried: list[object] = []
+    real_one = OffloadingWorker._copy
+
+    def one(self: OffloadingWorker, *args: Any, **kwargs: Any) -> int:
+        retried.append(args)
+        return real_one(self, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadingWorker, "_copy", one)
+    specs = make_requests(2, prompt_tokens=48, max_tokens=2, seed=33, prefix="stuck")
+    with _engine(None) as engine:
+        _run(engine, specs)
+        engine.reset_prefix_cache()
+        results, _ = _run(engine, _again(specs, "again"))
+        stats = engine.stats()
+    copies = stats["worker_stats"]
+    assert isinstance(copies, dict)
+    assert copies["copy_timeouts"] > 0 and copies["store_copies"] == 0
+    assert copies["store_copy_errors"] > 0 and not retried
+    assert all(r.num_external_tokens == 0 for r in results)  # nothing was stored
+    assert stats["mismatched_bytes"] == 0
