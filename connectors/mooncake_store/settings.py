@@ -8,7 +8,8 @@ Keys (all optional except the two addresses)::
     local_buffer_size     bytes of each client's staging buffer (default 16 MiB)
     staging_bytes         KV the host cannot read (GPU memory): bytes of the worker's own
                           host staging buffer that puts and gets go through, half each,
-                          pinned on a GPU (default 256 MiB); a batch beyond a half is cut
+                          pinned on a GPU (default 256 MiB; at most twice the rank's KV
+                          is used); a batch beyond a half is cut
                           into rounds; a block of one layer must fit in a half
     protocol              "tcp" (default) or "rdma"; device_name for rdma
     op_timeout_s          bound of each Mooncake batch call (default 5.0), and of the

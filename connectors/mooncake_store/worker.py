@@ -176,8 +176,10 @@ class MooncakeStoreWorker(WorkerConnector):
                            for t in caches.layers.values()]
                 self._kv_io = client
             else:  # the store may not touch the KV: everything goes through staging
+                kv_bytes = sum(t.numel() * t.element_size() for t in caches.layers.values())
                 staged = StagedKV(client, caches.layers.values(),
-                                  staging_bytes=self.settings.staging_bytes,
+                                  # never more than the KV itself, each way
+                                  staging_bytes=min(self.settings.staging_bytes, 2 * kv_bytes),
                                   timeout_s=self.settings.op_timeout_s,
                                   abandon_grace_s=self.settings.abandon_grace_s)
                 buffers = staged.buffers

@@ -499,12 +499,14 @@ def _device_reader(engine: Engine, client: MooncakeStoreClient) -> list[Any]:
 
 
 def test_records_are_checked_with_the_algorithm_they_name(
-        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+        held_store: tuple[dict[str, Any], MooncakeStoreClient],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer taking ``torch-mix64-v1`` digests (as a rank with KV in device memory
     does) and a reader with the host default: the reader checks those records with
     ``torch-mix64-v1`` and catches an overwritten object. A reader that can take
     ``torch-mix64-v1`` only (KV in device memory) serves a host writer's XXH3-64
     records unverified, or fails them with ``verify_allow_unverified: false``."""
+    host_engine_kv(monkeypatch)  # host writers (the device reader is made below)
     extra, client = held_store
     _scratch_registered(client)
     torch_req, host_req = make_requests(2, prompt_tokens=3 * _BLOCK_TOKENS + 3, max_tokens=1,
