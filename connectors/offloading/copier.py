@@ -5,7 +5,7 @@ region, layer after layer. A batch of ``n`` (block, slot) pairs moves as:
 
 * **store** (KV -> slots): on the KV's device, gather the ``n`` blocks of every
   layer into one ``[n, slot_bytes]`` tensor (on a GPU one ``index_select`` per
-  layer and one ``cat``; on the host row copies, which torch runs as memcpy
+  layer into its columns; on the host row copies, which torch runs as memcpy
   where its ``index_select`` goes element by element), then copy it across into
   the slot rows, one copy per run of consecutive slots (fresh slots mostly come
   in one run);
@@ -127,17 +127,20 @@ class SlotCopier:
 def gather_rows(layers: Sequence[torch.Tensor], blocks: Sequence[int], rows: torch.Tensor, *,
                 kernels: bool) -> None:
     """``rows[j]`` = block ``blocks[j]`` of every layer, layer after layer (all on one
-    device). ``kernels``: one ``index_select`` per layer and one ``cat`` (a GPU's way);
-    else row copies (the host's: its ``index_select`` goes element by element)."""
-    if kernels:
-        index = torch.tensor(blocks, dtype=torch.int64).to(rows.device, non_blocking=True)
-        torch.cat([layer.index_select(0, index) for layer in layers], dim=1, out=rows)
-        return
+    device). ``kernels``: per layer one ``index_select`` into its column window (a GPU's
+    way; the temporary is one layer's share of the round, so the round's device memory
+    stays near ``rows``); else row copies (the host's: its ``index_select`` goes element
+    by element)."""
+    index = (torch.tensor(blocks, dtype=torch.int64).to(rows.device, non_blocking=True)
+             if kernels else None)
     offset = 0
     for layer in layers:
         size = layer.shape[1]
-        for position, block in enumerate(blocks):
-            rows[position, offset:offset + size].copy_(layer[block])
+        if index is not None:
+            rows.narrow(1, offset, size).copy_(layer.index_select(0, index))
+        else:
+            for position, block in enumerate(blocks):
+                rows[position, offset:offset + size].copy_(layer[block])
         offset += size
 
 
