@@ -18,12 +18,14 @@ Which paths need it, and why:
   :func:`wait_fence` (bounded by ``op_timeout_s``) before the put; on timeout
   the step's puts are dropped (``put_fence_timeouts``).
 * **Offloading stores** (``connectors/offloading/worker.py``): the copy to the
-  CPU slots is a blocking torch copy on the current stream, which CUDA already
-  orders after the work queued on that stream and finishes before returning.
-  The fence (waited on before the copies, :data:`FENCE_TIMEOUT_S`) keeps the
-  rule explicit for the day the copy moves to a side stream or goes
-  ``non_blocking``; for today's copy it passes no later than the copy's own
-  synchronisation would, and on host memory it is :data:`DONE`.
+  CPU slots runs ``non_blocking`` on a dedicated copy stream
+  (:mod:`kvbridge.backends.device_copy`), which is made to wait for the
+  compute stream; the fence (waited on before the copies,
+  :data:`FENCE_TIMEOUT_S`) states the rule on the host side too, and on host
+  memory it is :data:`DONE`. The copy stream's own end is a :class:`CudaFence`
+  recorded on that stream, waited on (bounded) before the scheduler hears of it.
+* **Mooncake store puts of device KV** go through a pinned staging buffer,
+  filled on the same kind of copy stream after the same fence.
 * **Not fenced**: a NIXL *pull* READ of the producer's blocks starts only after
   the producer's scheduler saw the step's output, which the engine obtained by
   synchronising with the step's stream (sampled tokens copied to the host);
@@ -63,14 +65,15 @@ DONE: Fence = _Done()
 
 
 class CudaFence:
-    """A CUDA event recorded on ``device``'s current stream; only ever queried (never
-    ``synchronize()``: every wait on it is bounded, see :func:`wait_fence`)."""
+    """A CUDA event recorded on ``stream`` (default: ``device``'s current stream); only
+    ever queried (never ``synchronize()``: every wait on it is bounded, see
+    :func:`wait_fence`)."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, stream: Any = None) -> None:
         import torch
 
         self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(device))
+        self._event.record(stream if stream is not None else torch.cuda.current_stream(device))
 
     def done(self) -> bool:
         return bool(self._event.query())

@@ -81,6 +81,8 @@ class McStatus(enum.IntEnum):
     MASTER_UNREACHABLE = -10002
     CLIENT_CLOSED = -10003
     SIZE_MISMATCH = -10004
+    DEVICE_COPY_TIMEOUT = -10005  # the copy between device KV and the staging buffer
+    STAGING_BUSY = -10006  # an abandoned call may still use the staging buffer: not called
 
     @staticmethod
     def name_of(code: int) -> str:

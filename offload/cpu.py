@@ -24,9 +24,11 @@ request pins it and no job reads it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import mmap
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -83,6 +85,11 @@ class SlotMemory:
     With ``path`` (e.g. under /dev/shm) the memory is a MAP_SHARED mapping of
     that file, so worker processes can ``SlotMemory.attach`` the same slots the
     scheduler-side tier manages; the creator removes the file on ``close``.
+
+    A worker whose KV is on a CUDA device pins the mapping (:meth:`pin`, once,
+    whichever worker asks first) so that its copies to and from the slots run
+    asynchronously at the copy engine's speed; ``close`` unpins it. Host KV
+    never pins.
     """
 
     def __init__(self, num_slots: int, block_bytes: int, path: str | None = None,
@@ -111,6 +118,25 @@ class SlotMemory:
             finally:
                 os.close(fd)
         self.buffer = memoryview(self._mmap)
+        self._pin_lock = threading.Lock()
+        self.pinned = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.block_bytes
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA as pinned memory (idempotent); False if CUDA
+        refused (logged; copies then run unpinned)."""
+        from kvbridge.backends.device_copy import pin_host_memory
+
+        with self._pin_lock:
+            if not self.pinned:
+                self.pinned = pin_host_memory(self._address(), self.nbytes)
+            return self.pinned
+
+    def _address(self) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
 
     @classmethod
     def attach(cls, path: str, num_slots: int, block_bytes: int) -> SlotMemory:
@@ -129,7 +155,14 @@ class SlotMemory:
         return flat.view(self.num_slots, self.block_bytes)
 
     def close(self) -> None:
-        """Unmap (if no view is still exported; else the GC unmaps later); remove our file."""
+        """Unpin; unmap (if no view is still exported; else the GC unmaps later); remove
+        our file."""
+        with self._pin_lock:
+            if self.pinned:
+                from kvbridge.backends.device_copy import unpin_host_memory
+
+                unpin_host_memory(self._address())
+                self.pinned = False
         try:
             self.buffer.release()
             self._mmap.close()

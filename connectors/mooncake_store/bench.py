@@ -26,6 +26,14 @@ verification costs. With
 ``layers`` > 1 every block is one object per layer (as in a real model), so a
 record adds one key per ``layers`` objects instead of doubling the keys.
 
+``device`` puts both workers' KV on that device (``"cuda"`` on a GPU host);
+``guard`` wraps it as device KV (:func:`~kvbridge.layouts.kv_memory.guard_host_access`,
+for a CPU run of the same path). KV the host cannot read goes through the
+connector's staging buffer (:mod:`.staging`); Mooncake itself can only read host
+memory, so the raw side then puts and gets pinned host copies of the same bytes:
+the ratio is what staging costs over Mooncake at its best, and ``staged`` says
+which path ran.
+
 Every side uses fresh keys each round (a put on an existing key is a no-op)
 and the order of the sides rotates each round; every get is verified byte for
 byte outside the timing; keys are removed after each round. The headline ratio is the median of
@@ -43,16 +51,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvbridge.backends.device_copy import host_buffer
 from kvbridge.backends.mooncake_bench import gbps, memcpy_seconds, paired_ratio
 from kvbridge.backends.mooncake_master import master_endpoint  # also applies env defaults
 from kvbridge.connectors.api import ConnectorContext, KVCaches
 from kvbridge.connectors.config import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
-from kvbridge.connectors.mooncake_store.settings import parse_settings
+from kvbridge.connectors.mooncake_store.settings import MAX_STAGING_BYTES, parse_settings
 from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
 from kvbridge.events import BlockStored, Locality, Medium
 from kvbridge.layouts import KVCacheSpec, ParallelTopology, RegionLayout, RegionSpec
 from kvbridge.layouts.digests import DEFAULT_MODE, DigestMode
+from kvbridge.layouts.kv_memory import guard_host_access
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +89,8 @@ def bench_spec(block_bytes: int, layers: int = 1) -> KVCacheSpec:
 
 def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds: int = 7,
               master_address: str | None = None, metadata_server: str | None = None,
-              verify_modes: Sequence[str] = VERIFY_MODES, layers: int = 1) -> dict[str, Any]:
+              verify_modes: Sequence[str] = VERIFY_MODES, layers: int = 1,
+              device: str = "cpu", guard: bool = False) -> dict[str, Any]:
     """Measure connector and raw put/get GB/s per ``(num_blocks, block_bytes)`` pattern.
 
     Starts a local ``mooncake_master`` unless an address is given. Returns a
@@ -95,7 +106,8 @@ def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds:
     max_bytes = max(n * b for n, b in patterns) * layers
     segment = max(64 * MiB, 3 * max_bytes)
     report: dict[str, Any] = {"rounds": rounds, "segment_bytes": segment, "target_ratio": 0.9,
-                              "layers": layers, "patterns": []}
+                              "layers": layers, "device": device, "guard": guard,
+                              "patterns": []}
     with master_endpoint(master_address, metadata_server) as (rpc, metadata, local):
         report["master"] = rpc
         report["local_master"] = local
@@ -105,12 +117,13 @@ def run_bench(patterns: Sequence[tuple[int, int]] = DEFAULT_PATTERNS, *, rounds:
                  "client_scope": "engine"}
         for num_blocks, block_bytes in patterns:
             report["patterns"].append(_bench_pattern(extra, num_blocks, block_bytes, rounds,
-                                                     modes, layers))
+                                                     modes, layers, device, guard))
     return report
 
 
 def _worker(spec: KVCacheSpec, extra: dict[str, Any], role: KVRole, num_blocks: int,
-            fill: bool) -> tuple[MooncakeStoreWorker, Any]:
+            fill: bool, device: str = "cpu", guard: bool = False,
+            ) -> tuple[MooncakeStoreWorker, Any]:
     import torch
 
     topology = ParallelTopology()
@@ -124,6 +137,9 @@ def _worker(spec: KVCacheSpec, extra: dict[str, Any], role: KVRole, num_blocks: 
                          dtype=torch.float16)
     if fill:
         tensor.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+    tensor = tensor.to(device)
+    if guard:
+        tensor = guard_host_access(tensor)
     worker = MooncakeStoreWorker(ctx)
     worker.register_kv_caches(KVCaches((shape,), (num_blocks,),
                                        {layer: tensor[i]
@@ -132,17 +148,21 @@ def _worker(spec: KVCacheSpec, extra: dict[str, Any], role: KVRole, num_blocks: 
 
 
 def _bench_pattern(extra: dict[str, Any], num_blocks: int, block_bytes: int,
-                   rounds: int, modes: Sequence[str], layers: int) -> dict[str, Any]:
+                   rounds: int, modes: Sequence[str], layers: int, device: str = "cpu",
+                   guard: bool = False) -> dict[str, Any]:
     import torch
 
     spec = bench_spec(block_bytes, layers)
     total = num_blocks * block_bytes * layers
-    producer, src = _worker(spec, extra, KVRole.PRODUCER, num_blocks, fill=True)
+    if device != "cpu" or guard:  # staging: a bound that holds the whole pattern each way
+        extra = {**extra, "staging_bytes": min(MAX_STAGING_BYTES, max(2 * total, 2 * MiB))}
+    producer, src = _worker(spec, extra, KVRole.PRODUCER, num_blocks, fill=True,
+                            device=device, guard=guard)
     consumers: dict[str, tuple[MooncakeStoreWorker, Any]] = {}
     try:
         for mode in modes:
             consumers[mode] = _worker(spec, {**extra, "verify": mode}, KVRole.CONSUMER,
-                                      num_blocks, fill=False)
+                                      num_blocks, fill=False, device=device, guard=guard)
         return _measure(producer, src, consumers, num_blocks, block_bytes, rounds, total,
                         torch)
     finally:
@@ -156,13 +176,33 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
              block_bytes: int, rounds: int, total: int, torch: Any) -> dict[str, Any]:
     client = producer.client
     assert client is not None and all(c.client is client for c, _ in consumers.values())
+    staged = producer.staged is not None
+    raw_src, raw_dst = src, consumers[DEFAULT_MODE.value][1]
+    if staged:  # Mooncake reads host memory only: pinned host copies of the same bytes
+        raw_src = host_buffer(total, src.device).copy_(src.view(-1).view(torch.uint8).cpu())
+        raw_dst = host_buffer(total, src.device)
+        for buffer in (raw_src, raw_dst):
+            client.register_buffer(int(buffer.data_ptr()), total)
+    try:
+        return _rounds(producer, src, raw_src, raw_dst, consumers, num_blocks, block_bytes,
+                       rounds, total, torch) | {"staged": staged}
+    finally:
+        if staged:
+            for buffer in (raw_src, raw_dst):
+                client.unregister_buffer(int(buffer.data_ptr()))
+
+
+def _rounds(producer: MooncakeStoreWorker, src: Any, raw_src: Any, raw_dst: Any,
+            consumers: dict[str, tuple[MooncakeStoreWorker, Any]], num_blocks: int,
+            block_bytes: int, rounds: int, total: int, torch: Any) -> dict[str, Any]:
+    client = producer.client
+    assert client is not None
     raw = client.raw_store
     prefixes = [slot.prefix for slot in producer.plans[0].layers]
     record_prefix = producer.plans[0].digest_prefix
-    raw_dst = consumers[DEFAULT_MODE.value][1]
     layers = len(prefixes)
     layer_bytes = num_blocks * block_bytes
-    src_ptrs = [src.data_ptr() + layer * layer_bytes + i * block_bytes
+    src_ptrs = [raw_src.data_ptr() + layer * layer_bytes + i * block_bytes
                 for layer in range(layers) for i in range(num_blocks)]
     dst_ptrs = [raw_dst.data_ptr() + layer * layer_bytes + i * block_bytes
                 for layer in range(layers) for i in range(num_blocks)]
@@ -220,13 +260,16 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
     def dst_of(name: str) -> Any:
         return raw_dst if name == "raw" else consumers[name.split(":", 1)[1]][1]
 
+    def src_of(name: str) -> Any:
+        return raw_src if name == "raw" else src
+
     for round_index in range(rounds + 1):  # round 0 warms up and is not recorded
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             dst = dst_of(name)
             dst.zero_()
             put_s, get_s, ok, keys = run_side(name)
-            src_bytes, dst_bytes = src.view(torch.uint8), dst.view(torch.uint8)
+            src_bytes, dst_bytes = src_of(name).view(torch.uint8), dst.view(torch.uint8)
             verified = ok and bool(torch.equal(src_bytes, dst_bytes))
             if not verified:
                 failures[name] += 1
@@ -236,7 +279,7 @@ def _measure(producer: MooncakeStoreWorker, src: Any,
             if round_index > 0:
                 times[name]["put"].append(put_s)
                 times[name]["get"].append(get_s)
-    memcpy_s = memcpy_seconds(src, raw_dst, rounds)
+    memcpy_s = memcpy_seconds(raw_src, raw_dst, rounds)
 
     def side(name: str) -> dict[str, float]:
         return {"put_gbps": gbps(total, statistics.median(times[name]["put"])),
@@ -279,7 +322,11 @@ def format_report(report: dict[str, Any]) -> str:
     """A plain-text table of :func:`run_bench`'s result."""
     lines = [f"kvbridge bench mooncake: connector vs raw Mooncake batch put/get, "
              f"{report['rounds']} rounds, master {report['master']} (v:MODE: the "
-             f"connector with verify MODE; connector = v:{DEFAULT_MODE.value}, the default)",
+             f"connector with verify MODE; connector = v:{DEFAULT_MODE.value}, the default)"
+             + (f"; KV on {report.get('device', 'cpu')}"
+                f"{' guarded' if report.get('guard') else ''}, staged: raw = Mooncake "
+                f"from pinned host copies" if any(p.get("staged") for p in report["patterns"])
+                else ""),
              f"{'pattern':>14} {'side':>10} {'put GB/s':>9} {'get GB/s':>9}"]
     for p in report["patterns"]:
         pattern = f"{p['num_blocks']}x{_size(p['block_bytes'])}"

@@ -6,6 +6,11 @@ Keys (all optional except the two addresses)::
     metadata_server       its HTTP metadata URL, e.g. "http://127.0.0.1:8080/metadata" (required)
     global_segment_size   bytes each worker client lends to the store (default 64 MiB)
     local_buffer_size     bytes of each client's staging buffer (default 16 MiB)
+    staging_bytes         KV the host cannot read (GPU memory): bytes of the worker's own
+                          host staging buffer that puts and gets go through, half each,
+                          pinned on a GPU (default 256 MiB; at most twice the rank's KV
+                          is used); a batch beyond a half is cut
+                          into rounds; a block of one layer must fit in a half
     protocol              "tcp" (default) or "rdma"; device_name for rdma
     op_timeout_s          bound of each Mooncake batch call (default 5.0), and of the
                           wait for the step's KV kernels (GPU fence) before a put
@@ -59,6 +64,8 @@ from kvbridge.layouts.digests import ALGORITHMS
 
 MiB = 1 << 20
 _FIELD = "kv_connector_extra_config"
+#: host memory a worker may stage device KV through (pinned memory is scarce)
+MAX_STAGING_BYTES = 64 << 30
 
 
 class ClientScope(str, enum.Enum):
@@ -72,6 +79,7 @@ class MooncakeStoreSettings(VerifySettings):
     metadata_server: str
     global_segment_size: int = 64 * MiB
     local_buffer_size: int = 16 * MiB
+    staging_bytes: int = 256 * MiB
     protocol: str = "tcp"
     device_name: str = ""
     op_timeout_s: float = 5.0
@@ -103,7 +111,7 @@ class MooncakeStoreSettings(VerifySettings):
         return out
 
 
-_INT = ("global_segment_size", "local_buffer_size", "scheduler_segment_size")
+_INT = ("global_segment_size", "local_buffer_size", "scheduler_segment_size", "staging_bytes")
 _FLOAT = ("op_timeout_s", "lookup_timeout_s", "reconnect_interval_s", "abandon_grace_s")
 _BOOL = ("load_async", "lookup", "lookup_every_layer", "verify_allow_unverified")
 _STR = ("master_address", "metadata_server", "protocol", "device_name", "client_scope",
@@ -153,6 +161,10 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeStoreSettings:
                 raise ConfigError(f"{_FIELD}.{key}", f"expected true or false, "
                                                      f"got {extra[key]!r}")
             values[key] = extra[key]
+    if not 2 <= values.get("staging_bytes", 2) <= MAX_STAGING_BYTES:
+        raise ConfigError(f"{_FIELD}.staging_bytes", f"expected bytes in [2, "
+                                                     f"{MAX_STAGING_BYTES}] (two halves), got "
+                                                     f"{values['staging_bytes']!r}")
     if "client_scope" in values:
         try:
             values["client_scope"] = ClientScope(values["client_scope"])

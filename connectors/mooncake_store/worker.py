@@ -1,9 +1,15 @@
 """Worker half of the Mooncake store connector: zero-copy puts and gets of one rank's blocks.
 
-Every KV tensor of the rank is registered with the store client at
-``register_kv_caches``; a block of one layer is ``tensor[block_id]``, one
-contiguous slice, so each store object (one layer of one block, see
-:mod:`.keys`) moves straight between the tensor and the store.
+A block of one layer is ``tensor[block_id]``, one contiguous slice: one store
+object (see :mod:`.keys`). Where the host can read the KV
+(:func:`kvbridge.layouts.kv_memory.host_readable`), every KV tensor of the rank
+is registered with the store client at ``register_kv_caches`` and each object
+moves straight between the tensor and the store (zero-copy). KV the host cannot
+read (GPU memory, or KV guarded as such) is never registered: its puts and gets
+go through a bounded host staging buffer (:mod:`.staging`; pinned on a GPU,
+``staging_bytes``), gathered and scattered on the KV's device on a copy stream,
+and its digests are ``torch-mix64-v1`` taken on that device. The stats say so
+(``kv_staged``, ``staged_put_bytes``, ``staged_get_bytes``, ``staging_rounds``).
 
 * **Saves** run inside ``wait_for_save`` as one batch put per step: the
   engine may overwrite a block once the step ends, and a put reads the
@@ -83,8 +89,10 @@ from kvbridge.connectors.mooncake_store.plans import LayerSlot as LayerSlot
 from kvbridge.connectors.mooncake_store.records import digests_of_keys
 from kvbridge.connectors.mooncake_store.scheduler import pool_key
 from kvbridge.connectors.mooncake_store.settings import MooncakeStoreSettings
+from kvbridge.connectors.mooncake_store.staging import BatchCall, StagedKV
 from kvbridge.connectors.mooncake_store.verify import RankDigests
 from kvbridge.layouts.digests import DigestMode
+from kvbridge.layouts.kv_memory import all_host_readable
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +123,10 @@ class MooncakeStoreWorker(WorkerConnector):
         self.client: MooncakeStoreClient | None = None
         self.plans: tuple[RegionPlan, ...] = ()
         self._registered: list[int] = []
+        #: where the KV's puts and gets go: the client itself (zero-copy, host-readable
+        #: KV) or the staging buffer (:mod:`.staging`, KV the host cannot read)
+        self._kv_io: MooncakeStoreClient | StagedKV | None = None
+        self.staged: StagedKV | None = None
         #: one KV tensor per device: the fences of a step's puts are recorded on them
         self._fence_tensors: list[Any] = []
         #: records the fence of a step's puts (issue 15); a test may stand in for it
@@ -147,23 +159,36 @@ class MooncakeStoreWorker(WorkerConnector):
 
     def register_kv_caches(self, caches: KVCaches) -> None:
         plans = build_plans(caches, self.ctx, self.rank)
-        on_host = all(str(getattr(t, "device", "cpu")) == "cpu" for t in caches.layers.values())
+        on_host = all_host_readable(caches.layers.values())
         chosen = self.settings.verify_algorithm
         try:
             digests = RankDigests(plans, owner=caches, tensors=caches.layers, on_host=on_host,
                                   algorithm=None if chosen == "auto" else chosen)
         except ValueError as exc:  # xxh3-64 asked for KV in device memory
             raise ConfigError("kv_connector_extra_config.verify_algorithm", str(exc)) from None
+        if not on_host:
+            self._check_staging(plans)
         client = clients.acquire(self._pool_key, self.settings.client_config())
         self.client = client
         try:
-            for tensor in caches.layers.values():
-                ptr = int(tensor.data_ptr())
-                client.register_buffer(ptr, tensor.numel() * tensor.element_size())
-                self._registered.append(ptr)
+            if on_host:  # zero-copy: the store reads and writes the KV tensors themselves
+                buffers = [(int(t.data_ptr()), t.numel() * t.element_size())
+                           for t in caches.layers.values()]
+                self._kv_io = client
+            else:  # the store may not touch the KV: everything goes through staging
+                kv_bytes = sum(t.numel() * t.element_size() for t in caches.layers.values())
+                staged = StagedKV(client, caches.layers.values(),
+                                  # never more than the KV itself, each way
+                                  staging_bytes=min(self.settings.staging_bytes, 2 * kv_bytes),
+                                  timeout_s=self.settings.op_timeout_s,
+                                  abandon_grace_s=self.settings.abandon_grace_s)
+                buffers = staged.buffers
+                self._kv_io = self.staged = staged
             if digests is not None:
-                client.register_buffer(digests.buffer_ptr, digests.buffer.nbytes)
-                self._registered.append(digests.buffer_ptr)
+                buffers.append((digests.buffer_ptr, digests.buffer.nbytes))
+            for ptr, nbytes in buffers:
+                client.register_buffer(ptr, nbytes)
+                self._registered.append(ptr)
         except BaseException:
             self._release_client()
             raise
@@ -178,6 +203,15 @@ class MooncakeStoreWorker(WorkerConnector):
                 target=self._run_loads, daemon=True,
                 name=f"kvb-mooncake-load-{self.ctx.engine_id[:8]}-{self.ctx.worker_index}")
             self._thread.start()
+
+    def _check_staging(self, plans: Sequence[RegionPlan]) -> None:
+        """Every object (one layer of one block) must fit in a staging round."""
+        largest = max((slot.block_nbytes for plan in plans for slot in plan.layers), default=0)
+        if largest > self.settings.staging_bytes // 2:
+            raise ConfigError("kv_connector_extra_config.staging_bytes",
+                              f"a block of one layer is {largest} bytes; staging rounds are "
+                              f"half of staging_bytes ({self.settings.staging_bytes // 2}): "
+                              f"set staging_bytes to at least {2 * largest}")
 
     def _release_client(self) -> None:
         client, self.client = self.client, None
@@ -254,8 +288,11 @@ class MooncakeStoreWorker(WorkerConnector):
         records = self._record_batch(blocks, checked)
         records_pending = (client.start_batch_get_into(records.keys, records.ptrs,
                                                        records.sizes) if records.keys else None)
-        pending = [client.start_batch_get_into(parts[0][1].keys, parts[0][1].ptrs,
-                                               parts[0][1].sizes)]
+        kv_io = self._kv_io
+        assert kv_io is not None
+        pending: list[BatchCall] = [kv_io.start_batch_get_into(parts[0][1].keys,
+                                                               parts[0][1].ptrs,
+                                                               parts[0][1].sizes)]
         try:
             timed_out, not_found, first_error, verify_s = self._land_parts(
                 blocks, bounds, parts, pending, checked, records, records_pending, failed,
@@ -310,7 +347,7 @@ class MooncakeStoreWorker(WorkerConnector):
         return failed
 
     def _land_parts(self, blocks: Sequence[LoadBlock], bounds: Sequence[tuple[int, int]],
-                    parts: Sequence[tuple[int, Batch]], pending: list[PendingBatch],
+                    parts: Sequence[tuple[int, Batch]], pending: list[BatchCall],
                     checked: Sequence[int], records: Batch,
                     records_pending: PendingBatch | None, failed: set[BlockRef],
                     outcome: Verified) -> tuple[bool, int, Any, float]:
@@ -318,14 +355,14 @@ class MooncakeStoreWorker(WorkerConnector):
         blocks that did not arrive to ``failed`` and verify those that did into
         ``outcome``; ``(timed out, not found, first error, verify seconds)``. After a
         get that timed out no further part is asked for (its blocks fail)."""
-        client = self.client
-        assert client is not None
+        kv_io = self._kv_io
+        assert kv_io is not None
         timed_out, not_found, first_error, verify_s = False, 0, None, 0.0
         for n, (_, part) in enumerate(parts):
             if n + 1 < len(parts) and not timed_out:  # the next get runs while this one is hashed
                 following = parts[n + 1][1]
-                pending.append(client.start_batch_get_into(following.keys, following.ptrs,
-                                                           following.sizes))
+                pending.append(kv_io.start_batch_get_into(following.keys, following.ptrs,
+                                                          following.sizes))
             if n >= len(pending):  # a get before timed out: the rest are not asked for
                 failed |= {(blocks[i].region_index, blocks[i].block_id) for i in part.owners}
                 continue
@@ -437,10 +474,11 @@ class MooncakeStoreWorker(WorkerConnector):
                          "finish within %.1f s (op_timeout_s); %d block puts dropped",
                          self.ctx.worker_index, self.settings.op_timeout_s, len(failed))
         elif keys:
-            client = self.client
-            assert client is not None, "register_kv_caches runs before any step"
+            client, kv_io = self.client, self._kv_io
+            assert client is not None and kv_io is not None, \
+                "register_kv_caches runs before any step"
             started = time.perf_counter()
-            pending = client.start_batch_put_from(keys, ptrs, sizes)
+            pending = kv_io.start_batch_put_from(keys, ptrs, sizes)
             # after the fence, while the KV put runs: digests of the bytes put, and their
             # records' put beside it (a writer with verify off puts none: its readers load
             # those blocks unverified, counted)
@@ -547,7 +585,10 @@ class MooncakeStoreWorker(WorkerConnector):
 
     def get_stats(self) -> dict[str, int | float]:
         with self._lock:
-            return dict(self._stats)
+            stats = dict(self._stats)
+        if self.staged is not None:
+            stats.update(self.staged.snapshot())
+        return stats
 
     def shutdown(self) -> None:
         if self._closed:

@@ -15,14 +15,27 @@ files named in the metadata (``SlotMemory.attach``). A load that cannot copy
 worker) reports its blocks in ``get_block_ids_with_load_errors``; the engine
 then recomputes from the first bad token.
 
-Stores are issued only after the kernels that wrote the KV finished (issue
-15): ``wait_for_save`` records a fence (:mod:`kvbridge.backends.fence`) and
-waits for it, at most ``FENCE_TIMEOUT_S``, before copying; if it has not
-passed, the step's stores count as copy errors (the scheduler then fails
-them). The copy itself is a blocking torch copy on the current stream, which
-CUDA already orders after that stream's work: the fence costs nothing there
-(and nothing at all on host memory) and keeps the rule for a copy on a side
-stream or a ``non_blocking`` one.
+Copies are batched (:mod:`.copier`): per (region, pool) of a step, the blocks
+are gathered on the source device, copied across once per run of consecutive
+slots and scattered on the destination, as a block swap does. With KV on a CUDA
+device they run ``non_blocking`` on the device's dedicated copy stream, ordered
+after the compute stream, to and from slot memory this worker pinned
+(``SlotMemory.pin``, unpinned when the memory closes); each batch is
+synchronised (bounded, ``FENCE_TIMEOUT_S``) before ``start_load_kv`` or
+``wait_for_save`` returns, so the scheduler hears of a load or store only once
+its bytes landed. Host KV (plain, or guarded as device KV is) runs the same
+path without a stream and without pinning. A batch that fails is retried
+block by block (blocking copies) to isolate the bad block, except one whose
+device did not finish in time (``copy_timeouts``): a blocking copy would wait
+on the stuck device without a bound, so all its blocks fail (loads are
+recomputed, stores dropped).
+
+Stores are issued only after the kernels that wrote the KV finished:
+``wait_for_save`` records a fence (:mod:`kvbridge.backends.fence`) and waits
+for it, at most ``FENCE_TIMEOUT_S``, before copying; if it has not passed, the
+step's stores count as copy errors (the scheduler then fails them). The copy
+stream is ordered after the compute stream as well; the fence keeps the rule
+on the host side and costs nothing on host memory.
 """
 
 from __future__ import annotations
@@ -33,9 +46,11 @@ from typing import Any
 
 import torch
 
+from kvbridge.backends.device_copy import is_cuda
 from kvbridge.backends.fence import FENCE_TIMEOUT_S, Fence, record_fence, wait_fence
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
+from kvbridge.connectors.offloading.copier import CopyTimeout, SlotCopier
 from kvbridge.connectors.offloading.parts import build_part_table
 from kvbridge.connectors.offloading.scheduler import CopyItem, OffloadMetadata, pools_of
 from kvbridge.offload.cpu import SlotMemory
@@ -59,9 +74,13 @@ class OffloadingWorker(WorkerConnector):
         self._invalid: set[BlockRef] = set()
         #: records the fence of a step's stores (issue 15); a test may stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
+        self._copiers: dict[torch.device, SlotCopier] = {}
+        #: the KV lives on a CUDA device: the slot memory is pinned when first used
+        self._pin_slots = False
         self._stats = {"load_copies": 0, "store_copies": 0, "load_bytes": 0, "store_bytes": 0,
                        "load_copy_errors": 0, "store_copy_errors": 0,
-                       "store_fence_timeouts": 0}
+                       "store_fence_timeouts": 0, "copy_batches": 0, "copy_timeouts": 0,
+                       "slot_bytes_pinned": 0}
 
     def register_kv_caches(self, caches: KVCaches) -> None:
         self.caches = caches
@@ -69,6 +88,7 @@ class OffloadingWorker(WorkerConnector):
         for tensor in caches.layers.values():
             devices.setdefault(str(tensor.device), tensor)
         self._fence_tensors = list(devices.values())  # one KV tensor per device
+        self._pin_slots = any(is_cuda(tensor.device) for tensor in self._fence_tensors)
 
     def _pool_tensors(self, meta: OffloadMetadata) -> list[torch.Tensor]:
         token = meta.pools_token
@@ -76,16 +96,19 @@ class OffloadingWorker(WorkerConnector):
         if tensors is None:
             tiers = pools_of(token)
             if tiers is not None:  # the scheduler half is in this process
-                tensors = [tier.as_tensor() for tier in tiers]  # type: ignore[misc]
+                memories = [tier.memory for tier in tiers]
             elif meta.shared_pools:  # map the scheduler's file-backed slots
                 self._close_memories()
                 self._memories = [SlotMemory.attach(path, num_slots, nbytes)
                                   for path, num_slots, nbytes in meta.shared_pools]
-                tensors = [m.as_tensor() for m in self._memories]  # type: ignore[misc]
+                memories = self._memories
             else:
                 raise ContractError("pools_token", "no CPU tier of this engine in this process "
                                     "and no shm_dir: run the worker in the scheduler's process "
                                     "or set shm_dir")
+            if self._pin_slots:  # asynchronous copies at the copy engine's speed
+                self._stats["slot_bytes_pinned"] = sum(m.nbytes for m in memories if m.pin())
+            tensors = [m.as_tensor() for m in memories]  # type: ignore[misc]
             self._slots = {token: tensors}
         return tensors
 
@@ -116,8 +139,9 @@ class OffloadingWorker(WorkerConnector):
         return offset
 
     def _copy_batch(self, items: list[CopyItem], pools: list[torch.Tensor], load: bool) -> int:
-        """All ``items`` at once: per (region, pool), one gather + one scatter per layer
-        (instead of one small copy per block and layer). Raises on any problem; the
+        """All ``items`` at once: per (region, pool), one batched copy (:mod:`.copier`:
+        gather on the source device, one copy across, scatter on the destination),
+        instead of one small copy per block and layer. Raises on any problem; the
         caller then copies item by item to isolate it."""
         assert self.caches is not None
         groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -133,19 +157,16 @@ class OffloadingWorker(WorkerConnector):
             if sum(layer.shape[1] for layer in layers) != slot_bytes:
                 raise ContractError("slot", f"slot of {slot_bytes} bytes for a part of "
                                             f"{sum(x.shape[1] for x in layers)} bytes")
-            block_index = torch.tensor(blocks, dtype=torch.int64)
-            slot_index = torch.tensor(slots, dtype=torch.int64)
-            offset = 0
-            for layer in layers:
-                size = layer.shape[1]
-                window = pools[pool].narrow(1, offset, size)
-                if load:
-                    layer.index_copy_(0, block_index, window.index_select(0, slot_index))
-                else:
-                    window.index_copy_(0, slot_index, layer.index_select(0, block_index))
-                offset += size
-            total += slot_bytes * len(blocks)
+            total += self._copier(layers[0].device).copy(layers, pools[pool], blocks, slots,
+                                                         load=load)
+            self._stats["copy_batches"] += 1
         return total
+
+    def _copier(self, device: torch.device) -> SlotCopier:
+        copier = self._copiers.get(device)
+        if copier is None:
+            copier = self._copiers[device] = SlotCopier(device)
+        return copier
 
     def start_load_kv(self) -> None:
         meta = self.connector_metadata
@@ -171,6 +192,11 @@ class OffloadingWorker(WorkerConnector):
         try:
             self._stats["load_bytes"] += self._copy_batch([i for _, i in mine], pools, True)
             self._stats["load_copies"] += len(mine)
+            return
+        except CopyTimeout as exc:  # the device is stuck: a blocking retry would hang
+            self._stats["copy_timeouts"] += 1
+            for request_id, item in mine:
+                self._load_failed(request_id, item, exc)
             return
         except (RuntimeError, ContractError) as exc:
             logger.debug("offloading worker %s: batched load failed (%s); copying block by "
@@ -220,6 +246,12 @@ class OffloadingWorker(WorkerConnector):
         try:
             self._stats["store_bytes"] += self._copy_batch(mine, pools, False)
             self._stats["store_copies"] += len(mine)
+            return
+        except CopyTimeout as exc:  # the device is stuck: a blocking retry would hang
+            logger.error("offloading worker %s: %s; %d block stores dropped",
+                         self.ctx.worker_index, exc, len(mine))
+            self._stats["copy_timeouts"] += 1
+            self._stats["store_copy_errors"] += len(mine)
             return
         except (RuntimeError, ContractError) as exc:
             logger.debug("offloading worker %s: batched store failed (%s); copying block by "

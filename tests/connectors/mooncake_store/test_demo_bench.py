@@ -72,3 +72,23 @@ def test_bench_with_layers_puts_one_object_per_layer(mooncake_master: MooncakeMa
     assert set(pattern["verify"]) == {"full", "sample"}  # the default always
     assert pattern["verify_ratio"] == {}  # no "off" to divide by
     assert "8x16KiBx3L" in format_report(report)
+
+
+def test_bench_of_guarded_kv_runs_the_staged_path(mooncake_master: MooncakeMaster) -> None:
+    """KV that refuses host access (as on a GPU) is put and got through staging; the raw
+    side moves pinned host copies of the same bytes; both verified byte for byte."""
+    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
+
+    report = run_bench([(8, 16 << 10)], rounds=1, layers=2, verify_modes=("full",),
+                       guard=True, master_address=mooncake_master.rpc_address,
+                       metadata_server=mooncake_master.metadata_url)
+    (pattern,) = report["patterns"]
+    assert pattern["staged"] is True and report["guard"] is True
+    assert pattern["verified"] and pattern["mismatched_bytes"] == 0
+    for side in ("raw", "connector"):
+        assert_figures(pattern[side], ("put_gbps", "get_gbps"))
+    assert "staged" in format_report(report)
+    plain = run_bench([(8, 16 << 10)], rounds=1, verify_modes=("off",),
+                      master_address=mooncake_master.rpc_address,
+                      metadata_server=mooncake_master.metadata_url)
+    assert plain["patterns"][0]["staged"] is False

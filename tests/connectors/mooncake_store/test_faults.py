@@ -29,6 +29,7 @@ from kvbridge.engine.request import RequestSpec
 from kvbridge.engine.workload import check_outputs, make_requests, run_workload
 from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec, namespace_for
 from kvbridge.layouts.digests import TORCH_ALGORITHM, sample_selected
+from tests.connectors.guarded_kv import guard_engine_kv, host_engine_kv
 from tests.connectors.mooncake_store.conftest import store_extra
 
 
@@ -280,23 +281,31 @@ def _worker_stats(engine: Engine) -> dict[str, Any]:
     return stats
 
 
-@pytest.mark.parametrize(("parts", "algorithm"),
-                         [(1, "auto"), (4, "auto"), (1, TORCH_ALGORITHM)],
-                         ids=["one-get", "pipelined", "torch-mix64"])
+@pytest.mark.parametrize(("parts", "algorithm", "guarded"),
+                         [(1, "auto", False), (4, "auto", False), (1, TORCH_ALGORITHM, False),
+                          (1, "auto", True), (4, "auto", True)],
+                         ids=["one-get", "pipelined", "torch-mix64", "staged", "staged-pipelined"])
 def test_overwritten_object_is_detected_and_only_its_blocks_recomputed(
         held_store: tuple[dict[str, Any], MooncakeStoreClient], parts: int, algorithm: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        guarded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """``pipelined``: parts of one block each, every get started while the block
     before is hashed (``PIPELINE_MIN_BYTES`` lowered: tiny-gqa blocks are small).
     ``torch-mix64``: the digests a rank with KV in device memory takes (on the
-    tensors' device: here the CPU), put and checked the same way."""
+    tensors' device: here the CPU), put and checked the same way. ``staged``: the
+    KV refuses host access as device KV does: puts and gets go through the staging
+    buffer, digests are ``torch-mix64-v1`` on the KV's device."""
     extra, client = held_store
     if parts > 1:
         monkeypatch.setattr(store_worker, "PIPELINE_MIN_BYTES", 1)
+    if guarded:
+        guard_engine_kv(monkeypatch)
+    else:
+        host_engine_kv(monkeypatch)
     _scratch_registered(client)
-    seed = 40 + parts + (10 if algorithm != "auto" else 0)
+    # distinct prompts per case: the module's store keeps every other test's keys
+    seed = (200 if guarded else 40) + parts + (10 if algorithm != "auto" else 0)
     (request,) = make_requests(1, prompt_tokens=4 * _BLOCK_TOKENS + 3, max_tokens=2,
-                               seed=seed, prefix=f"digest-full-{parts}-{algorithm}")
+                               seed=seed, prefix=f"digest-full-{parts}-{algorithm}-{guarded}")
     hashes = hash_blocks(request.prompt, _BLOCK_TOKENS)
     engine = _both({**extra, "verify_algorithm": algorithm})  # verify: full is the default
     try:
@@ -327,6 +336,15 @@ def test_overwritten_object_is_detected_and_only_its_blocks_recomputed(
         healed = _load_again(engine, request, "digest-healed")
         assert healed.num_external_tokens == 4 * _BLOCK_TOKENS and healed.mismatched_bytes == 0
         assert _worker_stats(engine)["digest_mismatches"] == stats["digest_mismatches"]
+        if guarded:  # every KV byte went through staging, digests taken on the device
+            final = _worker_stats(engine)
+            assert final["kv_staged"] == 2 and final["staged_get_bytes"] > 0
+            for w in engine.workers:
+                assert isinstance(w.connector, store_worker.MooncakeStoreWorker)
+                assert w.connector.digests is not None
+                assert w.connector.digests.algorithm == TORCH_ALGORITHM
+        else:
+            assert "kv_staged" not in _worker_stats(engine)
     finally:
         engine.shutdown()
     assert engine.idle_problems() == []
@@ -481,12 +499,14 @@ def _device_reader(engine: Engine, client: MooncakeStoreClient) -> list[Any]:
 
 
 def test_records_are_checked_with_the_algorithm_they_name(
-        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+        held_store: tuple[dict[str, Any], MooncakeStoreClient],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A writer taking ``torch-mix64-v1`` digests (as a rank with KV in device memory
     does) and a reader with the host default: the reader checks those records with
     ``torch-mix64-v1`` and catches an overwritten object. A reader that can take
     ``torch-mix64-v1`` only (KV in device memory) serves a host writer's XXH3-64
     records unverified, or fails them with ``verify_allow_unverified: false``."""
+    host_engine_kv(monkeypatch)  # host writers (the device reader is made below)
     extra, client = held_store
     _scratch_registered(client)
     torch_req, host_req = make_requests(2, prompt_tokens=3 * _BLOCK_TOKENS + 3, max_tokens=1,
