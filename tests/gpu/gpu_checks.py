@@ -38,6 +38,9 @@ Checks (``--checks`` selects; default all, in this order):
   (ranges gathered on the device as words, and as bytes inside words) equal the
   CPU's and the reference; GB/s on the device against XXH3-64 of host bytes (with
   triton, the fused kernel's rows beside the torch ops').
+* ``stores``     -- the offloading connector's batched GPU <-> pinned CPU slot copies
+  (the device's copy stream) against a plain pinned torch copy, each way; the
+  Mooncake store's staged puts and gets of device KV where its wheel loads.
 * ``demos``      -- ``kvbridge demo --device cuda`` for every connector (nixl pull and
   push, mooncake when its wheel loads, offload), each model preset, and TP 1 -> 2,
   2 -> 1 and PP 2 -> 1, ``--jobs`` at once; each must verify bytes and find none
@@ -64,7 +67,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("env", "cuda_ipc", "transfers", "cost", "connector", "digests", "demos")
+CHECKS = ("env", "cuda_ipc", "transfers", "cost", "connector", "digests", "stores", "demos")
 #: (num_blocks, block_bytes) moved by the transfers check
 PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
 QUICK_PATTERNS = ((16, 1 << 20),)
@@ -461,6 +464,59 @@ def check_cost(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": device, "rows": rows}
 
 
+#: (num_blocks, block_bytes) of the stores check: a block's bytes across its layers
+STORE_PATTERNS = ((64, 2 << 20), (1024, 256 << 10))
+QUICK_STORE_PATTERNS = ((16, 1 << 20),)
+
+
+def check_stores(args: argparse.Namespace) -> dict[str, Any]:
+    """The offloading connector's batched copies between the device's KV and pinned CPU
+    slots (on the device's copy stream) against a plain pinned torch copy of the same
+    bytes, each way, bytes verified; and the Mooncake store's staged puts and gets of
+    device KV against raw Mooncake, where Mooncake's wheel loads (else: not run)."""
+    from kvbridge.connectors.offloading.bench import run_copy_bench
+
+    device = args.device if args.device.startswith("cuda") else "cpu"
+    rows: list[dict[str, Any]] = []
+    for num_blocks, block_bytes in (QUICK_STORE_PATTERNS if args.quick else STORE_PATTERNS):
+        r = run_copy_bench(device, num_blocks=num_blocks, block_bytes=block_bytes,
+                           rounds=max(2, args.iters))
+        if not r["verified"]:
+            raise RuntimeError(f"offload copies {num_blocks}x{block_bytes}: bytes differ")
+        rows.append({"case": f"offload {num_blocks}x{block_bytes >> 10}KiB",
+                     "slots_pinned": r["slots_pinned"],
+                     "store_gbps": round(r["store_gbps"], 2),
+                     "plain_d2h_gbps": round(r["plain_d2h_gbps"], 2),
+                     "store_ratio": round(r["store_ratio"], 3),
+                     "load_gbps": round(r["load_gbps"], 2),
+                     "plain_h2d_gbps": round(r["plain_h2d_gbps"], 2),
+                     "load_ratio": round(r["load_ratio"], 3)})
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as exc:  # the wheel is missing, or cannot load without its CUDA
+        rows.append({"case": "mooncake staged", "ok": None,
+                     "not_run": f"Mooncake not importable here: {exc!r}"[:200]})
+    else:
+        from kvbridge.connectors.mooncake_store.bench import run_bench
+
+        report = run_bench(((16, 1 << 20),) if args.quick else ((64, 2 << 20),),
+                           rounds=max(2, args.iters), device=device,
+                           guard=device == "cpu")
+        for p in report["patterns"]:
+            if not p["verified"] or p["mismatched_bytes"]:
+                raise RuntimeError(f"mooncake staged {p['num_blocks']}x{p['block_bytes']}: "
+                                   f"{p['mismatched_bytes']} bytes differ")
+            rows.append({"case": f"mooncake {p['num_blocks']}x{p['block_bytes'] >> 10}KiB",
+                         "staged": p.get("staged"),
+                         "put_gbps": round(p["connector"]["put_gbps"], 2),
+                         "raw_put_gbps": round(p["raw"]["put_gbps"], 2),
+                         "get_gbps": round(p["connector"]["get_gbps"], 2),
+                         "raw_get_gbps": round(p["raw"]["get_gbps"], 2),
+                         "put_ratio": round(p["ratio"]["put"], 3),
+                         "get_ratio": round(p["ratio"]["get"], 3)})
+    return {"device": device, "rows": rows}
+
+
 #: the demos check's cases: (name, ``kvbridge demo`` arguments). Every connector with its KV
 #: on the device, each model preset, and TP 1 -> 2, 2 -> 1 and PP 2 -> 1 over NIXL
 DEMO_CASES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -625,7 +681,7 @@ def check_digests(args: argparse.Namespace) -> dict[str, Any]:
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "env": check_env, "cuda_ipc": check_cuda_ipc, "transfers": check_transfers,
     "cost": check_cost, "connector": check_connector, "digests": check_digests,
-    "demos": check_demos}
+    "stores": check_stores, "demos": check_demos}
 
 
 # ------------------------------------------------------------------ the report

@@ -24,7 +24,7 @@
 # gpu_checks.py's (0 all passed, 1 a check failed, 2 no CUDA / usage), 3 set-up failed
 # (a module of kvbridge does not import: the missing library is named), 124 over
 # --budget (default 290 s, so the whole run stays under 5 minutes).
-# --dry-run-cpu runs the transfers, cost, connector and demos checks on host memory, the KV
+# --dry-run-cpu runs the transfers, cost, connector, stores and demos checks on host memory, the KV
 # guarded against host reads as GPU memory is: the script's own logic, no GPU.
 set -u -o pipefail
 
@@ -44,7 +44,7 @@ while [ $# -gt 0 ]; do
     --out) OUTDIR="${2:?--out needs a directory}"; shift 2 ;;
     --python) PY="${2:?--python needs an interpreter}"; shift 2 ;;
     --budget) BUDGET="${2:?--budget needs seconds}"; shift 2 ;;
-    --dry-run-cpu) EXTRA+=(--checks transfers,cost,connector,demos --device cpu --quick --iters 2
+    --dry-run-cpu) EXTRA+=(--checks transfers,cost,connector,stores,demos --device cpu --quick --iters 2
                            --jobs 1); DRY=1; shift ;;
     --) shift; EXTRA+=("$@"); break ;;
     *) echo "run_gpu_checks.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;

@@ -91,6 +91,7 @@ def test_dry_run_on_host_memory_moves_verified_bytes(tmp_path: Path) -> None:
     against host reads (the connector check's engines and the demos take the paths of
     GPU ranks), every byte verified, one table printed and a gpu.md written."""
     require("nixl_cu12._api", "NIXL")
+    require("mooncake.store", "Mooncake")  # the stores check's staged Mooncake row
     done = _sh("--python", sys.executable, "--wheels", str(tmp_path / "none"),
                "--out", str(tmp_path), "--dry-run-cpu", timeout=280)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -103,7 +104,11 @@ def test_dry_run_on_host_memory_moves_verified_bytes(tmp_path: Path) -> None:
     assert pattern["kvbridge_read_gbps"] > 0 and pattern["raw_nixl_read_gbps"] > 0
     assert entry["detail"]["ucx_protocols"]  # UCX_PROTO_INFO lines were seen and counted
     log = (tmp_path / "gpu_checks.log").read_text()
-    assert all(f"[ok  ] {check}" in log for check in ("transfers", "cost", "connector", "demos"))
+    assert all(f"[ok  ] {check}" in log
+               for check in ("transfers", "cost", "connector", "stores", "demos"))
+    stores = {r["case"].split()[0]: r for r in report["checks"]["stores"]["detail"]["rows"]}
+    assert stores["offload"]["store_gbps"] > 0 and stores["offload"]["load_gbps"] > 0
+    assert stores["mooncake"]["staged"] is True  # the guarded KV went through staging
     cost = report["checks"]["cost"]["detail"]["rows"]
     assert {r["case"].split()[-1] for r in cost} == {"READ", "WRITE"}
     assert all(r["kvbridge_gbps"] > 0 and r["raw_per_request_gbps"] > 0 for r in cost)
