@@ -88,6 +88,24 @@ def test_a_captured_message_cannot_be_sent_again(engine: EngineProcess) -> None:
     assert again["type"] == "AuthError" and "replayed" in again["error"]
 
 
+def test_a_sealed_body_that_is_not_msgpack_is_refused_with_its_reason(
+        engine: EngineProcess) -> None:
+    """Before: a member's sealed body that msgpack refuses without a message (a type byte
+    it never uses, nesting past its stack) was answered "not one msgpack map (FormatError: )"."""
+    auth = ClusterAuth(Secret.from_value(SECRET))
+    for body, says in ((b"\xc1", "no msgpack type"),
+                       (b"\x91" * 5000 + b"\xc0", "nested deeper"),
+                       (b"\x80junk", "bytes after the first msgpack object")):
+        wire, nonce = auth.seal_request(Label.CONTROL, body)
+        reply = msgpack.unpackb(auth.open_reply(Label.CONTROL, nonce,
+                                                _raw(engine.port, [wire])), raw=False)
+        assert reply["ok"] is False and reply["type"] == "ProtocolError", reply
+        assert reply["error"].startswith("message: not one msgpack map (") and says in \
+            reply["error"], reply
+        assert not reply["error"].endswith(": )"), reply
+    assert engine.call("info")["engine_id"] == engine.engine_id
+
+
 def test_a_refused_bind_is_refused_before_any_engine_is_built(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvbridge.connectors import ConfigError
