@@ -13,6 +13,7 @@ from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EndpointError,
     GapDetected,
     GapLost,
     KVEvent,
@@ -252,7 +253,15 @@ def _tail(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvbridge events tail: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    with KVEventSubscriber(config, auth=auth) as subscriber:
+    try:
+        subscriber = KVEventSubscriber(config, auth=auth)
+    except EndpointError as exc:
+        argument = "ENDPOINT" if exc.field == "endpoint" else "--replay"
+        print(f"kvbridge events tail: {argument}: cannot connect to {exc.endpoint[:200]!r} "
+              f"({exc.reason}); expected tcp://HOST:PORT, ipc://PATH or inproc://NAME",
+              file=sys.stderr)
+        return EXIT_USAGE
+    with subscriber:
         while args.count is None or batches < args.count:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
