@@ -183,7 +183,7 @@ def _fsck_obj(args: argparse.Namespace) -> Any:
 
 def run_fsck(args: argparse.Namespace) -> int:
     from kvbridge.offload.fs import FINGERPRINT_RE
-    from kvbridge.offload.fsck import fsck
+    from kvbridge.offload.fsck import StoreUnreadableError, fsck
 
     if args.fingerprint is not None and not FINGERPRINT_RE.match(args.fingerprint):
         return _usage(f"--fingerprint: expected 8-64 lowercase hex digits, "
@@ -198,8 +198,8 @@ def run_fsck(args: argparse.Namespace) -> int:
         try:
             report = fsck(args.path, repair=args.repair, fingerprint=args.fingerprint,
                           min_temp_age_s=args.min_temp_age, digests=not args.no_digests)
-        except FileNotFoundError as exc:
-            return _usage(str(exc))
+        except StoreUnreadableError as exc:
+            return _usage(f"PATH: {exc.strerror}")
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
