@@ -40,7 +40,8 @@ that could not be replayed, publisher restarts and malformed frames. With
 arrive before --timeout.
 
 exit codes: 0 ok (or stopped by --timeout without --count), 1 --count batches did
-not arrive in time, 2 usage error
+not arrive in time, 2 usage error (among them an ENDPOINT or --replay that ZeroMQ
+cannot connect to: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)
 """
 
 _BENCH_EPILOG = """\
@@ -83,7 +84,8 @@ def register(subparsers: Any) -> None:
         epilog=_TAIL_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    tail.add_argument("endpoint", metavar="ENDPOINT", help="the publisher's PUB endpoint")
+    tail.add_argument("endpoint", metavar="ENDPOINT",
+                      help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557")
     tail.add_argument("--replay", metavar="ENDPOINT", help="the publisher's replay ROUTER endpoint")
     tail.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     tail.add_argument(

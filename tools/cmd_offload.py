@@ -67,7 +67,10 @@ checked on load) and the CPU tier's store and load paths through the manager
 + the copy out), in one run; ratio_of_off = GB/s with the mode / GB/s with
 verification off. The store/load rows above use the tiers' default (full).
 
-exit codes: 0 ok, 1 problems found (fsck) or failed jobs / mismatched bytes (bench), 2 usage error
+exit codes: 0 ok, 1 problems found (fsck), a --list-deadline or --max-keys bound
+hit (fsck --obj: nothing checked), or failed jobs / mismatched bytes (bench), 2
+usage error (among them a PATH that is missing, not a directory or cannot be
+read: nothing checked)
 """
 
 
