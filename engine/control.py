@@ -205,9 +205,23 @@ def decode_frames(frames: Sequence[bytes], limits: ControlLimits) -> ControlMess
         # msgpack bounds every container, string and binary by the frame's length
         message = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types (ExtraData, StackError, ...)
-        raise ProtocolError("message", f"not one msgpack map ({type(exc).__name__}: "
-                                       f"{exc or 'malformed'})") from None
+        raise ProtocolError("message", f"not one msgpack map ({msgpack_refusal(exc)})"
+                            ) from None
     return decode_message(message, limits)
+
+
+def msgpack_refusal(exc: BaseException) -> str:
+    """Why msgpack refused some bytes, in words: several of its errors carry no message
+    (``FormatError`` on a type byte it never uses, ``StackError`` past its nesting
+    limit), and a refusal must still say what was wrong with the body."""
+    text = str(exc)
+    if isinstance(exc, msgpack.FormatError):
+        text = text or "a byte that is no msgpack type (e.g. 0xc1): not msgpack at all"
+    elif isinstance(exc, msgpack.StackError):
+        text = text or "containers nested deeper than msgpack decodes"
+    elif isinstance(exc, msgpack.ExtraData):
+        text = "bytes after the first msgpack object"
+    return f"{type(exc).__name__}: {text or 'malformed'}"
 
 
 def decode_message(message: object, limits: ControlLimits) -> ControlMessage:

@@ -67,7 +67,8 @@ def control_exchange(sock: zmq.Socket[bytes], auth: ClusterAuth | None, op: str,
 
     With ``auth`` the message is sealed and the reply must be sealed bound to it;
     an engine that refuses us, or answers unsealed, comes back as an error reply
-    (``type`` ``AuthError``) like any other. ``zmq.Again`` on a timeout.
+    (``type`` ``AuthError``, or ``ProtocolError`` for a message over the engine's
+    limit, refused before it was read) like any other. ``zmq.Again`` on a timeout.
     """
     body = msgpack.packb({"op": op, **fields}, use_bin_type=True)
     if auth is None:
@@ -81,8 +82,12 @@ def control_exchange(sock: zmq.Socket[bytes], auth: ClusterAuth | None, op: str,
             reply = msgpack.unpackb(raw, raw=False)
         except Exception:
             reply = None
-        if isinstance(reply, dict) and reply.get("type") == "AuthError":
-            return reply  # the engine's refusal of our request
+        # the engine's refusal of our request: that it is unsealed costs nothing (a forged
+        # refusal only fails the call, as dropping it would); an unsealed success is not
+        # taken. ProtocolError: a message over the limit, answered before it was read.
+        if isinstance(reply, dict) and reply.get("ok") is False \
+                and reply.get("type") in ("AuthError", "ProtocolError"):
+            return reply
         return {"ok": False, "type": "AuthError",
                 "error": "the engine answered without authentication: it has no cluster "
                          "secret, or it is not a member"}

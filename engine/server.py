@@ -34,18 +34,22 @@ and bounded by :mod:`kvbridge.engine.control` before anything else happens:
 
 Errors are ``{"ok": false, "type": "ProtocolError", "error": "requests[0].prompt: reason"}``
 (``type`` is the kvbridge error's class; ``InternalError`` for a bug, whose traceback
-goes to the log, not to the client); the server keeps serving. A frame larger than
-``limits.max_message_bytes`` is dropped by libzmq with its connection, unread (no
-reply: the client times out). An engine process of the harness also exits when its
+goes to the log, not to the client); the server keeps serving. A message larger than
+``limits.max_message_bytes`` (plus the seal's header) is answered with the limit as
+soon as its frame header arrives (``{"ok": false, "type": "ProtocolError", "error":
+"message: over N bytes ...; this engine takes at most L per message ..."}``, unsealed:
+nothing of it was read), and the rest of it is dropped as it arrives, never buffered
+(:class:`ControlPort`). An engine process of the harness also exits when its
 parent dies; ``kvbridge serve`` (``exit_with_parent=False``) does not.
 
 What a client may do (a design choice): anyone who reaches the port may submit,
 read and abort its own requests (by the token of its submits), read stats and
 reset the prefix cache -- the port is a router's, firewall it to the routers you
 trust; the port does not authenticate its clients.
-Bounds hold per message and per connection (``CONTROL_RCVHWM`` queued messages of
-at most ``max_message_bytes``), not per client population; libzmq also buffers
-the frames of a multipart message until its last one, each frame bounded.
+Bounds hold per message and per connection (one message in progress of at most
+``max_message_bytes`` and the seal, in at most ``MAX_CONTROL_FRAMES`` frames, the
+whole message bounded, not each frame) and per client population
+(``MAX_CONTROL_CONNECTIONS``).
 ``shutdown`` is honoured when ``allow_shutdown`` (the default for the engine
 processes a harness starts; ``kvbridge serve`` decides by its listening address).
 """
@@ -59,6 +63,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -96,6 +101,13 @@ from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
 from kvbridge.engine.owners import ResultOwners
 from kvbridge.events import EventSink, KVEventPublisher, NullEventSink
+from kvbridge.handshake.zmtp import (
+    Oversized,
+    ZmtpConnection,
+    ZmtpError,
+    server_greeting,
+)
+from kvbridge.handshake.zmtp import encode_message as zmtp_message
 from kvbridge.layouts import KVCacheSpec, LayoutError, ParallelTopology, load_spec
 from kvbridge.layouts.kv_memory import guard_from_env
 
@@ -144,8 +156,116 @@ def config_from_dict(data: dict[str, Any]) -> EngineConfig:
     )
 
 
-#: Complete messages libzmq queues per control client before it stops reading its socket.
-CONTROL_RCVHWM = 4
+#: Control clients connected at once; one more is disconnected at once. Each holds at
+#: most one message in progress (``max_message_bytes`` and the seal), so this bounds
+#: what the port can make the engine buffer.
+MAX_CONTROL_CONNECTIONS = 256
+#: Frames in one control message: a REQ client's empty delimiter and the map; more
+#: (up to this) are answered with an error, past it the client is disconnected.
+MAX_CONTROL_FRAMES = 16
+#: Chunks read from the control socket per turn of the serving loop (libzmq hands a
+#: STREAM socket's bytes over in chunks of up to 8 KiB), so a flood cannot keep the
+#: engine from stepping.
+CONTROL_READS_PER_TURN = 256
+
+
+class ControlPort:
+    """The control port's socket: ZeroMQ REQ and DEALER clients, ZMTP framed here.
+
+    libzmq owns TCP (a STREAM socket); :mod:`kvbridge.handshake.zmtp` frames each
+    client's bytes, so a message over the bound is seen on its frame header: it is
+    answered with the limit at once and the rest of it dropped as it arrives (a REP
+    socket with ``MAXMSGSIZE`` dropped it with its connection, and the client only saw
+    its own timeout). A reply goes back with the envelope its request came with.
+    """
+
+    def __init__(self, context: zmq.Context[Any], limits: ControlLimits) -> None:
+        self.limits = limits
+        #: a sealed message carries the seal's header on top of the body's bound
+        self.max_frame_bytes = limits.max_message_bytes + HEADER_BYTES
+        self.socket: zmq.Socket[Any] = context.socket(zmq.STREAM)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 64)   # chunks of <= 8 KiB, per connection
+        self._peers: dict[bytes, ZmtpConnection] = {}
+        #: counters a test can read
+        self.oversized_answered = 0
+        self.peers_dropped = 0
+
+    def bind(self, host: str, port: int) -> int:
+        if port:
+            self.socket.bind(f"tcp://{host}:{port}")
+            return port
+        return int(self.socket.bind_to_random_port(f"tcp://{host}"))
+
+    def receive(self) -> list[tuple[bytes, list[bytes] | Oversized]]:
+        """What clients sent since the last call: (client, the message's frames, or an
+        :class:`Oversized` to answer with the limit), at most ``CONTROL_READS_PER_TURN``
+        chunks' worth."""
+        out: list[tuple[bytes, list[bytes] | Oversized]] = []
+        for _ in range(CONTROL_READS_PER_TURN):
+            try:
+                peer, data = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except ValueError:   # not [id, data]: cannot come from a STREAM socket
+                continue
+            conn = self._peers.get(peer)
+            if conn is None:
+                if not data:     # a new connection (an empty chunk announces it)
+                    if len(self._peers) >= MAX_CONTROL_CONNECTIONS:
+                        self._disconnect(peer, "too many connections")
+                        continue
+                    self._peers[peer] = ZmtpConnection(self.max_frame_bytes,
+                                                       MAX_CONTROL_FRAMES,
+                                                       answer_oversized=True)
+                    self._send(peer, server_greeting())
+                continue
+            if not data:         # the client disconnected
+                del self._peers[peer]
+                continue
+            try:
+                out.extend((peer, item) for item in conn.feed_items(data))
+            except ZmtpError as exc:
+                self._disconnect(peer, str(exc))
+        return out
+
+    def reply(self, peer: bytes, envelope: Sequence[bytes], data: bytes) -> None:
+        self._send(peer, zmtp_message([*envelope, data]))
+
+    def _disconnect(self, peer: bytes, reason: str) -> None:
+        self._peers.pop(peer, None)
+        self.peers_dropped += 1
+        logger.debug("control port: disconnecting a client: %s", reason)
+        self._send(peer, b"")    # an empty send closes a STREAM connection
+
+    def _send(self, peer: bytes, data: bytes) -> None:
+        try:
+            self.socket.send_multipart([peer, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:   # a client not reading (high-water mark), or gone
+            logger.debug("control port: a reply was dropped: %s", exc)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def _split_envelope(frames: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """(envelope, body) of a client's message: a REQ client (or a DEALER speaking to a
+    REP) puts an empty delimiter before the body."""
+    try:
+        split = frames.index(b"") + 1
+    except ValueError:
+        split = 0
+    return frames[:split], frames[split:]
+
+
+def _refuse_oversized(over: Oversized, port: ControlPort) -> bytes:
+    """The answer to a message over the bound, sent before its body is read (so never
+    sealed: nothing of it was authenticated; it tells no more than ``info`` does)."""
+    limit = port.limits.max_message_bytes
+    return msgpack.packb(_error("ProtocolError", f"message: over {port.max_frame_bytes} "
+                                f"bytes ({over.announced_bytes} announced, not read); this "
+                                f"engine takes at most {limit} per message (split the "
+                                f"submit)"), use_bin_type=True)
 
 #: How long the control loop waits between steps that made no progress (see ``serve``).
 IDLE_STEP_WAIT_MS = 1
@@ -327,18 +447,10 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
                                      else None)
     limits = engine.control_limits()
     context = zmq.Context()
-    sock = context.socket(zmq.REP)
-    sock.setsockopt(zmq.LINGER, 0)
-    # libzmq drops a bigger frame and its connection before buffering it; few queued
-    # messages per client (a REP socket answers one at a time anyway)
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + HEADER_BYTES)
-    sock.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
+    control = ControlPort(context, limits)
     try:
         try:
-            if port:
-                sock.bind(f"tcp://{host}:{port}")
-            else:
-                port = sock.bind_to_random_port(f"tcp://{host}")
+            port = control.bind(host, port)
         except zmq.ZMQError as exc:
             raise ConfigError("control_port", f"cannot listen on tcp://{host}:{port or '*'}: "
                                               f"{exc.strerror}; choose a free port") from None
@@ -352,7 +464,7 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
         stream.write(line + "\n")
         stream.flush()
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        poller.register(control.socket, zmq.POLLIN)
         last_parent_check = time.monotonic()
         stalled = False  # the last step scheduled nothing and finished nothing
         while True:
@@ -364,14 +476,23 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
             # releases both and still wakes at once on a control message.
             busy_wait_ms = IDLE_STEP_WAIT_MS if stalled else 0
             timeout_ms = busy_wait_ms if engine.has_work() else 20
+            stop = False
             if poller.poll(timeout_ms):
-                # every frame of the message: a REP socket that has not read them all
-                # cannot send its reply (EFSM)
-                frames = sock.recv_multipart()
-                out, stop = _answer(engine, frames, limits, auth, allow_shutdown)
-                sock.send(out)
-                if stop:
-                    break
+                for peer, message in control.receive():
+                    if isinstance(message, Oversized):
+                        control.oversized_answered += 1
+                        # the frames before the one that went over: the envelope, and
+                        # any body frames of a multipart message (not sent back)
+                        envelope, _ = _split_envelope(list(message.envelope))
+                        control.reply(peer, envelope, _refuse_oversized(message, control))
+                        continue
+                    envelope, body = _split_envelope(message)
+                    out, stop = _answer(engine, body, limits, auth, allow_shutdown)
+                    control.reply(peer, envelope, out)
+                    if stop:
+                        break
+            if stop:
+                break
             if engine.has_work():
                 report = engine.step()
                 stalled = (report.num_scheduled == 0 and not report.finished
@@ -385,7 +506,7 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0,
                     break
     finally:
         engine.shutdown()
-        sock.close(linger=0)
+        control.close()
         context.term()
 
 

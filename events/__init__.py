@@ -11,7 +11,7 @@ seals the replay socket).
 
 from .aggregate import WorkerEventAggregator
 from .buffer import CollectingEventSink, EventBuffer, EventSink, NullEventSink
-from .errors import EventDecodeError, EventsError, PublisherClosedError
+from .errors import EndpointError, EventDecodeError, EventsError, PublisherClosedError
 from .publisher import KVEventPublisher, PublisherConfig, PublisherStats
 from .schema import (
     AllBlocksCleared,
@@ -56,6 +56,7 @@ __all__ = [
     "EventBatch",
     "EventBuffer",
     "EventCounts",
+    "EndpointError",
     "EventDecodeError",
     "EventSink",
     "EventWireFormat",

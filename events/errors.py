@@ -22,3 +22,18 @@ class EventDecodeError(EventsError, ValueError):
 
 class PublisherClosedError(EventsError, RuntimeError):
     """``publish`` was called after ``close``."""
+
+
+class EndpointError(EventsError, ValueError):
+    """An endpoint ZeroMQ cannot connect to (``field``: ``endpoint`` or ``replay_endpoint``).
+
+    Raised when the subscriber is made, before anything is received, so a typo in an
+    address is a usage error that names the argument, not a traceback later.
+    """
+
+    def __init__(self, field: str, endpoint: str, reason: str) -> None:
+        super().__init__(f"{field}: cannot connect to {endpoint[:200]!r} ({reason}); "
+                         "expected tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+        self.field = field
+        self.endpoint = endpoint
+        self.reason = reason

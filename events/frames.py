@@ -99,7 +99,8 @@ def parse_replay_request(frame: bytes) -> ReplayRequest:
         try:
             body = msgpack.unpackb(frame[len(REPLAY_MAGIC) :], raw=False)
         except Exception as exc:
-            raise EventDecodeError("replay_request", f"not valid msgpack ({exc})") from exc
+            raise EventDecodeError("replay_request", f"not valid msgpack ({type(exc).__name__}"
+                                   f"{': ' + str(exc) if str(exc) else ''})") from exc
         if not isinstance(body, dict):
             raise EventDecodeError("replay_request", "expected a map")
         start = _int(body.get("start_seq"), "replay_request", "start_seq")
@@ -127,7 +128,8 @@ def decode_replay_info(frame: bytes) -> ReplayInfo:
     try:
         body = msgpack.unpackb(frame, raw=False)
     except Exception as exc:
-        raise EventDecodeError("replay_info", f"not valid msgpack ({exc})") from exc
+        raise EventDecodeError("replay_info", f"not valid msgpack ({type(exc).__name__}"
+                                   f"{': ' + str(exc) if str(exc) else ''})") from exc
     if not isinstance(body, dict):
         raise EventDecodeError("replay_info", "expected a map")
     return ReplayInfo(

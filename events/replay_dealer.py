@@ -24,6 +24,7 @@ import zmq
 
 from kvbridge.auth import ClusterAuth, Label
 
+from .errors import EndpointError
 from .subscriber_config import SubscriberConfig
 
 
@@ -47,7 +48,12 @@ class ReplayDealer:
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.setsockopt(zmq.RCVHWM, self._config.replay_rcvhwm)
             self._socket.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
-            self._socket.connect(self._config.replay_endpoint)
+            try:
+                self._socket.connect(self._config.replay_endpoint)
+            except zmq.ZMQError as exc:
+                self.discard()
+                raise EndpointError("replay_endpoint", self._config.replay_endpoint,
+                                    zmq.strerror(exc.errno or 0)) from None
         return self._socket
 
     def discard(self) -> None:

@@ -70,7 +70,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvbridge.auth import ClusterAuth
 
-from .errors import EventDecodeError
+from .errors import EndpointError, EventDecodeError
 from .replay_dealer import ReplayDealer
 from .sequencer import Gap, LiveVerdict, ReplayVerdict, SequenceTracker
 from .stream import (
@@ -129,8 +129,25 @@ class KVEventSubscriber:
         self._monitor: zmq.Socket[Any] | None = None
         if config.replay_endpoint is not None and config.check_incarnation_on_reconnect:
             self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED)
-        self._sub.connect(config.endpoint)
         self._replay = ReplayDealer(config, self._ctx, auth)
+        try:
+            try:
+                self._sub.connect(config.endpoint)
+            except zmq.ZMQError as exc:
+                raise EndpointError("endpoint", config.endpoint,
+                                    zmq.strerror(exc.errno or 0)) from None
+            if config.replay_endpoint is not None:
+                # connected on first use; tried here once so that a malformed address is
+                # refused now, naming it, not in the middle of a gap
+                self._replay.socket()
+                self._replay.discard()
+        except EndpointError:
+            if self._monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disable_monitor()
+                self._monitor.close(linger=0)
+            self._sub.close(linger=0)
+            raise
         self._tracker = SequenceTracker(config.start_seq)
         self._ready: deque[StreamItem] = deque()
         self._counters = _Counters()

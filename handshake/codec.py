@@ -78,8 +78,10 @@ def _unpack(data: object, what: str, max_bytes: int) -> object:
     try:
         obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
+        # FormatError and StackError carry no message: say what they mean
         raise HandshakeError(what, f"not a valid msgpack message ({type(exc).__name__}: "
-                                   f"{exc})") from None
+                                   f"{str(exc) or 'bytes msgpack does not decode'})"
+                             ) from None
     _check_nesting(obj, "" if what == "message" else what)
     return obj
 

@@ -22,6 +22,7 @@ enable) are read and ignored. Spec: https://rfc.zeromq.org/spec/23/ (ZMTP 3.0).
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 GREETING_BYTES = 64
@@ -79,19 +80,48 @@ def _parse_properties(data: bytes) -> dict[bytes, bytes]:
     return props
 
 
+@dataclass(frozen=True)
+class Oversized:
+    """A data message that went past ``max_message_bytes`` (``answer_oversized``).
+
+    Reported as soon as the frame header that goes over arrives, so a server answers
+    with its limit at once; the rest of the message (that frame's body and any frames
+    after it) is then read and dropped as it arrives, never buffered, and the
+    connection goes on with the next message. ``envelope``: the frames before the one
+    that went over (a REQ peer's empty delimiter), for addressing the answer.
+    """
+
+    envelope: tuple[bytes, ...]
+    #: the message's bytes as far as its frame headers announced them when it went over
+    announced_bytes: int
+
+
 class ZmtpConnection:
-    """One peer connection: bytes in, complete messages (lists of frames) out."""
+    """One peer connection: bytes in, complete messages (lists of frames) out.
+
+    ``answer_oversized``: a message over ``max_message_bytes`` comes out of
+    :meth:`feed_items` as :class:`Oversized` (its body skipped unread) instead of
+    closing the connection; :meth:`feed` keeps refusing it with ``ZmtpError``.
+    """
 
     def __init__(self, max_message_bytes: int, max_frames: int,
-                 peer_types: tuple[bytes, ...] = PEER_SOCKET_TYPES) -> None:
+                 peer_types: tuple[bytes, ...] = PEER_SOCKET_TYPES, *,
+                 answer_oversized: bool = False) -> None:
         self.max_message_bytes = max_message_bytes
         self.max_frames = max_frames
         self.peer_types = peer_types
+        self.answer_oversized = answer_oversized
         self.peer_socket_type: bytes | None = None
         self._buf = bytearray()
         self._greeted = False
         self._frames: list[bytes] = []
         self._message_bytes = 0
+        #: bytes of the current frame's body still to drop (an oversized message)
+        self._skip = 0
+        #: the frame being dropped has MORE set: its message goes on (dropped too)
+        self._skip_more = False
+        #: the current message went over the bound: its next frames are dropped
+        self._dropping = False
 
     @property
     def buffered(self) -> int:
@@ -100,8 +130,19 @@ class ZmtpConnection:
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         """The messages ``data`` completes; raises ZmtpError (close the connection)."""
-        self._buf += data
         out: list[list[bytes]] = []
+        for item in self.feed_items(data):
+            if isinstance(item, Oversized):
+                raise ZmtpError(f"message of more than {self.max_message_bytes} bytes")
+            out.append(item)
+        return out
+
+    def feed_items(self, data: bytes) -> list[list[bytes] | Oversized]:
+        """The messages ``data`` completes, and an :class:`Oversized` for each message
+        that went over the bound (``answer_oversized``), in the order they came;
+        raises ZmtpError (close the connection)."""
+        self._buf += data
+        out: list[list[bytes] | Oversized] = []
         if not self._greeted:
             if len(self._buf) >= 1 and self._buf[0] != 0xFF:
                 raise ZmtpError("not a ZMTP peer (bad signature)")
@@ -117,8 +158,14 @@ class ZmtpConnection:
             del self._buf[:GREETING_BYTES]
             self._greeted = True
         while True:
-            frame = self._next_frame()
+            if self._skip or self._dropping:
+                if not self._drop():
+                    return out
+                continue
+            frame = self._next_frame(out)
             if frame is None:
+                if self._skip or self._dropping:
+                    continue   # an oversized frame's header was read: drop what follows
                 return out
             flags, body = frame
             if flags & _COMMAND:
@@ -132,7 +179,43 @@ class ZmtpConnection:
                 self._frames = []
                 self._message_bytes = 0
 
-    def _next_frame(self) -> tuple[int, bytes] | None:
+    def _drop(self) -> bool:
+        """Drop what arrived of an oversized message; False when more must arrive."""
+        buf = self._buf
+        if self._skip:
+            n = min(self._skip, len(buf))
+            del buf[:n]
+            self._skip -= n
+            if self._skip:
+                return False
+            if not self._skip_more:     # that was the message's last frame
+                self._dropping = False
+                self._frames = []
+                self._message_bytes = 0
+            return True
+        # between the frames of a message being dropped: the next frame's header
+        if len(buf) < 2:
+            return False
+        flags = buf[0]
+        if flags & ~(_MORE | _LONG):
+            raise ZmtpError(f"frame flag bits {flags:#04x} inside a message")
+        if flags & _LONG:
+            if len(buf) < 9:
+                return False
+            (size,) = struct.unpack_from(">Q", buf, 1)
+            del buf[:9]
+        else:
+            size = buf[1]
+            del buf[:2]
+        self._skip_more = bool(flags & _MORE)
+        self._skip = size
+        if not size and not self._skip_more:
+            self._dropping = False
+            self._frames = []
+            self._message_bytes = 0
+        return True
+
+    def _next_frame(self, out: list[list[bytes] | Oversized]) -> tuple[int, bytes] | None:
         buf = self._buf
         if len(buf) < 2:
             return None
@@ -156,7 +239,19 @@ class ZmtpConnection:
             if len(self._frames) + 1 > self.max_frames:
                 raise ZmtpError(f"message of more than {self.max_frames} frames")
             if self._message_bytes + size > self.max_message_bytes:
-                raise ZmtpError(f"message of more than {self.max_message_bytes} bytes")
+                if not self.answer_oversized or self.peer_socket_type is None:
+                    raise ZmtpError(f"message of more than {self.max_message_bytes} bytes")
+                # answered now, its body dropped as it arrives (never buffered)
+                out.append(Oversized(tuple(self._frames), self._message_bytes + size))
+                del buf[:header]
+                self._skip = size
+                self._skip_more = bool(flags & _MORE)
+                self._dropping = True
+                if not size and not self._skip_more:
+                    self._dropping = False
+                    self._frames = []
+                    self._message_bytes = 0
+                return None
         if len(buf) < header + size:
             return None
         body = bytes(buf[header:header + size])

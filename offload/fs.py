@@ -15,6 +15,17 @@ most stores of a young store, which halved store throughput in the benchmark;
 ext4/xfs index large directories, so 256 of them hold millions of blocks. The fingerprint in the name lets ``fsck`` tell blocks
 of another layout apart; several layouts may share one directory.
 
+Nothing is read or written outside the root: a fan-out directory that is a
+symlink, not a directory, or resolves anywhere but its own place under the
+root is refused. Its verdict is taken when the tier opens (and makes the
+directories), again when a store makes a removed one, and again at the start
+of a job once ``fanout_recheck_s`` (10 s) passed, so a block's check is a list
+index. A block behind a refused directory is absent to probes, and its store
+or load fails alone, before any system call on its path (``fanout_refused``
+in ``stats.extra``; never counted towards quarantine, whose removal would go
+through the directory). A directory swapped for a symlink while the tier runs
+is refused from the next re-check on; ``fsck`` reports it (``symlinked_dir``).
+
 Digests: a store writes the block's layer digests (the CPU slot's, or taken
 from the bytes it writes) into the header of the same file, so the rename
 that publishes the bytes publishes their digests. A load checks the bytes
@@ -66,6 +77,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -102,6 +114,7 @@ from kvbridge.offload.fs_io import (
     block_header_bytes,
     buffer_address,
     check_block_header,
+    describe_mode,
     direct_ok,
     encode_block_header,
     load_block,
@@ -140,6 +153,8 @@ HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
 #: creation, not bytes, bounds them; 2 MiB blocks: no difference).
 DEFAULT_READ_THREADS = 4
 DEFAULT_WRITE_THREADS = 4
+#: how often (seconds, at most) the tier judges its fan-out directories again
+DEFAULT_FANOUT_RECHECK_S = 10.0
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
 #: load errors that say nothing about the file itself: never counted towards quarantine.
@@ -161,6 +176,17 @@ class QuarantinedError(OSError):
         self.failures = failures
         self.cause = cause
         self.deleted = deleted
+
+
+class FanoutRefusedError(OSError):
+    """A block whose fan-out directory is not the store's own (a symlink, or a path
+    that resolves outside the root): its store or load fails, alone, before any
+    system call on its path; counted in ``fanout_refused``. Never counted towards
+    quarantine, which would remove a file through that directory."""
+
+    def __init__(self, directory: str, why: str) -> None:
+        super().__init__(errno.EXDEV, why)
+        self.directory = directory
 
 
 def header_name(fingerprint: str) -> str:
@@ -193,8 +219,11 @@ class FileMapper:
         return [os.path.join(self.root, f"{i:02x}") for i in range(256)]
 
     def path(self, key: OffloadKey) -> str:
-        digest = self.key_hash(key)
-        return os.path.join(self.directory(digest), f"{digest}.{self.fingerprint}{BLOCK_SUFFIX}")
+        return self.path_of_hash(self.key_hash(key))
+
+    def path_of_hash(self, key_hash: str) -> str:
+        return os.path.join(self.directory(key_hash),
+                            f"{key_hash}.{self.fingerprint}{BLOCK_SUFFIX}")
 
 
 def ensure_header(root: str, fingerprint: str, block_bytes: int) -> None:
@@ -239,7 +268,8 @@ class FsTier(SecondaryTier):
                  quarantine_after: int = 3,
                  clock: Callable[[], float] = time.monotonic,
                  verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1,
-                 io_engine: str = "auto") -> None:
+                 io_engine: str = "auto",
+                 fanout_recheck_s: float = DEFAULT_FANOUT_RECHECK_S) -> None:
         if io_engine not in IO_ENGINES:
             raise OffloadError("io_engine", f"expected one of {', '.join(IO_ENGINES)}, "
                                f"got {io_engine!r}")
@@ -273,8 +303,20 @@ class FsTier(SecondaryTier):
         ensure_header(root, fingerprint, block_bytes)
         # probed once for the store directory (the fan-out dirs are on the same file system)
         self.o_direct = bool(use_o_direct) and probe_o_direct(root, io or FsIO())
-        for directory in self.mapper.all_directories():
-            os.makedirs(directory, exist_ok=True)
+        #: per fan-out directory (index: the key hash's first byte), why blocks may not
+        #: go through it (None: a real directory inside the root). Judged once, here and
+        #: when a store makes a removed one again, so a block's check is a list index.
+        self._real_root = os.path.realpath(root)
+        self._fanout_refused: list[str | None] = [
+            self._judge_fanout(directory, None) for directory in self.mapper.all_directories()]
+        if not fanout_recheck_s >= 0:
+            raise OffloadError("fanout_recheck_s", f"expected seconds >= 0, got "
+                               f"{fanout_recheck_s!r}")
+        #: a job judges every fan-out directory again when this long passed since the last
+        #: time (256 lstat + realpath: a directory swapped for a symlink while the tier
+        #: runs is refused from then on)
+        self.fanout_recheck_s = fanout_recheck_s
+        self._fanouts_judged_at = self.clock()
         #: the engine asked for (``batched``: what loads use now)
         self.io_engine = io_engine
         self._readers: Readers | None = None
@@ -313,9 +355,77 @@ class FsTier(SecondaryTier):
     def path(self, key: OffloadKey) -> str:
         return self.mapper.path(key)
 
+    def _recheck_fanouts(self) -> None:
+        """Judge every fan-out directory again if ``fanout_recheck_s`` passed (a job's
+        start: one clock read per job, not per block)."""
+        now = self.clock()
+        if now - self._fanouts_judged_at < self.fanout_recheck_s:
+            return
+        self._fanouts_judged_at = now
+        self._fanout_refused = [self._judge_fanout(directory, before) for directory, before
+                                in zip(self.mapper.all_directories(), self._fanout_refused,
+                                       strict=True)]
+
+    def _judge_fanout(self, directory: str, before: str | None) -> str | None:
+        """Make ``directory`` if it is missing; why blocks may not go through it, or None.
+
+        Only a real directory whose resolved path is its own place under the root is
+        used: through a symlink (or anything that resolves elsewhere) the tier would
+        read and write block files outside the store. Logged when the verdict changes
+        from ``before``."""
+        why: str | None = None
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            why = f"cannot be made ({exc.strerror})"
+        if why is None:
+            try:
+                mode = os.lstat(directory).st_mode
+                resolved = os.path.realpath(directory)
+            except OSError as exc:
+                why = f"cannot be checked ({exc.strerror})"
+            else:
+                if stat.S_ISLNK(mode):
+                    why = f"is a symlink to {resolved!r}, outside the store"
+                elif not stat.S_ISDIR(mode):
+                    why = f"is {describe_mode(mode)}, not a directory"
+                elif resolved != os.path.join(self._real_root, os.path.basename(directory)):
+                    why = f"resolves to {resolved!r}, outside the store"
+        if why is not None:
+            why = f"fan-out directory {directory} {why}: its blocks are neither stored nor " \
+                  "loaded"
+            if why != before:
+                logger.warning("%s: %s", self.name, why)
+        elif before is not None:
+            logger.warning("%s: fan-out directory %s is the store's own again", self.name,
+                           directory)
+        return why
+
+    def block_path(self, key: OffloadKey) -> str:
+        """``key``'s block file, or ``FanoutRefusedError`` when its fan-out directory is
+        not the store's own (the verdict taken when the directory was judged: a list
+        index per block, no system call)."""
+        digest = self.mapper.key_hash(key)
+        why = self._fanout_refused[int(digest[:2], 16)]
+        if why is not None:
+            raise FanoutRefusedError(self.mapper.directory(digest), why)
+        return self.mapper.path_of_hash(digest)
+
     def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        # lstat: only a regular file is a block (a directory, FIFO or symlink is absent)
-        return [self.io.is_block_file(self.mapper.path(key)) for key in keys]
+        # lstat: only a regular file is a block (a directory, FIFO or symlink is absent);
+        # a block behind a refused fan-out directory is absent, and is not looked at
+        self._recheck_fanouts()
+        found: list[bool] = []
+        for key in keys:
+            try:
+                path = self.block_path(key)
+            except FanoutRefusedError:
+                found.append(False)
+                continue
+            found.append(self.io.is_block_file(path))
+        return found
 
     def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
                    digests_out: list[LayerDigests | None] | None = None) -> None:
@@ -323,6 +433,7 @@ class FsTier(SecondaryTier):
         the digests stored with it (None: stored without). A block that is provably
         corrupt (digests, torn header) fails alone: the rest of the batch is loaded."""
         header = self._header()
+        self._recheck_fanouts()
         #: blocks that failed on their own (provably corrupt, removed): the batch goes on
         corrupt: dict[int, OSError] = {}
         reader = self._readers.get() if self._readers is not None else None
@@ -338,7 +449,12 @@ class FsTier(SecondaryTier):
                                          (i // chunk + 1) % 2)
                              if i + chunk < len(keys) else None)
                     landed = current.finish()
-                path = self.mapper.path(key)
+                try:
+                    path = self.block_path(key)
+                except FanoutRefusedError as exc:
+                    self.count("fanout_refused")
+                    corrupt[i] = exc      # this block's directory, not the store: go on
+                    continue
                 try:
                     got = landed.get(i)
                     if got is not None:
@@ -436,8 +552,16 @@ class FsTier(SecondaryTier):
         """Write each block with a header holding its layer digests: ``digests[i]`` (taken
         where the bytes were written), else taken here; none with ``verify`` off."""
         header = self._header()
+        self._recheck_fanouts()
+        #: blocks refused for their fan-out directory: they fail alone, the batch goes on
+        refused: dict[int, OSError] = {}
         for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
-            path = self.mapper.path(key)
+            try:
+                path = self.block_path(key)
+            except FanoutRefusedError as exc:
+                self.count("fanout_refused")
+                refused[i] = exc
+                continue
             direct = self.o_direct and direct_ok(views)
             layers = digests[i] if digests is not None else None
             if layers is None and self.verify.enabled:
@@ -454,8 +578,14 @@ class FsTier(SecondaryTier):
                                          header.view, self.fsync)
                 except FileNotFoundError:
                     # the fan-out directory was removed behind our back (an operator
-                    # cleaning up): make it again, once
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    # cleaning up): make it again, once, and judge what is there now
+                    index = int(self.mapper.key_hash(key)[:2], 16)
+                    why = self._fanout_refused[index] = \
+                        self._judge_fanout(os.path.dirname(path), None)
+                    if why is not None:
+                        self.count("fanout_refused")
+                        refused[i] = FanoutRefusedError(os.path.dirname(path), why)
+                        continue
                     stored = store_block(self.io, path, views, self.block_bytes, direct,
                                          header.view, self.fsync)
                 if not stored:
@@ -465,7 +595,9 @@ class FsTier(SecondaryTier):
                     with self._failures_lock:
                         self._failures.pop(key, None)
             except OSError as exc:
-                raise BatchIOError(i, exc) from exc
+                raise BatchIOError(i, exc, skipped=refused) from exc
+        if refused:
+            raise BatchIOError(len(keys), refused[min(refused)], skipped=refused)
 
     def _header(self) -> HeaderBuffer:
         """This thread's header buffer, kept for the thread's life: an mmap and munmap

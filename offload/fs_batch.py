@@ -191,7 +191,8 @@ def start_chunk(tier: FsTier, reader: FileReader, keys: Sequence[OffloadKey],
                     reader.covers(a, len(v)) for a, v in zip(addresses, views, strict=True)):
                 continue
             try:
-                fd, size = tier.io.open_read_sized(tier.path(keys[i]), True)
+                # block_path: never opened through a refused fan-out directory
+                fd, size = tier.io.open_read_sized(tier.block_path(keys[i]), True)
             except OSError:
                 continue   # the one-by-one read says what is wrong
             if size != file_bytes:

@@ -49,6 +49,7 @@ span at a time, of a size fixed by the layout header and the block header
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import re
@@ -211,11 +212,9 @@ def fsck(root: str, *, repair: bool = False, fingerprint: str | None = None,
     ``listdir``: how a fan-out directory is listed (fault injection wraps ``os.listdir``;
     root can list a ``chmod 000`` directory, so tests cannot make one unreadable otherwise).
     """
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"store directory {root!r} does not exist")
+    names = sorted(_list_store(root))
     now = time.time() if now is None else now
     report = FsckReport(root=root)
-    names = sorted(os.listdir(root))
     _read_headers(root, names, report)
     for name in names:
         path = os.path.join(root, name)
@@ -223,6 +222,10 @@ def fsck(root: str, *, repair: bool = False, fingerprint: str | None = None,
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
             continue  # removed meanwhile
+        except OSError as exc:
+            report.findings.append(Finding(FindingKind.UNREADABLE_DIR, root,
+                                           f"cannot stat {name} ({exc.strerror})"))
+            continue
         if HEADER_NAME_RE.match(name):
             continue  # judged by _read_headers
         if FANOUT_NAME_RE.match(name):
@@ -257,6 +260,36 @@ def fsck(root: str, *, repair: bool = False, fingerprint: str | None = None,
                 else:
                     finding.detail += "; repair failed (see the log)"
     return report
+
+
+class StoreUnreadableError(OSError):
+    """The store directory itself cannot be checked: it is missing, not a directory,
+    or cannot be listed (``reason`` says which). Nothing was scanned."""
+
+    def __init__(self, root: str, reason: str, errno_: int | None = None) -> None:
+        super().__init__(errno_, f"store directory {root!r}: {reason}")
+        self.root = root
+        self.reason = reason
+
+
+def _list_store(root: str) -> list[str]:
+    """The names in the store directory, or ``StoreUnreadableError`` saying why not."""
+    try:
+        mode = os.stat(root).st_mode
+    except FileNotFoundError:
+        raise StoreUnreadableError(root, "does not exist", errno.ENOENT) from None
+    except OSError as exc:
+        raise StoreUnreadableError(root, f"cannot read it ({exc.strerror})", exc.errno) \
+            from None
+    if not stat.S_ISDIR(mode):
+        what = "a regular file" if stat.S_ISREG(mode) else describe_mode(mode)
+        raise StoreUnreadableError(root, f"{what}, not a directory", errno.ENOTDIR)
+    try:
+        return os.listdir(root)
+    except OSError as exc:
+        # e.g. a directory this user may not read: say so instead of a traceback
+        raise StoreUnreadableError(root, f"cannot list it ({exc.strerror}); run fsck as "
+                                   "a user that can read the store", exc.errno) from None
 
 
 def _identity(path: str) -> tuple[int, int] | None:

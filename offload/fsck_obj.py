@@ -5,9 +5,12 @@ tier's namespace (``kvbridge/offload/<fingerprint>/``) nor the fs tier (``fsck``
 
 Mooncake's client cannot list keys; its master can: ``GET /get_all_keys`` on the
 master's HTTP port (``--metrics_port``; ``kvbridge mooncake master`` prints it as
-``metrics_url``) answers every key, one per line. The list is read up to
-``MAX_KEY_LIST_BYTES``; names that are not the obj tier's are ignored (counted), a
-name under its prefix that it would not write is reported (``unknown_file``).
+``metrics_url``) answers every key, one per line. The list is read within one
+overall deadline (``--list-deadline``, default 60 s: a trickling port cannot hold
+fsck), up to ``--max-keys`` keys (default 1,000,000) and ``MAX_KEY_LIST_BYTES``;
+past either bound nothing is checked and the error names the bound. Names that
+are not the obj tier's are ignored (counted), a name under its prefix that it
+would not write is reported (``unknown_file``).
 
 Per block object ``<prefix><32 hex>`` and its digest object ``<name>.dg``
 (``kvbridge.offload.obj``): the digest object (at most ``MAX_BLOCK_HEADER_BYTES``)
@@ -36,11 +39,15 @@ stored again between the scan and the removal; that costs one miss, never wrong 
 from __future__ import annotations
 
 import http.client
+import io
 import mmap
 import re
+import socket
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +64,13 @@ OBJECT_RE = re.compile(rf"^{re.escape(OBJECT_ROOT)}([0-9a-f]{{8,64}})/([0-9a-f]{
                        rf"({re.escape(DIGEST_SUFFIX)})?$")
 #: the most of the master's key list that is read (a list longer than this is refused)
 MAX_KEY_LIST_BYTES = 256 << 20
+#: the whole key listing must be done within this (``--list-deadline``); a master lists
+#: a million keys in about a second, so this leaves room for a slow link, not a trickle
+DEFAULT_LIST_DEADLINE_S = 60.0
+#: keys listed at most (``--max-keys``): an obj tier holds two objects per block, so
+#: this is half a million blocks; a longer list is refused before it is all read
+DEFAULT_MAX_KEYS = 1_000_000
+_LIST_CHUNK_BYTES = 1 << 16
 #: registered staging memory for the blocks read at once
 MAX_STAGING_BYTES = 64 << 20
 
@@ -89,29 +103,123 @@ class _Checked:
     layers: tuple[int, ...] | None = None
 
 
-def list_keys(master_http: str, timeout_s: float = 10.0) -> list[str]:
-    """Every key the master holds (``GET /get_all_keys`` on its HTTP port), bounded."""
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each bounded by what is left of one overall deadline.
+
+    ``http.client`` bounds each ``recv`` by the socket timeout only, so a server that
+    sends a byte every few seconds (status line, headers or body) would hold it
+    forever; this makes the whole exchange end at ``deadline`` (``time.monotonic()``).
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise _ListDeadline()
+        self._sock.settimeout(remaining)
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise _ListDeadline() from None
+
+
+class _ListDeadline(Exception):
+    """The key list's overall deadline passed."""
+
+
+class _DeadlineSocket:
+    """What ``http.client`` needs of a socket, its reads bounded by ``_DeadlineReader``."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        assert mode == "rb"
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def sendall(self, data: bytes) -> None:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise _ListDeadline()
+        self._sock.settimeout(remaining)
+        try:
+            self._sock.sendall(data)
+        except TimeoutError:
+            raise _ListDeadline() from None
+
+    def close(self) -> None:
+        """Nothing: ``http.client`` closes its connection while the response still reads
+        from it (a ``Connection: close`` reply); ``list_keys`` closes the socket itself."""
+
+
+def list_keys(master_http: str, timeout_s: float = DEFAULT_LIST_DEADLINE_S,
+              max_keys: int = DEFAULT_MAX_KEYS) -> list[str]:
+    """Every key the master holds (``GET /get_all_keys`` on its HTTP port), bounded.
+
+    ``timeout_s``: the deadline of the whole listing (connect, headers, every byte of
+    the list), not of each read. ``max_keys``: more lines than this, and the list is
+    refused. Also refused: a list over ``MAX_KEY_LIST_BYTES``. Each refusal raises
+    ``OffloadError`` whose field names the bound (``list_deadline``, ``max_keys``,
+    ``master_http``), after reading no more than the bound allows.
+    """
     url = master_http if "://" in master_http else f"http://{master_http}"
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "http" or not parts.hostname or parts.port is None:
         raise OffloadError("master_http", f"expected http://HOST:PORT of the master's HTTP "
                            f"(metrics) port, got {master_http!r}")
+    if not timeout_s > 0 or max_keys < 1:
+        raise OffloadError("list_deadline" if not timeout_s > 0 else "max_keys",
+                           f"expected > 0, got {timeout_s if not timeout_s > 0 else max_keys}")
+    deadline = time.monotonic() + timeout_s
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    body = bytearray()
+    lines = 0
+    raw: socket.socket | None = None
     try:
+        conn.connect()
+        raw = conn.sock
+        assert raw is not None
+        conn.sock = _DeadlineSocket(raw, deadline)
         conn.request("GET", "/get_all_keys")
         response = conn.getresponse()
         if response.status != 200:
             raise OffloadError("master_http", f"GET {url}/get_all_keys answered "
                                f"{response.status} {response.reason}")
-        body = response.read(MAX_KEY_LIST_BYTES + 1)
-    except OSError as exc:
+        while True:
+            chunk = response.read1(_LIST_CHUNK_BYTES)
+            if not chunk:
+                break
+            body += chunk
+            lines += chunk.count(b"\n")
+            if lines > max_keys:
+                raise OffloadError("max_keys", f"the master at {url} lists more than "
+                                   f"{max_keys} keys (--max-keys); read {len(body)} bytes, "
+                                   "nothing checked. Raise --max-keys for a store this big")
+            if len(body) > MAX_KEY_LIST_BYTES:
+                raise OffloadError("master_http", f"the master's key list is over "
+                                   f"{MAX_KEY_LIST_BYTES} bytes; not read")
+    except _ListDeadline:
+        raise OffloadError("list_deadline", f"the master at {url} did not list its keys "
+                           f"within {timeout_s:g} s (--list-deadline; {len(body)} bytes, "
+                           f"{lines} keys read); nothing checked") from None
+    except (OSError, http.client.HTTPException) as exc:
         raise OffloadError("master_http", f"GET {url}/get_all_keys: {exc}") from None
     finally:
         conn.close()
-    if len(body) > MAX_KEY_LIST_BYTES:
-        raise OffloadError("master_http", f"the master's key list is over "
-                           f"{MAX_KEY_LIST_BYTES} bytes; not read")
-    return [line for line in body.decode("utf-8", "replace").splitlines() if line]
+        if raw is not None:
+            raw.close()
+    keys = [line for line in body.decode("utf-8", "replace").splitlines() if line]
+    if len(keys) > max_keys:   # a last line without its newline
+        raise OffloadError("max_keys", f"the master at {url} lists more than {max_keys} "
+                           "keys (--max-keys); nothing checked")
+    return keys
 
 
 class _Staging:
@@ -138,11 +246,16 @@ def _batches(items: Sequence[_Checked], per_batch: int) -> Iterable[Sequence[_Ch
 def fsck_obj(client: MooncakeStoreClient, master_http: str, *, repair: bool = False,
              fingerprint: str | None = None, digests: bool = True,
              keys: Sequence[str] | None = None,
-             progress: Callable[[str], None] | None = None) -> ObjFsckReport:
-    """Scan the obj tier's objects (``keys``: the key list, else asked of the master)."""
+             progress: Callable[[str], None] | None = None,
+             list_deadline_s: float = DEFAULT_LIST_DEADLINE_S,
+             max_keys: int = DEFAULT_MAX_KEYS) -> ObjFsckReport:
+    """Scan the obj tier's objects (``keys``: the key list, else asked of the master,
+    within ``list_deadline_s`` and at most ``max_keys``: see :func:`list_keys`)."""
     report = ObjFsckReport(root=f"mooncake {master_http}")
     pairs: dict[str, _Pair] = {}
-    for key in (list_keys(master_http) if keys is None else keys):
+    if keys is None:
+        keys = list_keys(master_http, list_deadline_s, max_keys)
+    for key in keys:
         if not key.startswith(OBJECT_ROOT):
             report.other_objects += 1
             continue

@@ -13,6 +13,7 @@ from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EndpointError,
     GapDetected,
     GapLost,
     KVEvent,
@@ -39,7 +40,8 @@ that could not be replayed, publisher restarts and malformed frames. With
 arrive before --timeout.
 
 exit codes: 0 ok (or stopped by --timeout without --count), 1 --count batches did
-not arrive in time, 2 usage error
+not arrive in time, 2 usage error (among them an ENDPOINT or --replay that ZeroMQ
+cannot connect to: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)
 """
 
 _BENCH_EPILOG = """\
@@ -82,7 +84,8 @@ def register(subparsers: Any) -> None:
         epilog=_TAIL_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    tail.add_argument("endpoint", metavar="ENDPOINT", help="the publisher's PUB endpoint")
+    tail.add_argument("endpoint", metavar="ENDPOINT",
+                      help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557")
     tail.add_argument("--replay", metavar="ENDPOINT", help="the publisher's replay ROUTER endpoint")
     tail.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     tail.add_argument(
@@ -252,7 +255,15 @@ def _tail(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvbridge events tail: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    with KVEventSubscriber(config, auth=auth) as subscriber:
+    try:
+        subscriber = KVEventSubscriber(config, auth=auth)
+    except EndpointError as exc:
+        argument = "ENDPOINT" if exc.field == "endpoint" else "--replay"
+        print(f"kvbridge events tail: {argument}: cannot connect to {exc.endpoint[:200]!r} "
+              f"({exc.reason}); expected tcp://HOST:PORT, ipc://PATH or inproc://NAME",
+              file=sys.stderr)
+        return EXIT_USAGE
+    with subscriber:
         while args.count is None or batches < args.count:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:

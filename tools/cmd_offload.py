@@ -46,6 +46,10 @@ against it. --repair removes both objects of a provably broken pair (bytes
 that do not match their digests, a torn digest object or another key's, a
 block of the wrong size) and a digest object whose block was evicted
 (orphan_digest). Objects outside kvbridge/offload/ are counted and left alone.
+The key list is bounded: the master must send all of it within --list-deadline
+seconds (default 60, for the whole list, however slowly it trickles) and list
+at most --max-keys keys (default 1000000) and 256 MiB; past a bound fsck stops
+reading, checks nothing, names the bound and exits 1.
 
 --json: fsck prints {"root", "layouts", "blocks_ok", "blocks_verified",
 "blocks_unverified", "ok", "findings": [{"kind",
@@ -63,7 +67,10 @@ checked on load) and the CPU tier's store and load paths through the manager
 + the copy out), in one run; ratio_of_off = GB/s with the mode / GB/s with
 verification off. The store/load rows above use the tiers' default (full).
 
-exit codes: 0 ok, 1 problems found (fsck) or failed jobs / mismatched bytes (bench), 2 usage error
+exit codes: 0 ok, 1 problems found (fsck), a --list-deadline or --max-keys bound
+hit (fsck --obj: nothing checked), or failed jobs / mismatched bytes (bench), 2
+usage error (among them a PATH that is missing, not a directory or cannot be
+read: nothing checked)
 """
 
 
@@ -94,6 +101,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "http://127.0.0.1:8080/metadata")
     check.add_argument("--master-http", metavar="HOST:PORT",
                        help="--obj: the master's HTTP (metrics) port, which lists the keys")
+    check.add_argument("--list-deadline", type=float, default=60.0, metavar="S",
+                       help="--obj: the master must list its keys within S seconds in all, "
+                            "else fsck stops, checks nothing and exits 1 (default 60)")
+    check.add_argument("--max-keys", type=int, default=1_000_000, metavar="N",
+                       help="--obj: a master that lists more than N keys is refused: fsck "
+                            "stops reading, checks nothing and exits 1 (default 1000000: "
+                            "two objects per block)")
     check.add_argument("--repair", action="store_true",
                        help="delete provably broken files (blocks failing their digests, torn "
                             "headers, short/oversize blocks, old temp files); without it, "
@@ -160,6 +174,8 @@ def _fsck_obj(args: argparse.Namespace) -> Any:
         return _usage(f"--obj needs {', '.join(missing)}")
     if args.path is not None:
         return _usage("--obj checks the Mooncake store: give no PATH")
+    if not args.list_deadline > 0 or args.max_keys < 1:
+        return _usage("--list-deadline and --max-keys must be > 0")
     try:
         config = MooncakeConfig(args.master, args.metadata)
     except (TypeError, ValueError) as exc:
@@ -169,7 +185,8 @@ def _fsck_obj(args: argparse.Namespace) -> Any:
         with MooncakeStoreClient(config) as client:
             return fsck_obj(client, args.master_http, repair=args.repair,
                             fingerprint=args.fingerprint, digests=not args.no_digests,
-                            progress=progress.update)
+                            progress=progress.update, list_deadline_s=args.list_deadline,
+                            max_keys=args.max_keys)
     except OffloadError as exc:
         print(f"kvbridge offload fsck: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -183,7 +200,7 @@ def _fsck_obj(args: argparse.Namespace) -> Any:
 
 def run_fsck(args: argparse.Namespace) -> int:
     from kvbridge.offload.fs import FINGERPRINT_RE
-    from kvbridge.offload.fsck import fsck
+    from kvbridge.offload.fsck import StoreUnreadableError, fsck
 
     if args.fingerprint is not None and not FINGERPRINT_RE.match(args.fingerprint):
         return _usage(f"--fingerprint: expected 8-64 lowercase hex digits, "
@@ -198,8 +215,8 @@ def run_fsck(args: argparse.Namespace) -> int:
         try:
             report = fsck(args.path, repair=args.repair, fingerprint=args.fingerprint,
                           min_temp_age_s=args.min_temp_age, digests=not args.no_digests)
-        except FileNotFoundError as exc:
-            return _usage(str(exc))
+        except StoreUnreadableError as exc:
+            return _usage(f"PATH: {exc.strerror}")
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

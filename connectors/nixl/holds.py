@@ -8,10 +8,14 @@ hello comes within ``early_grace_s``. From a peer: ``begin`` is answered with
 with the digests asked, :mod:`.hold_digests`), ``read`` with an ``ack``,
 heartbeats renew leases, and ``register`` goes to :mod:`.push`. A message that
 names another consumer rank than its hello, or a wrong count of notifying
-ranks, is rejected: counted, logged once per sender, never acted on.
+ranks, is rejected: counted, logged once per sender, never acted on. An agent
+whose hello does not authenticate is rejected with everything it sent before it
+and sends after it, at once (``_unauthenticated``, bounded); an unknown agent's
+messages are counted in ``notifs_deferred`` as they arrive and in
+``notifs_rejected`` when no hello follows within ``early_grace_s``.
 
 Owns: ``_consumers``, ``_deferred``, ``_pending_acks``, ``_early_begins``,
-``_rejected_senders``, ``_expected_by_sizes`` and the answers sent to consumers
+``_rejected_senders``, ``_unauthenticated``, ``_expected_by_sizes`` and the answers sent to consumers
 (``_send_to``). May not touch: the consumer side (loads, sessions), nor the
 push jobs beyond handing a ``register`` to :mod:`.push`.
 """
@@ -65,6 +69,10 @@ class HoldSide(WorkerState):
         """
         consumer = self._consumers.get(sender)
         if consumer is None:
+            if sender in self._unauthenticated:
+                self._reject(sender, f"{type(msg).__name__} from an agent whose hello did "
+                                     "not authenticate")
+                return
             self._defer(sender, msg, now)
             return
         if isinstance(msg, messages.ReadDone | messages.Register | messages.Begin):
@@ -136,6 +144,7 @@ class HoldSide(WorkerState):
             self._reject(sender, f"no hello from it after {MAX_DEFERRED_PER_AGENT} messages")
             return
         waiting.append((now, msg))
+        self._counters["notifs_deferred"] += 1
 
     def _expire_deferred(self, now: float) -> None:
         for rid, begins in list(self._early_begins.items()):
@@ -166,6 +175,18 @@ class HoldSide(WorkerState):
                        "(%s; logged once per agent, counted in notifs_rejected)",
                        self.ctx.engine_id, self.rank_index, sender[:128], reason)
 
+    def _refuse_hello(self, sender: str, reason: str) -> None:
+        """A hello that does not authenticate: rejected, and so is what the agent sent
+        before it (kept for its hello) and sends after it, at once, each counted."""
+        self._reject(sender, reason)
+        if sender not in self._unauthenticated and \
+                len(self._unauthenticated) >= MAX_LOGGED_SENDERS:
+            self._unauthenticated.pop(next(iter(self._unauthenticated)))
+        self._unauthenticated[sender] = None
+        for _at, waiting in self._deferred.pop(sender, []):
+            self._reject(sender, f"{type(waiting).__name__} from an agent whose hello did "
+                                 "not authenticate")
+
     def _on_hello(self, sender: str, msg: messages.Hello, now: float) -> None:
         assert self.transport is not None
         agent = msg.agent
@@ -173,11 +194,13 @@ class HoldSide(WorkerState):
             try:
                 agent = self.auth.open_request(Label.NIXL_HELLO, agent).body
             except AuthError as exc:
-                self._reject(sender, f"its hello does not authenticate: {exc.reason}")
+                self._refuse_hello(sender, f"its hello does not authenticate: {exc.reason}")
                 return
         elif is_sealed(agent):
-            self._reject(sender, "its hello is sealed with a cluster secret; this rank has none")
+            self._refuse_hello(sender, "its hello is sealed with a cluster secret; this rank "
+                                       "has none")
             return
+        self._unauthenticated.pop(sender, None)
         meta = decode_agent(agent)
         if meta.agent_name != sender:
             raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")

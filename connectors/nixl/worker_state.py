@@ -242,6 +242,9 @@ class WorkerState(WorkerConnector):
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
             "peer_restarts": 0, "requests_refused": 0, "handshakes_abandoned": 0,
             "notifs_rejected": 0,
+            # producer: notifications of agents not (yet) peers, kept until their hello
+            # or, after early_grace_s, rejected (notifs_rejected)
+            "notifs_deferred": 0,
             # producer: begins that came before the hold started, answered when it did
             "begins_before_hold": 0,
             # verified KV (issue 18): blocks checked against the producer's digests, found
@@ -254,6 +257,9 @@ class WorkerState(WorkerConnector):
         #: producer: notifications of agents that have not said hello, (received at, msg)
         self._deferred: dict[str, list[tuple[float, messages.Notif]]] = {}
         self._rejected_senders: dict[str, None] = {}  # insertion-ordered, bounded
+        #: producer: agents whose hello did not authenticate (insertion-ordered, bounded):
+        #: what they send next is rejected at once, not kept for a hello that came
+        self._unauthenticated: dict[str, None] = {}
         self._expected_by_sizes: dict[ParallelTopology, int] = {}
         self._closed = False
         self._state_lock = threading.RLock()

@@ -88,6 +88,43 @@ def test_a_captured_message_cannot_be_sent_again(engine: EngineProcess) -> None:
     assert again["type"] == "AuthError" and "replayed" in again["error"]
 
 
+def test_a_sealed_body_that_is_not_msgpack_is_refused_with_its_reason(
+        engine: EngineProcess) -> None:
+    """Before: a member's sealed body that msgpack refuses without a message (a type byte
+    it never uses, nesting past its stack) was answered "not one msgpack map (FormatError: )"."""
+    auth = ClusterAuth(Secret.from_value(SECRET))
+    for body, says in ((b"\xc1", "no msgpack type"),
+                       (b"\x91" * 5000 + b"\xc0", "nested deeper"),
+                       (b"\x80junk", "bytes after the first msgpack object")):
+        wire, nonce = auth.seal_request(Label.CONTROL, body)
+        reply = msgpack.unpackb(auth.open_reply(Label.CONTROL, nonce,
+                                                _raw(engine.port, [wire])), raw=False)
+        assert reply["ok"] is False and reply["type"] == "ProtocolError", reply
+        assert reply["error"].startswith("message: not one msgpack map (") and says in \
+            reply["error"], reply
+        assert not reply["error"].endswith(": )"), reply
+    assert engine.call("info")["engine_id"] == engine.engine_id
+
+
+def test_a_sealed_message_over_the_limit_is_answered_with_the_limit(
+        engine: EngineProcess) -> None:
+    """Before: no reply at all (the client's own timeout). It is refused on its size
+    before anything is read, so the answer is unsealed, and the member's client takes
+    a refusal unsealed (never a success)."""
+    limit = engine.call("info")["limits"]["max_message_bytes"]
+    auth = ClusterAuth(Secret.from_value(SECRET))
+    context = zmq.Context()
+    sock = connect_control(context, "127.0.0.1", engine.port, 20.0)
+    try:
+        reply = control_exchange(sock, auth, "info", {"pad": b"\0" * (limit + (1 << 20))})
+    finally:
+        sock.close(linger=0)
+        context.term()
+    assert reply["ok"] is False and reply["type"] == "ProtocolError", reply
+    assert f"this engine takes at most {limit} per message" in reply["error"], reply
+    assert engine.call("info")["engine_id"] == engine.engine_id
+
+
 def test_a_refused_bind_is_refused_before_any_engine_is_built(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvbridge.connectors import ConfigError

@@ -19,6 +19,7 @@ import msgpack
 import pytest
 import zmq
 
+from kvbridge.auth import HEADER_BYTES
 from kvbridge.engine.control import (
     ControlLimits,
     ProtocolError,
@@ -254,22 +255,53 @@ def test_error_replies_name_the_field_not_a_raw_exception(served: Served) -> Non
     served.assert_serving()
 
 
-def test_an_oversized_frame_is_dropped_unread_and_memory_stays_bounded(
+def test_an_oversized_message_is_answered_with_the_limit_unread_and_memory_stays_bounded(
         served: Served) -> None:
-    """Before: no MAXMSGSIZE; a 400 MB frame was parsed (RSS +800 MB, kept)."""
+    """Before: a REP socket with MAXMSGSIZE dropped a frame over the limit with its
+    connection, unanswered: the client saw only its own timeout. (And before that: no
+    bound; a 400 MB frame was parsed, RSS +800 MB, kept.)"""
     served.assert_serving()
     limits = ControlLimits.from_dict(served.call({"op": "info"})["limits"])
     assert limits == ControlLimits.for_pools(NUM_BLOCKS, [16])
     rss_before = served.rss_bytes()
+    just_over = msgpack.packb({"op": "info", "pad": b"\0" * (limits.max_message_bytes
+                                                             + HEADER_BYTES)},
+                              use_bin_type=True)
     pad = 64 << 20
     assert pad > 4 * limits.max_message_bytes
-    frame = msgpack.packb({"op": "info", "pad": b"\0" * pad}, use_bin_type=True)
-    for _ in range(3):
-        assert served.send_frames([frame], timeout_s=5) is None  # connection dropped
-    del frame
+    huge = msgpack.packb({"op": "info", "pad": b"\0" * pad}, use_bin_type=True)
+    for frame in (just_over, huge, huge, huge):
+        reply = served.send_frames([frame], timeout_s=20)
+        assert reply is not None, "no answer: the client would only see its own timeout"
+        error = _error(reply)
+        assert reply["type"] == "ProtocolError", reply
+        assert error.startswith("message: over ") and f"this engine takes at most " \
+            f"{limits.max_message_bytes} per message" in error, error
+    # the sealed form: the engine has no secret here, but the size is refused first
+    sealed = b"KVA1" + bytes(56) + huge
+    assert "this engine takes at most" in _error(served.send_frames([sealed], timeout_s=20))
+    del just_over, huge, sealed
     served.assert_serving()
-    # far less than one such frame (the unfixed server kept about twice each)
+    # far less than one such message: the bodies were dropped as they arrived
     assert served.rss_bytes() - rss_before < 16 << 20
+
+
+def test_a_message_in_many_frames_past_the_limit_is_answered_and_the_client_goes_on(
+        served: Served) -> None:
+    """The bound is the whole message's, not each frame's: many frames each under the
+    limit but together over it get the same answer, and the connection serves on."""
+    limits = ControlLimits.from_dict(served.call({"op": "info"})["limits"])
+    part = b"\0" * (limits.max_message_bytes // 3)
+    sock = served.socket()
+    try:
+        sock.send_multipart([part] * 5)
+        error = _error(msgpack.unpackb(sock.recv(), raw=False))
+        assert error.startswith("message: over "), error
+        sock.send(msgpack.packb({"op": "info"}))        # the same connection goes on
+        assert msgpack.unpackb(sock.recv(), raw=False)["ok"] is True
+    finally:
+        sock.close(linger=0)
+    served.assert_serving()
 
 
 # ---------------------------------------------------------------------------- the decoder

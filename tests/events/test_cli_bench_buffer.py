@@ -16,13 +16,16 @@ from kvbridge.events import (
     BlockRemoved,
     BlockStored,
     CollectingEventSink,
+    EndpointError,
     EventBuffer,
     EventSink,
     KVEventPublisher,
+    KVEventSubscriber,
     Locality,
     Medium,
     NullEventSink,
     PublisherConfig,
+    SubscriberConfig,
 )
 from kvbridge.events.bench import engine_like_batches, run_events_bench
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
@@ -87,6 +90,23 @@ def test_tail_usage_errors_and_timeout(publisher: KVEventPublisher) -> None:
     # Nothing published: the count is not reached before the timeout.
     assert main(["events", "tail", publisher.endpoint, "--count", "1",
                  "--timeout", "0.3"]) == EXIT_FAILURE
+
+
+def test_tail_refuses_an_endpoint_zmq_cannot_connect_to_naming_the_argument(
+        publisher: KVEventPublisher, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a ZMQError traceback and exit 1."""
+    assert main(["events", "tail", "not-an-endpoint", "--timeout", "1"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("kvbridge events tail: ENDPOINT: cannot connect to "
+                          "'not-an-endpoint' (") and "tcp://HOST:PORT" in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert main(["events", "tail", publisher.endpoint, "--replay", "tcp://no-port",
+                 "--timeout", "1"]) == EXIT_USAGE
+    assert capsys.readouterr().err.startswith("kvbridge events tail: --replay: cannot "
+                                              "connect to 'tcp://no-port'")
+    with pytest.raises(EndpointError) as info:
+        KVEventSubscriber(SubscriberConfig(endpoint="udp://1.2.3.4:5"))
+    assert info.value.field == "endpoint"
 
 
 def test_bench_reports_both_paths_and_their_ratio() -> None:

@@ -9,6 +9,7 @@ import zmq
 
 from kvbridge.handshake.zmtp import (
     MAX_COMMAND_BYTES,
+    Oversized,
     ZmtpConnection,
     ZmtpError,
     encode_frame,
@@ -49,6 +50,34 @@ def test_a_message_past_its_byte_bound_is_refused_on_the_frame_header() -> None:
     with pytest.raises(ZmtpError, match="more than 1000 bytes"):
         conn.feed(bytes([0x03]) + struct.pack(">Q", 1 << 40))
     assert conn.buffered <= 1000 + 9
+
+
+def test_an_oversized_message_is_reported_at_its_header_then_dropped_unbuffered() -> None:
+    """``answer_oversized`` (the engine's control port): the message that goes over is
+    reported as soon as the header that takes it over arrives, its bytes are dropped
+    as they come, however split, and the next message comes out whole."""
+    conn = ZmtpConnection(1000, 3, answer_oversized=True)
+    assert conn.feed_items(GREETING + _ready()) == []
+    head = encode_frame(b"", more=True) + encode_frame(b"a" * 600, more=True)
+    over = bytes([0x02]) + struct.pack(">Q", 5000)     # LONG, last frame, 5000 bytes
+    got = conn.feed_items(head + over)
+    assert got == [Oversized((b"", b"a" * 600), 5600)]
+    body = b"z" * 5000
+    out: list = []
+    for i in range(0, len(body), 7):
+        out += conn.feed_items(body[i:i + 7])
+        assert conn.buffered <= 1000 + 9              # never the dropped body
+    out += conn.feed_items(encode_message([b"", b"next"]))
+    assert out == [[b"", b"next"]]
+    # a dropped message whose frames go on (MORE): each is dropped up to the last one
+    got = conn.feed_items(bytes([0x03]) + struct.pack(">Q", 2000) + b"x" * 2000
+                          + encode_frame(b"y" * 10, more=True) + encode_frame(b"w")
+                          + encode_message([b"after"]))
+    assert got == [Oversized((), 2000), [b"after"]]
+    # feed() (the handshake server and client) still refuses such a message
+    plain = _connected(max_bytes=1000)
+    with pytest.raises(ZmtpError, match="more than 1000 bytes"):
+        plain.feed(over)
 
 
 def test_a_message_past_its_frame_bound_is_refused() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -411,3 +412,75 @@ def test_header_rejects_another_block_size_and_bad_fingerprint(make_fs, store_di
         make_fs(fingerprint="../x")
     other = make_fs(fingerprint="fedcba9876543210", block_bytes=8192)   # another layout: fine
     assert other.block_bytes == 8192
+
+
+def _same_fanout(key: bytes, count: int, avoid: set[bytes]) -> list[bytes]:
+    """``count`` keys whose block files share ``key``'s fan-out directory."""
+    want = FileMapper.key_hash(key)[:2]
+    found = [c for c in (b"fan|%d" % i for i in range(100_000))
+             if FileMapper.key_hash(c)[:2] == want and c not in avoid]
+    return found[:count]
+
+
+def test_a_fanout_directory_that_is_a_symlink_is_refused_for_stores_and_loads(
+        make_fs, store_dir, tmp_path) -> None:
+    """Before: a fan-out directory replaced by a symlink stored and loaded block files
+    outside the store root (fsck flagged the link; the tier used it)."""
+    tier = make_fs()
+    victim, other = k(0), next(k(i) for i in range(1, 999)
+                               if FileMapper.key_hash(k(i))[:2] != FileMapper.key_hash(k(0))[:2])
+    store(tier, [victim, other])
+    tier.shutdown()
+    fanout = os.path.dirname(tier.path(victim))
+    outside = str(tmp_path / "outside")
+    shutil.move(fanout, outside)          # the victim's block file now lies outside the root
+    os.symlink(outside, fanout)
+    before = sorted(os.listdir(outside))
+    assert before == [os.path.basename(tier.path(victim))]
+
+    tier = make_fs()
+    assert settle_lookup(tier, "r1", victim) is False     # not even looked at
+    assert settle_lookup(tier, "r1", other) is True
+    bufs = Buffers(2)
+    tier.submit_load(1, [victim, other], bufs.lists(2))
+    result = finish(tier, 1)
+    assert not result.success and result.successful_keys == (other,)   # the victim alone
+    assert bytes(bufs.block(0)) == bytes(BLOCK)           # nothing read from outside
+    assert bytes(bufs.block(1)) == block_content(other, BLOCK)
+    new = _same_fanout(victim, 1, {victim})[0]
+    bufs = Buffers(2)
+    bufs.block(0)[:] = block_content(new, BLOCK)
+    bufs.block(1)[:] = block_content(k(7), BLOCK)
+    tier.submit_store(2, [new, k(7)], bufs.lists(2))
+    result = finish(tier, 2)
+    assert not result.success and result.successful_keys == (k(7),)
+    assert sorted(os.listdir(outside)) == before          # nothing written outside
+    assert tier.stats.extra["fanout_refused"] == 2
+    assert tier.stats.loads_failed == 1 and tier.stats.stores_failed == 1
+    assert tier.stats.files_deleted == 0 and tier.stats.files_quarantined == 0
+    assert os.path.islink(fanout)                         # the tier removes nothing of it
+
+
+def test_a_fanout_directory_swapped_for_a_symlink_while_the_tier_runs_is_refused(
+        make_fs, store_dir, tmp_path) -> None:
+    tier = make_fs(fanout_recheck_s=0.0)   # judged again at every job
+    keys = [k(0), *_same_fanout(k(0), 2, {k(0)})]
+    store(tier, keys[:1])
+    fanout = os.path.dirname(tier.path(keys[0]))
+    outside = str(tmp_path / "outside")
+    shutil.move(fanout, outside)
+    os.symlink(outside, fanout)
+    bufs = Buffers(2)
+    for i, key in enumerate(keys[1:]):
+        bufs.block(i)[:] = block_content(key, BLOCK)
+    tier.submit_store(3, keys[1:], bufs.lists(2))
+    result = finish(tier, 3)
+    assert not result.success and result.successful_keys == ()
+    assert sorted(os.listdir(outside)) == [os.path.basename(tier.path(keys[0]))]
+    assert tier.stats.extra["fanout_refused"] == 2
+    # an operator puts a real directory back: the tier uses it again
+    os.unlink(fanout)
+    os.mkdir(fanout)
+    tier.submit_store(4, keys[1:], bufs.lists(2))
+    assert finish(tier, 4).success
+    assert len(os.listdir(fanout)) == 2

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
 
 from kvbridge.offload.fs import FileMapper
-from kvbridge.offload.fsck import FindingKind, fsck
+from kvbridge.offload.fsck import FindingKind, StoreUnreadableError, fsck
 from kvbridge.tools.cli import main
-from tests.conftest import assert_figures
+from tests.conftest import assert_figures, missing_backend
 
 FP = "0123456789abcdef"
 OTHER_FP = "fedcba9876543210"
@@ -130,6 +134,55 @@ def test_cli_fsck_exit_codes_and_json(messy_store, store_dir, capsys) -> None:
     assert main(["offload", "fsck", os.path.join(store_dir, "nope")]) == 2
     assert main(["offload", "fsck", store_dir, "--fingerprint", "XYZ"]) == 2
     assert main(["offload"]) == 2
+
+
+#: runs the CLI as an unprivileged user: root reads a directory whatever its mode, so the
+#: parser (and every module it imports) is built first, then root drops to ``nobody``
+_AS_NOBODY = """
+import os, sys
+from kvbridge.tools import cli
+import kvbridge.offload.fsck
+cli.build_parser()
+if os.geteuid() == 0:
+    try:
+        os.setgid(65534)
+        os.setuid(65534)
+    except OSError as exc:
+        sys.exit(f"cannot drop privileges: {exc}")
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_cli_fsck_of_a_store_it_cannot_read_is_one_line_and_exit_2(tmp_path, capsys) -> None:
+    """Before: a PermissionError traceback (and a file given as PATH: "does not exist")."""
+    outer = tempfile.mkdtemp(prefix="kvb-fsck-")   # not under pytest's root-only tmp dir
+    try:
+        os.chmod(outer, 0o755)
+        store = os.path.join(outer, "store")
+        os.mkdir(store, 0o700)
+        with open(os.path.join(store, "layout-0123456789abcdef.json"), "w") as fh:
+            fh.write("{}")
+        if os.geteuid() != 0:
+            os.chmod(store, 0)           # its owner cannot list it either
+        proc = subprocess.run([sys.executable, "-c", _AS_NOBODY, "offload", "fsck", store],
+                              capture_output=True, text=True, timeout=120)
+        if proc.stderr.startswith("cannot drop privileges"):
+            missing_backend(proc.stderr.strip())
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (f"kvbridge offload fsck: PATH: store directory {store!r}: "
+                               "cannot list it (Permission denied); run fsck as a user that "
+                               "can read the store\n"), proc.stderr
+        assert proc.stdout == ""
+    finally:
+        os.chmod(os.path.join(outer, "store"), 0o700)
+        shutil.rmtree(outer)
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"x")
+    assert main(["offload", "fsck", str(a_file)]) == 2
+    assert capsys.readouterr().err == (f"kvbridge offload fsck: PATH: store directory "
+                                       f"{str(a_file)!r}: a regular file, not a directory\n")
+    with pytest.raises(StoreUnreadableError, match="does not exist"):
+        fsck(str(tmp_path / "nope"))
 
 
 def test_cli_fsck_clean_store_exits_zero(make_fs, store_dir, capsys) -> None:

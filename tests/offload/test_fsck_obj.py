@@ -8,6 +8,9 @@ orphan digest object), a torn digest object, a stray name under the tier's prefi
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -18,6 +21,7 @@ from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fsck import FindingKind
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.testing import block_content
+from kvbridge.offload.types import OffloadError
 from tests.conftest import require
 
 require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
@@ -151,3 +155,108 @@ def test_cli_obj_reports_json_and_checks_its_flags(client, mooncake_master, stor
     assert "--obj needs --metadata, --master-http" in capsys.readouterr().err
     assert cli_main(["offload", "fsck"]) == 2
     assert "give the store directory PATH" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ a hostile key-listing port
+
+class HostileHttp:
+    """A port on 127.0.0.1 that answers ``GET /get_all_keys`` badly, on a thread of its
+    own: ``trickle`` (one byte every 50 ms, in the headers or in the body) or ``endless``
+    (keys as fast as the client reads them). It gives up after ``give_up_s`` so that a
+    client without bounds ends too (with a wrong answer the test then refuses)."""
+
+    def __init__(self, mode: str, give_up_s: float = 20.0) -> None:
+        self.mode = mode
+        self.give_up_s = give_up_s
+        self.sent = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        self.listener.settimeout(self.give_up_s)
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        give_up = time.monotonic() + self.give_up_s
+        with conn:
+            conn.settimeout(self.give_up_s)
+            try:
+                conn.recv(4096)                      # the request
+                if self.mode == "trickle-headers":
+                    conn.sendall(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+                    chunk = b"x"
+                elif self.mode == "trickle-body":
+                    conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n")
+                    chunk = b"k"
+                else:
+                    conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n")
+                    chunk = b"".join(b"someone-else/%032x\n" % i for i in range(1000))
+                while time.monotonic() < give_up:
+                    conn.sendall(chunk)
+                    self.sent += len(chunk)
+                    if self.mode != "endless":
+                        time.sleep(0.05)
+            except OSError:
+                return                               # the client went away: done
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(self.give_up_s + 5)
+
+
+@pytest.mark.parametrize("mode", ["trickle-headers", "trickle-body"])
+def test_a_trickling_key_list_ends_at_the_overall_deadline(mode: str) -> None:
+    """Before: each read had a 10 s timeout and no deadline over them; a byte every 2 s
+    held fsck for as long as the port liked."""
+    server = HostileHttp(mode)
+    try:
+        with pytest.raises(OffloadError) as info:
+            list_keys(server.url, timeout_s=1.0)
+        assert info.value.field == "list_deadline", info.value
+        assert "did not list its keys within 1 s (--list-deadline" in info.value.reason
+        assert server.sent > 0                       # it was trickling, not silent
+    finally:
+        server.close()
+
+
+def test_an_endless_key_list_is_refused_at_max_keys() -> None:
+    """Before: read up to 256 MiB (millions of keys) before it was refused."""
+    server = HostileHttp("endless")
+    try:
+        with pytest.raises(OffloadError) as info:
+            list_keys(server.url, timeout_s=60.0, max_keys=5000)
+        assert info.value.field == "max_keys", info.value
+        assert "lists more than 5000 keys (--max-keys)" in info.value.reason
+    finally:
+        server.close()
+    # what it made the server send: the bound plus socket buffers, far from 256 MiB
+    assert server.sent < 64 << 20
+
+
+def test_cli_obj_names_the_bound_it_hit_and_exits_1(mooncake_master,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["offload", "fsck", "--obj", "--master", mooncake_master.rpc_address,
+            "--metadata", mooncake_master.metadata_url]
+    server = HostileHttp("trickle-body")
+    try:
+        assert cli_main([*base, "--master-http", server.url, "--list-deadline", "1"]) == 1
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    assert err.startswith("kvbridge offload fsck: list_deadline: the master at "
+                          f"http://{server.url} did not list its keys within 1 s"), err
+    server = HostileHttp("endless")
+    try:
+        assert cli_main([*base, "--master-http", server.url, "--max-keys", "100"]) == 1
+    finally:
+        server.close()
+    assert "max_keys: the master at" in capsys.readouterr().err
+    assert cli_main([*base, "--master-http", "127.0.0.1:1", "--max-keys", "0"]) == 2
+    assert "--list-deadline and --max-keys must be > 0" in capsys.readouterr().err

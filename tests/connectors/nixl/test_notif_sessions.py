@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from kvbridge.auth import resolve_auth
+from kvbridge.auth import ClusterAuth, Label, Secret, resolve_auth
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.worker import MAX_DEFERRED_PER_AGENT
@@ -123,6 +123,42 @@ def test_a_strangers_notifications_release_nothing_and_queue_nothing() -> None:
         rogue.close(strict=False)
         producer.close()
         _shutdown_clean(consumer)
+
+
+def test_an_unauthenticated_agents_read_notifications_are_rejected_at_once() -> None:
+    """Before: a ``read`` from an agent whose hello did not authenticate (sealed with
+    another secret; or sealed at all, for a rank without one) was kept, uncounted, for a
+    hello that had already come, and only counted once ``early_grace_s`` passed. With a
+    grace far longer than this test waits, each must now be counted as it arrives (a read
+    before any hello: as deferred at once, then rejected with the hello)."""
+    producer = _producer(early_grace_s=600.0)
+    rogue = NixlTransport(f"kvb-forger-{uuid.uuid4().hex[:8]}")
+    memory = torch.zeros(1 << 20, dtype=torch.uint8)
+    rogue.register_regions([memory])
+    try:
+        spec, params, peers = _held_request(producer, rogue, 33, "forger")
+        rid = params.producer_request_id
+        spec_model = load_spec(MODEL)
+        me = ParallelTopology(tp_size=1)
+        shape = spec_model.rank_shapes(me)[0]
+        layer_addrs = {layer: memory.data_ptr() + i * shape.block_bytes_per_layer
+                       for i, layer in enumerate(shape.layer_ids)}
+        doc = encode_agent(AgentMetadata.build("forger", rogue.name, rogue.agent_metadata(),
+                                               spec_model, me, layer_addrs, 1))
+        # never this cluster's secret: another one where the rank has one, any where not
+        other = ClusterAuth(Secret.from_value("not-the-cluster-secret-0123456789abcdef"))
+        hello = messages.Hello(other.seal_request(Label.NIXL_HELLO, doc)[0])
+        reads = [messages.ReadDone(rid, 0, 1), messages.ReadDone(rid, 0, 1, read=False)]
+        _send_all(rogue, peers, [messages.ReadDone(rid, 0, 1), hello, *reads])
+        # per producer rank: the read before the hello, the hello, the two after it
+        assert _wait_rejected(producer, rogue, 4 * len(peers), 60) == 4 * len(peers)
+        stats = _producer_worker_stats(producer)
+        # the read that came before the hello was counted as it arrived: deferred
+        assert stats["notifs_deferred"] == len(peers) and stats.get("bad_notifs", 0) == 0
+        assert stats["notifs_rejected"] == 4 * len(peers)
+    finally:
+        rogue.close(strict=False)
+        producer.close()
 
 
 def test_a_peer_cannot_speak_for_another_consumer_rank_or_miscount_the_ranks() -> None:
