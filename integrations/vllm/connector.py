@@ -82,7 +82,6 @@ from kvbridge.connectors import (
 )
 from kvbridge.integrations.vllm.description import (
     CONNECTOR_KEY,
-    FALLBACK_PATHS,
     SAME_PROCESS_CONNECTORS,
     EngineDescription,
     _resolve,
@@ -110,7 +109,6 @@ if TYPE_CHECKING:
 
 __all__ = [  # the classes vLLM loads by name, and what others import from here
     "CONNECTOR_KEY",
-    "FALLBACK_PATHS",
     "PARAMS_KEY",
     "SAME_PROCESS_CONNECTORS",
     "EngineDescription",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.connectors import ConnectorConfig, UnknownConnectorError
+from kvbridge.connectors import ConnectorConfig
 from kvbridge.connectors import registry as kvb_registry
 from kvbridge.integrations.vllm.layout import (
     REQUIRED_LAYOUT,
@@ -37,13 +37,6 @@ if TYPE_CHECKING:
 
 #: Adapter-only key of ``kv_connector_extra_config``.
 CONNECTOR_KEY = "kvbridge_connector"
-
-#: Where kvbridge's own connectors live, for installs whose entry points are missing.
-FALLBACK_PATHS = {
-    "nixl": "kvbridge.connectors.nixl:NixlPlugin",
-    "shared_storage": "kvbridge.connectors.shared_storage:SharedStoragePlugin",
-}
-
 
 #: kvbridge connectors whose two halves share memory: one process, unless the
 #: offloading connector's CPU slots are file-backed (``shm_dir``).
@@ -189,11 +182,6 @@ class EngineDescription:
 
 
 def _resolve(config: ConnectorConfig) -> Any:
-    try:
-        return kvb_registry.resolve(config)
-    except UnknownConnectorError:
-        fallback = FALLBACK_PATHS.get(config.connector)
-        if fallback is None:
-            raise
-        return kvb_registry.resolve(ConnectorConfig(fallback, config.role, config.engine_id,
-                                                    config.extra, config.load_failure_policy))
+    """The connector's plugin: kvbridge's own are known to the registry in code, so an
+    install without entry points (a source tree) finds them too."""
+    return kvb_registry.resolve(config)
