@@ -141,12 +141,15 @@ def _mooncake_available() -> None:
 
 
 def bench_mooncake(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
-                   master: str | None = None, metadata: str | None = None) -> dict[str, Any]:
+                   master: str | None = None, metadata: str | None = None,
+                   device: str = "cpu") -> dict[str, Any]:
+    """``device`` cuda[:N]: the connector's KV on the GPU, put and got through its
+    staging buffer, against raw Mooncake on pinned host copies of the same bytes."""
     _mooncake_available()
     from kvbridge.connectors.mooncake_store.bench import run_bench
 
     raw = run_bench(tuple(patterns), rounds=max(1, iters), master_address=master,
-                    metadata_server=metadata)
+                    metadata_server=metadata, device=device)
     rows = []
     for p in raw["patterns"]:
         for op in ("put", "get"):

@@ -147,7 +147,7 @@ def run_suite(names: Sequence[str], *, patterns: Sequence[tuple[int, int]] | Non
             elif name == "nixl-scale":
                 result = bench_nixl_scale(chosen, quick, layers, per_block)
             elif name == "mooncake":
-                result = bench_mooncake(chosen, iters, quick, master, metadata)
+                result = bench_mooncake(chosen, iters, quick, master, metadata, device=device)
             elif name == "offload":
                 result = bench_offload(chosen, iters, quick, directory)
             elif name == "events":
@@ -254,9 +254,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nixl-scale: also prepare per-block lists (one row per block and "
                              "layer: slow and memory-hungry at real sizes)")
     parser.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
-                        help="where the KV of the digests and nixl-cost paths lives (default "
-                             "cpu); cuda[:N]: digests on the device (with triton, the fused "
-                             "Triton kernel's rows too), nixl-cost VRAM to VRAM")
+                        help="where the KV of the digests, nixl-cost and mooncake paths "
+                             "lives (default cpu); cuda[:N]: digests on the device (with "
+                             "triton, the fused Triton kernel's rows too), nixl-cost VRAM to "
+                             "VRAM, mooncake through the connector's staging buffer")
     parser.add_argument("--progress", action="store_true",
                         help="progress on stderr even when it is not a terminal")
     parser.add_argument("--markdown", action="store_true",
