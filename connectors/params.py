@@ -32,6 +32,7 @@ from typing import Any
 
 from kvbridge.connectors.errors import TransferParamsError
 from kvbridge.layouts import LayoutError, ParallelTopology
+from kvbridge.layouts.limits import MAX_BLOCK_ID, MAX_PARAMS_BLOCK_IDS, MAX_REGIONS
 
 #: Version this kvbridge writes and the only one it reads.
 TRANSFER_PARAMS_VERSION = 1
@@ -68,21 +69,42 @@ def _check_port(name: str, value: object, *, optional: bool = False) -> None:
 
 
 def normalize_block_ids(value: object, name: str = "block_ids") -> BlockIds:
-    """``[[1, 2], [7]]`` -> ``((1, 2), (7,))`` after checking every id is an int >= 0."""
+    """``[[1, 2], [7]]`` -> ``((1, 2), (7,))`` after checking every id is an int >= 0.
+
+    The lists' lengths are bounded first (:data:`MAX_PARAMS_BLOCK_IDS` ids in all):
+    an oversized record is refused before a single id is read.
+    """
     if not isinstance(value, list | tuple):
         raise _fail(name, f"expected a list of block-id lists (one per region), "
                           f"got {type(value).__name__}")
-    groups: list[tuple[int, ...]] = []
+    if len(value) > MAX_REGIONS:
+        raise _fail(name, f"{len(value)} block-id lists; at most {MAX_REGIONS} (one per region)")
+    total = 0
     for index, group in enumerate(value):
         if not isinstance(group, list | tuple):
             raise _fail(f"{name}[{index}]", f"expected a list of block ids, "
                                             f"got {type(group).__name__}")
+        total += len(group)
+        if total > MAX_PARAMS_BLOCK_IDS:
+            raise _fail(f"{name}[{index}]", f"{len(group)} block ids; a transfer params "
+                                            f"record carries at most {MAX_PARAMS_BLOCK_IDS} "
+                                            f"in all")
+    groups: list[tuple[int, ...]] = []
+    for index, group in enumerate(value):
         for position, block_id in enumerate(group):
             if not isinstance(block_id, int) or isinstance(block_id, bool) or block_id < 0:
                 raise _fail(f"{name}[{index}][{position}]",
-                            f"expected a block id (integer >= 0), got {block_id!r}")
+                            f"expected a block id (integer >= 0), got {_shown(block_id)}")
         groups.append(tuple(group))
     return tuple(groups)
+
+
+def _shown(value: object) -> str:
+    """``repr`` of a peer's value, short (a huge integer or string is not echoed whole)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**12:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -152,6 +174,38 @@ class TransferParams:
 
     def num_blocks(self, region_index: int) -> int:
         return len(self.block_ids[region_index]) if region_index < len(self.block_ids) else 0
+
+    def check_request(self, num_prompt_tokens: int, block_tokens: Sequence[int]) -> None:
+        """Raise :class:`TransferParamsError` naming the field unless these params fit the
+        request they came with: ``num_prompt_tokens`` long, ``block_tokens[r]`` tokens per
+        producer block of region ``r``.
+
+        The consumer calls this before it allocates, looks up or iterates anything
+        on the params' say: ``num_tokens`` is at most the prompt, each region's
+        block-id list at most the blocks of ``num_tokens`` tokens plus one (the
+        producer's list may hold the block of its first sampled token), and each id
+        in ``[0, MAX_BLOCK_ID]``. Lengths are checked before any id is read. Where
+        the ids sit in the producer's cache is checked by the worker against the
+        producer's announced ``num_blocks`` before any READ is posted.
+        """
+        if self.num_tokens > num_prompt_tokens:
+            raise _fail("num_tokens", f"{self.num_tokens} tokens for a prompt of "
+                                      f"{num_prompt_tokens}")
+        if len(self.block_ids) > len(block_tokens):
+            raise _fail("block_ids", f"{len(self.block_ids)} block-id lists for "
+                                     f"{len(block_tokens)} regions")
+        for r, ids in enumerate(self.block_ids):
+            most = -(-self.num_tokens // block_tokens[r]) + 1
+            if len(ids) > most:
+                raise _fail(f"block_ids[{r}]",
+                            f"{len(ids)} block ids; {self.num_tokens} tokens in blocks of "
+                            f"{block_tokens[r]} need at most {most}")
+        for r, ids in enumerate(self.block_ids):
+            if ids and max(ids) > MAX_BLOCK_ID:
+                position = next(k for k, b in enumerate(ids) if b > MAX_BLOCK_ID)
+                raise _fail(f"block_ids[{r}][{position}]",
+                            f"block id {_shown(ids[position])} past the largest any cache "
+                            f"holds ({MAX_BLOCK_ID})")
 
     def check_regions(self, num_regions: int) -> None:
         """Raise unless ``block_ids`` has one entry per region (pull mode only)."""

@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 
 from kvbridge.handshake.errors import HandshakeError
-from kvbridge.layouts import LayoutError
+from kvbridge.layouts import LayoutError, limits
 from kvbridge.layouts.limits import MAX_WORLD_SIZE
 
 PROTOCOL_VERSION = 1
@@ -46,9 +46,10 @@ MAX_RANKS = MAX_WORLD_SIZE
 #: Deepest nesting of maps and lists a message may have (the deepest valid record,
 #: an engine body's ``ranks[i].regions[j].base_addrs``, is 6 levels deep).
 MAX_NESTING = 16
-MAX_REGIONS = 64
+MAX_REGIONS = limits.MAX_REGIONS
 MAX_LAYERS = 8192
-MAX_NUM_BLOCKS = (1 << 31) - 1
+#: Blocks per layer a rank may announce (prepared lists index rows with int32)
+MAX_NUM_BLOCKS = limits.MAX_NUM_BLOCKS
 # --- memory type per rank (gpu helper, issue 15): where a rank's KV lives -------------
 #: NIXL memory types a rank's KV may be in (host memory, pinned or not; CUDA memory)
 MEM_TYPES = ("DRAM", "VRAM")

@@ -39,6 +39,21 @@ MAX_LAYER_RANKS = 1 << 15
 MAX_ENGINE_SLICES = 1 << 21
 #: Bytes of a spec JSON file.
 MAX_SPEC_FILE_BYTES = 1 << 20
+#: Regions (KV cache groups) of one spec, as a handshake document or transfer params
+#: carry them: one list each, so this bounds what a peer makes anyone loop over.
+MAX_REGIONS = 64
+#: Blocks per layer a peer's handshake may announce: prepared descriptor lists are
+#: indexed with int32 rows (``connectors.nixl.routing``), so no cache can hold more.
+MAX_NUM_BLOCKS = (1 << 31) - 1
+#: Largest block id transfer params may name (the last block of the largest cache):
+#: a larger one can index no cache, and is refused before any lookup or int64 packing.
+MAX_BLOCK_ID = MAX_NUM_BLOCKS - 1
+#: Block ids of one transfer params record, all regions together, checked on the
+#: lists' lengths before a single id is read: 2**20 ids are the blocks of 16M tokens
+#: of one region at block size 16, past any prompt served today; a longer record is
+#: refused in time proportional to its number of regions, not its ids. (The
+#: consumer then bounds each list by its own prompt: ``TransferParams.check_request``.)
+MAX_PARAMS_BLOCK_IDS = 1 << 20
 
 
 def check_at_most(field: str, value: int, maximum: int, what: str = "") -> None:

@@ -108,9 +108,9 @@ class DescTable:
         bound = int(self.num_blocks[which].min())
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= bound:
-            raise LayoutError(f"{side}_block_ids",
-                              f"block id out of range [0, {bound}): min {low}, max {high} "
-                              f"(region {region})")
+            raise LayoutError(f"{side}_block_ids[{region}]",
+                              f"block id out of range [0, {bound}) of the {side}'s announced "
+                              f"cache: min {low}, max {high}")
 
 
 def build_table(regions: IntArray, layers: IntArray, offsets: IntArray, lengths: IntArray,

@@ -2,8 +2,10 @@
 
 Consumer (``kv_consumer``): a request that carries ``TransferParams`` asks for
 ``min(params.num_tokens, request tokens) - computed`` tokens, loaded
-asynchronously; once blocks are allocated a :class:`LoadOrder` goes to the
-workers. Zero tokens (a full local prefix hit) or an abort before the
+asynchronously, once the params are checked against the request
+(``TransferParams.check_request``: sizes bounded by its prompt; refused ones
+are counted and the request recomputes); once blocks are allocated a
+:class:`LoadOrder` goes to the workers. Zero tokens (a full local prefix hit) or an abort before the
 request was ever allocated still sends a :class:`ReleaseOrder`, so the
 producer frees at once instead of waiting for its lease to run out.
 
@@ -35,6 +37,7 @@ from kvbridge.connectors.api import (
     SchedulerStep,
     block_range,
 )
+from kvbridge.connectors.errors import TransferParamsError
 from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.params import TransferMode, TransferParams
 from kvbridge.handshake import (
@@ -46,6 +49,21 @@ from kvbridge.handshake import (
 from kvbridge.handshake import TransferMode as WireMode
 
 logger = logging.getLogger(__name__)
+
+#: Params refused against their request, counted per field (``refused_params`` counts
+#: every refusal, these the bounds checks': see ``TransferParams.check_request``).
+REFUSAL_COUNTERS = {"num_tokens": "refused_params_num_tokens",
+                    "block_ids": "refused_params_block_ids",
+                    "block_id": "refused_params_block_id"}
+
+
+def _refusal_counter(field_name: str) -> str:
+    """``transfer_params.block_ids[0][3]`` -> the counter of one out-of-range id;
+    ``transfer_params.block_ids[0]`` -> of a list too long (or too many lists)."""
+    name = field_name.removeprefix("transfer_params.")
+    if name.startswith("block_ids"):
+        return REFUSAL_COUNTERS["block_id" if name.count("[") == 2 else "block_ids"]
+    return REFUSAL_COUNTERS["num_tokens"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +155,10 @@ class NixlScheduler(SchedulerConnector):
         self._stats: dict[str, int] = {"loads_ordered": 0, "releases_ordered": 0,
                                        "holds_ordered": 0, "refused_params": 0, "blocks_ordered": 0,
                                        "finished_sending": 0, "finished_recving": 0,
-                                       "failed_recving": 0}
+                                       "failed_recving": 0,
+                                       **dict.fromkeys(REFUSAL_COUNTERS.values(), 0)}
+        #: the field of the last refused params (``transfer_params.block_ids[0]``), or None
+        self.last_refused_field: str | None = None
 
     # ------------------------------------------------------------------ handshake
 
@@ -179,7 +200,31 @@ class NixlScheduler(SchedulerConnector):
                            self.settings.mode.value, self.ctx.spec.fingerprint())
             self._handled.add(request.request_id)
             return None
+        try:
+            self._check_bounds(request, params)
+        except TransferParamsError as exc:
+            self._refuse(request, exc)
+            return None
         return params
+
+    def _check_bounds(self, request: ConnectorRequest, params: TransferParams) -> None:
+        """The params against the request they came with, before anything is allocated,
+        ordered or looked up on their say (their block ids are the producer's: its
+        blocks hold ``tokens_per_key`` at the producer's DCP size)."""
+        if params.mode is TransferMode.PULL:
+            params.check_regions(len(self.ctx.spec.regions))
+        dcp = params.producer_topology.dcp_size
+        params.check_request(request.num_prompt_tokens,
+                             [region.tokens_per_key(dcp) for region in self.ctx.spec.regions])
+
+    def _refuse(self, request: ConnectorRequest, exc: TransferParamsError) -> None:
+        """Refused params: the request recomputes locally; counted, one log line."""
+        self._handled.add(request.request_id)
+        self._stats["refused_params"] += 1
+        self._stats[_refusal_counter(exc.field)] += 1
+        self.last_refused_field = exc.field
+        logger.warning("nixl: request %s: refused transfer params (%s: %s); recomputing",
+                       request.request_id, exc.field, exc.reason)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

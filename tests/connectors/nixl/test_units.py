@@ -211,7 +211,7 @@ def test_remote_block_ids_are_bounds_checked_before_posting() -> None:
                             _memory("tiny-gqa", ParallelTopology(), 1 << 33, 4))
     with pytest.raises(LayoutError) as info:
         pull_indices(rank_plan, local, remote, 0, ((1,),), ((4,),))  # producer has 4 blocks
-    assert info.value.field == "producer_block_ids"
+    assert info.value.field == "producer_block_ids[0]"
     with pytest.raises(LayoutError):
         pull_indices(rank_plan, local, remote, 0, ((8,),), ((0,),))
     lidx, ridx, runs = pull_indices(rank_plan, local, remote, 0, ((7,),), ((3,),))
