@@ -186,4 +186,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         "  latency (ms)    " + ", ".join(f"{k} {relation}{v:g}" if v is not None else f"{k} -"
                                           for k, v in lat.items()),
     ]
+    if summary.get("first_transfer_ms") is not None:  # the cold peer's transfer
+        lines.append(f"  first transfer  {summary['first_transfer_ms']:g} ms")
     return "\n".join(lines)
