@@ -8,13 +8,24 @@ itself uses; the tests only add a reference).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from kvbridge.backends.mooncake import MooncakeStoreClient
 from kvbridge.backends.mooncake_master import MooncakeMaster
+
+
+def run_again_from_store(engine: Any, requests: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Drop the engine's prefix cache and run ``requests`` again under new ids, so their
+    KV must come back from the store: ``(the new specs, their results)``."""
+    engine.reset_prefix_cache()
+    again = [replace(s, request_id=s.request_id + "-again") for s in requests]
+    for spec in again:
+        engine.add_request(spec)
+    return again, engine.run_until_done(timeout_s=60)
 
 
 def store_extra(master: MooncakeMaster, **overrides: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts.digests import TORCH_ALGORITHM
 from kvbridge.layouts.kv_memory import guard_host_access
 from tests.connectors.guarded_kv import guard_engine_kv, host_engine_kv, kv_pointers
-from tests.connectors.mooncake_store.conftest import store_extra
+from tests.connectors.mooncake_store.conftest import run_again_from_store, store_extra
 from tests.connectors.mooncake_store.test_roundtrip import TOPOLOGIES, both_engine
 
 #: small enough that every step's puts and every load's gets take several rounds
@@ -67,11 +67,7 @@ def test_guarded_kv_is_staged_and_every_byte_verified(
             engine.add_request(spec)
         first = engine.run_until_done(timeout_s=60)
         assert not check_outputs(first, requests)
-        engine.reset_prefix_cache()
-        again = [replace(s, request_id=s.request_id + "-again") for s in requests]
-        for spec in again:
-            engine.add_request(spec)
-        second = engine.run_until_done(timeout_s=60)
+        again, second = run_again_from_store(engine, requests)
         stats = engine.stats()
     finally:
         engine.shutdown()

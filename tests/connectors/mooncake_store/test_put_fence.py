@@ -23,6 +23,7 @@ from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts import ParallelTopology, load_spec
 from tests.connectors import late_kernels
+from tests.connectors.mooncake_store.conftest import run_again_from_store
 
 
 class PutLog:
@@ -85,11 +86,7 @@ def test_puts_wait_for_the_kernels_that_wrote_the_kv(
         assert puts and all(puts), "a put was issued before the KV's kernels finished"
         assert fences and all(f.passed and f.polls >= 4 for f in fences)
 
-        engine.reset_prefix_cache()
-        again = [replace(s, request_id=s.request_id + "-again") for s in requests]
-        for spec in again:
-            engine.add_request(spec)
-        second = engine.run_until_done(timeout_s=60)
+        again, second = run_again_from_store(engine, requests)
         stats = engine.stats()
     finally:
         for (worker, _), log in zip(_workers(engine), logs, strict=False):

@@ -10,7 +10,6 @@ the content function.
 from __future__ import annotations
 
 import zlib
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.events import BlockStored
 from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec
+from tests.connectors.mooncake_store.conftest import run_again_from_store
 
 TOPOLOGIES = {"tp2": ParallelTopology(tp_size=2),
               "tp2dcp2": ParallelTopology(tp_size=2, dcp_size=2),
@@ -62,11 +62,7 @@ def test_store_then_load_verified(model: str, topology: str, load_async: bool,
         stored = [(e.group_idx, e.block_hashes[0]) for e in engine.events
                   if isinstance(e, BlockStored)]
         assert len(stored) == len(set(stored)) and set(stored) == expected
-        engine.reset_prefix_cache()
-        again = [replace(s, request_id=s.request_id + "-again") for s in requests]
-        for spec in again:
-            engine.add_request(spec)
-        second = engine.run_until_done(timeout_s=60)
+        again, second = run_again_from_store(engine, requests)
         stats = engine.stats()
     finally:
         engine.shutdown()
