@@ -31,7 +31,7 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    extras=test,triton,mooncake
+    extras=test,triton
     # torch first, to learn its CUDA: the NIXL build must link the same CUDA major, and
     # pip cannot read torch's CUDA in a marker. The base install brings nixl-cu12 (CPU and
     # CUDA 12 torch); a CUDA 13 torch adds nixl-cu13 (kvbridge[cu13]), which kvbridge
@@ -42,8 +42,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     fi
     cuda_major=$("$VENV/bin/python" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
     case "$cuda_major" in
-        12|13) extras="$extras,cu$cuda_major" ;;
-        *) echo "setup: torch has no CUDA 12/13 build (torch.version.cuda major '${cuda_major}'); NIXL stays nixl-cu12" ;;
+        # Mooncake's CUDA wheel links libcudart of one major: its CUDA 13 build is its own
+        # package (mooncake-transfer-engine-cuda13)
+        12) extras="$extras,cu12,mooncake" ;;
+        13) extras="$extras,cu13,mooncake-cu13" ;;
+        *) extras="$extras,mooncake"
+           echo "setup: torch has no CUDA 12/13 build (torch.version.cuda major '${cuda_major}'); NIXL stays nixl-cu12" ;;
     esac
 else
     extras=test,triton,mooncake-cpu
