@@ -107,6 +107,7 @@ from kvbridge.offload.fs_batch import (
 from kvbridge.offload.fs_io import (
     BadBlockHeaderError,
     BlockHeader,
+    ForeignKeyError,
     FsIO,
     HeaderBuffer,
     LegacyBlockError,
@@ -473,6 +474,9 @@ class FsTier(SecondaryTier):
                         self.count("legacy_format_loads")     # format 1: no digests
                     elif isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
                         self.count("foreign_format_loads")
+                    elif isinstance(exc, ForeignKeyError):
+                        with self._stats_lock:
+                            self.stats.foreign_key_loads += 1
                     error = self._count_failure(key, path, exc)
                     if isinstance(exc, DigestMismatchError) or (
                             isinstance(exc, BadBlockHeaderError) and exc.corrupt):

@@ -58,6 +58,7 @@ from kvbridge.offload.blockdigest import (
 from kvbridge.offload.fs import FINGERPRINT_RE, FileMapper
 from kvbridge.offload.fs_io import (
     BadBlockHeaderError,
+    ForeignKeyError,
     buffer_address,
     byte_views,
     compact_header_bytes,
@@ -200,6 +201,9 @@ class ObjTier(SecondaryTier):
                 except (DigestMismatchError, BadBlockHeaderError) as exc:
                     if isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
                         raise BatchIOError(i, exc, skipped=corrupt) from exc
+                    if isinstance(exc, ForeignKeyError):
+                        with self._stats_lock:
+                            self.stats.foreign_key_loads += 1
                     corrupt[i] = exc
                     continue
                 except OSError as exc:
@@ -240,8 +244,8 @@ class ObjTier(SecondaryTier):
         try:
             parsed = decode_block_header(name + self.DIGEST_SUFFIX, bytes(header))
             if parsed.key_hash != FileMapper.key_hash_bytes(key):
-                raise BadBlockHeaderError(name + self.DIGEST_SUFFIX,
-                                          "the digests of another key", True)
+                raise ForeignKeyError(name + self.DIGEST_SUFFIX, parsed.key_hash,
+                                      FileMapper.key_hash_bytes(key))
             if parsed.block_bytes != self.block_bytes or parsed.num_layers != self.num_layers:
                 raise BadBlockHeaderError(name + self.DIGEST_SUFFIX, f"{parsed.num_layers} "
                                           f"layers of {parsed.block_bytes} bytes, expected "
