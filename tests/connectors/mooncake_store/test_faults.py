@@ -474,6 +474,7 @@ def test_foreign_or_malformed_record_is_a_failed_load(
         engine.shutdown()
     assert result.num_external_tokens == _BLOCK_TOKENS and result.mismatched_bytes == 0
     assert stats["digest_records_invalid"] == 2 and stats["digest_mismatches"] == 0
+    assert stats["digest_records_foreign"] == 1   # the moved one; the other is malformed
     assert stats["load_errors"] == 2
     assert stats["corrupt_keys_removed"] == 2 * (4 + 1)
 
