@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from kvbridge.auth import Label, Secret
@@ -50,6 +51,14 @@ from kvbridge.auth.seal import open_sealed, seal
 from kvbridge.connectors import ConnectorMetadata, TransferMode, TransferParams
 from kvbridge.connectors.metadata_wire import decode_metadata, encode_metadata
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
+from kvbridge.connectors.mooncake_store.records import (
+    RecordTable,
+    RecordVerdict,
+    digest_key_prefix,
+    record_bytes,
+    record_dtype,
+)
+from kvbridge.connectors.mooncake_store.records import key_digest as record_key_digest
 from kvbridge.connectors.multi import MultiMetadata
 from kvbridge.connectors.nixl import messages as notifs
 from kvbridge.connectors.nixl.scheduler import (
@@ -117,8 +126,17 @@ from kvbridge.layouts import (
     RegionLayout,
     RegionSpec,
 )
+from kvbridge.layouts.digests import ALGORITHMS, DIGEST_VERSION
 from kvbridge.layouts.hashing import hash_blocks, root_hash
 from kvbridge.layouts.namespaces import BlockKey, KeyNamespace, namespace_for
+from kvbridge.offload.fs import FileMapper
+from kvbridge.offload.fs_io import (
+    BlockHeader,
+    block_header_bytes,
+    compact_header_bytes,
+    decode_block_header,
+    encode_block_header,
+)
 
 VECTORS_DIR = Path(__file__).parent / "vectors"
 #: Set to 1 to rewrite the vector files (a wire-format change; see the docstring).
@@ -383,6 +401,51 @@ def _hash_chain() -> dict[str, Any]:
                                   seed=b"tenant-a")}
 
 
+# Stored records that name their key: what one kvbridge version writes into a store
+# and another reads. A reader compares the key hash in them with the key it asked for.
+_RECORD_DIGESTS = (0x0123456789ABCDEF, 0xFEDCBA9876543210)
+
+
+def _block_header() -> BlockHeader:
+    """The fs tier's block header (format 2) without its page padding: the obj tier's
+    ``.dg`` object, and the first bytes of every fs block file."""
+    key = _block_keys()[0].to_bytes()
+    return BlockHeader(block_header_bytes(2), 8192, 2, FileMapper.key_hash_bytes(key),
+                       _RECORD_DIGESTS)
+
+
+def _block_header_encode(header: BlockHeader) -> bytes:
+    return encode_block_header(header.block_bytes, header.key_hash, header.num_layers,
+                               header.layer_digests)[:compact_header_bytes(header.num_layers)]
+
+
+def _record() -> dict[str, Any]:
+    """The Mooncake store connector's digest record (``D1``) of one block of one namespace."""
+    key = digest_key_prefix(_namespaces()[0]) + hash_blocks(_TOKENS, 16)[0].hex()
+    return {"magic": b"KVBD", "record_version": 1, "digest_version": DIGEST_VERSION,
+            "algorithm": 1, "num_layers": 2, "block_bytes": 4096,
+            "key_digest": record_key_digest(key), "layer_digests": _RECORD_DIGESTS}
+
+
+def _record_encode(value: dict[str, Any]) -> bytes:
+    buffer = np.zeros(record_bytes(value["num_layers"]), dtype=np.uint8)
+    table = RecordTable(buffer, value["num_layers"], value["block_bytes"], 1,
+                        ALGORITHMS[value["algorithm"] - 1])
+    table.reset_headers()
+    table.write([0], [value["key_digest"]], np.array([value["layer_digests"]], dtype="<u8"))
+    return buffer.tobytes()
+
+
+def _record_decode(data: bytes) -> dict[str, Any]:
+    num_layers = (len(data) - 32) // 8
+    (record,) = np.frombuffer(data, dtype=record_dtype(num_layers))
+    return {"magic": bytes(record["magic"]),
+            **{name: int(record[name]) for name in (
+                "record_version", "digest_version", "algorithm", "num_layers",
+                "block_bytes", "key_digest")},
+            "layer_digests": tuple(int(d) for d in record["layer_digests"])}
+
+
 VECTORS = [
     # handshake
     Vector("handshake_engine_document.hex", _engine, encode_engine, decode_engine),
@@ -456,6 +519,10 @@ VECTORS = [
            lambda ks: _pack([k.to_bytes() for k in ks]),
            lambda data: [BlockKey.from_bytes(b) for b in msgpack.unpackb(data)]),
     Vector("block_hash_chain.txt", _hash_chain, _hash_chain_encode, _hash_chain_decode),
+    # stored digest records, each naming the key it was made for
+    Vector("offload_block_header.hex", _block_header, _block_header_encode,
+           lambda data: decode_block_header("golden", data)),
+    Vector("mooncake_digest_record.hex", _record, _record_encode, _record_decode),
 ]
 _BY_NAME = {v.name: v for v in VECTORS}
 
@@ -658,3 +725,19 @@ def test_transfer_params_json_is_what_a_router_forwards() -> None:
     text = _golden(_BY_NAME["transfer_params_pull.json.txt"], _params_pull().to_json().encode())
     data = json.loads(text)
     assert list(data)[0] == "version" and data["version"] == 1 and data["mode"] == "pull"
+
+
+def test_the_stored_records_name_the_key_they_were_made_for() -> None:
+    """A reader of the checked-in record accepts it for its own key only."""
+    value = _record()
+    golden = _golden(_BY_NAME["mooncake_digest_record.hex"], _record_encode(value))
+    table = RecordTable(np.frombuffer(bytearray(golden), dtype=np.uint8), 2, 4096, 1)
+    digests = np.array([value["layer_digests"]], dtype="<u8")
+    assert table.failures([0], [value["key_digest"]], digests) == []
+    other = digest_key_prefix(_namespaces()[0]) + hash_blocks(_TOKENS, 16)[1].hex()
+    ((_, check),) = table.failures([0], [record_key_digest(other)], digests)
+    assert check.verdict is RecordVerdict.FOREIGN
+    header = decode_block_header("golden", _golden(_BY_NAME["offload_block_header.hex"],
+                                                   _block_header_encode(_block_header())))
+    assert header.key_hash == FileMapper.key_hash_bytes(_block_keys()[0].to_bytes())
+    assert header.key_hash != FileMapper.key_hash_bytes(_block_keys()[1].to_bytes())
