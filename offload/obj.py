@@ -20,7 +20,10 @@ object itself stays a zero-copy put from the slot. A load gets both in one
 batch and checks the bytes that landed in the slot against the digests
 before the block counts as loaded (policy ``verify``). A mismatch (another
 key's or changed bytes under this name), or a torn digest object, is a
-failed load of that block and removes both objects (a REMOVED event). A
+failed load of that block and removes both objects (a REMOVED event); a
+digest object made for another key is checked whenever digest objects are
+fetched (``verify`` not off, sampled or not) and counted in
+``foreign_key_loads``. A
 block without a digest object (evicted apart by Mooncake, or written with
 ``verify`` off) is served and counted unverified, or fails the load if the
 policy refuses unverified loads. Mooncake puts do not overwrite: if one of
