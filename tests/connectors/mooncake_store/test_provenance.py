@@ -115,7 +115,7 @@ def test_another_prompts_objects_under_this_prompts_keys_are_refused(
     false: refused as unverifiable (its negative control is the test below).
     """
     extra, client = held_store
-    seed = {"layers-and-record": 71, "layers-only": 72, "record-removed": 73}[moved]
+    seed = {"layers-and-record": 9071, "layers-only": 9072, "record-removed": 9073}[moved]
     a, b = make_requests(2, prompt_tokens=PROMPT_BLOCKS * BLOCK_TOKENS + 3, max_tokens=2,
                          seed=seed, prefix=f"prov-{moved}")
     if moved == "record-removed":
@@ -183,7 +183,7 @@ def test_without_a_record_a_moved_block_is_served_when_unverified_loads_are_allo
     loaded, counted unverified, and the reference engine sees the wrong bytes."""
     extra, client = held_store
     a, b = make_requests(2, prompt_tokens=PROMPT_BLOCKS * BLOCK_TOKENS + 3, max_tokens=2,
-                         seed=74, prefix="prov-unverified")
+                         seed=9074, prefix="prov-unverified")
     hash_a = hash_blocks(a.prompt, BLOCK_TOKENS)[VICTIM]
     hash_b = hash_blocks(b.prompt, BLOCK_TOKENS)[VICTIM]
     engine = _engine(extra)

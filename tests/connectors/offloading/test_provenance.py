@@ -94,7 +94,7 @@ def test_fs_block_renamed_to_another_prompts_name_is_refused(tmp_path: Path,
     """B's block file renamed over A's: the header names B's key, so A's load refuses it
     (whatever ``verify`` says: the key check is not a digest check), removes it, counts it,
     and A recomputes from that block; the recomputed block is stored again under A's name."""
-    a, b = _prompts(31)
+    a, b = _prompts(9031)
     with _engine(fs_dir=str(tmp_path), verify=verify) as first:
         _run(first, [a, b])
     mapper = FileMapper(str(tmp_path), _fingerprint())
@@ -125,7 +125,7 @@ def test_fs_bytes_of_another_prompt_under_this_header_fail_their_digests(
         tmp_path: Path) -> None:
     """B's bytes behind A's own header (a writer that put the wrong bytes under the right
     name): the layer digests in A's header refuse them; counted as a digest mismatch."""
-    a, b = _prompts(32)
+    a, b = _prompts(9032)
     with _engine(fs_dir=str(tmp_path)) as first:   # the fs tier checks every block
         _run(first, [a, b])
     mapper = FileMapper(str(tmp_path), _fingerprint())
@@ -195,7 +195,7 @@ def test_obj_objects_copied_to_another_prompts_names_are_refused(mooncake_master
         mooncake_master.rpc_address, mooncake_master.metadata_url,
         global_segment_size=64 << 20, local_buffer_size=0))
     with holder:
-        a, b = _prompts(33 if moved == "block-only" else 34)  # keys of their own
+        a, b = _prompts(9033 if moved == "block-only" else 9034)  # keys no other test stores (the master is shared)
         with _engine(obj=obj, **verify) as first:
             _run(first, [a, b])
         prefix = f"{OBJECT_ROOT}{_fingerprint()}/"
