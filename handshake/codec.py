@@ -50,7 +50,7 @@ MAX_REGIONS = limits.MAX_REGIONS
 MAX_LAYERS = 8192
 #: Blocks per layer a rank may announce (prepared lists index rows with int32)
 MAX_NUM_BLOCKS = limits.MAX_NUM_BLOCKS
-# --- memory type per rank (gpu helper, issue 15): where a rank's KV lives -------------
+# --- memory type per rank: where a rank's KV lives (a peer's descriptors must say it) ---
 #: NIXL memory types a rank's KV may be in (host memory, pinned or not; CUDA memory)
 MEM_TYPES = ("DRAM", "VRAM")
 MAX_DEVICE_ID = 1 << 16

@@ -1,6 +1,6 @@
 """Which blocks of a load are checked against their digest records, and what the check found.
 
-Owns the reader's side of issue 18 for the Mooncake store: :func:`checked_blocks`
+Owns the reader's side of verified KV for the Mooncake store: :func:`checked_blocks`
 (the blocks a :class:`~kvbridge.layouts.digests.VerifyPolicy` checks: every
 one, a deterministic sample the same on every rank, or none) and
 :func:`verify_blocks`, which compares the digests of the bytes that landed

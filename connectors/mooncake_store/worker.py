@@ -30,7 +30,7 @@ and its digests are ``torch-mix64-v1`` taken on that device. The stats say so
   request in ``failed_recving`` for async loads); the engine recomputes it.
   Every request the scheduler told this rank to load is reported finished,
   also when this rank holds none of its layers.
-* **Digests** (issue 18): every block put (unless ``verify`` is off) goes with a digest record of this
+* **Digests** (so a reader never calls wrong bytes loaded): every block put (unless ``verify`` is off) goes with a digest record of this
   rank's part of it (:mod:`.records`: XXH3-64 of the block's bytes in each
   layer for KV in host memory, ``torch-mix64-v1`` on the tensors' device for
   KV in device memory, taken from the tensor after the fence while the
@@ -131,7 +131,8 @@ class MooncakeStoreWorker(WorkerConnector):
         self.staged: StagedKV | None = None
         #: one KV tensor per device: the fences of a step's puts are recorded on them
         self._fence_tensors: list[Any] = []
-        #: records the fence of a step's puts (issue 15); a test may stand in for it
+        #: records the fence of a step's puts (device KV is read only after the kernels that
+        #: wrote it finished); a test may stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[str, tuple[LoadBlock, ...]] | None] = (

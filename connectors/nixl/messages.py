@@ -120,7 +120,7 @@ class Register:
     start: tuple[int, ...]  # first block index per region
     block_ids: tuple[tuple[int, ...], ...]  # consumer block ids from ``start`` on, per region
     cancel: bool = False  # the consumer will not take the KV (prefix hit, abort)
-    algorithm: str = ""  # ask for digests of the written blocks in ``pushed`` (issue 18)
+    algorithm: str = ""  # ask for digests of the written blocks in ``pushed`` (to verify them)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Pushed:
     producer_rank: int
     ok: bool
     reason: str = ""
-    #: packed digests per region of every block written, in registered order (issue 18)
+    #: packed digests per region of every block written, in registered order (the consumer checks them)
     digests: tuple[bytes, ...] = ()
     algorithm: str = ""
 
@@ -199,7 +199,8 @@ def encode(msg: Notif) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-#: keys a kind may carry besides its own (digests, issue 18): both or neither
+#: keys a kind may carry besides its own (digests: optional, so a message without them is
+#: the bytes it always was): both or neither
 _OPTIONAL = {NotifKind.BEGIN: {"dig", "alg"}, NotifKind.HELD: {"dig", "alg"},
              NotifKind.PUSHED: {"dig", "alg"}, NotifKind.REGISTER: {"alg"}}
 MAX_REGIONS = 64

@@ -5,8 +5,8 @@ notifies (asking for digests in the same message) and is DONE when every
 source sent ``pushed``; an aborted load sends a cancelling ``register``.
 Producer side: lists for writing to a consumer rank are prepared once, at its
 ``hello``; a push job WRITEs a layer to every registered consumer rank once the
-layer's push fence passed (issue 15: never before the kernels that wrote it
-finished), or everything at once when the registration came after the prompt's
+layer's push fence passed (never before the kernels that wrote it finished: the
+WRITE would carry stale bytes), or everything at once when the registration came after the prompt's
 last step; when a target's writes are done it sends ``pushed`` (with the
 digests taken once every layer was final) and notifies the lease.
 

@@ -454,7 +454,7 @@ VECTORS = [
     Vector("handshake_agent_vram.hex",
            lambda: dataclasses.replace(_rank(0), mem_type="VRAM", device_id=3), encode_agent,
            decode_agent),
-    # a rank that computes block digests for consumers that ask (issue 18)
+    # a rank that computes block digests for consumers that ask (verified KV)
     Vector("handshake_agent_digests.hex",
            lambda: dataclasses.replace(_rank(1), digests=("xxh3-64",)), encode_agent,
            decode_agent),
@@ -567,7 +567,7 @@ def _control() -> list[control.ControlMessage]:
 
 
 def _digest_notifs() -> list[notifs.Notif]:
-    """The digest fields of ``begin``/``held`` (issue 18): optional, so the kinds
+    """The digest fields of ``begin``/``held``: optional, so the kinds
     without them (``nixl_notifications.hex``) are the bytes they always were."""
     return [
         notifs.Begin("req-1", 1, ((3, 4, 5), ()), "xxh3-64"),
@@ -579,7 +579,7 @@ def _digest_notifs() -> list[notifs.Notif]:
 
 
 def _slice_notifs() -> list[notifs.Notif]:
-    """Slice digests (issue 18, head slices at another TP): the same optional fields
+    """Slice digests (head slices at another TP): the same optional fields
     with ``alg = "xxh3-64-slices"`` (asked only of a producer that lists it)."""
     return [
         notifs.Begin("req-3", 0, ((6, 7), (8,)), "xxh3-64-slices"),
@@ -614,7 +614,7 @@ VECTORS += [
 ]
 
 
-# ---------------------------------------------------------------- sealed messages (issue 17)
+# ----------------------------------------------------- sealed messages (the cluster secret)
 
 _SEAL_SECRET = Secret.from_value("golden-cluster-secret-0123456789", "golden")
 _SEAL_LABELS = [Label.SIDE_CHANNEL, Label.CONTROL, Label.EVENTS_REPLAY, Label.NIXL_HELLO]

@@ -4,7 +4,7 @@ wrong bytes under a key are caught by the digest check and recomputed.
 Real ``mooncake_master`` (a fresh one for the tests that kill it). A producer
 and a consumer engine in this process share the store; the consumer's loads
 are broken by killing the master right when they start. The digest cases
-(issue 18) run a ``kv_both`` engine on the shared master and overwrite a
+(verified KV) run a ``kv_both`` engine on the shared master and overwrite a
 stored object with another block's bytes through a real store client.
 """
 

@@ -1,4 +1,4 @@
-"""Notifications belong to sessions (issue 17, item 2), against a served producer and real NIXL.
+"""Notifications belong to sessions, against a served producer and real NIXL.
 
 A producer rank acts on a consumer's notification (``read``, ``begin``,
 ``heartbeat``, ``register``) only when its sender said hello, names the

@@ -1,4 +1,4 @@
-"""Push mode posts a layer's WRITE only after its fence passed (issue 15).
+"""Push mode posts a layer's WRITE only after its fence passed (never stale bytes).
 
 On a GPU the fence is a CUDA event recorded in ``save_kv_layer`` /
 ``wait_for_save``; here a fence that passes only when the test says so stands
