@@ -1,18 +1,16 @@
-"""Push: the producer rank writes each layer to the consumer ranks that registered.
+"""Push, producer side: this rank writes each layer to the consumer ranks that registered.
 
-Consumer side: a load ``register``s its block ids with every producer rank it
-notifies (asking for digests in the same message) and is DONE when every
-source sent ``pushed``; an aborted load sends a cancelling ``register``.
-Producer side: lists for writing to a consumer rank are prepared once, at its
-``hello``; a push job WRITEs a layer to every registered consumer rank once the
-layer's push fence passed (issue 15: never before the kernels that wrote it
-finished), or everything at once when the registration came after the prompt's
-last step; when a target's writes are done it sends ``pushed`` (with the
-digests taken once every layer was final) and notifies the lease.
+Lists for writing to a consumer rank are prepared once, at its ``hello``. A
+push job WRITEs a layer to every registered consumer rank once the layer's
+push fence passed (issue 15: never before the kernels that wrote it
+finished), or everything at once when the registration came after the
+prompt's last step; when a target's writes are done it sends ``pushed``
+(with the digests taken once every layer was final) and notifies the lease.
 
 Owns: ``_push_jobs``, ``_early_registers``, ``_cancelled``, ``_step_pushes``'
-jobs, the consumer peers' push lists, the push counters. May not touch: pull
-loads or holds (beyond notifying the lease and answering through
+jobs, the consumer peers' push lists, the push counters, the ``pushed``
+answers. May not touch: the consumer side of push (:mod:`.push_consumer`),
+pull loads or holds (beyond notifying the lease and answering through
 :mod:`.holds`' ``_send_to``), nor the sessions.
 """
 
@@ -26,8 +24,7 @@ from kvbridge.backends.nixl import NixlTransportError, XferOp, XferState
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.routing import build_table, pair_indices
 from kvbridge.connectors.nixl.scheduler import PushOrder
-from kvbridge.connectors.nixl.session import PeerSession, check_remote_coverage
-from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
+from kvbridge.connectors.nixl.session import check_remote_coverage
 from kvbridge.connectors.nixl.verify import answer_ask, take_hold_digests, take_slice_digests
 from kvbridge.connectors.nixl.worker_state import (
     MAX_EARLY_REGISTERS,
@@ -39,54 +36,13 @@ from kvbridge.connectors.nixl.worker_state import (
     _PushTarget,
     logger,
 )
-from kvbridge.connectors.params import TransferMode
 from kvbridge.layouts import LayoutError
 from kvbridge.layouts.digests import SLICE_ALGORITHMS, block_algorithm_of
 from kvbridge.layouts.plan import plan_consumer_rank
 
 
-class PushPath(WorkerState):
-    """Push: the producer's per-layer WRITEs, and the consumer's registrations."""
-
-    # ------------------------------------------------------------------ consumer: push
-
-    def _post_registers(self, recv: RecvTransfer, session: PeerSession) -> None:
-        """Consumer, push: ``register`` the load's block ids with every producer rank it
-        notifies (asking the sources for digests); raises what sending raises."""
-        assert self.transport is not None
-        rid = recv.params.producer_request_id
-        for p in session.targets:
-            ask = self._ask_for(recv, session, p) \
-                if p in session.rank_plan.sources else None
-            reg = messages.Register(rid, self.rank_index, session.expected[p],
-                                    recv.start, recv.consumer_block_ids,
-                                    algorithm=ask.algorithm if ask else "")
-            self.transport.send_notif(session.peers[p], messages.encode(reg))
-
-    def _cancel_load(self, request_id: str, now: float) -> None:
-        """The engine finished a request while it was loading (abort). Pull: its READ
-        settles as usual (the blocks stay pinned until then). Push: ask the producer to
-        stop; its answer (after in-flight writes settle) finishes the request."""
-        recv = self._recv.get(request_id)
-        if recv is None or recv.params.mode is not TransferMode.PUSH:
-            return
-        session = self._sessions.get(self._session_key(recv.params))
-        if session is None or recv.state is RecvState.BOOTSTRAPPING:
-            self._fail(recv, "cancelled before registration", now)
-            return
-        assert self.transport is not None
-        for p in session.targets:
-            # the count of notifying ranks the producer rank computes too (else refused)
-            msg = messages.encode(messages.Register(
-                recv.params.producer_request_id, self.rank_index, session.expected[p],
-                recv.start, recv.consumer_block_ids, cancel=True))
-            try:
-                self.transport.send_notif(session.peers[p], msg)
-            except NixlTransportError as exc:
-                self._fail(recv, f"cancel: {exc}", now)
-                return
-
-    # ------------------------------------------------------------------ producer: push
+class PushSender(WorkerState):
+    """Push, producer: the per-layer WRITEs to the consumer ranks that registered."""
 
     def _take_push_orders(self, drops: tuple[str, ...], pushes: tuple[PushOrder, ...],
                           now: float) -> None:

@@ -1,8 +1,8 @@
 """The state every part of a :class:`~kvbridge.connectors.nixl.worker.NixlWorker` shares.
 
 :class:`WorkerState` is the base of the worker's parts (:mod:`.loads`,
-:mod:`.load_checks`, :mod:`.holds`, :mod:`.hold_digests`, :mod:`.push`,
-:mod:`.pump`): it creates all of the rank's state in ``__init__`` (sessions,
+:mod:`.load_checks`, :mod:`.push_consumer`, :mod:`.holds`, :mod:`.hold_digests`,
+:mod:`.push`, :mod:`.pump`): it creates all of the rank's state in ``__init__`` (sessions,
 loads in flight, leases, known consumer peers, push jobs, digesters,
 counters) and holds the few helpers every part uses (counters, transfer
 records, the XXH3-64 digester). The parts are mixins rather than objects
@@ -386,8 +386,10 @@ class WorkerState(WorkerConnector):
         def _slice_digests_for(self, begin: messages.Begin, consumer: _ConsumerPeer
                                ) -> tuple[tuple[bytes, ...], str]: ...
 
-        # .push
+        # .push_consumer
         def _post_registers(self, recv: RecvTransfer, session: PeerSession) -> None: ...
+
+        # .push
         def _prepare_push(self, consumer: _ConsumerPeer) -> _PushLists | None: ...
         def _on_register(self, sender: str, reg: messages.Register, now: float) -> None: ...
         def _progress_pushes(self, now: float) -> None: ...
