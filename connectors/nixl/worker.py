@@ -266,7 +266,7 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
             if job is not None and push.final:
                 if fence is None:  # one fence for the layer, whatever the number of requests
                     fence = self.record_fence(kv_layer)
-                job.fenced.append((fence, frozenset((layer_id,))))
+                job.fence(fence, frozenset((layer_id,)))
                 if self._release_fenced(job):
                     self._post_push_writes(job)
 
@@ -283,7 +283,7 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
                 if fence is None:
                     fence = self.record_fence(self._kv_tensors[0] if self._kv_tensors
                                               else None)
-                job.fenced.append((fence, frozenset(self.memory)))
+                job.fence(fence, frozenset(self.memory))
                 if self._release_fenced(job):
                     self._post_push_writes(job)
         self._step_pushes = ()

@@ -29,16 +29,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvbridge.backends.fence import Fence, record_fence
-from kvbridge.backends.nixl import DescList, NixlTransport, PeerHandle, Transfer
+from kvbridge.backends.nixl import DescList, NixlTransport, PeerHandle
 from kvbridge.connectors.api import BlockRef, ConnectorContext, WorkerConnector
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.leases import LeaseTable, Verdict
 from kvbridge.connectors.nixl.routing import DescTable
 from kvbridge.connectors.nixl.scheduler import PushOrder, ReleaseOrder
+from kvbridge.connectors.nixl.send_state import PushJob
 from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey
 from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.nixl.state import RecvTransfer
@@ -116,40 +117,8 @@ class _ConsumerPeer:
     push: _PushLists | None = None
 
 
-@dataclass
-class _PushTarget:
-    consumer_rank: int
-    peer: PeerHandle
-    register: messages.Register
-    local: DescTable | None = None
-    remote: DescTable | None = None
-    local_list: DescList | None = None
-    remote_list: DescList | None = None
-    layers_needed: frozenset[int] = frozenset()
-    layers_written: set[int] = field(default_factory=set)
-    transfers: list[Transfer] = field(default_factory=list)
-    finished: bool = False
-    cancelled: bool = False
-    runs: int = 0  # contiguous runs posted (what NIXL moves after merging)
-    #: slice digests per region of the blocks registered (``xxh3-64-slices`` asked)
-    slice_digests: tuple[dict[int, int], ...] | None = None
-
-
-@dataclass
-class _PushJob:
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...] = ()
-    final: bool = False
-    dropped: bool = False
-    layers_ready: set[int] = field(default_factory=set)
-    # push fence (issue 15): layers saved whose kernels may still run; ready once done()
-    fenced: list[tuple[Fence, frozenset[int]]] = field(default_factory=list)
-    targets: dict[int, _PushTarget] = field(default_factory=dict)
-    started_at: float = 0.0
-    #: block id -> digest per region, taken once every layer is final (issue 18)
-    digests: tuple[dict[int, int], ...] | None = None
-    #: the same in the producer's other algorithms consumers ask for (not the first)
-    alg_digests: dict[str, tuple[dict[int, int], ...]] = field(default_factory=dict)
+#: the name the worker's parts, tools and tests know a push job by
+_PushJob = PushJob
 
 
 @dataclass(frozen=True)
