@@ -195,7 +195,8 @@ class WorkerState(WorkerConnector):
         #: answers to agents that are not (or no more) peers: (queued at, answer)
         self._pending_acks: dict[str, list[tuple[float, messages.Notif]]] = {}
         self._push_jobs: dict[str, _PushJob] = {}
-        #: records the push fence of a saved layer (issue 15); a test may stand in for it
+        #: records the push fence of a saved layer (so no WRITE precedes its kernels); a test may
+        #: stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
         self._early_registers: dict[str, list[tuple[str, messages.Register]]] = {}
         self._step_pushes: tuple[PushOrder, ...] = ()
@@ -216,7 +217,7 @@ class WorkerState(WorkerConnector):
             "notifs_deferred": 0,
             # producer: begins that came before the hold started, answered when it did
             "begins_before_hold": 0,
-            # verified KV (issue 18): blocks checked against the producer's digests, found
+            # verified KV: blocks checked against the producer's digests, found
             # different (each a failed load of that block), and loaded without a check
             "blocks_verified": 0, "digest_mismatches": 0, "blocks_unverified": 0,
             "loads_corrupt": 0, "digests_served": 0,
