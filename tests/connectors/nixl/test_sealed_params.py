@@ -98,8 +98,11 @@ def _counter(field: str) -> str:
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["engine-key", "cluster-secret"])
-def test_params_not_sealed_for_this_prompt_are_never_served(cluster: bool,
-                                                            tmp_path: Path) -> None:
+def test_params_not_sealed_for_this_prompt_are_never_served(
+        cluster: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each case chooses its key itself (``make test-auth`` sets a secret for everything)
+    monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+    monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
     extra: dict[str, Any] = {}
     if cluster:
         secret_file = tmp_path / "cluster.secret"
