@@ -29,7 +29,10 @@ from kvbridge.handshake.errors import HandshakeError
 from kvbridge.layouts import LayoutError, limits
 from kvbridge.layouts.limits import MAX_WORLD_SIZE
 
-PROTOCOL_VERSION = 1
+#: 2: consumers name the sealed params they load (``begin``/``read`` carry the
+#: record's digest, push ``register``s the prompt chain); a v1 consumer would be
+#: refused by every hold, so it is refused at the handshake instead, saying why.
+PROTOCOL_VERSION = 2
 
 #: Largest message (request, reply or saved document) either side accepts, in bytes.
 MAX_MESSAGE_BYTES = 1 << 20

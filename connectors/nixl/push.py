@@ -69,6 +69,7 @@ class PushSender(WorkerState):
             if self._cancelled.pop(push.request_id, None) is not None:
                 self._drop_job(job)  # its targets are answered as their writes settle
             job.order(tuple(tuple(g) for g in push.block_ids), push.final)
+            job.chain = job.chain or push.chain
             for sender, reg in self._early_registers.pop(push.request_id, []):
                 self._on_register(sender, reg, now)
 
@@ -151,6 +152,15 @@ class PushSender(WorkerState):
             raise NixlTransportError(f"register from {sender} names consumer rank "
                                      f"{reg.consumer_rank}, its hello said "
                                      f"{consumer.meta.rank_index}")
+        refused = self._refuse_register(job, reg, consumer.meta.engine_id)
+        if refused:
+            self._counters["registers_refused"] += 1
+            logger.warning("nixl: producer engine=%s rank=%d request=%s: register of consumer "
+                           "%s rank %d refused: %s", self.ctx.engine_id, self.rank_index,
+                           rid, consumer.meta.engine_id, reg.consumer_rank, refused)
+            self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+                                                  f"refused: {refused}"))
+            return
         target = SendTransfer(reg.consumer_rank, consumer.peer, reg)
         lists = consumer.push
         if lists is not None:
@@ -167,6 +177,20 @@ class PushSender(WorkerState):
         if job.final and not self._step_pushes and not job.fenced:
             job.ready_all(set(self.memory))  # prefill already complete: everything
         self._post_push_writes(job)
+
+    def _refuse_register(self, job: PushJob, reg: messages.Register, engine: str) -> str:
+        """Why a register may not have ``job``'s KV ("" if it may): its prompt is another
+        (or it names none), or another consumer engine or this rank registered first."""
+        if not job.chain or reg.chain != job.chain:
+            return ("the consumer's prompt is not this request's prompt" if reg.chain else
+                    "no prompt chain: a push register names the prompt it takes")
+        if job.engine is None:
+            job.engine = engine
+        elif job.engine != engine:
+            return f"registered by another consumer engine ({job.engine[:64]!r}) first"
+        if reg.consumer_rank in job.targets:
+            return f"consumer rank {reg.consumer_rank} registered already: once per rank"
+        return ""
 
     def _post_push_writes(self, job: PushJob) -> None:
         assert self.transport is not None

@@ -35,7 +35,7 @@ class PushRegisters(WorkerState):
                 if p in session.rank_plan.sources else None
             reg = messages.Register(rid, self.rank_index, session.expected[p],
                                     recv.start, recv.consumer_block_ids,
-                                    algorithm=ask.algorithm if ask else "")
+                                    algorithm=ask.algorithm if ask else "", chain=recv.chain)
             self.transport.send_notif(session.peers[p], messages.encode(reg))
 
     def _cancel_load(self, request_id: str, now: float) -> None:

@@ -205,6 +205,9 @@ class PushJob:
     digests: tuple[dict[int, int], ...] | None = None
     #: the same in the producer's other algorithms consumers ask for (not the first)
     alg_digests: dict[str, tuple[dict[int, int], ...]] = field(default_factory=dict)
+    #: the producer's prompt chain (``sealing.prompt_chain``) a register must name
+    chain: bytes = b""
+    engine: str | None = None  # the consumer engine whose register came first
 
     @property
     def final(self) -> bool:

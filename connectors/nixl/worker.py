@@ -236,7 +236,7 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
                                                                      started_at=now))
             if not hold.push:
                 self._take_hold_digests(hold.request_id, hold.block_ids)
-            for verdict in self._leases.hold(hold.request_id, now):
+            for verdict in self._leases.hold(hold.request_id, now, hold.record):
                 self._answer(verdict)
             for _at, sender, begin in self._early_begins.pop(hold.request_id, []):
                 self._early_begin_ids -= sum(len(g) for g in begin.digest_ids)

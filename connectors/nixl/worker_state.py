@@ -212,6 +212,8 @@ class WorkerState(WorkerConnector):
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
             "peer_restarts": 0, "requests_refused": 0, "handshakes_abandoned": 0,
             "notifs_rejected": 0,
+            # producer, push: registers not naming this request's prompt (or a second one)
+            "registers_refused": 0,
             # producer: notifications of agents not (yet) peers, kept until their hello
             # or, after early_grace_s, rejected (notifs_rejected)
             "notifs_deferred": 0,
@@ -314,7 +316,10 @@ class WorkerState(WorkerConnector):
         lease = self._leases.stats
         return {"lease_expiries": lease.expiries, "late_notifs": lease.late_notifs,
                 "unknown_notifs": lease.unknown_notifs, "holds_promised": lease.guarantees,
-                "holds_promise_refused": lease.guarantees_refused}
+                "holds_promise_refused": lease.guarantees_refused,
+                # begins, reads and releases not naming the sealed record, or from
+                # another consumer engine than the one that claimed the hold
+                "holds_refused": lease.refused}
 
     # ------------------------------------------------------------------ seams
     # What one part calls of another, for the type checker only (at run time the

@@ -48,7 +48,7 @@ import pytest
 
 from kvbridge.auth import Label, Secret
 from kvbridge.auth.seal import open_sealed, seal
-from kvbridge.connectors import ConnectorMetadata, TransferMode, TransferParams
+from kvbridge.connectors import ConnectorMetadata, TransferMode, TransferParams, sealing
 from kvbridge.connectors.metadata_wire import decode_metadata, encode_metadata
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
 from kvbridge.connectors.mooncake_store.records import (
@@ -211,6 +211,50 @@ def _params_pull() -> TransferParams:
                           spec_fingerprint="0123456789abcdef",
                           extra={"lease_s": 30.0, "note": "x", "flag": True, "n": 7,
                                  "none": None})
+
+
+#: the cluster secret of the sealed vectors (a test value, never a real one)
+_GOLDEN_SECRET = Secret.from_value("golden-cluster-secret-0123456789", "golden")
+
+
+def _params_sealed() -> TransferParams:
+    """Pull params as a producer with the cluster secret returns them: every sealed
+    field fixed (a real producer draws ``hold_id`` and ``incarnation`` at random)."""
+    chain = sealing.prompt_chain(list(range(100, 140)), 40)
+    return sealing.sealed(_GOLDEN_SECRET, dataclasses.replace(
+        _params_pull(), hold_id="00112233445566778899aabbccddeeff",
+        incarnation="0123456789abcdef", prompt_chain=chain.hex(), seal_key="cluster"))
+
+
+def _prompt_chains() -> list[tuple[str, int, str, str]]:
+    """(tokens, num_tokens, cache salt, chain hex): full links only, a partial last
+    link, a salt, and nothing at all."""
+    cases = [(list(range(32)), 32, ""), (list(range(40)), 37, ""), (list(range(40)), 40, "s1"),
+             ([7, 8], 0, "")]
+    return [(" ".join(map(str, t)), n, salt,
+             sealing.prompt_chain(t, n, salt or None).hex()) for t, n, salt in cases]
+
+
+def _chains_text(rows: list[tuple[str, int, str, str]]) -> bytes:
+    return "".join(f"{t}|{n}|{salt}|{h}\n" for t, n, salt, h in rows).encode()
+
+
+def _chains_parse(data: bytes) -> list[tuple[str, int, str, str]]:
+    rows = []
+    for line in data.decode().splitlines():
+        tokens, n, salt, chain = line.split("|")
+        rows.append((tokens, int(n), salt, chain))
+    return rows
+
+
+def _sealed_notifs() -> list[notifs.Notif]:
+    """The sealed-params fields: a ``begin`` and ``read`` naming the record's digest, a
+    push ``register`` naming the prompt chain (all optional keys)."""
+    return [
+        notifs.Begin("req-1", 1, record=bytes(range(16))),
+        notifs.ReadDone("req-1", 0, 2, True, bytes(range(16, 32))),
+        notifs.Register("req-2", 1, 2, (0,), ((7, 8),), chain=bytes(range(32))),
+    ]
 
 
 def _params_push() -> TransferParams:
@@ -490,6 +534,12 @@ VECTORS = [
            TransferParams.from_json),
     Vector("transfer_params_pull.msgpack.hex", _params_pull, lambda p: _pack(p.to_dict()),
            lambda data: TransferParams.from_dict(msgpack.unpackb(data, raw=False))),
+    Vector("transfer_params_sealed.json.txt", _params_sealed, lambda p: p.to_json().encode(),
+           TransferParams.from_json),
+    Vector("prompt_chains.txt", _prompt_chains, _chains_text, _chains_parse),
+    Vector("nixl_notifications_sealed.hex", _sealed_notifs,
+           lambda ms: _pack([notifs.encode(m) for m in ms]),
+           lambda data: [notifs.decode(b) for b in msgpack.unpackb(data)]),
     # KV events
     Vector("events_batch_map.hex", _events_batch,
            lambda b: encode_batch(b, EventWireFormat.MAP), decode_batch),
@@ -724,7 +774,7 @@ def test_events_vectors_are_the_formats_vllm_reads() -> None:
 def test_transfer_params_json_is_what_a_router_forwards() -> None:
     text = _golden(_BY_NAME["transfer_params_pull.json.txt"], _params_pull().to_json().encode())
     data = json.loads(text)
-    assert list(data)[0] == "version" and data["version"] == 1 and data["mode"] == "pull"
+    assert list(data)[0] == "version" and data["version"] == 2 and data["mode"] == "pull"
 
 
 def test_the_stored_records_name_the_key_they_were_made_for() -> None:
