@@ -25,6 +25,7 @@ from kvbridge.offload.fs_batch import BATCH_MIN_PART
 from kvbridge.offload.fs_io import FsIO, encode_block_header
 from kvbridge.offload.runner import TierRunner, split_job
 from kvbridge.offload.testing import block_content
+from kvbridge.offload.tier import WHOLE_JOB
 from kvbridge.offload.types import BatchIOError, OffloadError
 
 BLOCK = 4096
@@ -285,6 +286,7 @@ def test_a_batched_job_splits_into_parts_of_at_least_min_part_blocks(tmp_path) -
         assert split_job(BATCH_MIN_PART, 4, fs.load_part_blocks) == [(0, BATCH_MIN_PART)]
         parts = split_job(4 * BATCH_MIN_PART, 4, fs.load_part_blocks)
         assert len(parts) == 4 and all(e - s == BATCH_MIN_PART for s, e in parts)
+        assert split_job(64, 4, WHOLE_JOB) == [(0, 64)]                 # obj: one call a job
         assert split_job(8, 4, 1) == [(0, 2), (2, 4), (4, 6), (6, 8)]   # one by one: a part
         n = 4 * BATCH_MIN_PART                                          # per thread
         keys = [k(i) for i in range(n)]
