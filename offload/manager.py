@@ -128,7 +128,8 @@ class _Job:
 
 
 class OffloadManager:
-    """Tiered offload store: a CPU primary tier and zero or more secondary tiers."""
+    """Tiered offload store: a CPU primary tier and zero or more secondary tiers, each
+    run by its ``TierRunner`` (``kvbridge.offload.runner``)."""
 
     def __init__(self, primary: CpuTier, secondaries: Sequence[TierRunner] = (),
                  clock: Callable[[], float] = time.monotonic) -> None:
