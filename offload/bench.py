@@ -36,6 +36,7 @@ from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.fs_io import O_DIRECT
 from kvbridge.offload.manager import OffloadManager
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import JobResult, OffloadError
 
@@ -93,7 +94,7 @@ def _plain_read(path: str, buf: memoryview, direct: bool) -> float:
     return time.perf_counter() - start
 
 
-def _wait_jobs(tier: FsTier, job_ids: set[int], timeout_s: float) -> list[JobResult]:
+def _wait_jobs(tier: TierRunner, job_ids: set[int], timeout_s: float) -> list[JobResult]:
     results: list[JobResult] = []
     deadline = time.monotonic() + timeout_s
     while job_ids:
@@ -108,7 +109,7 @@ def _wait_jobs(tier: FsTier, job_ids: set[int], timeout_s: float) -> list[JobRes
     return results
 
 
-def _timed_jobs(tier: FsTier, kind: str, keys: list[bytes], batches: list[list[int]],
+def _timed_jobs(tier: TierRunner, kind: str, keys: list[bytes], batches: list[list[int]],
                 buffers: list[list[memoryview]], job_id: int, timeout_s: float
                 ) -> tuple[float, int, int]:
     """Store or load every batch through the tier's jobs and wait for them: (seconds,
@@ -148,12 +149,12 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
     verified = True
     with bench_workdir(directory) as work:
         primary = CpuTier(num_blocks, block_bytes)
-        tier = FsTier(os.path.join(work, "store"), block_bytes, "be7c4be7c4be7c4b",
-                      use_o_direct=use_o_direct, read_threads=read_threads,
-                      write_threads=write_threads, io_engine=io_engine)
+        fs = FsTier(os.path.join(work, "store"), block_bytes, "be7c4be7c4be7c4b",
+                    use_o_direct=use_o_direct, io_engine=io_engine)
+        tier = TierRunner(fs, read_threads=read_threads, write_threads=write_threads)
         tier.attach_primary(primary.buffer)   # as the offload manager does
-        io_mode = "O_DIRECT" if tier.o_direct else "buffered"
-        tier_reads = "batched (io_uring)" if tier.batched else "one by one (readv)"
+        io_mode = "O_DIRECT" if fs.o_direct else "buffered"
+        tier_reads = "batched (io_uring)" if fs.batched else "one by one (readv)"
         try:
             seed = block_content(b"bench-seed", block_bytes)
             for i in range(num_blocks):
@@ -185,7 +186,7 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
                         samples["store"].append(tier_run("store"))
                     else:
                         samples["plain_write"].append(
-                            _plain_write(plain, primary.buffer, tier.o_direct))
+                            _plain_write(plain, primary.buffer, fs.o_direct))
                 for phase in (("plain_read", "load") if first_plain else ("load", "plain_read")):
                     os.sync()
                     primary.buffer[:] = bytes(total)   # reads must really refill the slots
@@ -194,7 +195,7 @@ def run_offload_bench(directory: str | None = None, *, num_blocks: int = 64,
                         verified = verified and bytes(primary.buffer) == expected
                     else:
                         samples["plain_read"].append(
-                            _plain_read(plain, primary.buffer, tier.o_direct))
+                            _plain_read(plain, primary.buffer, fs.o_direct))
                 os.remove(plain)
         finally:
             tier.shutdown()
@@ -264,11 +265,13 @@ def run_verify_bench(directory: str | None = None, *, modes: tuple[str, ...] = (
             for mode in order:
                 policy = VerifyPolicy(mode)
                 primary = CpuTier(num_blocks, block_bytes, verify=policy, num_layers=num_layers)
-                tier = FsTier(os.path.join(work, f"{mode.value}-{r}"), block_bytes,
-                              "5e1f5e1f5e1f5e1f", use_o_direct=use_o_direct, verify=policy,
-                              num_layers=num_layers)
+                fs = FsTier(os.path.join(work, f"{mode.value}-{r}"), block_bytes,
+                            "5e1f5e1f5e1f5e1f", use_o_direct=use_o_direct, verify=policy,
+                            num_layers=num_layers)
+                tier = TierRunner(fs, read_threads=DEFAULT_READ_THREADS,
+                                  write_threads=DEFAULT_WRITE_THREADS)
                 tier.attach_primary(primary.buffer)   # as the offload manager does
-                io_mode = "O_DIRECT" if tier.o_direct else "buffered"
+                io_mode = "O_DIRECT" if fs.o_direct else "buffered"
                 try:
                     times, ok, failed = _verify_round(primary, tier, src, num_blocks,
                                                       block_bytes, batch_blocks, r, timeout_s)
@@ -301,7 +304,7 @@ def run_verify_bench(directory: str | None = None, *, modes: tuple[str, ...] = (
     }
 
 
-def _verify_round(primary: CpuTier, tier: FsTier, src: memoryview, num_blocks: int,
+def _verify_round(primary: CpuTier, tier: TierRunner, src: memoryview, num_blocks: int,
                   block_bytes: int, batch_blocks: int, r: int,
                   timeout_s: float) -> tuple[dict[str, float], bool, int]:
     """One round of one mode: CPU store/load through a manager (no secondary tier, so
@@ -364,8 +367,8 @@ def _lookup_latency(root: str, num_keys: int, iterations: int, use_o_direct: boo
     busy_blocks = 16
     half = max(1, num_keys // 2)
     primary = CpuTier(busy_blocks + num_keys + 8, block_bytes)
-    tier = FsTier(root, block_bytes, "1a7e1c1a7e1c1a7e", use_o_direct=use_o_direct,
-                  read_threads=2, write_threads=2)
+    tier = TierRunner(FsTier(root, block_bytes, "1a7e1c1a7e1c1a7e", use_o_direct=use_o_direct),
+                      read_threads=2, write_threads=2)
     manager = OffloadManager(primary, [tier])
     try:
         hot = [b"hot|%d" % i for i in range(half)]

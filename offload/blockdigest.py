@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy, combine, digest_fast
-from kvbridge.offload.types import OffloadError, OffloadKey
+from kvbridge.offload.types import OffloadError, OffloadKey, Removal, StoredCopyError
 
 #: layer digests of one block, in layer order
 LayerDigests = tuple[int, ...]
@@ -67,7 +67,7 @@ def wants_key(policy: VerifyPolicy, key: OffloadKey) -> bool:
     return policy.wants(key.hex(), 0, 0)
 
 
-class DigestMismatchError(OSError):
+class DigestMismatchError(StoredCopyError):
     """A block's bytes landed but do not match the digest stored with them.
 
     Provable corruption: the writer took the digest of the bytes it wrote.
@@ -75,7 +75,7 @@ class DigestMismatchError(OSError):
     tier removed the stored copy (the fs tier removes the file).
     """
 
-    removal_reason = "digest"
+    removal = Removal.DIGEST
 
     def __init__(self, tier: str, where: str, key: OffloadKey, layer: int, expected: int,
                  actual: int) -> None:

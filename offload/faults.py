@@ -1,7 +1,12 @@
 """Fault injection around the real fs tier I/O (per key or per rate, seeded).
 
-``FaultyFsIO`` wraps a real ``FsIO``; every fault goes through the real code
-path of the tier, and most are produced by the kernel itself:
+``FaultyFsIO`` wraps a real ``FsIO`` and is handed to a tier as its I/O
+(``FsTier(io=...)``; the offloading connector gets one through
+``kvbridge.connectors.offloading.io_hook``, one per tier from a
+:class:`FaultInjectors`). Only opens of block files (``*.kvb``) are faulted:
+the tier's O_DIRECT probe file and everything else pass through. Every fault
+goes through the real code path of the tier, and most are produced by the
+kernel itself:
 
 * SHORT_READ  — the real block file is truncated to half (a torn block) just
   before it is opened, so the tier sees a genuine EOF before ``block_bytes``.
@@ -37,9 +42,11 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvbridge.offload.fs import BLOCK_SUFFIX, FileMapper
 from kvbridge.offload.fs_io import FsIO
 from kvbridge.offload.types import OffloadError, OffloadKey
 
@@ -122,11 +129,15 @@ class FaultyFsIO(FsIO):
         self._corrupted: set[tuple[str, int]] = set()
         self.injected: list[InjectedFault] = []
         self._loop_dir = tempfile.mkdtemp(prefix="kvbridge-faults-")
+        # removed by close_injector, or when the injector is collected or the process exits
+        self._remove_loop = weakref.finalize(self, shutil.rmtree, self._loop_dir, True)
         self.loop_path = os.path.join(self._loop_dir, "loop-a")
         os.symlink(os.path.join(self._loop_dir, "loop-b"), self.loop_path)
         os.symlink(self.loop_path, os.path.join(self._loop_dir, "loop-b"))
 
     def _decide(self, path: str) -> FaultKind | None:
+        if not path.endswith(BLOCK_SUFFIX):
+            return None    # not a block file (the tier's O_DIRECT probe): never faulted
         with self._lock:
             nth = self._opens.get(path, 0)
             self._opens[path] = nth + 1
@@ -233,4 +244,40 @@ class FaultyFsIO(FsIO):
 
     def close_injector(self) -> None:
         """Remove the symlink loop directory."""
-        shutil.rmtree(self._loop_dir, ignore_errors=True)
+        self._remove_loop()
+
+
+class FaultInjectors:
+    """Makes one :class:`FaultyFsIO` of ``plan`` per fs tier, as an
+    ``io_hook.FsIOFactory``: called with a tier's store directory and fingerprint.
+
+    Keeps what it made, so the test or demo that owns it can count the faults of
+    every tier (:meth:`injected_kinds`) and remove their symlink loops (:meth:`close`).
+    """
+
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan
+        self._lock = threading.Lock()
+        self.made: list[FaultyFsIO] = []
+
+    def __call__(self, root: str, fingerprint: str) -> FaultyFsIO:
+        io = FaultyFsIO(self.plan, FileMapper(root, fingerprint).path, root=root)
+        with self._lock:
+            self.made.append(io)
+        return io
+
+    def injected_kinds(self) -> dict[FaultKind, int]:
+        """Faults injected so far by every tier's I/O, by kind."""
+        out: dict[FaultKind, int] = {}
+        with self._lock:
+            made = list(self.made)
+        for io in made:
+            for kind, count in io.injected_kinds().items():
+                out[kind] = out.get(kind, 0) + count
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            made, self.made = self.made, []
+        for io in made:
+            io.close_injector()

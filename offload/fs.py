@@ -66,8 +66,8 @@ does not depend on the engine. A load job is split into parts of at least
 ``BATCH_MIN_PART`` blocks when batched (a part per thread otherwise). ``auto``
 (the default) probes the backend once when the primary tier attaches and falls
 back to plain reads, logged once; ``python`` never batches; ``uring`` fails
-the attach when it cannot. A fault plan wraps the plain calls, so a tier with
-one reads the plain way. Stores are always plain: the cost of a small block's
+the attach when it cannot. A custom ``FsIO`` (a fault injector) wraps the plain
+calls, so a tier given one reads the plain way. Stores are always plain: the cost of a small block's
 store is creating and renaming its file, which one submission does not save
 (measured in docs/offload.md).
 """
@@ -86,7 +86,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvbridge.events.schema import Locality, Medium
 from kvbridge.layouts.digests import VerifyPolicy
 from kvbridge.offload.blockdigest import (
     DEFAULT_VERIFY,
@@ -96,12 +95,12 @@ from kvbridge.offload.blockdigest import (
     verify_views,
     wants_key,
 )
-from kvbridge.offload.faults import FaultPlan, FaultyFsIO
 from kvbridge.offload.fs_batch import (
     BATCH_MAX_FILE_BYTES,
     BATCH_MIN_PART,
     IO_ENGINES,
     Chunk,
+    ChunkFiles,
     Readers,
     chunk_blocks,
     probe,
@@ -126,18 +125,15 @@ from kvbridge.offload.fs_io import (
     remove_entry,
     store_block,
 )
-from kvbridge.offload.tier import (
-    DEFAULT_LOAD_TIMEOUT_S,
-    DEFAULT_PROBE_TIMEOUT_S,
-    BlockBuffers,
-    SecondaryTier,
-)
+from kvbridge.offload.tier import BlockBuffers, Tier
 from kvbridge.offload.types import (
     BatchIOError,
     NotRegularFileError,
     OffloadError,
     OffloadKey,
+    Removal,
     ShortReadError,
+    StoredCopyError,
 )
 
 logger = logging.getLogger(__name__)
@@ -151,7 +147,7 @@ BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
 HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
 #: I/O threads of the tier by default (reads: promotions, which a request waits for;
 #: writes: stores, which nobody waits for). A job runs one part per thread of its pool
-#: (``split_jobs``). Measured with ``python -m kvbridge.integrations.vllm.bench_fs``
+#: (``load_part_blocks``). Measured with ``python -m kvbridge.integrations.vllm.bench_fs``
 #: (docs/offload.md): more read threads speed a promotion; 4 write threads stored jobs
 #: of 8 blocks of 256 KiB 1.3x faster than 2 on an O_DIRECT ext4 disk (block file
 #: creation, not bytes, bounds them; 2 MiB blocks: no difference).
@@ -168,10 +164,10 @@ NOT_THE_FILES_FAULT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno
                                  errno.EINTR, errno.ENOENT, errno.ENOBUFS, errno.EINVAL})
 
 
-class QuarantinedError(OSError):
+class QuarantinedError(StoredCopyError):
     """A block file failed ``failures`` loads in a row and was removed (``deleted``)."""
 
-    removal_reason = "quarantine"
+    removal = Removal.QUARANTINE
 
     def __init__(self, path: str, failures: int, cause: OSError, deleted: bool) -> None:
         super().__init__(cause.errno, f"{path}: {failures} failed loads in a row ({cause}); "
@@ -255,21 +251,21 @@ def ensure_header(root: str, fingerprint: str, block_bytes: int) -> None:
                            f"expected {block_bytes}")
 
 
-class FsTier(SecondaryTier):
-    """Blocks as files under ``root``; see the module docstring for the layout."""
+class FsTier(Tier):
+    """Blocks as files under ``root``; see the module docstring for the layout.
 
-    medium = Medium.STORAGE.value
-    locality = Locality.LOCAL.value
-    carries_digests = True
-    split_jobs = True
+    ``io``: the system calls the tier makes (a test or the demo passes a wrapper that
+    injects faults, ``kvbridge.offload.faults.FaultyFsIO``); ``clock``: when the
+    fan-out directories are judged again.
+    """
+
+    #: blocks are independent files: a job runs on every thread of its pool at once
+    load_part_blocks = 1
+    store_part_blocks = 1
 
     def __init__(self, root: str, block_bytes: int, fingerprint: str, *,
-                 use_o_direct: bool = True, fsync: bool = False,
-                 read_threads: int = DEFAULT_READ_THREADS,
-                 write_threads: int = DEFAULT_WRITE_THREADS, io: FsIO | None = None,
-                 faults: FaultPlan | None = None, name: str = "fs",
-                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
-                 quarantine_after: int = 3,
+                 use_o_direct: bool = True, fsync: bool = False, io: FsIO | None = None,
+                 name: str = "fs", quarantine_after: int = 3,
                  clock: Callable[[], float] = time.monotonic,
                  verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1,
                  io_engine: str = "auto",
@@ -278,19 +274,11 @@ class FsTier(SecondaryTier):
             raise OffloadError("io_engine", f"expected one of {', '.join(IO_ENGINES)}, "
                                f"got {io_engine!r}")
         self.mapper = FileMapper(root, fingerprint)
-        super().__init__(name, block_bytes, read_threads, write_threads, clock=clock,
-                         verify=verify, num_layers=num_layers,
-                         probe_timeout_s=(DEFAULT_PROBE_TIMEOUT_S if probe_timeout_s is None
-                                          else probe_timeout_s),
-                         load_timeout_s=(DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None
-                                         else load_timeout_s))
+        super().__init__(name, block_bytes, verify=verify, num_layers=num_layers)
         self.root = root
         self.io = io or FsIO()
-        #: set when ``faults`` is given: the injector wrapping the real I/O
-        self.injector: FaultyFsIO | None = None
-        if faults is not None:
-            self.injector = FaultyFsIO(faults, self.mapper.path, self.io, root=root)
-            self.io = self.injector
+        self.clock = clock
+        self._closed = False
         self.fsync = fsync
         if isinstance(quarantine_after, bool) or not isinstance(quarantine_after, int) \
                 or quarantine_after < 1:
@@ -306,7 +294,7 @@ class FsTier(SecondaryTier):
         os.makedirs(root, exist_ok=True)
         ensure_header(root, fingerprint, block_bytes)
         # probed once for the store directory (the fan-out dirs are on the same file system)
-        self.o_direct = bool(use_o_direct) and probe_o_direct(root, io or FsIO())
+        self.o_direct = bool(use_o_direct) and probe_o_direct(root, self.io)
         #: per fan-out directory (index: the key hash's first byte), why blocks may not
         #: go through it (None: a real directory inside the root). Judged once, here and
         #: when a store makes a removed one again, so a block's check is a list index.
@@ -336,7 +324,6 @@ class FsTier(SecondaryTier):
             return
         file_bytes = self.header_bytes + self.block_bytes
         why = ("the store directory refuses O_DIRECT" if not self.o_direct else
-               "a fault plan wraps the plain I/O calls" if self.injector is not None else
                "a custom FsIO wraps the plain I/O calls" if type(self.io) is not FsIO else
                f"block files of {file_bytes} bytes read as fast one by one (measured)"
                if self.io_engine == "auto" and file_bytes > BATCH_MAX_FILE_BYTES else None)
@@ -344,17 +331,13 @@ class FsTier(SecondaryTier):
         if why is None:
             why = probe(self.root, memory)
         if why is None:
-            self._readers = Readers(self.name, memory, self.header_bytes, self.count)
-            self.min_load_part = BATCH_MIN_PART
+            self._readers = Readers(self.name, memory, self.header_bytes, self.counters.count)
+            self.load_part_blocks = BATCH_MIN_PART
             return
         if self.io_engine == "uring":
             raise OffloadError("io_engine", f"{self.name}: batched reads unavailable: {why}")
         logger.info("%s: block files are read one by one (batched reads unavailable: %s)",
                     self.name, why)
-
-    def count_close_error(self) -> None:
-        with self._stats_lock:
-            self.stats.close_errors_ignored += 1
 
     def path(self, key: OffloadKey) -> str:
         return self.mapper.path(key)
@@ -417,7 +400,7 @@ class FsTier(SecondaryTier):
             raise FanoutRefusedError(self.mapper.directory(digest), why)
         return self.mapper.path_of_hash(digest)
 
-    def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+    def probe(self, keys: Sequence[OffloadKey]) -> list[bool]:
         # lstat: only a regular file is a block (a directory, FIFO or symlink is absent);
         # a block behind a refused fan-out directory is absent, and is not looked at
         self._recheck_fanouts()
@@ -431,8 +414,8 @@ class FsTier(SecondaryTier):
             found.append(self.io.is_block_file(path))
         return found
 
-    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
-                   digests_out: list[LayerDigests | None] | None = None) -> None:
+    def load(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+             digests_out: list[LayerDigests | None]) -> None:
         """Load and (per ``verify``) check each block; ``digests_out`` gets, per loaded key,
         the digests stored with it (None: stored without). A block that is provably
         corrupt (digests, torn header) fails alone: the rest of the batch is loaded."""
@@ -441,6 +424,9 @@ class FsTier(SecondaryTier):
         #: blocks that failed on their own (provably corrupt, removed): the batch goes on
         corrupt: dict[int, OSError] = {}
         reader = self._readers.get() if self._readers is not None else None
+        #: what a batched read needs of this tier (its I/O as it is now)
+        files = ChunkFiles(self.name, self.io, self.header_bytes, self.block_bytes,
+                           self.block_path, self.counters)
         chunk = chunk_blocks(self.header_bytes + self.block_bytes)
         #: block position -> its header, where a batched read already brought the file in
         landed: dict[int, bytes] = {}
@@ -448,15 +434,15 @@ class FsTier(SecondaryTier):
         try:
             for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
                 if reader is not None and i % chunk == 0:
-                    current = ahead or start_chunk(self, reader, keys, buffers, i, chunk, 0)
-                    ahead = (start_chunk(self, reader, keys, buffers, i + chunk, chunk,
+                    current = ahead or start_chunk(files, reader, keys, buffers, i, chunk, 0)
+                    ahead = (start_chunk(files, reader, keys, buffers, i + chunk, chunk,
                                          (i // chunk + 1) % 2)
                              if i + chunk < len(keys) else None)
                     landed = current.finish()
                 try:
                     path = self.block_path(key)
                 except FanoutRefusedError as exc:
-                    self.count("fanout_refused")
+                    self.counters.count("fanout_refused")
                     corrupt[i] = exc      # this block's directory, not the store: go on
                     continue
                 try:
@@ -474,26 +460,23 @@ class FsTier(SecondaryTier):
                     digests = self._check(key, path, views, outcome.header)
                 except OSError as exc:
                     if isinstance(exc, LegacyBlockError):
-                        self.count("legacy_format_loads")     # format 1: no digests
+                        self.counters.count("legacy_format_loads")     # format 1: no digests
                     elif isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
-                        self.count("foreign_format_loads")
+                        self.counters.count("foreign_format_loads")
                     elif isinstance(exc, ForeignKeyError):
-                        with self._stats_lock:
-                            self.stats.foreign_key_loads += 1
+                        self.counters.foreign_key()
                     error = self._count_failure(key, path, exc)
                     if isinstance(exc, DigestMismatchError) or (
                             isinstance(exc, BadBlockHeaderError) and exc.corrupt):
                         corrupt[i] = error    # this block's file, not the store: go on
                         continue
                     raise BatchIOError(i, error, skipped=corrupt) from exc
-                if digests_out is not None:
-                    digests_out.append(digests)
+                digests_out.append(digests)
                 if self._failures:
                     with self._failures_lock:
                         self._failures.pop(key, None)
                 if outcome.close_error:
-                    with self._stats_lock:
-                        self.stats.close_errors_ignored += 1
+                    self.counters.close_error()
         finally:
             if ahead is not None:
                 ahead.finish()   # its reads land in this batch's buffers: never leave them
@@ -515,8 +498,7 @@ class FsTier(SecondaryTier):
             if not policy.allow_unverified:
                 raise OSError(errno.EPROTO, f"{path} was stored without digests and the "
                               "verify policy refuses unverified loads")
-            with self._stats_lock:
-                self.stats.loads_unverified += 1
+            self.counters.unverified()
             return None
         if wants_key(policy, key):
             try:
@@ -524,8 +506,7 @@ class FsTier(SecondaryTier):
             except DigestMismatchError as exc:
                 exc.deleted = remove_entry(self.io, path)
                 raise
-            with self._stats_lock:
-                self.stats.loads_verified += 1
+            self.counters.verified()
         return header.layer_digests
 
     def _count_failure(self, key: OffloadKey, path: str, exc: OSError) -> OSError:
@@ -551,11 +532,11 @@ class FsTier(SecondaryTier):
                        failures, exc, "removed (quarantine)" if deleted else
                        "could not remove it")
         if not deleted:
-            self.count("quarantine_remove_failed")
+            self.counters.count("quarantine_remove_failed")
         return QuarantinedError(path, failures, exc, deleted)
 
-    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
-                    digests: Sequence[LayerDigests | None] | None = None) -> None:
+    def store(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+              digests: Sequence[LayerDigests | None]) -> None:
         """Write each block with a header holding its layer digests: ``digests[i]`` (taken
         where the bytes were written), else taken here; none with ``verify`` off."""
         header = self._header()
@@ -566,11 +547,11 @@ class FsTier(SecondaryTier):
             try:
                 path = self.block_path(key)
             except FanoutRefusedError as exc:
-                self.count("fanout_refused")
+                self.counters.count("fanout_refused")
                 refused[i] = exc
                 continue
             direct = self.o_direct and direct_ok(views)
-            layers = digests[i] if digests is not None else None
+            layers = digests[i]
             if layers is None and self.verify.enabled:
                 layers = layer_digests(views, self.num_layers)
             if layers is not None and len(layers) != self.num_layers:
@@ -590,13 +571,13 @@ class FsTier(SecondaryTier):
                     why = self._fanout_refused[index] = \
                         self._judge_fanout(os.path.dirname(path), None)
                     if why is not None:
-                        self.count("fanout_refused")
+                        self.counters.count("fanout_refused")
                         refused[i] = FanoutRefusedError(os.path.dirname(path), why)
                         continue
                     stored = store_block(self.io, path, views, self.block_bytes, direct,
                                          header.view, self.fsync)
                 if not stored:
-                    self.count("store_existing")
+                    self.counters.count("store_existing")
                 elif self._failures:
                     # a new file: the failed loads of the one it replaces are not its own
                     with self._failures_lock:
@@ -616,10 +597,9 @@ class FsTier(SecondaryTier):
             header = self._headers.buffer = HeaderBuffer(self.header_bytes)
         return header
 
-    def shutdown(self, timeout_s: float | None = None) -> None:
-        super().shutdown(timeout_s)
+    def close(self) -> None:
+        """Close the batched readers (the runner calls this once its jobs ended)."""
+        self._closed = True
         if self._readers is not None:
             self._readers.close()
             self._readers = None
-        if self.injector is not None:
-            self.injector.close_injector()

@@ -4,7 +4,9 @@ See "Batched reads" in :mod:`kvbridge.offload.fs`. Here: the readers of a tier
 (one per I/O thread, :class:`Readers`), the probe that decides whether a tier
 batches, and one chunk of a load (:func:`start_chunk`, :class:`Chunk`): its
 files, opened and checked for size, and the submission that reads them, in
-flight while the chunk before it is checked.
+flight while the chunk before it is checked. What a chunk needs of its tier is
+:class:`ChunkFiles` (the tier's I/O, sizes, paths and counters), so this module
+does not know the tier.
 """
 
 from __future__ import annotations
@@ -15,15 +17,12 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from kvbridge.backends.nixl_files import MAX_SEGMENTS, FileReader, FileReadError, PendingRead
-from kvbridge.offload.fs_io import O_DIRECT, buffer_address, byte_views, direct_ok
-from kvbridge.offload.tier import BlockBuffers
+from kvbridge.offload.fs_io import O_DIRECT, FsIO, buffer_address, byte_views, direct_ok
+from kvbridge.offload.tier import BlockBuffers, IOCounters
 from kvbridge.offload.types import OffloadKey
-
-if TYPE_CHECKING:
-    from kvbridge.offload.fs import FsTier
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +76,21 @@ def probe(root: str, memory: Sequence[tuple[int, int]]) -> str | None:
             os.remove(path)
 
 
+@dataclass(frozen=True)
+class ChunkFiles:
+    """What a batched read needs of the tier whose block files it reads."""
+
+    #: the tier's name (log lines)
+    name: str
+    #: the system calls the tier makes
+    io: FsIO
+    header_bytes: int
+    block_bytes: int
+    #: a key's block file; raises (an ``OSError``) when the file may not be opened
+    block_path: Callable[[OffloadKey], str]
+    counters: IOCounters
+
+
 class Readers:
     """A tier's readers, one per I/O thread (made on a thread's first batched load)."""
 
@@ -119,8 +133,8 @@ class Readers:
 class Chunk:
     """One batched read of a load (:func:`start_chunk`): its files and its submission."""
 
-    def __init__(self, tier: FsTier, reader: FileReader, scratch_offset: int) -> None:
-        self.tier = tier
+    def __init__(self, files: ChunkFiles, reader: FileReader, scratch_offset: int) -> None:
+        self.files = files
         self.reader = reader
         self.scratch_offset = scratch_offset
         #: (block position, open fd) of each file in the submission, in scratch order
@@ -131,9 +145,9 @@ class Chunk:
 
     def failed(self, exc: FileReadError) -> None:
         self.ok = False
-        self.tier.count("batched_read_failures")
+        self.files.counters.count("batched_read_failures")
         logger.debug("%s: batched read of %d blocks failed, reading them one by one: %s",
-                     self.tier.name, len(self.opened), exc)
+                     self.files.name, len(self.opened), exc)
 
     def finish(self) -> dict[int, bytes]:
         """Wait for the reads; block position -> its header, for the files that landed."""
@@ -144,13 +158,13 @@ class Chunk:
                 except FileReadError as exc:
                     self.failed(exc)
                 else:
-                    self.tier.count("batched_reads")
+                    self.files.counters.count("batched_reads")
                 self.pending = None
             if not self.ok:
                 return {}
             scratch = self.reader.scratch
             assert scratch is not None
-            hb = self.tier.header_bytes
+            hb = self.files.header_bytes
             base = self.scratch_offset
             # copies of the whole page (another geometry's header may be longer than
             # ours): the scratch is read into again by the chunk after next
@@ -165,20 +179,20 @@ class Chunk:
         self.closed = True
         for _i, fd in self.opened:
             try:
-                self.tier.io.close(fd)
+                self.files.io.close(fd)
             except OSError:
-                self.tier.count_close_error()
+                self.files.counters.close_error()
 
 
-def start_chunk(tier: FsTier, reader: FileReader, keys: Sequence[OffloadKey],
+def start_chunk(files: ChunkFiles, reader: FileReader, keys: Sequence[OffloadKey],
                 buffers: BlockBuffers, start: int, count: int, half: int) -> Chunk:
     """Submit the batched read of blocks ``start..start+count`` (headers into scratch
     half ``half``). Left out (read one by one later): a file that does not open or is
     not exactly header + block bytes, a buffer outside the reader's memory or not
     aligned for O_DIRECT; the whole chunk when the backend refuses it."""
-    hb = tier.header_bytes
-    file_bytes = hb + tier.block_bytes
-    got = Chunk(tier, reader, half * BATCH_BLOCKS * hb)
+    hb = files.header_bytes
+    file_bytes = hb + files.block_bytes
+    got = Chunk(files, reader, half * BATCH_BLOCKS * hb)
     base = reader.scratch_address + got.scratch_offset
     segments: list[tuple[int, int, int, int]] = []
     try:
@@ -192,11 +206,11 @@ def start_chunk(tier: FsTier, reader: FileReader, keys: Sequence[OffloadKey],
                 continue
             try:
                 # block_path: never opened through a refused fan-out directory
-                fd, size = tier.io.open_read_sized(tier.block_path(keys[i]), True)
+                fd, size = files.io.open_read_sized(files.block_path(keys[i]), True)
             except OSError:
                 continue   # the one-by-one read says what is wrong
             if size != file_bytes:
-                tier.io.close(fd)
+                files.io.close(fd)
                 continue
             segments.append((fd, 0, base + len(got.opened) * hb, hb))
             got.opened.append((i, fd))

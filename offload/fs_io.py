@@ -66,7 +66,7 @@ from itertools import count
 import numpy as np
 
 from kvbridge.layouts.digests import combine, digest_bytes, pack
-from kvbridge.offload.types import NotRegularFileError, ShortReadError
+from kvbridge.offload.types import NotRegularFileError, Removal, ShortReadError, StoredCopyError
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def block_header_bytes(num_layers: int) -> int:
     return -(-need // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
-class BadBlockHeaderError(OSError):
+class BadBlockHeaderError(StoredCopyError):
     """A full-size block file whose header is not one this version reads.
 
     ``corrupt``: provably broken (torn header: bad magic or checksum; another
@@ -110,7 +110,9 @@ class BadBlockHeaderError(OSError):
         self.reason = reason
         self.corrupt = corrupt
         self.deleted = False
-        self.removal_reason = "corrupt" if corrupt else "format"
+
+    #: only a corrupt header's file is removed; another format's is kept
+    removal = Removal.CORRUPT
 
 
 class ForeignKeyError(BadBlockHeaderError):
@@ -130,8 +132,6 @@ class ForeignKeyError(BadBlockHeaderError):
 class LegacyBlockError(OSError):
     """A headerless block file (format 1): no digests to check; the load fails, the file
     is kept (quarantine removes it in time, so it is written again with a header)."""
-
-    removal_reason = "legacy"
 
     def __init__(self, path: str) -> None:
         super().__init__(errno.EPROTO, f"{path} is a format-1 block file (no header, no "

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvbridge.offload.cpu import CpuTier, Slot, SlotState
-from kvbridge.offload.tier import SecondaryTier
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.types import (
     JobKind,
     JobResult,
@@ -123,14 +123,15 @@ class ManagerStats:
 @dataclass(frozen=True)
 class _Job:
     kind: JobKind
-    tier: SecondaryTier
+    tier: TierRunner
     keys: tuple[OffloadKey, ...]
 
 
 class OffloadManager:
-    """Tiered offload store: a CPU primary tier and zero or more secondary tiers."""
+    """Tiered offload store: a CPU primary tier and zero or more secondary tiers, each
+    run by its ``TierRunner`` (``kvbridge.offload.runner``)."""
 
-    def __init__(self, primary: CpuTier, secondaries: Sequence[SecondaryTier] = (),
+    def __init__(self, primary: CpuTier, secondaries: Sequence[TierRunner] = (),
                  clock: Callable[[], float] = time.monotonic) -> None:
         for tier in secondaries:
             if tier.block_bytes != primary.block_bytes:
@@ -176,7 +177,7 @@ class OffloadManager:
         gap = False        # a key before this one is not ready yet: stop counting
         in_flight = False  # a promotion this request waits for is running
         unknown = False    # a secondary tier's verdict is still being probed
-        to_promote: list[tuple[OffloadKey, SecondaryTier]] = []
+        to_promote: list[tuple[OffloadKey, TierRunner]] = []
         failed = self._failed_loads.get(request_id)
         now = self._clock()
         for position, key in enumerate(keys):
@@ -203,7 +204,7 @@ class OffloadManager:
                 elif not gap:
                     num_ready += 1
                 continue
-            source: SecondaryTier | None = None
+            source: TierRunner | None = None
             key_unknown = False
             for tier in self.secondaries:
                 verdict = tier.lookup(request_id, key)
@@ -294,10 +295,10 @@ class OffloadManager:
             pins.discard(key)
         self._failed_loads.setdefault(request_id, {})[key] = None
 
-    def _promote(self, request_id: RequestId, plan: list[tuple[OffloadKey, SecondaryTier]],
+    def _promote(self, request_id: RequestId, plan: list[tuple[OffloadKey, TierRunner]],
                  pins: set[OffloadKey]) -> bool:
         """Start loads of ``plan`` (leading keys, in order) into new primary slots."""
-        per_tier: dict[str, tuple[SecondaryTier, list[OffloadKey], list[int]]] = {}
+        per_tier: dict[str, tuple[TierRunner, list[OffloadKey], list[int]]] = {}
         started = 0
         for key, tier in plan:
             made = self.primary.allocate([key], SlotState.WRITING_PROMOTION)
@@ -482,7 +483,7 @@ class OffloadManager:
         assert slot is not None
         return slot.index
 
-    def _new_job(self, kind: JobKind, tier: SecondaryTier, keys: Sequence[OffloadKey]) -> int:
+    def _new_job(self, kind: JobKind, tier: TierRunner, keys: Sequence[OffloadKey]) -> int:
         self._next_job_id += 1
         self._jobs[self._next_job_id] = _Job(kind, tier, tuple(keys))
         return self._next_job_id

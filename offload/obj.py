@@ -7,8 +7,8 @@ straight between slots and the store. Existence probes use one
 (``<prefix><blake2b-128 hex>``), like the fs tier's file names.
 
 Failure rules, as for the fs tier: a failed get is reported per job with the
-leading keys that succeeded (``successful_keys``), and the tier's own lookup
-cache marks the rest as misses (``SecondaryTier.get_finished_jobs``). The only
+leading keys that succeeded (``successful_keys``), and the runner's lookup
+cache marks the rest as misses (``TierRunner.get_finished_jobs``). The only
 object the tier removes is one proven too short (Mooncake returned fewer bytes
 than a block): the analogue of the fs tier's short read. Not-found (evicted by
 Mooncake meanwhile), timeouts and an unreachable master remove nothing.
@@ -33,10 +33,11 @@ fails, removes both, and the store after it writes a matching pair.
 
 Timeouts: a get or put that outlived ``op_timeout_s`` is abandoned by the
 client but keeps running. Its job is reported failed only once the client is
-idle (the fence of ``SecondaryTier``): until then its slots stay WRITING, so
+idle (the fence of ``TierRunner``): until then its slots stay WRITING, so
 no other key's promotion or store gets a slot a late get could still write
 (which would serve, and cascade, another key's bytes). Requests waiting on
-such a promotion turn into misses at ``load_timeout_s``.
+such a promotion turn into misses at ``load_timeout_s``; the default deadlines
+leave every call its ``op_timeout_s`` (:func:`default_deadlines`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvbridge.backends.mooncake import KeyResult, McStatus, MooncakeStoreClient
-from kvbridge.events.schema import Locality, Medium
+from kvbridge.events.schema import Locality
 from kvbridge.layouts.digests import VerifyPolicy
 from kvbridge.offload.blockdigest import (
     DEFAULT_VERIFY,
@@ -68,7 +69,8 @@ from kvbridge.offload.fs_io import (
     decode_block_header,
     encode_block_header,
 )
-from kvbridge.offload.tier import BlockBuffers, SecondaryTier
+from kvbridge.offload.runner import TierRunner
+from kvbridge.offload.tier import WHOLE_JOB, BlockBuffers, Tier
 from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey, ShortReadError
 
 logger = logging.getLogger(__name__)
@@ -97,35 +99,51 @@ class _IdleFence:
 OBJECT_ROOT = "kvbridge/offload/"
 
 
-class ObjTier(SecondaryTier):
+#: threads of each pool of the obj tier's runner by default
+DEFAULT_READ_THREADS = 2
+DEFAULT_WRITE_THREADS = 2
+
+
+def default_deadlines(op_timeout_s: float) -> tuple[float, float]:
+    """``(probe_timeout_s, load_timeout_s)`` of an obj tier's runner: every Mooncake call
+    is bounded by ``op_timeout_s`` already, so the deadlines leave it room (a load is a
+    get of the block and its digest object)."""
+    return op_timeout_s + 1.0, 2 * op_timeout_s + 1.0
+
+
+def run_obj_tier(tier: ObjTier, *, probe_timeout_s: float | None = None,
+                 load_timeout_s: float | None = None) -> TierRunner:
+    """``tier`` on a runner with the obj tier's threads; a deadline not given is
+    :func:`default_deadlines` of the tier's client."""
+    probe_s, load_s = default_deadlines(tier.client.config.op_timeout_s)
+    return TierRunner(tier, read_threads=DEFAULT_READ_THREADS,
+                      write_threads=DEFAULT_WRITE_THREADS,
+                      probe_timeout_s=probe_s if probe_timeout_s is None else probe_timeout_s,
+                      load_timeout_s=load_s if load_timeout_s is None else load_timeout_s)
+
+
+class ObjTier(Tier):
     """Blocks in Mooncake under ``kvbridge/offload/<fingerprint>/<hash>``.
 
     ``client`` must be set up (``MooncakeStoreClient.setup``); the tier does
-    not close it. Reads and writes each get their own thread pool, as in
-    every tier, so a promotion never waits behind a cascade.
+    not close it. Run it with its own read and write pools, as every tier
+    (``TierRunner``), so a promotion never waits behind a cascade.
     """
 
-    medium = Medium.STORAGE.value
     locality = Locality.REMOTE.value
-    carries_digests = True
+    #: a job is one batched request: never cut into parts
+    load_part_blocks = WHOLE_JOB
+    store_part_blocks = WHOLE_JOB
     #: suffix of a block's digest object
     DIGEST_SUFFIX = ".dg"
 
     def __init__(self, client: MooncakeStoreClient, block_bytes: int, fingerprint: str, *,
-                 read_threads: int = 2, write_threads: int = 2, name: str = "obj",
-                 probe_timeout_s: float | None = None, load_timeout_s: float | None = None,
-                 verify: VerifyPolicy = DEFAULT_VERIFY, num_layers: int = 1) -> None:
+                 name: str = "obj", verify: VerifyPolicy = DEFAULT_VERIFY,
+                 num_layers: int = 1) -> None:
         if not FINGERPRINT_RE.match(fingerprint):
             raise OffloadError("fingerprint",
                                f"expected 8-64 lowercase hex digits, got {fingerprint!r}")
-        # every Mooncake call is bounded by op_timeout_s already: the deadlines leave it room
-        op_timeout_s = client.config.op_timeout_s
-        super().__init__(name, block_bytes, read_threads, write_threads,
-                         probe_timeout_s=(op_timeout_s + 1.0 if probe_timeout_s is None
-                                          else probe_timeout_s),
-                         load_timeout_s=(2 * op_timeout_s + 1.0 if load_timeout_s is None
-                                         else load_timeout_s),
-                         verify=verify, num_layers=num_layers)
+        super().__init__(name, block_bytes, verify=verify, num_layers=num_layers)
         self.client = client
         self.prefix = f"{OBJECT_ROOT}{fingerprint}/"
         self._registered: list[int] = []
@@ -148,7 +166,7 @@ class ObjTier(SecondaryTier):
         self.client.register_buffer(ptr, len(buffer))
         self._registered.append(ptr)
 
-    def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+    def probe(self, keys: Sequence[OffloadKey]) -> list[bool]:
         return self.client.batch_exists([self.object_name(k) for k in keys])
 
     def _single_views(self, buffers: BlockBuffers) -> list[memoryview] | None:
@@ -164,8 +182,8 @@ class ObjTier(SecondaryTier):
             out.append(view)
         return out
 
-    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
-                   digests_out: list[LayerDigests | None] | None = None) -> None:
+    def load(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+             digests_out: list[LayerDigests | None]) -> None:
         """Get each block (and, unless ``verify`` is off, its digest object) in one batch;
         check the bytes before the block counts as loaded. ``digests_out`` gets, per
         loaded key, the digests stored with it (None: none)."""
@@ -205,14 +223,12 @@ class ObjTier(SecondaryTier):
                     if isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
                         raise BatchIOError(i, exc, skipped=corrupt) from exc
                     if isinstance(exc, ForeignKeyError):
-                        with self._stats_lock:
-                            self.stats.foreign_key_loads += 1
+                        self.counters.foreign_key()
                     corrupt[i] = exc
                     continue
                 except OSError as exc:
                     raise BatchIOError(i, exc, skipped=corrupt) from exc
-            if digests_out is not None:
-                digests_out.append(digests)
+            digests_out.append(digests)
             if staging:
                 offset = 0
                 for view in byte_views(buffers[i]):
@@ -233,8 +249,7 @@ class ObjTier(SecondaryTier):
             if not policy.allow_unverified:
                 raise OSError(errno.EPROTO, f"{name} has no digest object and the verify "
                               "policy refuses unverified loads")
-            with self._stats_lock:
-                self.stats.loads_unverified += 1
+            self.counters.unverified()
             return None
         if not got.ok:
             if got.code == McStatus.SIZE_MISMATCH:
@@ -258,8 +273,7 @@ class ObjTier(SecondaryTier):
                 exc.deleted = self._remove_pair(key)
             raise
         if parsed.layer_digests is None:
-            with self._stats_lock:
-                self.stats.loads_unverified += 1
+            self.counters.unverified()
             return None
         if wants_key(policy, key):
             try:
@@ -267,8 +281,7 @@ class ObjTier(SecondaryTier):
             except DigestMismatchError as exc:
                 exc.deleted = self._remove_pair(key)
                 raise
-            with self._stats_lock:
-                self.stats.loads_verified += 1
+            self.counters.verified()
         return parsed.layer_digests
 
     def _remove_pair(self, key: OffloadKey) -> bool:
@@ -303,8 +316,8 @@ class ObjTier(SecondaryTier):
             self._pending_fences.append(fence)
         return fence
 
-    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
-                    digests: Sequence[LayerDigests | None] | None = None) -> None:
+    def store(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+              digests: Sequence[LayerDigests | None]) -> None:
         """Put each block (zero-copy from its slot) and, unless ``verify`` is off, its digest
         object (``digests[i]``, taken where the bytes were written, else taken here)."""
         names = [self.object_name(k) for k in keys]
@@ -318,7 +331,7 @@ class ObjTier(SecondaryTier):
         headers: list[memoryview] = []
         if self.verify.enabled:
             for i, key in enumerate(keys):
-                layers = digests[i] if digests is not None else None
+                layers = digests[i]
                 if layers is None:
                     layers = layer_digests([sources[i]], self.num_layers)
                 if len(layers) != self.num_layers:
@@ -343,8 +356,8 @@ class ObjTier(SecondaryTier):
                     raise BatchIOError(i, OSError(errno.EIO, f"mooncake put of "
                                                   f"{all_names[j]}: {results[j]}"))
 
-    def shutdown(self, timeout_s: float | None = None) -> None:
-        super().shutdown(timeout_s)
+    def close(self) -> None:
+        """Unregister the slot memory once no Mooncake call runs (the runner's jobs ended)."""
         # an abandoned get still writing into the slot memory must end before the memory
         # is unregistered (and later unmapped): wait for it, bounded
         grace = 2 * self.client.config.op_timeout_s + 1.0

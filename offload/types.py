@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import errno
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvbridge.events.schema import Locality
 
@@ -29,7 +29,34 @@ class OffloadError(Exception):
         self.reason = reason
 
 
-class ShortReadError(OSError):
+class Removal(enum.Enum):
+    """Why a tier removed a block's stored copy while loading it (a REMOVED event).
+
+    ``QUARANTINE`` counts in ``files_quarantined``, every other reason in
+    ``files_deleted``: a quarantined file may have been fine (it only failed every
+    read), the others were provably broken.
+    """
+
+    SHORT = "short"              # a provable short read (fewer bytes than a block)
+    NOT_REGULAR = "not_regular"  # not a regular file where a block file should be
+    QUARANTINE = "quarantine"    # failed every read ``quarantine_after`` times in a row
+    DIGEST = "digest"            # bytes that do not match their stored digests
+    CORRUPT = "corrupt"          # a torn block header (bad magic or checksum, another key's)
+
+
+class StoredCopyError(OSError):
+    """A failed load of one block that may have removed the block's stored copy.
+
+    ``removal``: why the copy is removed when it is; ``deleted``: whether it was (a
+    failed removal is logged, never raised). The tier runner turns each deleted copy
+    into a REMOVED event and a count, by ``removal``.
+    """
+
+    removal: Removal
+    deleted: bool = False
+
+
+class ShortReadError(StoredCopyError):
     """A block file ended before ``expected_bytes``: provable corruption.
 
     Stores are atomic (temp file + rename), so a correct writer can never leave
@@ -46,10 +73,10 @@ class ShortReadError(OSError):
         #: whether the short file was removed (a failed delete is logged, never raised)
         self.deleted = False
 
-    removal_reason = "short"
+    removal = Removal.SHORT
 
 
-class NotRegularFileError(OSError):
+class NotRegularFileError(StoredCopyError):
     """Something other than a regular file is where a block file should be.
 
     The fs tier only ever renames regular files into place, so a directory,
@@ -57,7 +84,7 @@ class NotRegularFileError(OSError):
     followed). ``deleted``: whether it was removed.
     """
 
-    removal_reason = "not_regular"
+    removal = Removal.NOT_REGULAR
 
     def __init__(self, path: str, what: str) -> None:
         super().__init__(errno.EINVAL, f"{path} is {what}, not a block file")
@@ -81,7 +108,7 @@ class BatchIOError(OSError):
 
     ``fence``: set by a tier whose failed call may still be running (a Mooncake
     get abandoned at its timeout): True once that call provably ended; until
-    then the job's buffers must not be reused (``SecondaryTier`` holds the job).
+    then the job's buffers must not be reused (``TierRunner`` holds the job).
     """
 
     def __init__(self, num_succeeded: int, cause: BaseException,
@@ -170,7 +197,8 @@ class OffloadEvent:
 
 @dataclass
 class TierStats:
-    """Counters of one tier; plain integers so a test can assert on them."""
+    """Counters a tier runner keeps of its jobs; plain integers so a test can assert on
+    them (what the tier's own I/O threads count is in ``Tier.counters``)."""
 
     probes: int = 0
     probe_batches: int = 0
@@ -179,15 +207,8 @@ class TierStats:
     load_jobs_failed: int = 0
     stores_ok: int = 0         # blocks
     stores_failed: int = 0     # blocks
-    files_deleted: int = 0     # provably broken files removed on a load: short, torn header,
+    files_deleted: int = 0     # provably broken copies removed on a load: short, torn header,
     #                            digest mismatch, not a regular file
     files_quarantined: int = 0  # removed after failing every read quarantine_after times
     jobs_fenced: int = 0       # completions held until an abandoned call ended
-    close_errors_ignored: int = 0
-    loads_verified: int = 0    # blocks whose bytes were checked against their digests
-    loads_unverified: int = 0  # blocks loaded that were stored without digests
     digest_mismatches: int = 0  # blocks whose bytes did not match (failed loads)
-    #: blocks whose header / digest object named another key (failed loads, removed): a
-    #: block copied or renamed under this key's name, refused whatever the verify policy
-    foreign_key_loads: int = 0
-    extra: dict[str, int] = field(default_factory=dict)

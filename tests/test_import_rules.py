@@ -317,12 +317,14 @@ def strongly_connected(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
     return components
 
 
-def cycles(result: Scan) -> list[str]:
-    """One line per import cycle (type-only edges left out), with one path around it."""
+def cycles(result: Scan, *, type_only: bool = False) -> list[str]:
+    """One line per import cycle, with one path around it. Type-only edges are left out
+    unless ``type_only``."""
     edges: dict[tuple[str, str], Import] = {}
     graph: dict[str, set[str]] = {module: set() for module in result.modules}
+    left_out = (Kind.PREFIX,) if type_only else (Kind.TYPE_ONLY, Kind.PREFIX)
     for imp in result.imports:
-        if imp.kind in (Kind.TYPE_ONLY, Kind.PREFIX) or imp.target not in result.modules:
+        if imp.kind in left_out or imp.target not in result.modules:
             continue
         graph[imp.importer].add(imp.target)
         edges.setdefault((imp.importer, imp.target), imp)
@@ -371,6 +373,14 @@ def test_package_imports_point_downward_only() -> None:
 
 def test_package_has_no_import_cycles() -> None:
     problems = cycles(scan(ROOT))
+    assert not problems, "\n".join(problems)
+
+
+def test_package_has_no_import_cycles_even_through_type_only_imports() -> None:
+    """Two modules whose signatures name each other's types are one concept cut in two:
+    pass the narrow part one needs of the other instead (the fs tier's batched reads
+    take ``ChunkFiles``, not the tier)."""
+    problems = cycles(scan(ROOT), type_only=True)
     assert not problems, "\n".join(problems)
 
 

@@ -366,11 +366,12 @@ def _offload_async_verdict(root: str, num_keys: int, iterations: int) -> dict[st
     from kvbridge.offload.cpu import CpuTier
     from kvbridge.offload.fs import FsTier
     from kvbridge.offload.manager import OffloadManager
+    from kvbridge.offload.runner import TierRunner
     from kvbridge.offload.types import LookupStatus
 
     block_bytes = 4096
-    tier = FsTier(root, block_bytes, "a5a5a5a5a5a5a5a5", use_o_direct=False,
-                  read_threads=2, write_threads=2)
+    tier = TierRunner(FsTier(root, block_bytes, "a5a5a5a5a5a5a5a5", use_o_direct=False),
+                      read_threads=2, write_threads=2)
     manager = OffloadManager(CpuTier(num_keys + 8, block_bytes), [tier])
     verdict_us: list[float] = []
     all_miss = True

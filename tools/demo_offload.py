@@ -7,7 +7,9 @@ prefixes from the store; the CPU tier is kept smaller than the working set, so
 blocks also come back from the ``fs`` tier (promoted into CPU first). With
 ``--inject-faults RATE`` a share of the fs tier's block opens fail for real
 (torn block, ELOOP, EIO): those blocks are recomputed, every request still
-finishes, and every loaded byte is verified against the content function.
+finishes, and every loaded byte is verified against the content function. The
+faults come from a ``FaultyFsIO`` the demo hands each fs tier as its I/O
+(``kvbridge.connectors.offloading.io_hook``), never from a connector setting.
 
 ``run_offload_workload`` is the library call behind it (tests use it too).
 """
@@ -23,11 +25,13 @@ from typing import Any
 
 from kvbridge.connectors import ConfigError, ConnectorConfig, KVRole
 from kvbridge.connectors.offloading import OffloadingScheduler, build_part_table
+from kvbridge.connectors.offloading.io_hook import fs_io_factory
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.events import BlockRemoved, BlockStored
 from kvbridge.layouts import ParallelTopology, load_spec
+from kvbridge.offload.faults import FaultInjectors, FaultKind, FaultPlan
 
 CONNECTOR = "offload"
 
@@ -88,12 +92,22 @@ def run_offload_workload(*, model: str = "tiny-gqa",
                               for r in range(len(spec.regions)))
         extra: dict[str, Any] = {"cpu_blocks": cpu_blocks * parts_per_block, "policy": policy,
                                  "fs_dir": directory, "fs_o_direct": o_direct}
+        injectors: FaultInjectors | None = None
         if fault_rate > 0:
-            extra["fs_faults"] = {"rate": fault_rate, "kinds": list(fault_kinds), "seed": seed}
+            try:
+                kinds = tuple(FaultKind(kind) for kind in fault_kinds)
+            except ValueError as exc:
+                raise ConfigError("fault_kinds", str(exc)) from None
+            injectors = FaultInjectors(FaultPlan(rate=fault_rate, kinds=kinds, seed=seed))
+            stack.callback(injectors.close)   # after the engine (its tiers) shut down
         config = EngineConfig(spec, topology, num_blocks=num_blocks,
                               connector=ConnectorConfig("offloading", KVRole.BOTH, extra=extra),
                               remote_kv_timeout_s=timeout_s, device=device)
-        engine = stack.enter_context(Engine(config))
+        if injectors is None:
+            engine = stack.enter_context(Engine(config))
+        else:
+            with fs_io_factory(injectors):
+                engine = stack.enter_context(Engine(config))
         scheduler = engine.scheduler_connector
         assert isinstance(scheduler, OffloadingScheduler)
         if record_failed_loads:
@@ -133,7 +147,10 @@ def run_offload_workload(*, model: str = "tiny-gqa",
             engine.reset_prefix_cache()
             scheduler.wait_idle(timeout_s=max(1.0, deadline - time.monotonic()))
         elapsed = time.monotonic() - start
-        summary = _summary(engine, scheduler, results, specs, elapsed, steps_per_round)
+        injected = {} if injectors is None else {
+            kind.value: count for kind, count in injectors.injected_kinds().items()}
+        summary = _summary(engine, scheduler, results, specs, elapsed, steps_per_round,
+                           injected)
         sizes = topology.sizes()
         summary.update(model=model, rounds=rounds,
                        topology=f"tp={sizes.tp_size},pp={sizes.pp_size},dcp={sizes.dcp_size},"
@@ -147,8 +164,8 @@ def run_offload_workload(*, model: str = "tiny-gqa",
 
 
 def _summary(engine: Engine, scheduler: OffloadingScheduler, results: list[RequestResult],
-             specs: list[RequestSpec], elapsed: float,
-             steps_per_round: list[int]) -> dict[str, Any]:
+             specs: list[RequestSpec], elapsed: float, steps_per_round: list[int],
+             injected: dict[str, int]) -> dict[str, Any]:
     stats = engine.stats()
     cstats = scheduler.get_stats()
     wrong = check_outputs(results, specs)
@@ -175,7 +192,7 @@ def _summary(engine: Engine, scheduler: OffloadingScheduler, results: list[Reque
         "recomputed_blocks": int(cstats.get("failed_load_blocks", 0))
         + engine_recomputed // block_tokens,
         "engine_failed_loads": stats["failed_loads"],
-        "injected_faults": scheduler.injected_faults(),
+        "injected_faults": injected,
         "fs_files_deleted": int(cstats.get("fs_files_deleted", 0)),
         "cpu_evictions": int(cstats.get("cpu_evictions", 0)),
         "stored_parts": int(cstats.get("store_parts", 0)),

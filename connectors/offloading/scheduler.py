@@ -56,12 +56,14 @@ from kvbridge.connectors.api import (
     block_range,
 )
 from kvbridge.connectors.errors import ConfigError, ContractError
+from kvbridge.connectors.offloading.io_hook import installed_fs_io_factory
 from kvbridge.connectors.offloading.parts import Part, PartTable, build_part_table, pool_fingerprint
 from kvbridge.connectors.offloading.settings import OffloadSettings
 from kvbridge.connectors.params import TransferParams
 from kvbridge.events import BlockRemoved, BlockStored, KVEvent
 from kvbridge.layouts import BlockHash, KVCacheSpec
-from kvbridge.offload import CpuTier, FsTier, OffloadManager, SecondaryTier
+from kvbridge.offload import CpuTier, FsTier, OffloadManager, TierRunner
+from kvbridge.offload.runner import DEFAULT_LOAD_TIMEOUT_S, DEFAULT_PROBE_TIMEOUT_S
 from kvbridge.offload.types import EventKind, OffloadEvent
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,12 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
     """One manager per pool (CPU tier + secondaries); returns ``(managers, obj client)``.
 
     ``shm_paths``: per pool, the file backing its CPU slots (empty: anonymous memory).
+    The fs tiers make their system calls through the real I/O, or through what the
+    factory of an enclosing :func:`~kvbridge.connectors.offloading.io_hook.fs_io_factory`
+    block makes (tests, the demo).
     """
     client = None
+    make_io = installed_fs_io_factory()
     managers: list[OffloadManager] = []
     try:
         if settings.obj is not None:
@@ -126,24 +132,28 @@ def build_managers(spec: KVCacheSpec, table: PartTable, settings: OffloadSetting
             fingerprint = pool_fingerprint(spec, nbytes)
             # one digest per layer span of a slot, so a mismatch names the layer
             layers = table.pool_layers(pool)
-            secondaries: list[SecondaryTier] = []
+            secondaries: list[TierRunner] = []
             if settings.fs_dir is not None:
-                secondaries.append(FsTier(settings.fs_dir, nbytes, fingerprint,
-                                          use_o_direct=settings.fs_o_direct,
-                                          read_threads=settings.fs_read_threads,
-                                          write_threads=settings.fs_write_threads,
-                                          faults=settings.fs_faults,
-                                          quarantine_after=settings.fs_quarantine_after,
-                                          probe_timeout_s=settings.probe_timeout_s,
-                                          load_timeout_s=settings.load_timeout_s,
-                                          verify=settings.fs_verify, num_layers=layers,
-                                          io_engine=settings.fs_io_engine))
+                fs = FsTier(settings.fs_dir, nbytes, fingerprint,
+                            use_o_direct=settings.fs_o_direct,
+                            io=None if make_io is None else make_io(settings.fs_dir, fingerprint),
+                            quarantine_after=settings.fs_quarantine_after,
+                            verify=settings.fs_verify, num_layers=layers,
+                            io_engine=settings.fs_io_engine)
+                secondaries.append(TierRunner(
+                    fs, read_threads=settings.fs_read_threads,
+                    write_threads=settings.fs_write_threads,
+                    probe_timeout_s=(DEFAULT_PROBE_TIMEOUT_S if settings.probe_timeout_s is None
+                                     else settings.probe_timeout_s),
+                    load_timeout_s=(DEFAULT_LOAD_TIMEOUT_S if settings.load_timeout_s is None
+                                    else settings.load_timeout_s)))
             if client is not None:
-                from kvbridge.offload.obj import ObjTier
-                secondaries.append(ObjTier(client, nbytes, fingerprint,
-                                           probe_timeout_s=settings.probe_timeout_s,
-                                           load_timeout_s=settings.load_timeout_s,
-                                           verify=settings.verify, num_layers=layers))
+                from kvbridge.offload.obj import ObjTier, run_obj_tier
+                secondaries.append(run_obj_tier(
+                    ObjTier(client, nbytes, fingerprint, verify=settings.verify,
+                            num_layers=layers),
+                    probe_timeout_s=settings.probe_timeout_s,
+                    load_timeout_s=settings.load_timeout_s))
             shm_path = shm_paths[len(managers)] if shm_paths else None
             managers.append(OffloadManager(CpuTier(settings.cpu_blocks, nbytes, settings.policy,
                                                    shm_path=shm_path, verify=settings.verify,
@@ -474,17 +484,6 @@ class OffloadingScheduler(SchedulerConnector):
                              "lookup_invariant_violations"):
                     if stat in tier:
                         out[f"{name}_{stat}"] = out.get(f"{name}_{stat}", 0) + tier[stat]
-        return out
-
-    def injected_faults(self) -> dict[str, int]:
-        """Faults injected into the fs tiers so far, by kind (``fs_faults`` setting)."""
-        out: dict[str, int] = {}
-        for manager in self.managers:
-            for tier in manager.secondaries:
-                injector = getattr(tier, "injector", None)
-                if injector is not None:
-                    for kind, count in injector.injected_kinds().items():
-                        out[kind.value] = out.get(kind.value, 0) + count
         return out
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:

@@ -13,10 +13,6 @@ Keys:
   (batched io_uring reads through NIXL's POSIX backend for block files up to
   1 MiB when the backend works, else one by one), ``uring`` (batched, or the
   connector fails to start) or ``python`` (one by one) (``kvbridge.offload.fs``).
-* ``fs_faults`` (none): fault injection around the real fs I/O, e.g.
-  ``{"rate": 0.05, "kinds": ["eio", "eloop", "short_read"], "seed": 1}``, and/or
-  ``"per_key": {"<key hex>": "eio"}`` (a fault on every open of that block's
-  file) (``kvbridge.offload.faults.FaultPlan``; for tests and the demo).
 * ``shm_dir`` (none): back the CPU slots by files in this directory (e.g.
   ``/dev/shm``) so worker halves in other processes can map them; without it
   the workers must run in the scheduler's process.
@@ -57,7 +53,6 @@ from typing import Any
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.verify_config import parse_verify
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
-from kvbridge.offload.faults import FaultKind, FaultPlan
 from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, IO_ENGINES
 
 #: no fs tier runs more I/O threads per pool than this (a bound on what a config starts)
@@ -65,7 +60,7 @@ MAX_FS_THREADS = 64
 
 _PREFIX = "kv_connector_extra_config"
 KNOWN = ("cpu_blocks", "policy", "fs_dir", "fs_o_direct", "fs_io_engine", "fs_read_threads",
-         "fs_write_threads", "fs_faults", "obj", "shm_dir",
+         "fs_write_threads", "obj", "shm_dir",
          "probe_timeout_s", "load_timeout_s", "fs_quarantine_after", "verify", "verify_sample",
          "verify_allow_unverified")
 
@@ -76,7 +71,6 @@ class OffloadSettings:
     policy: str = "lru"
     fs_dir: str | None = None
     fs_o_direct: bool = True
-    fs_faults: FaultPlan | None = None
     obj: Mapping[str, Any] | None = field(default=None)
     shm_dir: str | None = None
     #: None: each tier's own default (see the module docstring)
@@ -91,48 +85,6 @@ class OffloadSettings:
     fs_read_threads: int = DEFAULT_READ_THREADS
     fs_write_threads: int = DEFAULT_WRITE_THREADS
     fs_io_engine: str = "auto"
-
-
-def _faults(value: object) -> FaultPlan:
-    name = f"{_PREFIX}.fs_faults"
-    if not isinstance(value, Mapping):
-        raise ConfigError(name, f"expected an object with rate/kinds/seed, got {value!r}")
-    unknown = sorted(set(value) - {"rate", "kinds", "seed", "slow_s", "per_key"})
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}", "unknown setting; expected rate, kinds, "
-                                                  "seed, slow_s or per_key")
-    per_key: dict[bytes, FaultKind] = {}
-    raw_per_key = value.get("per_key", {})
-    if not isinstance(raw_per_key, Mapping):
-        raise ConfigError(f"{name}.per_key", "expected an object {key hex: fault kind}")
-    for key_hex, kind_name in raw_per_key.items():
-        try:
-            per_key[bytes.fromhex(key_hex)] = FaultKind(kind_name)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}.per_key", f"expected key hex -> one of "
-                                                 f"{[k.value for k in FaultKind]}, got "
-                                                 f"{key_hex!r}: {kind_name!r}") from None
-    rate = value.get("rate", 0.0)
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
-        raise ConfigError(f"{name}.rate", f"expected a probability in [0, 1], got {rate!r}")
-    kinds_raw = value.get("kinds", [k.value for k in FaultKind])
-    if not isinstance(kinds_raw, list | tuple) or not kinds_raw:
-        raise ConfigError(f"{name}.kinds", "expected a non-empty list of fault kinds")
-    kinds = []
-    for kind in kinds_raw:
-        try:
-            kinds.append(FaultKind(kind))
-        except ValueError:
-            raise ConfigError(f"{name}.kinds", f"unknown fault kind {kind!r}; expected one "
-                                               f"of {[k.value for k in FaultKind]}") from None
-    seed = value.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"{name}.seed", f"expected an integer, got {seed!r}")
-    slow_s = value.get("slow_s", 0.005)
-    if isinstance(slow_s, bool) or not isinstance(slow_s, int | float) or slow_s < 0:
-        raise ConfigError(f"{name}.slow_s", f"expected seconds >= 0, got {slow_s!r}")
-    return FaultPlan(per_key=per_key, rate=float(rate), kinds=tuple(kinds), seed=seed,
-                     slow_s=float(slow_s))
 
 
 def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
@@ -157,11 +109,6 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
     if io_engine not in IO_ENGINES:
         raise ConfigError(f"{_PREFIX}.fs_io_engine", f"expected one of "
                                                      f"{', '.join(IO_ENGINES)}, got {io_engine!r}")
-    faults = None
-    if extra.get("fs_faults") is not None:
-        if fs_dir is None:
-            raise ConfigError(f"{_PREFIX}.fs_faults", "fault injection needs an fs tier (fs_dir)")
-        faults = _faults(extra["fs_faults"])
     obj = extra.get("obj")
     if obj is not None:
         if not isinstance(obj, Mapping) or not all(isinstance(k, str) for k in obj):
@@ -192,7 +139,7 @@ def parse_settings(extra: Mapping[str, Any]) -> OffloadSettings:
             raise ConfigError(f"{_PREFIX}.{name}", f"expected a number of threads in "
                                                    f"[1, {MAX_FS_THREADS}], got {value!r}")
         threads[name] = value
-    return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, faults, obj, shm_dir,
+    return OffloadSettings(cpu_blocks, policy, fs_dir, o_direct, obj, shm_dir,
                            timeouts["probe_timeout_s"], timeouts["load_timeout_s"], quarantine,
                            parse_verify(extra, _PREFIX),
                            parse_verify(extra, _PREFIX, DigestMode.FULL),

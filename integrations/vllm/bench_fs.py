@@ -40,7 +40,8 @@ import numpy as np
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.bench import bench_workdir
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content
 
 GB = 1e9
@@ -128,10 +129,12 @@ class _KvbridgeRunner:
 
     def __init__(self, root: str, primary: CpuTier, num_blocks: int, block_bytes: int,
                  mode: str, num_layers: int, timeout_s: float) -> None:
-        self.tier = FsTier(root, block_bytes, "be7c4be7c4be7c4b",
-                           verify=VerifyPolicy(DigestMode(mode)), num_layers=num_layers)
+        fs = FsTier(root, block_bytes, "be7c4be7c4be7c4b",
+                    verify=VerifyPolicy(DigestMode(mode)), num_layers=num_layers)
+        self.tier = TierRunner(fs, read_threads=DEFAULT_READ_THREADS,
+                               write_threads=DEFAULT_WRITE_THREADS)
         self.tier.attach_primary(primary.buffer)   # as the offload manager does
-        self.o_direct = self.tier.o_direct
+        self.o_direct = fs.o_direct
         self._buffers = [[primary.view(i)] for i in range(num_blocks)]
         self._timeout_s = timeout_s
         self._job_id = 0

@@ -7,8 +7,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.faults import FaultyFsIO
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FileMapper, FsTier
 from kvbridge.offload.manager import OffloadManager
+from kvbridge.offload.runner import TierRunner
 
 BLOCK_BYTES = 4096
 FINGERPRINT = "0123456789abcdef"
@@ -19,22 +21,44 @@ def store_dir(tmp_path) -> str:
     return str(tmp_path / "store")
 
 
-@pytest.fixture
-def make_fs(store_dir) -> Iterator[Callable[..., FsTier]]:
-    """FsTier factory (defaults: the test store, 4 KiB blocks, a fixed fingerprint)."""
-    tiers: list[FsTier] = []
+#: keyword arguments of ``make_fs`` that go to the runner, not the tier
+RUNNER_KWARGS = ("read_threads", "write_threads", "probe_timeout_s", "load_timeout_s")
 
-    def factory(**kwargs: object) -> FsTier:
+
+@pytest.fixture
+def make_fs(store_dir) -> Iterator[Callable[..., TierRunner]]:
+    """An fs tier run by its runner (defaults: the test store, 4 KiB blocks, a fixed
+    fingerprint, the fs tier's thread counts). ``faults=FaultPlan``: the tier's I/O is a
+    ``FaultyFsIO`` of that plan (around ``io=`` if given); ``clock`` goes to both."""
+    runners: list[TierRunner] = []
+    injectors: list[FaultyFsIO] = []
+
+    def factory(**kwargs: object) -> TierRunner:
         kwargs.setdefault("root", store_dir)
         kwargs.setdefault("block_bytes", BLOCK_BYTES)
         kwargs.setdefault("fingerprint", FINGERPRINT)
-        tier = FsTier(**kwargs)  # type: ignore[arg-type]
-        tiers.append(tier)
-        return tier
+        run: dict[str, object] = {"read_threads": DEFAULT_READ_THREADS,
+                                  "write_threads": DEFAULT_WRITE_THREADS}
+        run.update({name: kwargs.pop(name) for name in RUNNER_KWARGS if name in kwargs})
+        if "clock" in kwargs:
+            run["clock"] = kwargs["clock"]
+        plan = kwargs.pop("faults", None)
+        if plan is not None:
+            root = str(kwargs["root"])
+            mapper = FileMapper(root, str(kwargs["fingerprint"]))
+            injector = FaultyFsIO(plan, mapper.path, kwargs.get("io"),  # type: ignore[arg-type]
+                                  root=root)
+            injectors.append(injector)
+            kwargs["io"] = injector
+        runner = TierRunner(FsTier(**kwargs), **run)  # type: ignore[arg-type]
+        runners.append(runner)
+        return runner
 
     yield factory
-    for tier in tiers:
-        tier.shutdown()
+    for runner in runners:
+        runner.shutdown()
+    for injector in injectors:
+        injector.close_injector()
 
 
 @pytest.fixture

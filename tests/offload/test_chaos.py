@@ -16,9 +16,10 @@ from collections.abc import Sequence
 import pytest
 
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.faults import LOAD_FAILURE_KINDS, FaultKind, FaultPlan
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.faults import LOAD_FAILURE_KINDS, FaultKind, FaultPlan, FaultyFsIO
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, FileMapper, FsTier
 from kvbridge.offload.manager import OffloadManager
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import RequestSimulator
 from kvbridge.offload.tier import BlockBuffers
 from kvbridge.offload.types import BatchIOError, JobResult, OffloadKey
@@ -31,21 +32,18 @@ RATE = 0.05 * len(KINDS) / 6
 
 
 class RecordingFs(FsTier):
-    """The real fs tier, recording each probed key and each partially successful load."""
+    """The real fs tier, recording each probed key and each failed load of a key."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.probed: Counter[OffloadKey] = Counter()
         self._probe_lock = threading.Lock()
-        self.partial: list[JobResult] = []
         self.failed_attempts: Counter[OffloadKey] = Counter()
-        self.enqueued: Counter[OffloadKey] = Counter()    # every probe enqueue, ever
-        self.cache.on_enqueue = lambda k: self.enqueued.update((k,))
 
-    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
-                   digests_out: list[tuple[int, ...] | None] | None = None) -> None:
+    def load(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+             digests_out: list[tuple[int, ...] | None]) -> None:
         try:
-            super().load_batch(keys, buffers, digests_out)
+            super().load(keys, buffers, digests_out)
         except BatchIOError as exc:
             with self._probe_lock:
                 for i in exc.skipped:                      # failed alone (digests)
@@ -54,10 +52,21 @@ class RecordingFs(FsTier):
                     self.failed_attempts[keys[exc.num_succeeded]] += 1
             raise
 
-    def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+    def probe(self, keys: Sequence[OffloadKey]) -> list[bool]:
         with self._probe_lock:
             self.probed.update(keys)
-        return super().probe_batch(keys)
+        return super().probe(keys)
+
+
+class RecordingRunner(TierRunner):
+    """The real runner, recording each probe enqueue and each partially successful load."""
+
+    def __init__(self, tier: RecordingFs, **kwargs) -> None:
+        super().__init__(tier, **kwargs)
+        self.recorded = tier
+        self.partial: list[JobResult] = []
+        self.enqueued: Counter[OffloadKey] = Counter()    # every probe enqueue, ever
+        self.cache.on_enqueue = lambda k: self.enqueued.update((k,))
 
     def get_finished_jobs(self) -> list[JobResult]:
         results = super().get_finished_jobs()
@@ -84,8 +93,10 @@ def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path,
     model step outlasts the I/O), so the counts are reproducible; otherwise I/O overlaps
     freely with the scheduler and only the invariants are asserted."""
     plan = FaultPlan(rate=RATE, kinds=KINDS, seed=11, slow_s=0.002)
-    fs = RecordingFs(str(tmp_path / "store"), BLOCK, "00c4a05c4a05c4a0", faults=plan,
-                     use_o_direct=False, write_threads=2)
+    root, fingerprint = str(tmp_path / "store"), "00c4a05c4a05c4a0"
+    injector = FaultyFsIO(plan, FileMapper(root, fingerprint).path, root=root)
+    fs = RecordingRunner(RecordingFs(root, BLOCK, fingerprint, io=injector, use_o_direct=False),
+                         read_threads=DEFAULT_READ_THREADS, write_threads=2)
     manager = OffloadManager(CpuTier(24, BLOCK, policy), [fs])
     kept_checked = 0
 
@@ -115,14 +126,14 @@ def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path,
             assert not failed & set(req.loaded), "a failed block was loaded after all"
             assert set(req.loaded) | set(req.computed) == set(req.keys)
         # no lookup entry was probed twice: one probe per enqueue, ever
-        assert fs.probed == fs.enqueued
+        assert fs.recorded.probed == fs.enqueued
         # a failed load is never retried while its lookup entry lives: at most one
         # failure per entry (the livelock rule, across requests)
-        for k, n in fs.failed_attempts.items():
+        for k, n in fs.recorded.failed_attempts.items():
             assert n <= fs.enqueued[k], (k, n, fs.enqueued[k])
         stats = manager.stats()
         tier = stats["tiers"]["fs"]
-        injected = fs.injector.injected_kinds() if fs.injector else {}
+        injected = injector.injected_kinds()
         assert tier["files_deleted"] <= injected.get(F.SHORT_READ, 0) + injected.get(F.CORRUPT, 0)
         if not io_per_step:
             return
@@ -132,3 +143,4 @@ def test_chaos_every_request_finishes_and_failed_blocks_recompute_once(tmp_path,
         assert kept_checked > 0, "no batch failed part-way; the rule went unexercised"
     finally:
         manager.shutdown()
+        injector.close_injector()

@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvbridge.offload.cpu import CpuTier, SlotState
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.fs import DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.fs_io import FsIO
 from kvbridge.offload.manager import OffloadManager
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import LookupResult, LookupStatus, OffloadError
 
@@ -90,11 +91,13 @@ def settle(m: OffloadManager, request_id: str, keys: list[bytes]) -> LookupResul
 
 
 @pytest.fixture
-def gated(tmp_path) -> Iterator[tuple[OffloadManager, FsTier, GatedIO, ManualClock]]:
+def gated(tmp_path) -> Iterator[tuple[OffloadManager, TierRunner, GatedIO, ManualClock]]:
     io = GatedIO()
     clock = ManualClock()
-    tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
-                  read_threads=1, probe_timeout_s=5.0, load_timeout_s=5.0, clock=clock)
+    tier = TierRunner(FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
+                             clock=clock),
+                      read_threads=1, write_threads=DEFAULT_WRITE_THREADS, probe_timeout_s=5.0,
+                      load_timeout_s=5.0, clock=clock)
     m = OffloadManager(CpuTier(4, BLOCK), [tier], clock=clock)
     yield m, tier, io, clock
     io.gate.set()
@@ -118,7 +121,7 @@ def store_on_disk(m: OffloadManager, keys: list[bytes]) -> None:
 def test_stuck_probe_is_a_miss_by_the_deadline_and_other_keys_are_still_probed(gated) -> None:
     m, tier, io, clock = gated
     store_on_disk(m, [k(0), k(1)])
-    io.held_probe.add(tier.path(k(0)))
+    io.held_probe.add(tier.tier.path(k(0)))
     assert m.lookup("r0", [k(0)]).status is LookupStatus.RETRY
     m.step()                                       # the probe of k(0) enters and sticks
     wait_for(io.entered.is_set, "the probe to enter the stuck call")
@@ -141,7 +144,7 @@ def test_stuck_probe_is_a_miss_by_the_deadline_and_other_keys_are_still_probed(g
 def test_stuck_read_is_a_miss_by_the_deadline_and_its_slot_is_not_reused(gated) -> None:
     m, tier, io, clock = gated
     store_on_disk(m, [k(0), k(1)])
-    io.held_read.add(tier.path(k(0)))
+    io.held_read.add(tier.tier.path(k(0)))
 
     def reading() -> bool:                     # probed (not held), then the read sticks
         assert m.lookup("r1", [k(0)]).status in (LookupStatus.RETRY, LookupStatus.HIT_PENDING)
@@ -178,10 +181,11 @@ def test_stuck_read_is_a_miss_by_the_deadline_and_its_slot_is_not_reused(gated) 
     assert m.lookup("r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
 
 
-def test_deadlines_are_validated() -> None:
+def test_deadlines_are_validated(tmp_path) -> None:
+    fs = FsTier(str(tmp_path), BLOCK, FP)
     for bad in (0, -1.0, float("inf"), float("nan"), True):
         with pytest.raises(OffloadError, match="probe_timeout_s"):
-            FsTier("/nonexistent-never-made", BLOCK, FP, probe_timeout_s=bad)  # type: ignore[arg-type]
+            TierRunner(fs, probe_timeout_s=bad)  # type: ignore[arg-type]
 
 
 def test_pool_replaces_a_stuck_thread_and_shrinks_back_when_it_returns() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from kvbridge.offload import FsTier
 from kvbridge.offload.faults import ALL_KINDS, FaultKind, FaultPlan, FaultyFsIO
+from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import encode_block_header, load_block, store_block
 from kvbridge.offload.types import BatchIOError, OffloadError, ShortReadError
 
@@ -88,17 +89,19 @@ def _fault_outcomes(root: Path, plan: FaultPlan, keys: list[bytes]) -> list[tupl
     """Store ``keys`` in a fresh fs tier under ``root``, load each twice; per open that
     failed: (the block file's path under ``root``, the injected kind)."""
     block_bytes = 4096
-    tier = FsTier(str(root), block_bytes, "0123456789abcdef", use_o_direct=False, faults=plan)
+    fingerprint = "0123456789abcdef"
+    injector = FaultyFsIO(plan, FileMapper(str(root), fingerprint).path, root=str(root))
+    tier = FsTier(str(root), block_bytes, fingerprint, use_o_direct=False, io=injector)
     try:
-        tier.store_batch(keys, [[memoryview(bytearray(block_bytes))] for _ in keys])
+        tier.store(keys, [[memoryview(bytearray(block_bytes))] for _ in keys], [None] * len(keys))
         for _ in range(2):
             for key in keys:
                 with contextlib.suppress(BatchIOError):   # injected: recorded below
-                    tier.load_batch([key], [[memoryview(bytearray(block_bytes))]])
-        assert tier.injector is not None
-        return [(os.path.relpath(f.path, root), f.kind.value) for f in tier.injector.injected]
+                    tier.load([key], [[memoryview(bytearray(block_bytes))]], [])
+        return [(os.path.relpath(f.path, root), f.kind.value) for f in injector.injected]
     finally:
-        tier.shutdown()
+        tier.close()
+        injector.close_injector()
 
 
 def test_the_seed_not_the_store_directory_decides_which_loads_fail(tmp_path: Path) -> None:

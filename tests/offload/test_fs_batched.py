@@ -20,10 +20,12 @@ import pytest
 from kvbridge.backends.nixl_files import MAX_SEGMENTS, FileReader, FileReadError
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.fs import DEFAULT_WRITE_THREADS, FileMapper, FsTier
 from kvbridge.offload.fs_batch import BATCH_MIN_PART
 from kvbridge.offload.fs_io import FsIO, encode_block_header
+from kvbridge.offload.runner import TierRunner, split_job
 from kvbridge.offload.testing import block_content
+from kvbridge.offload.tier import WHOLE_JOB
 from kvbridge.offload.types import BatchIOError, OffloadError
 
 BLOCK = 4096
@@ -99,6 +101,8 @@ def test_the_reader_refuses_or_fails_what_it_cannot_read_whole(reader_env) -> No
 
 
 def _tier(root, primary: CpuTier, engine: str, **kwargs: object) -> FsTier:
+    """An fs tier (no runner: the tests call its ``load``/``store`` themselves), attached
+    to ``primary`` as the runner would."""
     tier = FsTier(str(root), BLOCK, FP, io_engine=engine,
                   verify=VerifyPolicy(DigestMode.FULL), **kwargs)  # type: ignore[arg-type]
     tier.attach_primary(primary.buffer)
@@ -108,7 +112,7 @@ def _tier(root, primary: CpuTier, engine: str, **kwargs: object) -> FsTier:
 def _damage(tier: FsTier, n: int) -> dict[int, str]:
     """Store ``n`` blocks, then leave block files in every state a load must handle."""
     primary_views = [memoryview(bytearray(block_content(k(i), BLOCK))) for i in range(n)]
-    tier.store_batch([k(i) for i in range(n)], [[v] for v in primary_views])
+    tier.store([k(i) for i in range(n)], [[v] for v in primary_views], [None] * n)
     states = {1: "torn", 3: "short", 5: "longer", 6: "other key", 8: "format 1",
               9: "missing", 11: "fifo", 12: "other layers"}
     for i, state in states.items():
@@ -153,7 +157,7 @@ def _outcome(tier: FsTier, primary: CpuTier, n: int) -> dict[str, object]:
         for view in views:
             view[0][:] = bytes(BLOCK)
         try:
-            tier.load_batch(keys[start:], views)
+            tier.load(keys[start:], views, [])
             failed_at, skipped = n - start, {}
         except BatchIOError as exc:
             failed_at, skipped = exc.num_succeeded, exc.skipped
@@ -167,12 +171,11 @@ def _outcome(tier: FsTier, primary: CpuTier, n: int) -> dict[str, object]:
             result[start + failed_at] = "failed"
         start += failed_at + 1
     files = {i: (os.path.lexists(tier.path(k(i)))) for i in range(n)}
-    stats = tier.stats
+    counters = tier.counters
     return {"blocks": result, "files": files,
-            "counts": (stats.files_deleted, stats.digest_mismatches, stats.loads_verified,
-                       stats.foreign_key_loads,
-                       stats.extra.get("legacy_format_loads", 0),
-                       stats.extra.get("foreign_format_loads", 0))}
+            "counts": (counters.loads_verified, counters.foreign_key_loads,
+                       counters.extra.get("legacy_format_loads", 0),
+                       counters.extra.get("foreign_format_loads", 0))}
 
 
 def test_every_block_file_state_loads_the_same_batched_and_one_by_one(tmp_path) -> None:
@@ -186,9 +189,9 @@ def test_every_block_file_state_loads_the_same_batched_and_one_by_one(tmp_path) 
             states = _damage(tier, n)
             outcomes[engine] = _outcome(tier, primary, n)
             if engine == "uring":
-                assert tier.stats.extra.get("batched_reads", 0) > 0
+                assert tier.counters.extra.get("batched_reads", 0) > 0
         finally:
-            tier.shutdown()
+            tier.close()
             primary.close()
     assert outcomes["uring"] == outcomes["python"]
     blocks = outcomes["uring"]["blocks"]
@@ -197,7 +200,7 @@ def test_every_block_file_state_loads_the_same_batched_and_one_by_one(tmp_path) 
         if i not in states:
             assert blocks[i] == "loaded", (i, blocks[i])
     assert blocks[1] == "DigestMismatchError" and blocks[6] == "ForeignKeyError"
-    assert outcomes["uring"]["counts"][3] == 1            # block 6: another key's header
+    assert outcomes["uring"]["counts"][1] == 1            # block 6: another key's header
     assert all(blocks[i] == "failed" for i in (3, 5, 8, 9, 11, 12))
 
 
@@ -223,31 +226,35 @@ def test_a_read_the_kernel_completes_short_falls_back_and_names_the_file(tmp_pat
     io = _TruncatingIO()
     tier.io = io      # the plain FsIO with one real fault between open and read
     try:
-        tier.store_batch([k(i) for i in range(n)],
-                         [[memoryview(bytearray(block_content(k(i), BLOCK)))] for i in range(n)])
+        tier.store([k(i) for i in range(n)],
+                   [[memoryview(bytearray(block_content(k(i), BLOCK)))] for i in range(n)],
+                   [None] * n)
         io.paths.add(tier.path(k(2)))
         with pytest.raises(BatchIOError) as info:
-            tier.load_batch([k(i) for i in range(n)], [[primary.view(i)] for i in range(n)])
+            tier.load([k(i) for i in range(n)], [[primary.view(i)] for i in range(n)], [])
         assert info.value.num_succeeded == 2                      # blocks 0 and 1 loaded
         assert type(info.value.cause).__name__ == "ShortReadError"
         assert not os.path.exists(tier.path(k(2)))                # provably short: removed
-        assert tier.stats.extra.get("batched_read_failures") == 1
+        assert tier.counters.extra.get("batched_read_failures") == 1
         for i in (0, 1):
             assert bytes(primary.view(i)) == block_content(k(i), BLOCK)
     finally:
-        tier.shutdown()
+        tier.close()
         primary.close()
 
 
 def test_which_engine_a_tier_reads_with(tmp_path) -> None:
-    from kvbridge.offload.faults import FaultPlan
+    from kvbridge.offload.faults import FaultPlan, FaultyFsIO
 
     primary = CpuTier(4, BLOCK)
     tiers = []
     try:
         auto = _tier(tmp_path / "a", primary, "auto")
         python = _tier(tmp_path / "p", primary, "python")
-        faulty = _tier(tmp_path / "f", primary, "auto", faults=FaultPlan(rate=0.0))
+        faulty_root = str(tmp_path / "f")
+        injector = FaultyFsIO(FaultPlan(rate=0.0), FileMapper(faulty_root, FP).path,
+                              root=faulty_root)
+        faulty = _tier(faulty_root, primary, "auto", io=injector)
         big = FsTier(str(tmp_path / "b"), 2 << 20, FP)
         tiers += [auto, python, faulty, big]
         big_primary = CpuTier(1, 2 << 20)
@@ -255,10 +262,10 @@ def test_which_engine_a_tier_reads_with(tmp_path) -> None:
             big.attach_primary(big_primary.buffer)
             assert not big.batched           # 2 MiB block files: one by one is as fast
         finally:
-            big.shutdown()
+            big.close()
             big_primary.close()
-        assert auto.batched and auto.min_load_part == BATCH_MIN_PART
-        assert not python.batched and python.min_load_part == 1
+        assert auto.batched and auto.load_part_blocks == BATCH_MIN_PART
+        assert not python.batched and python.load_part_blocks == 1
         assert not faulty.batched                # a fault plan wraps the plain calls
         buffered = FsTier(str(tmp_path / "u"), BLOCK, FP, use_o_direct=False,
                           io_engine="uring")
@@ -269,22 +276,24 @@ def test_which_engine_a_tier_reads_with(tmp_path) -> None:
             FsTier(str(tmp_path / "x"), BLOCK, FP, io_engine="aio")
     finally:
         for tier in tiers:
-            tier.shutdown()
+            tier.close()
         primary.close()
 
 
 def test_a_batched_job_splits_into_parts_of_at_least_min_part_blocks(tmp_path) -> None:
     primary = CpuTier(4 * BATCH_MIN_PART, BLOCK)
-    tier = _tier(tmp_path / "s", primary, "uring", read_threads=4)
+    fs = _tier(tmp_path / "s", primary, "uring")
+    tier = TierRunner(fs, read_threads=4, write_threads=DEFAULT_WRITE_THREADS)
     try:
-        assert tier._split(BATCH_MIN_PART, 4, tier.min_load_part) == [(0, BATCH_MIN_PART)]
-        parts = tier._split(4 * BATCH_MIN_PART, 4, tier.min_load_part)
+        assert split_job(BATCH_MIN_PART, 4, fs.load_part_blocks) == [(0, BATCH_MIN_PART)]
+        parts = split_job(4 * BATCH_MIN_PART, 4, fs.load_part_blocks)
         assert len(parts) == 4 and all(e - s == BATCH_MIN_PART for s, e in parts)
-        assert tier._split(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]   # one by one: a part
+        assert split_job(64, 4, WHOLE_JOB) == [(0, 64)]                 # obj: one call a job
+        assert split_job(8, 4, 1) == [(0, 2), (2, 4), (4, 6), (6, 8)]   # one by one: a part
         n = 4 * BATCH_MIN_PART                                          # per thread
         keys = [k(i) for i in range(n)]
-        tier.store_batch(keys, [[memoryview(bytearray(block_content(key, BLOCK)))]
-                                for key in keys])
+        fs.store(keys, [[memoryview(bytearray(block_content(key, BLOCK)))] for key in keys],
+                 [None] * n)
         tier.submit_load(1, keys, [[primary.view(i)] for i in range(n)])
         done = []
         while not done:

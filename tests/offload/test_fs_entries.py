@@ -17,9 +17,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.fs_io import FsIO
 from kvbridge.offload.manager import OffloadManager
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content, block_file_payload
 from kvbridge.offload.types import EventKind, LookupResult, LookupStatus
 from tests.offload.test_deadlines import settle, wait_for
@@ -61,11 +62,13 @@ class BadSectorIO(FsIO):
 
 
 @pytest.fixture
-def setup(tmp_path) -> Iterator[tuple[OffloadManager, FsTier, BadSectorIO]]:
+def setup(tmp_path) -> Iterator[tuple[OffloadManager, TierRunner, BadSectorIO]]:
     io = BadSectorIO()
     # a clock that never moves: no deadline can pass on a slow machine (not tested here)
-    tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
-                  quarantine_after=3, clock=lambda: 0.0)
+    tier = TierRunner(FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
+                             quarantine_after=3, clock=lambda: 0.0),
+                      read_threads=DEFAULT_READ_THREADS, write_threads=DEFAULT_WRITE_THREADS,
+                      clock=lambda: 0.0)
     m = OffloadManager(CpuTier(2, BLOCK), [tier], clock=lambda: 0.0)
     yield m, tier, io
     m.shutdown()
@@ -93,7 +96,7 @@ def fs_events(m: OffloadManager) -> list[tuple[EventKind, tuple[bytes, ...]]]:
     return [(e.kind, e.keys) for e in m.take_events() if e.tier == "fs"]
 
 
-def verdict_true(tier: FsTier, request_id: str, key: bytes) -> None:
+def verdict_true(tier: TierRunner, request_id: str, key: bytes) -> None:
     """Settle ``key``'s verdict (True) in the tier's cache for ``request_id``."""
     def known() -> bool:
         tier.lookup(request_id, key)
@@ -111,14 +114,14 @@ def test_a_configuration_fault_never_quarantines_a_block(setup) -> None:
     compute(m, "w", [k(0)])
     m.request_finished("w")
     evict(m)
-    io.bad.add(tier.path(k(0)))
+    io.bad.add(tier.tier.path(k(0)))
     io.errno = errno.EINVAL
     for r in range(5):
         assert settle(m, f"r{r}", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
         m.request_finished(f"r{r}")
     assert tier.stats.loads_failed == 5
     assert tier.stats.files_quarantined == 0
-    assert os.path.exists(tier.path(k(0)))
+    assert os.path.exists(tier.tier.path(k(0)))
 
 
 def test_a_block_failing_every_read_is_quarantined_removed_and_written_again(setup) -> None:
@@ -126,12 +129,12 @@ def test_a_block_failing_every_read_is_quarantined_removed_and_written_again(set
     compute(m, "w", [k(0)])
     m.request_finished("w")
     evict(m)
-    io.bad.add(tier.path(k(0)))
+    io.bad.add(tier.tier.path(k(0)))
     fs_events(m)
     for r in range(3):               # one failed load per new request (never a retry within one)
         assert settle(m, f"r{r}", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
         m.request_finished(f"r{r}")
-        assert os.path.exists(tier.path(k(0))) is (r < 2)
+        assert os.path.exists(tier.tier.path(k(0))) is (r < 2)
     assert tier.stats.loads_failed == 3 and tier.stats.files_quarantined == 1
     assert tier.stats.files_deleted == 0           # not a provable short read
     assert (EventKind.REMOVED, (k(0),)) in fs_events(m)
@@ -155,13 +158,13 @@ def test_a_success_in_between_resets_the_count(setup) -> None:
     for r in range(4):
         evict(m)
         if r != 2:
-            io.bad.add(tier.path(k(0)))
+            io.bad.add(tier.tier.path(k(0)))
         else:
             io.bad.clear()
         expect = LookupResult(LookupStatus.HIT, 1) if r == 2 else LookupResult(LookupStatus.MISS, 0)
         assert settle(m, f"r{r}", [k(0)]) == expect
         m.request_finished(f"r{r}")
-    assert tier.stats.files_quarantined == 0 and os.path.exists(tier.path(k(0)))
+    assert tier.stats.files_quarantined == 0 and os.path.exists(tier.tier.path(k(0)))
 
 
 def test_a_fifo_in_place_of_a_block_hangs_neither_the_load_nor_shutdown(setup) -> None:
@@ -171,15 +174,15 @@ def test_a_fifo_in_place_of_a_block_hangs_neither_the_load_nor_shutdown(setup) -
     evict(m)
     # probed while it was a block file, then a FIFO takes its place before the load
     verdict_true(tier, "r1", k(0))
-    os.remove(tier.path(k(0)))
-    os.mkfifo(tier.path(k(0)))
+    os.remove(tier.tier.path(k(0)))
+    os.mkfifo(tier.tier.path(k(0)))
     assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
-    assert not os.path.lexists(tier.path(k(0)))     # provably not a block: removed
+    assert not os.path.lexists(tier.tier.path(k(0)))     # provably not a block: removed
     assert tier.stats.files_deleted == 1
     assert (EventKind.REMOVED, (k(0),)) in fs_events(m)
     # a FIFO found by a probe is simply absent
-    os.remove(tier.path(k(1)))
-    os.mkfifo(tier.path(k(1)))
+    os.remove(tier.tier.path(k(1)))
+    os.mkfifo(tier.tier.path(k(1)))
     assert settle(m, "r2", [k(1)]) == LookupResult(LookupStatus.MISS, 0)
     m.request_finished("r1")
     m.request_finished("r2")
@@ -190,15 +193,15 @@ def test_a_fifo_in_place_of_a_block_hangs_neither_the_load_nor_shutdown(setup) -
 
 def test_a_directory_in_place_of_a_block_is_replaced_or_fails_the_store(setup) -> None:
     m, tier, _ = setup
-    os.mkdir(tier.path(k(0)))                        # empty: removed, the block written
+    os.mkdir(tier.tier.path(k(0)))                        # empty: removed, the block written
     fs_events(m)
     compute(m, "w", [k(0)])
-    assert os.path.isfile(tier.path(k(0)))
-    assert block_file_payload(tier.path(k(0))) == block_content(k(0), BLOCK)
+    assert os.path.isfile(tier.tier.path(k(0)))
+    assert block_file_payload(tier.tier.path(k(0))) == block_content(k(0), BLOCK)
     assert (EventKind.STORED, (k(0),)) in fs_events(m)
-    os.makedirs(os.path.join(tier.path(k(1)), "something"))   # not empty: the store fails
+    os.makedirs(os.path.join(tier.tier.path(k(1)), "something"))   # not empty: the store fails
     compute(m, "w", [k(1)])
-    assert os.path.isdir(tier.path(k(1)))
+    assert os.path.isdir(tier.tier.path(k(1)))
     assert tier.stats.stores_failed == 1
     assert all(keys != (k(1),) for kind, keys in fs_events(m) if kind is EventKind.STORED)
     m.request_finished("w")
@@ -214,13 +217,13 @@ def test_a_symlinked_block_is_never_followed_out_of_the_store(setup, tmp_path) -
     compute(m, "w", [k(0), k(1)])
     m.request_finished("w")
     evict(m)
-    os.remove(tier.path(k(0)))
-    os.symlink(outside, tier.path(k(0)))
+    os.remove(tier.tier.path(k(0)))
+    os.symlink(outside, tier.tier.path(k(0)))
     assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)   # lstat: absent
     # probed as a file, swapped for a symlink before the load: the open refuses it
     verdict_true(tier, "r2", k(1))
-    os.remove(tier.path(k(1)))
-    os.symlink(outside, tier.path(k(1)))
+    os.remove(tier.tier.path(k(1)))
+    os.symlink(outside, tier.tier.path(k(1)))
     assert settle(m, "r2", [k(1)]) == LookupResult(LookupStatus.MISS, 0)
     assert tier.stats.loads_failed == 1
     assert all(bytes(m.primary.view(s.index)) != secret for s in m.primary._slots.values())
@@ -228,7 +231,7 @@ def test_a_symlinked_block_is_never_followed_out_of_the_store(setup, tmp_path) -
     m.request_finished("r1")
     m.request_finished("r2")
     compute(m, "w2", [k(0)])
-    assert os.path.isfile(tier.path(k(0))) and not os.path.islink(tier.path(k(0)))
+    assert os.path.isfile(tier.tier.path(k(0))) and not os.path.islink(tier.tier.path(k(0)))
     assert outside.read_bytes() == secret
 
 
@@ -252,25 +255,27 @@ class StoredMeanwhileIO(FsIO):
 
 def test_a_block_stored_over_a_fifo_during_the_load_is_not_removed(tmp_path) -> None:
     io = StoredMeanwhileIO()
-    tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
-                  clock=lambda: 0.0)
+    tier = TierRunner(FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io,
+                             clock=lambda: 0.0),
+                      read_threads=DEFAULT_READ_THREADS, write_threads=DEFAULT_WRITE_THREADS,
+                      clock=lambda: 0.0)
     m = OffloadManager(CpuTier(2, BLOCK), [tier], clock=lambda: 0.0)
     try:
         compute(m, "w", [k(0)])
         m.request_finished("w")
         evict(m)
         verdict_true(tier, "r1", k(0))
-        with open(tier.path(k(0)), "rb") as fh:
+        with open(tier.tier.path(k(0)), "rb") as fh:
             stored = fh.read()                          # what the other writer writes
-        os.remove(tier.path(k(0)))
-        os.mkfifo(tier.path(k(0)))
-        io.block, io.path = stored, tier.path(k(0))
+        os.remove(tier.tier.path(k(0)))
+        os.mkfifo(tier.tier.path(k(0)))
+        io.block, io.path = stored, tier.tier.path(k(0))
         fs_events(m)
         assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
         assert io.path is None                          # the other writer did run
         # the FIFO the load saw is gone; the block file that replaced it is kept
-        assert os.path.isfile(tier.path(k(0)))
-        assert block_file_payload(tier.path(k(0))) == block_content(k(0), BLOCK)
+        assert os.path.isfile(tier.tier.path(k(0)))
+        assert block_file_payload(tier.tier.path(k(0))) == block_content(k(0), BLOCK)
         assert tier.stats.files_deleted == 0
         assert not [keys for kind, keys in fs_events(m) if kind is EventKind.REMOVED]
         m.request_finished("r1")
@@ -288,7 +293,7 @@ def test_failures_of_a_removed_file_do_not_count_against_the_file_stored_after_i
     m, tier, io = setup
     compute(m, "w", [k(0)])
     m.request_finished("w")
-    path = tier.path(k(0))
+    path = tier.tier.path(k(0))
     for r in range(2):                               # two failed loads of the old file
         evict(m)
         io.bad.add(path)
@@ -316,7 +321,7 @@ def test_a_block_file_longer_than_a_block_is_never_served(setup) -> None:
     compute(m, "w", [k(0)])
     m.request_finished("w")
     evict(m)
-    path = tier.path(k(0))
+    path = tier.tier.path(k(0))
     with open(path, "ab") as fh:                     # the right bytes, then some more
         fh.write(b"x")
     assert settle(m, "r1", [k(0)]) == LookupResult(LookupStatus.MISS, 0)

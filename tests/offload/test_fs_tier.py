@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from kvbridge.offload.faults import FaultKind, FaultPlan
-from kvbridge.offload.fs import FileMapper, FsTier
+from kvbridge.offload.faults import FaultKind, FaultPlan, FaultyFsIO
+from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import (
     TEMP_SUFFIX,
     FsIO,
@@ -26,6 +26,7 @@ from kvbridge.offload.fs_io import (
     load_block,
     store_block,
 )
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import EventKind, JobResult, OffloadError, ShortReadError
 
@@ -54,7 +55,7 @@ class Buffers:
         return [[self.block(i)] for i in range(n)]
 
 
-def finish(tier: FsTier, job_id: int, timeout_s: float = 10.0) -> JobResult:
+def finish(tier: TierRunner, job_id: int, timeout_s: float = 10.0) -> JobResult:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for result in tier.get_finished_jobs():
@@ -64,7 +65,7 @@ def finish(tier: FsTier, job_id: int, timeout_s: float = 10.0) -> JobResult:
     raise AssertionError(f"job {job_id} did not finish in {timeout_s} s")
 
 
-def settle_lookup(tier: FsTier, request_id: str, key: bytes, timeout_s: float = 5.0) -> bool:
+def settle_lookup(tier: TierRunner, request_id: str, key: bytes, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     verdict = tier.lookup(request_id, key)
     tier.step()
@@ -76,7 +77,7 @@ def settle_lookup(tier: FsTier, request_id: str, key: bytes, timeout_s: float = 
     return verdict
 
 
-def store(tier: FsTier, keys: list[bytes], job_id: int = 1) -> None:
+def store(tier: TierRunner, keys: list[bytes], job_id: int = 1) -> None:
     bufs = Buffers(len(keys))
     for i, key in enumerate(keys):
         bufs.block(i)[:] = block_content(key, BLOCK)
@@ -88,11 +89,11 @@ def test_store_then_load_roundtrip_with_hash_only_names(make_fs, store_dir) -> N
     tier = make_fs()
     evil = b"../../etc/passwd\x00" + k(0)
     store(tier, [evil, k(1)])
-    path = tier.path(evil)
+    path = tier.tier.path(evil)
     assert os.path.dirname(os.path.realpath(path)).startswith(os.path.realpath(store_dir))
     name = os.path.basename(path)
     digest = FileMapper.key_hash(evil)
-    assert name == f"{digest}.{tier.mapper.fingerprint}.kvb"
+    assert name == f"{digest}.{tier.tier.mapper.fingerprint}.kvb"
     assert path == os.path.join(store_dir, digest[:2], name)
     assert os.path.getsize(path) == FILE_BYTES
     bufs = Buffers(2)
@@ -181,7 +182,7 @@ def test_o_direct_is_probed_once_with_buffered_fallback(make_fs, store_dir) -> N
             return super().open_write(path, direct)
 
     tier = make_fs(io=RefusesDirect())
-    assert tier.o_direct is False
+    assert tier.tier.o_direct is False
     assert len(direct_opens) == 1                        # probed once, for the store directory
     assert not [n for n in os.listdir(store_dir) if n.endswith(".tmp")]
     store(tier, [k(0)])                                  # buffered path works
@@ -201,7 +202,7 @@ def test_o_direct_used_when_supported_and_buffers_aligned(make_fs) -> None:
             return super().open_read(path, direct)
 
     tier = make_fs(io=Recording())
-    if not tier.o_direct:
+    if not tier.tier.o_direct:
         pytest.skip("this file system refuses O_DIRECT")
     store(tier, [k(0)])
     modes.clear()
@@ -218,12 +219,12 @@ def test_provable_short_read_deletes_file_and_flips_verdict(make_fs) -> None:
     tier = make_fs()
     store(tier, [k(0)])
     assert settle_lookup(tier, "r1", k(0)) is True
-    os.truncate(tier.path(k(0)), BLOCK // 2)            # a torn block
+    os.truncate(tier.tier.path(k(0)), BLOCK // 2)            # a torn block
     bufs = Buffers(1)
     tier.submit_load(2, [k(0)], bufs.lists(1))
     result = finish(tier, 2)
     assert not result.success and result.successful_keys == ()
-    assert not os.path.exists(tier.path(k(0)))
+    assert not os.path.exists(tier.tier.path(k(0)))
     assert tier.lookup("r1", k(0)) is False             # mark_miss, no re-probe
     assert tier.cache.take_batch() == ()
     assert tier.stats.files_deleted == 1 and tier.stats.loads_failed == 1
@@ -258,18 +259,19 @@ def test_transient_load_failure_leaves_the_file(make_fs, store_dir, kind) -> Non
     tier.submit_load(2, [k(0)], bufs.lists(1))
     result = finish(tier, 2)
     assert not result.success
-    assert os.path.getsize(tier.path(k(0))) == FILE_BYTES   # left intact
+    assert os.path.getsize(tier.tier.path(k(0))) == FILE_BYTES   # left intact
     assert tier.stats.files_deleted == 0
     assert tier.lookup("r1", k(0)) is False             # still a miss for this request
-    assert tier.injector is not None
-    assert tier.injector.injected_kinds() == {kind: 1}
+    assert isinstance(tier.tier.io, FaultyFsIO)
+    assert tier.tier.io.injected_kinds() == {kind: 1}
 
 
 def test_eloop_is_the_kernels_error(make_fs) -> None:
     tier = make_fs(faults=FaultPlan(per_key={k(0): FaultKind.ELOOP}))
     store(tier, [k(0)])
     with pytest.raises(OSError) as info:
-        load_block(tier.io, tier.path(k(0)), [memoryview(bytearray(BLOCK))], BLOCK, False,
+        fs = tier.tier
+        load_block(fs.io, fs.path(k(0)), [memoryview(bytearray(BLOCK))], BLOCK, False,
                    memoryview(bytearray(len(HDR))), FileMapper.key_hash_bytes(k(0)), 1)
     assert info.value.errno == errno.ELOOP
 
@@ -282,7 +284,7 @@ def test_close_error_after_full_read_is_not_a_load_failure(make_fs) -> None:
     result = finish(tier, 2)
     assert result.success and result.successful_keys == (k(0),)
     assert bytes(bufs.block(0)) == block_content(k(0), BLOCK)
-    assert tier.stats.close_errors_ignored == 1 and os.path.exists(tier.path(k(0)))
+    assert tier.tier.counters.close_errors_ignored == 1 and os.path.exists(tier.tier.path(k(0)))
 
 
 def test_batched_partial_load_failure_keeps_loaded_blocks(make_fs) -> None:
@@ -383,7 +385,7 @@ def test_reads_are_not_starved_by_writes(make_fs) -> None:
 
     tier = make_fs(write_threads=1)
     store(tier, [k(0)])
-    tier.io = SlowWrites()
+    tier.tier.io = SlowWrites()
     try:
         bufs = Buffers(3)
         for i in range(2):
@@ -431,12 +433,12 @@ def test_a_fanout_directory_that_is_a_symlink_is_refused_for_stores_and_loads(
                                if FileMapper.key_hash(k(i))[:2] != FileMapper.key_hash(k(0))[:2])
     store(tier, [victim, other])
     tier.shutdown()
-    fanout = os.path.dirname(tier.path(victim))
+    fanout = os.path.dirname(tier.tier.path(victim))
     outside = str(tmp_path / "outside")
     shutil.move(fanout, outside)          # the victim's block file now lies outside the root
     os.symlink(outside, fanout)
     before = sorted(os.listdir(outside))
-    assert before == [os.path.basename(tier.path(victim))]
+    assert before == [os.path.basename(tier.tier.path(victim))]
 
     tier = make_fs()
     assert settle_lookup(tier, "r1", victim) is False     # not even looked at
@@ -455,7 +457,7 @@ def test_a_fanout_directory_that_is_a_symlink_is_refused_for_stores_and_loads(
     result = finish(tier, 2)
     assert not result.success and result.successful_keys == (k(7),)
     assert sorted(os.listdir(outside)) == before          # nothing written outside
-    assert tier.stats.extra["fanout_refused"] == 2
+    assert tier.tier.counters.extra["fanout_refused"] == 2
     assert tier.stats.loads_failed == 1 and tier.stats.stores_failed == 1
     assert tier.stats.files_deleted == 0 and tier.stats.files_quarantined == 0
     assert os.path.islink(fanout)                         # the tier removes nothing of it
@@ -466,7 +468,7 @@ def test_a_fanout_directory_swapped_for_a_symlink_while_the_tier_runs_is_refused
     tier = make_fs(fanout_recheck_s=0.0)   # judged again at every job
     keys = [k(0), *_same_fanout(k(0), 2, {k(0)})]
     store(tier, keys[:1])
-    fanout = os.path.dirname(tier.path(keys[0]))
+    fanout = os.path.dirname(tier.tier.path(keys[0]))
     outside = str(tmp_path / "outside")
     shutil.move(fanout, outside)
     os.symlink(outside, fanout)
@@ -476,8 +478,8 @@ def test_a_fanout_directory_swapped_for_a_symlink_while_the_tier_runs_is_refused
     tier.submit_store(3, keys[1:], bufs.lists(2))
     result = finish(tier, 3)
     assert not result.success and result.successful_keys == ()
-    assert sorted(os.listdir(outside)) == [os.path.basename(tier.path(keys[0]))]
-    assert tier.stats.extra["fanout_refused"] == 2
+    assert sorted(os.listdir(outside)) == [os.path.basename(tier.tier.path(keys[0]))]
+    assert tier.tier.counters.extra["fanout_refused"] == 2
     # an operator puts a real directory back: the tier uses it again
     os.unlink(fanout)
     os.mkdir(fanout)

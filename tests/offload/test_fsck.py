@@ -28,14 +28,14 @@ def k(i: int) -> bytes:
 
 def write_block(tier, key: bytes, data: bytes) -> str:
     """A block file as the tier writes it (format 2, digests in its header)."""
-    tier.store_batch([key], [[memoryview(bytearray(data))]])
+    tier.store([key], [[memoryview(bytearray(data))]], [None])
     return tier.path(key)
 
 
 @pytest.fixture
 def messy_store(make_fs, store_dir):
     """A store with good blocks and one file of every finding kind."""
-    tier = make_fs()
+    tier = make_fs().tier
     mapper = FileMapper(store_dir, FP)
     paths = {}
     for i in range(3):
@@ -107,7 +107,7 @@ def test_fsck_repair_deletes_only_provably_broken(messy_store, store_dir) -> Non
 
 def test_fsck_with_fingerprint_reports_other_layouts_as_foreign(make_fs, store_dir) -> None:
     make_fs()
-    other = make_fs(fingerprint=OTHER_FP)
+    other = make_fs(fingerprint=OTHER_FP).tier
     write_block(other, k(0), b"x" * BLOCK)
     assert fsck(store_dir).ok                              # both layouts are known
     report = fsck(store_dir, fingerprint=FP, repair=True)
@@ -275,7 +275,7 @@ def test_fsck_reports_symlinked_and_unreadable_fanout_dirs(make_fs, store_dir, t
 
 def test_fsck_finds_and_repairs_non_regular_entries_under_block_names(make_fs, store_dir,
                                                                       tmp_path) -> None:
-    tier = make_fs()
+    tier = make_fs().tier
     target = tmp_path / "target.bin"
     target.write_bytes(b"t" * BLOCK)
     os.mkfifo(tier.path(k(0)))
@@ -298,7 +298,7 @@ def test_fsck_repair_keeps_a_block_stored_over_a_non_regular_entry_after_the_sca
     import kvbridge.offload.fsck as fsck_module
     from kvbridge.offload.fs_io import FsIO
 
-    tier = make_fs()
+    tier = make_fs().tier
     path = tier.path(k(0))
     os.mkfifo(path)
     renamed: list[str] = []
@@ -337,7 +337,7 @@ def flip_byte(path: str, offset_from_end: int) -> None:
 
 def test_fsck_finds_a_corrupt_block_reports_it_dry_and_repairs_only_it(make_fs,
                                                                         store_dir) -> None:
-    tier = make_fs(num_layers=4)
+    tier = make_fs(num_layers=4).tier
     good = [write_block(tier, k(i), os.urandom(BLOCK)) for i in range(3)]
     bad = write_block(tier, k(9), os.urandom(BLOCK))
     flip_byte(bad, BLOCK // 4 + 1)                     # inside layer 2 of 4
@@ -359,7 +359,7 @@ def test_fsck_finds_a_corrupt_block_reports_it_dry_and_repairs_only_it(make_fs,
 
 
 def test_fsck_torn_header_and_another_keys_bytes_are_corrupt(make_fs, store_dir) -> None:
-    tier = make_fs()
+    tier = make_fs().tier
     torn = write_block(tier, k(0), os.urandom(BLOCK))
     with open(torn, "r+b") as fh:                      # a byte of the header's digests
         fh.seek(60)
@@ -376,11 +376,11 @@ def test_fsck_torn_header_and_another_keys_bytes_are_corrupt(make_fs, store_dir)
 def test_fsck_legacy_and_unverified_blocks_are_reported_not_removed(make_fs, store_dir) -> None:
     from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 
-    tier = make_fs()
+    tier = make_fs().tier
     legacy = tier.path(k(0))
     with open(legacy, "wb") as fh:                     # format 1: the bare block bytes
         fh.write(b"x" * BLOCK)
-    off = make_fs(verify=VerifyPolicy(DigestMode.OFF))
+    off = make_fs(verify=VerifyPolicy(DigestMode.OFF)).tier
     write_block(off, k(1), os.urandom(BLOCK))           # written with verification off
     report = fsck(store_dir, repair=True)
     assert kinds(report) == {FindingKind.LEGACY_BLOCK: [legacy]}
@@ -392,10 +392,10 @@ def test_fsck_repair_keeps_a_block_stored_again_after_the_scan(make_fs, store_di
                                                                 monkeypatch) -> None:
     import kvbridge.offload.fsck as fsck_module
 
-    tier = make_fs()
+    tier = make_fs().tier
     bad = write_block(tier, k(0), os.urandom(BLOCK))
     flip_byte(bad, 1)
-    elsewhere = make_fs(root=str(tmp_path / "elsewhere"))
+    elsewhere = make_fs(root=str(tmp_path / "elsewhere")).tier
     judged = fsck_module._judge_block
 
     def judge_then_store(*args, **kwargs):
@@ -414,7 +414,7 @@ def test_fsck_repair_keeps_a_block_stored_again_after_the_scan(make_fs, store_di
 
 
 def test_cli_fsck_verifies_digests_and_says_so(make_fs, store_dir, capsys) -> None:
-    tier = make_fs()
+    tier = make_fs().tier
     bad = write_block(tier, k(0), os.urandom(BLOCK))
     write_block(tier, k(1), os.urandom(BLOCK))
     flip_byte(bad, 100)

@@ -28,7 +28,7 @@ require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
 
 from kvbridge.backends.mooncake import MooncakeStoreClient  # noqa: E402
 from kvbridge.offload.fsck_obj import fsck_obj, list_keys  # noqa: E402
-from kvbridge.offload.obj import ObjTier  # noqa: E402
+from kvbridge.offload.obj import ObjTier, run_obj_tier  # noqa: E402
 from kvbridge.tools.cli import main as cli_main  # noqa: E402
 
 BLOCK = 32 * 1024
@@ -62,14 +62,15 @@ def put_raw(client: MooncakeStoreClient, name: str, data: bytes) -> None:
 def stored(client) -> Iterator[tuple[ObjTier, list[bytes]]]:
     """Four blocks stored by the real obj tier (digests on), in a namespace of their own."""
     tier = ObjTier(client, BLOCK, uuid.uuid4().hex[:16], num_layers=LAYERS)
-    manager = OffloadManager(CpuTier(8, BLOCK, num_layers=LAYERS), [tier])
+    runner = run_obj_tier(tier)
+    manager = OffloadManager(CpuTier(8, BLOCK, num_layers=LAYERS), [runner])
     keys = [b"fsck-obj|%d" % i for i in range(4)]
     spec = manager.prepare_store("w", keys)
     for key, slot in zip(spec.keys, spec.slots, strict=True):
         manager.primary.view(slot)[:] = block_content(key, BLOCK)
     manager.complete_store(spec.keys)
     manager.request_finished("w")
-    assert manager.wait_idle(30) and tier.stats.stores_ok == 4
+    assert manager.wait_idle(30) and runner.stats.stores_ok == 4
     yield tier, keys
     manager.shutdown()
     names = [tier.object_name(k) for k in keys] + [tier.digest_name(k) for k in keys]

@@ -108,7 +108,7 @@ def test_failed_promotion_is_a_miss_and_the_request_cannot_loop(make_manager) ->
         m.step()
     assert fs.stats.loads_ok + fs.stats.loads_failed == loads_before
     assert fs.stats.probes == 3 and fs.stats.files_deleted == 0
-    assert os.path.exists(fs.path(k(1)))                 # transient: file kept
+    assert os.path.exists(fs.tier.path(k(1)))                 # transient: file kept
     stats = m.stats()
     assert stats["promotions_failed"] >= 1
     assert m.primary.get(k(1)) is None                   # its slot was freed
@@ -139,7 +139,7 @@ def test_short_read_deletes_file_then_later_requests_miss(make_manager) -> None:
     evict_all(m)
     fs = m.secondaries[0]
     result, _ = settle(m, "r1", [k(0)])
-    assert result.status is LookupStatus.MISS and not os.path.exists(fs.path(k(0)))
+    assert result.status is LookupStatus.MISS and not os.path.exists(fs.tier.path(k(0)))
     m.request_finished("r1")
     result, _ = settle(m, "r2", [k(0)])                  # probed afresh: the file is gone
     assert result.status is LookupStatus.MISS
@@ -171,7 +171,7 @@ def test_store_cascades_to_fs_and_holds_slots_until_written(make_manager) -> Non
     assert m.wait_idle()
     assert m.primary.get(k(0)).io_refs == 0
     for key in (k(0), k(1)):
-        assert block_file_payload(fs.path(key)) == block_content(key, BLOCK)
+        assert block_file_payload(fs.tier.path(key)) == block_content(key, BLOCK)
     events = m.take_events()
     stored = {(e.tier, e.medium, key) for e in events if e.kind is EventKind.STORED
               for key in e.keys}

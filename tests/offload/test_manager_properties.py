@@ -1,6 +1,6 @@
 """Property test of the manager: random interleavings of requests over a tier with bad blocks.
 
-The tier is an in-memory ``SecondaryTier`` (our own interface, not a mocked
+The tier is an in-memory ``Tier`` run by the real ``TierRunner`` (our own interface, not a mocked
 backend) whose loads of "bad" keys always fail. For any sequence of lookups,
 stores, steps and finishes: no request ever sees the same key fail twice, every
 request reaches a final verdict within a bounded number of steps, the async
@@ -20,29 +20,29 @@ from hypothesis import strategies as st
 
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.manager import OffloadManager
-from kvbridge.offload.tier import BlockBuffers, SecondaryTier
+from kvbridge.offload.runner import TierRunner
+from kvbridge.offload.tier import BlockBuffers, Tier
 from kvbridge.offload.types import BatchIOError, OffloadKey
 
 BLOCK = 64
 
 
-class MemTier(SecondaryTier):
+class MemTier(Tier):
     def __init__(self, bad: set[OffloadKey]) -> None:
-        super().__init__("mem", BLOCK, read_threads=1, write_threads=1)
+        super().__init__("mem", BLOCK)
         self.blobs: dict[OffloadKey, bytes] = {}
         self.bad = bad
         self.lock = threading.Lock()
         self.probed: Counter[OffloadKey] = Counter()
         self.load_attempts: Counter[OffloadKey] = Counter()
-        self.enqueued: Counter[OffloadKey] = Counter()    # every probe enqueue, ever
-        self.cache.on_enqueue = lambda k: self.enqueued.update((k,))
 
-    def probe_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+    def probe(self, keys: Sequence[OffloadKey]) -> list[bool]:
         with self.lock:
             self.probed.update(keys)
             return [k in self.blobs for k in keys]
 
-    def load_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+    def load(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+             digests_out: list[tuple[int, ...] | None]) -> None:
         for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
             with self.lock:
                 blob = self.blobs.get(key)
@@ -50,8 +50,10 @@ class MemTier(SecondaryTier):
             if blob is None or key in self.bad:
                 raise BatchIOError(i, OSError(errno.EIO, "bad block"))
             views[0][:] = blob
+            digests_out.append(None)            # stored without digests
 
-    def store_batch(self, keys: Sequence[OffloadKey], buffers: BlockBuffers) -> None:
+    def store(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+              digests: Sequence[tuple[int, ...] | None]) -> None:
         with self.lock:
             for key, views in zip(keys, buffers, strict=True):
                 self.blobs[key] = bytes(views[0])
@@ -68,7 +70,10 @@ ops = st.lists(st.tuples(st.sampled_from(["lookup", "store", "step", "finish", "
 @settings(max_examples=100, deadline=None)
 @given(ops=ops, bad=st.sets(st.integers(0, 5), max_size=3), slots=st.integers(2, 6))
 def test_no_request_sees_a_key_fail_twice_and_all_settle(ops, bad, slots) -> None:
-    tier = MemTier({key(i) for i in bad})
+    mem = MemTier({key(i) for i in bad})
+    tier = TierRunner(mem, read_threads=1, write_threads=1)
+    enqueued: Counter[OffloadKey] = Counter()    # every probe enqueue, ever
+    tier.cache.on_enqueue = lambda k: enqueued.update((k,))
     m = OffloadManager(CpuTier(slots, BLOCK), [tier])
     live: set[str] = set()
     generation = {r: 0 for r in range(4)}
@@ -114,12 +119,11 @@ def test_no_request_sees_a_key_fail_twice_and_all_settle(ops, bad, slots) -> Non
         assert m.wait_idle()
         assert len(tier.cache) == 0 and tier.cache.num_requests == 0
         assert all(not s.pinned_by for s in m.primary._slots.values())
-        assert tier.probed == tier.enqueued
+        assert mem.probed == enqueued
         # at most one failed load per lookup entry: a failure is never retried while
         # any request still references the entry (the livelock rule)
         for i in bad:
             k = key(i)
-            assert tier.load_attempts[k] <= tier.enqueued[k], (
-                k, tier.load_attempts[k], tier.enqueued[k])
+            assert mem.load_attempts[k] <= enqueued[k], (k, mem.load_attempts[k], enqueued[k])
     finally:
         m.shutdown()

@@ -17,7 +17,7 @@ from tests.conftest import require
 require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
 
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient  # noqa: E402
-from kvbridge.offload.obj import ObjTier  # noqa: E402
+from kvbridge.offload.obj import ObjTier, run_obj_tier  # noqa: E402
 
 BLOCK = 64 * 1024
 MiB = 1 << 20
@@ -31,8 +31,7 @@ def client(mooncake_client) -> MooncakeStoreClient:
 @pytest.fixture
 def manager(client) -> Iterator[OffloadManager]:
     fingerprint = uuid.uuid4().hex[:16]            # a namespace per test
-    tier = ObjTier(client, BLOCK, fingerprint)
-    m = OffloadManager(CpuTier(4, BLOCK), [tier])
+    m = OffloadManager(CpuTier(4, BLOCK), [run_obj_tier(ObjTier(client, BLOCK, fingerprint))])
     yield m
     m.shutdown()
     assert client.registered_buffers == {}       # the slot memory was unregistered
@@ -94,7 +93,7 @@ def test_object_gone_between_probe_and_load_is_a_miss_without_retry(manager, cli
         tier.step()
         tier.drain_results()
         time.sleep(0.001)
-    removed = client.remove([tier.object_name(key(1))], force=True)
+    removed = client.remove([tier.tier.object_name(key(1))], force=True)
     assert removed[0].ok
     result = settle(manager, "r1", keys)
     assert result == LookupResult(LookupStatus.HIT, 1)     # key 0 kept, key 1 recomputed
@@ -113,11 +112,11 @@ def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, clie
     short = bytearray(b"s" * (BLOCK // 2))
     import numpy as np
     ptr = int(np.frombuffer(short, dtype=np.uint8).ctypes.data)
-    assert client.batch_put_from([tier.object_name(key(7))], [ptr], [len(short)])[0].ok
+    assert client.batch_put_from([tier.tier.object_name(key(7))], [ptr], [len(short)])[0].ok
     result = settle(manager, "r1", [key(7)])
     assert result == LookupResult(LookupStatus.MISS, 0)
     assert tier.stats.files_deleted == 1 and tier.stats.loads_failed == 1
-    assert client.batch_exists([tier.object_name(key(7))]) == [False]
+    assert client.batch_exists([tier.tier.object_name(key(7))]) == [False]
     removed = [e for e in manager.take_events() if e.kind is EventKind.REMOVED and e.tier == "obj"]
     assert [e.keys for e in removed] == [(key(7),)]
 
@@ -133,7 +132,7 @@ def test_short_object_is_removed_but_a_missing_one_removes_nothing(manager, clie
         tier.drain_results()
         time.sleep(0.001)
     assert tier.cache.peek(key(8)) is True
-    assert client.remove([tier.object_name(key(8))], force=True)[0].ok
+    assert client.remove([tier.tier.object_name(key(8))], force=True)[0].ok
     asked: list[list[str]] = []
     real_remove = client.remove
 
@@ -164,8 +163,8 @@ def test_timed_out_get_never_lands_in_a_slot_given_to_another_key(mooncake_maste
                             global_segment_size=64 * MiB, local_buffer_size=16 * MiB,
                             op_timeout_s=0.5)
     with MooncakeStoreClient(config) as client:
-        tier = ObjTier(client, BLOCK, uuid.uuid4().hex[:16], load_timeout_s=1.0,
-                       probe_timeout_s=60.0)
+        tier = run_obj_tier(ObjTier(client, BLOCK, uuid.uuid4().hex[:16]), load_timeout_s=1.0,
+                            probe_timeout_s=60.0)
         m = OffloadManager(CpuTier(1, BLOCK), [tier])   # one slot: any reuse is that slot
         a, b, filler = key(1), key(2), key(3)
         try:
@@ -214,7 +213,7 @@ def test_timed_out_get_never_lands_in_a_slot_given_to_another_key(mooncake_maste
             import numpy as np
             ptr = int(np.frombuffer(staging, dtype=np.uint8).ctypes.data)
             for k in (a, b, filler):
-                got = client.batch_get_into([tier.object_name(k)], [ptr], [BLOCK])[0]
+                got = client.batch_get_into([tier.tier.object_name(k)], [ptr], [BLOCK])[0]
                 if got.ok:
                     assert bytes(staging) == block_content(k, BLOCK), k
         finally:
@@ -240,17 +239,17 @@ def test_another_keys_bytes_under_an_object_name_are_detected_and_removed(manage
     tier = manager.secondaries[0]
     a, b = key(1), key(2)
     store(manager, [a, b])
-    assert client.batch_exists([tier.digest_name(a), tier.digest_name(b)]) == [True, True]
+    assert client.batch_exists([tier.tier.digest_name(a), tier.tier.digest_name(b)]) == [True, True]
     _evict(manager, 1)
     # a's block object overwritten with b's bytes (remove + put: puts never overwrite)
-    assert client.remove([tier.object_name(a)], force=True)[0].ok
-    _put_bytes(client, tier.object_name(a), block_content(b, BLOCK))
+    assert client.remove([tier.tier.object_name(a)], force=True)[0].ok
+    _put_bytes(client, tier.tier.object_name(a), block_content(b, BLOCK))
     manager.take_events()
     result = settle(manager, "r", [a, b])                 # one batch: a fails alone
     assert result == LookupResult(LookupStatus.MISS, 0)
     assert manager.failed_loads("r") == (a,) and manager.primary.is_ready(b)
     assert tier.stats.digest_mismatches == 1 and tier.stats.files_deleted == 1
-    assert client.batch_exists([tier.object_name(a), tier.digest_name(a)]) == [False, False]
+    assert client.batch_exists([tier.tier.object_name(a), tier.tier.digest_name(a)]) == [False, False]
     removed = [e.keys for e in manager.take_events()
                if e.kind is EventKind.REMOVED and e.tier == "obj"]
     assert removed == [(a,)]
@@ -263,7 +262,7 @@ def test_another_keys_bytes_under_an_object_name_are_detected_and_removed(manage
     assert [bytes(manager.primary.view(s)) for s in spec.slots] == [
         block_content(a, BLOCK), block_content(b, BLOCK)]
     manager.complete_load("r2", [a, b])
-    assert tier.stats.loads_verified >= 2
+    assert tier.tier.counters.loads_verified >= 2
 
 
 def test_a_block_without_its_digest_object_is_served_unverified_and_counted(manager,
@@ -271,9 +270,9 @@ def test_a_block_without_its_digest_object_is_served_unverified_and_counted(mana
     tier = manager.secondaries[0]
     store(manager, [key(5)])
     _evict(manager, 3)
-    assert client.remove([tier.digest_name(key(5))], force=True)[0].ok   # evicted apart
+    assert client.remove([tier.tier.digest_name(key(5))], force=True)[0].ok   # evicted apart
     assert settle(manager, "r", [key(5)]) == LookupResult(LookupStatus.HIT, 1)
-    assert tier.stats.loads_unverified == 1 and tier.stats.digest_mismatches == 0
+    assert tier.tier.counters.loads_unverified == 1 and tier.stats.digest_mismatches == 0
     assert manager.primary.digests_of(key(5)) is None
 
 
@@ -281,14 +280,14 @@ def test_verify_off_puts_no_digest_objects(client) -> None:
     from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 
     off = VerifyPolicy(DigestMode.OFF)
-    tier = ObjTier(client, BLOCK, uuid.uuid4().hex[:16], verify=off)
+    tier = run_obj_tier(ObjTier(client, BLOCK, uuid.uuid4().hex[:16], verify=off))
     m = OffloadManager(CpuTier(4, BLOCK, verify=off), [tier])
     try:
         store(m, [key(9)])
-        assert client.batch_exists([tier.object_name(key(9)),
-                                    tier.digest_name(key(9))]) == [True, False]
+        assert client.batch_exists([tier.tier.object_name(key(9)),
+                                    tier.tier.digest_name(key(9))]) == [True, False]
         _evict(m, 4)
         assert settle(m, "r", [key(9)]) == LookupResult(LookupStatus.HIT, 1)
-        assert tier.stats.loads_verified == tier.stats.loads_unverified == 0
+        assert tier.tier.counters.loads_verified == tier.tier.counters.loads_unverified == 0
     finally:
         m.shutdown()

@@ -17,10 +17,11 @@ import pytest
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy, combine
 from kvbridge.offload.blockdigest import layer_digests
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.faults import FaultKind, FaultPlan
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.faults import FaultKind, FaultPlan, FaultyFsIO
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FileMapper, FsTier
 from kvbridge.offload.fs_io import decode_block_header
 from kvbridge.offload.manager import OffloadManager
+from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import EventKind, LookupResult, LookupStatus
 from tests.offload.test_deadlines import settle
@@ -38,17 +39,21 @@ def k(i: int) -> bytes:
 
 def make(tmp_path, *, verify: VerifyPolicy = VerifyPolicy(DigestMode.FULL), cpu_verify: VerifyPolicy | None = None,
          slots: int = 4, faults: FaultPlan | None = None,
-         quarantine_after: int = 3) -> tuple[OffloadManager, FsTier]:
-    tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, verify=verify,
-                  num_layers=LAYERS, faults=faults, quarantine_after=quarantine_after,
-                  clock=lambda: 0.0)
+         quarantine_after: int = 3) -> tuple[OffloadManager, TierRunner]:
+    root = str(tmp_path / "store")
+    io = None if faults is None else FaultyFsIO(faults, FileMapper(root, FP).path, root=root)
+    tier = TierRunner(FsTier(root, BLOCK, FP, use_o_direct=False, verify=verify,
+                             num_layers=LAYERS, io=io, quarantine_after=quarantine_after,
+                             clock=lambda: 0.0),
+                      read_threads=DEFAULT_READ_THREADS, write_threads=DEFAULT_WRITE_THREADS,
+                      clock=lambda: 0.0)
     primary = CpuTier(slots, BLOCK, verify=verify if cpu_verify is None else cpu_verify,
                       num_layers=LAYERS)
     return OffloadManager(primary, [tier], clock=lambda: 0.0), tier
 
 
 @pytest.fixture
-def env(tmp_path) -> Iterator[tuple[OffloadManager, FsTier]]:
+def env(tmp_path) -> Iterator[tuple[OffloadManager, TierRunner]]:
     m, tier = make(tmp_path)
     yield m, tier
     m.shutdown()
@@ -100,9 +105,9 @@ def copied(m: OffloadManager, request_id: str, keys: list[bytes]) -> list[bytes]
 def test_store_writes_the_cpu_slots_layer_digests_into_the_block_file(env) -> None:
     m, tier = env
     compute(m, "w", [k(0)])
-    with open(tier.path(k(0)), "rb") as fh:
+    with open(tier.tier.path(k(0)), "rb") as fh:
         data = fh.read()
-    header = decode_block_header(tier.path(k(0)), data)
+    header = decode_block_header(tier.tier.path(k(0)), data)
     payload = memoryview(data)[header.header_bytes:]
     assert header.num_layers == LAYERS and len(payload) == BLOCK
     assert header.layer_digests == layer_digests([payload], LAYERS)
@@ -116,11 +121,11 @@ def test_a_torn_block_of_the_right_size_fails_only_that_block_and_is_removed(
     keys = [k(0), k(1), k(2)]
     compute(m, "w", keys)
     evict(m)
-    path = tier.path(k(1))
-    header_bytes = tier.header_bytes
+    path = tier.tier.path(k(1))
+    header_bytes = tier.tier.header_bytes
     flip(path, header_bytes + 2 * (BLOCK // LAYERS) + 7)     # inside layer 2
     removed(m, "fs")
-    with caplog.at_level(logging.WARNING, logger="kvbridge.offload.tier"):
+    with caplog.at_level(logging.WARNING, logger="kvbridge.offload.runner"):
         result = settle(m, "r", keys)
     # exactly k(1) failed: k(0) and k(2) (after it in the same batch) were loaded,
     # verified and kept; the request's prefix ends at k(1) (the engine recomputes from
@@ -131,9 +136,9 @@ def test_a_torn_block_of_the_right_size_fails_only_that_block_and_is_removed(
     assert k(1) not in m.primary
     assert tier.stats.loads_ok == 2 and tier.stats.loads_failed == 1
     assert not os.path.exists(path)                           # provable corruption: removed
-    assert os.path.exists(tier.path(k(0))) and os.path.exists(tier.path(k(2)))
+    assert os.path.exists(tier.tier.path(k(0))) and os.path.exists(tier.tier.path(k(2)))
     assert tier.stats.digest_mismatches == 1 and tier.stats.files_deleted == 1
-    assert tier.stats.loads_verified == 2
+    assert tier.tier.counters.loads_verified == 2
     assert removed(m, "fs") == [(k(1),)]
     # logged once, with the ids needed to debug: tier, file, key, layer
     lines = [r.getMessage() for r in caplog.records if "digest mismatch" in r.getMessage()]
@@ -156,13 +161,13 @@ def test_the_fault_injectors_corrupt_kind_goes_through_the_real_load(tmp_path) -
     try:
         compute(m, "w", [k(0), k(1)])
         evict(m)
-        size = os.path.getsize(tier.path(k(0)))
+        size = os.path.getsize(tier.tier.path(k(0)))
         assert settle(m, "r", [k(0), k(1)]) == LookupResult(LookupStatus.MISS, 0)
         assert m.failed_loads("r") == (k(0),) and m.primary.is_ready(k(1))
-        assert tier.injector is not None
-        assert tier.injector.injected_kinds() == {FaultKind.CORRUPT: 1}
-        assert not os.path.exists(tier.path(k(0))) and tier.stats.digest_mismatches == 1
-        assert size == os.path.getsize(tier.path(k(1)))         # the size was never the clue
+        assert isinstance(tier.tier.io, FaultyFsIO)
+        assert tier.tier.io.injected_kinds() == {FaultKind.CORRUPT: 1}
+        assert not os.path.exists(tier.tier.path(k(0))) and tier.stats.digest_mismatches == 1
+        assert size == os.path.getsize(tier.tier.path(k(1)))         # the size was never the clue
     finally:
         m.shutdown()
 
@@ -184,7 +189,7 @@ def test_corrupt_blocks_fail_alone_and_a_real_io_error_still_stops_the_batch(tmp
                                                               False]
         assert tier.stats.digest_mismatches == 2 and tier.stats.files_deleted == 2
         assert sorted(removed(m, "fs")) == [(k(0),), (k(2),)]
-        assert [os.path.exists(tier.path(key)) for key in keys] == [False, True, False, True,
+        assert [os.path.exists(tier.tier.path(key)) for key in keys] == [False, True, False, True,
                                                                     True, True]
     finally:
         m.shutdown()
@@ -194,13 +199,13 @@ def test_another_keys_block_under_this_name_is_a_failed_load_and_removed(env) ->
     m, tier = env
     compute(m, "w", [k(0), k(1)])
     evict(m)
-    with open(tier.path(k(0)), "rb") as src:
+    with open(tier.tier.path(k(0)), "rb") as src:
         theirs = src.read()
-    with open(tier.path(k(1)), "wb") as dst:
+    with open(tier.tier.path(k(1)), "wb") as dst:
         dst.write(theirs)                                      # k(0)'s bytes under k(1)
     assert settle(m, "r", [k(1)]) == LookupResult(LookupStatus.MISS, 0)
     assert m.failed_loads("r") == (k(1),)
-    assert not os.path.exists(tier.path(k(1))) and tier.stats.files_deleted == 1
+    assert not os.path.exists(tier.tier.path(k(1))) and tier.stats.files_deleted == 1
 
 
 def test_verify_off_takes_no_digests_and_checks_nothing(tmp_path) -> None:
@@ -208,16 +213,16 @@ def test_verify_off_takes_no_digests_and_checks_nothing(tmp_path) -> None:
     try:
         compute(m, "w", [k(0)])
         assert m.primary.digests_of(k(0)) is None               # nothing hashed on store
-        with open(tier.path(k(0)), "rb") as fh:
-            header = decode_block_header(tier.path(k(0)), fh.read())
+        with open(tier.tier.path(k(0)), "rb") as fh:
+            header = decode_block_header(tier.tier.path(k(0)), fh.read())
         assert header.layer_digests is None                    # and none written
         evict(m)
-        flip(tier.path(k(0)), tier.header_bytes + 5)
+        flip(tier.tier.path(k(0)), tier.tier.header_bytes + 5)
         assert settle(m, "r", [k(0)]) == LookupResult(LookupStatus.HIT, 1)
         served = copied(m, "r", [k(0)])[0]
         assert served != block_content(k(0), BLOCK)            # off means not checked
-        assert tier.stats.loads_verified == tier.stats.digest_mismatches == 0
-        assert tier.stats.loads_unverified == 0
+        assert tier.tier.counters.loads_verified == tier.stats.digest_mismatches == 0
+        assert tier.tier.counters.loads_unverified == 0
         assert m.primary.loads_verified == m.primary.digest_mismatches == 0
     finally:
         m.shutdown()
@@ -233,13 +238,13 @@ def test_a_block_stored_without_digests_is_served_counted_or_refused(tmp_path) -
     try:
         assert settle(m, "r", [k(0)]) == LookupResult(LookupStatus.HIT, 1)
         assert copied(m, "r", [k(0)]) == [block_content(k(0), BLOCK)]
-        assert tier.stats.loads_unverified == 1 and m.primary.loads_unverified == 1
+        assert tier.tier.counters.loads_unverified == 1 and m.primary.loads_unverified == 1
     finally:
         m.shutdown()
     m, tier = make(tmp_path / "a", verify=STRICT)            # refused: a failed load, kept
     try:
         assert settle(m, "r", [k(0)]) == LookupResult(LookupStatus.MISS, 0)
-        assert m.failed_loads("r") == (k(0),) and os.path.exists(tier.path(k(0)))
+        assert m.failed_loads("r") == (k(0),) and os.path.exists(tier.tier.path(k(0)))
     finally:
         m.shutdown()
 
@@ -247,7 +252,7 @@ def test_a_block_stored_without_digests_is_served_counted_or_refused(tmp_path) -
 def test_a_format_1_block_file_is_a_miss_kept_then_quarantined_never_a_crash(tmp_path) -> None:
     m, tier = make(tmp_path, quarantine_after=2)
     try:
-        path = tier.path(k(0))
+        path = tier.tier.path(k(0))
         with open(path, "wb") as fh:                           # what version 1 wrote
             fh.write(block_content(k(0), BLOCK))
         for r in range(2):
@@ -255,7 +260,7 @@ def test_a_format_1_block_file_is_a_miss_kept_then_quarantined_never_a_crash(tmp
             m.request_finished(f"r{r}")
             assert os.path.exists(path) is (r == 0)           # kept, until quarantine
         assert tier.stats.files_deleted == 0 and tier.stats.files_quarantined == 1
-        assert tier.stats.extra["legacy_format_loads"] == 2
+        assert tier.tier.counters.extra["legacy_format_loads"] == 2
         compute(m, "w", [k(0)])                                # written again, format 2
         with open(path, "rb") as fh:
             assert decode_block_header(path, fh.read()).layer_digests is not None
@@ -271,7 +276,7 @@ def test_sample_mode_checks_a_deterministic_subset(tmp_path) -> None:
         compute(m, "w", keys)
         evict(m)
         assert settle(m, "r", keys) == LookupResult(LookupStatus.HIT, 12)
-        checked = tier.stats.loads_verified
+        checked = tier.tier.counters.loads_verified
         assert 0 < checked < 12
         m.request_finished("r")
     finally:
@@ -279,7 +284,7 @@ def test_sample_mode_checks_a_deterministic_subset(tmp_path) -> None:
     m, tier = make(tmp_path, verify=sample, slots=16)         # another process, same choice
     try:
         assert settle(m, "r", keys) == LookupResult(LookupStatus.HIT, 12)
-        assert tier.stats.loads_verified == checked
+        assert tier.tier.counters.loads_verified == checked
     finally:
         m.shutdown()
 

@@ -18,12 +18,14 @@ from kvbridge.connectors.offloading import (
     pool_fingerprint,
 )
 from kvbridge.connectors.offloading.faults import install_load_faults
+from kvbridge.connectors.offloading.io_hook import fs_io_factory
 from kvbridge.connectors.offloading.scheduler import _POOLS, _POOLS_LOCK
 from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import EngineRequest, RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.events import BlockRemoved, BlockStored
 from kvbridge.layouts import ParallelTopology, load_spec
+from kvbridge.offload.faults import FaultInjectors, FaultKind, FaultPlan
 from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import block_header_bytes
 from tests.conftest import require
@@ -32,13 +34,18 @@ MAX_STEPS = 400  # per run: a livelock would spin far beyond this
 
 
 def _engine(fs_dir: Path | None, *, model: str = "tiny-gqa",
-            topology: ParallelTopology | None = None, **extra: Any) -> Engine:
+            topology: ParallelTopology | None = None, faults: FaultPlan | None = None,
+            **extra: Any) -> Engine:
+    """``faults``: the fs tiers' I/O injects them (real fs faults, through the test hook)."""
     settings: dict[str, Any] = {"cpu_blocks": 64, "fs_o_direct": False, **extra}
     if fs_dir is not None:
         settings["fs_dir"] = str(fs_dir)
-    return Engine(EngineConfig(load_spec(model), topology or ParallelTopology(), num_blocks=128,
-                               connector=ConnectorConfig("offloading", KVRole.BOTH,
-                                                         extra=settings)))
+    config = EngineConfig(load_spec(model), topology or ParallelTopology(), num_blocks=128,
+                          connector=ConnectorConfig("offloading", KVRole.BOTH, extra=settings))
+    if faults is None:
+        return Engine(config)
+    with fs_io_factory(FaultInjectors(faults)):
+        return Engine(config)
 
 
 def _run(engine: Engine, specs: list[RequestSpec]) -> tuple[list[RequestResult], int]:
@@ -133,8 +140,8 @@ def test_failed_fs_loads_recompute_once_and_never_loop(tmp_path: Path, kind: str
     with _engine(tmp_path) as first:
         _run(first, specs)
     files_before = _block_files(tmp_path)
-    faults = {"rate": 1.0, "kinds": [kind], "seed": 1}
-    with _engine(tmp_path, fs_faults=faults) as second:
+    faults = FaultPlan(rate=1.0, kinds=(FaultKind(kind),), seed=1)
+    with _engine(tmp_path, faults=faults) as second:
         scheduler = _scheduler(second)
         scheduler.failed_load_log = []
         results, steps = _run(second, _again(specs, "again"))
@@ -172,8 +179,8 @@ def test_without_verification_a_corrupt_block_reaches_the_engine(tmp_path: Path)
     specs = make_requests(3, prompt_tokens=64, max_tokens=2, seed=4)
     with _engine(tmp_path, verify="off") as first:
         _run(first, specs)
-    faults = {"rate": 1.0, "kinds": ["corrupt"], "seed": 1}
-    with _engine(tmp_path, verify="off", fs_faults=faults) as second:
+    faults = FaultPlan(rate=1.0, kinds=(FaultKind("corrupt"),), seed=1)
+    with _engine(tmp_path, verify="off", faults=faults) as second:
         for spec in _again(specs, "again"):
             second.add_request(spec)
         steps = 0
@@ -218,8 +225,8 @@ def test_close_error_after_a_full_read_is_a_hit(tmp_path: Path) -> None:
     specs = make_requests(3, prompt_tokens=64, max_tokens=2, seed=4)
     with _engine(tmp_path) as first:
         _run(first, specs)
-    faults = {"rate": 1.0, "kinds": ["close_error"], "seed": 1}
-    with _engine(tmp_path, fs_faults=faults) as second:
+    faults = FaultPlan(rate=1.0, kinds=(FaultKind("close_error"),), seed=1)
+    with _engine(tmp_path, faults=faults) as second:
         results, _ = _run(second, _again(specs, "again"))
         stats = _scheduler(second).get_stats()
         assert second.stats()["mismatched_bytes"] == 0
@@ -306,8 +313,8 @@ def test_a_batch_failing_part_way_keeps_the_blocks_loaded_before(tmp_path: Path)
     request.update_hashes(spec, 1)
     part = build_part_table(spec, ParallelTopology()).parts[0]
     bad = part.key(request.hashes[0][2])
-    faults = {"per_key": {bad.hex(): "eio"}}
-    with _engine(tmp_path, fs_faults=faults, fs_read_threads=2) as second:
+    faults = FaultPlan(per_key={bad: FaultKind.EIO})
+    with _engine(tmp_path, faults=faults, fs_read_threads=2) as second:
         scheduler = _scheduler(second)
         scheduler.failed_load_log = []
         results, _ = _run(second, _again(specs, "again"))
@@ -333,8 +340,8 @@ def test_requests_arriving_after_a_failed_load_do_not_retry_it(tmp_path: Path) -
     shared = make_requests(1, prompt_tokens=64, max_tokens=2, seed=9)[0]
     with _engine(tmp_path) as first:
         _run(first, [shared])
-    faults = {"rate": 1.0, "kinds": ["eio"], "seed": 1}
-    with _engine(tmp_path, fs_faults=faults) as second:
+    faults = FaultPlan(rate=1.0, kinds=(FaultKind("eio"),), seed=1)
+    with _engine(tmp_path, faults=faults) as second:
         scheduler = _scheduler(second)
         long = RequestSpec("long", shared.prompt, max_tokens=40)
         second.add_request(long)

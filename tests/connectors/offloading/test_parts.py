@@ -69,11 +69,8 @@ def test_replicated_heads_share_a_part_and_only_the_writer_stores() -> None:
     ({"cpu_blocks": 0}, "cpu_blocks"),
     ({"policy": "mru"}, "policy"),
     ({"fs_dir": ""}, "fs_dir"),
-    ({"fs_faults": {"rate": 0.1}}, "fs_faults"),
-    ({"fs_dir": "/x", "fs_faults": {"rate": 2}}, "fs_faults.rate"),
-    ({"fs_dir": "/x", "fs_faults": {"kinds": ["nope"]}}, "fs_faults.kinds"),
-    ({"fs_dir": "/x", "fs_faults": {"per_key": {"zz": "eio"}}}, "fs_faults.per_key"),
-    ({"fs_dir": "/x", "fs_faults": {"per_key": {"00": "boom"}}}, "fs_faults.per_key"),
+    # fault injection is no setting: tests and the demo hand the tier a wrapped I/O
+    ({"fs_dir": "/x", "fs_faults": {"rate": 0.1}}, "fs_faults"),
     ({"obj": "localhost"}, "obj"),
     ({"shm_dir": 3}, "shm_dir"),
     ({"bogus": 1}, "bogus"),
@@ -94,15 +91,6 @@ def test_settings_errors_name_the_key(extra: dict[str, object], field: str) -> N
     with pytest.raises(ConfigError) as info:
         parse_settings(extra)
     assert info.value.field == f"kv_connector_extra_config.{field}"
-
-
-def test_settings_parse_fault_plan() -> None:
-    settings = parse_settings({"fs_dir": "/x", "fs_faults": {"rate": 0.05,
-                                                             "kinds": ["eio", "eloop"],
-                                                             "seed": 7}})
-    assert settings.fs_faults is not None
-    assert settings.fs_faults.rate == 0.05 and settings.fs_faults.seed == 7
-    assert [k.value for k in settings.fs_faults.kinds] == ["eio", "eloop"]
 
 
 def test_deadline_and_quarantine_settings_are_parsed_and_validated() -> None:
@@ -158,7 +146,7 @@ def test_fs_io_engine_reaches_the_fs_tier(tmp_path) -> None:
                                    "fs_io_engine": engine})
         managers, _client = build_managers(spec, table, settings)
         try:
-            fs = managers[0].secondaries[0]
+            fs = managers[0].secondaries[0].tier
             assert fs.io_engine == engine and fs.o_direct
             assert fs.batched is batched
         finally:
@@ -189,9 +177,25 @@ def test_verify_settings_defaults_are_measured_and_reach_every_tier(tmp_path) ->
         for pool, manager in enumerate(managers):
             layers = table.pool_layers(pool)
             assert layers > 1                      # a mismatch names the layer
-            tiers = [manager.primary, *manager.secondaries]
+            tiers = [manager.primary, *(runner.tier for runner in manager.secondaries)]
             assert {t.verify.mode for t in tiers} == {DigestMode.OFF}
             assert {t.num_layers for t in tiers} == {layers}
     finally:
         for manager in managers:
             manager.shutdown()
+
+
+def test_the_fs_io_hook_is_scoped_and_one_at_a_time() -> None:
+    from kvbridge.connectors.offloading.io_hook import fs_io_factory, installed_fs_io_factory
+    from kvbridge.offload.fs_io import FsIO
+
+    def factory(root: str, fingerprint: str) -> FsIO:
+        return FsIO()
+
+    assert installed_fs_io_factory() is None        # the real I/O unless a block says else
+    with fs_io_factory(factory):
+        assert installed_fs_io_factory() is factory
+        with pytest.raises(ConfigError, match="one at a time"), fs_io_factory(factory):
+            pass
+        assert installed_fs_io_factory() is factory
+    assert installed_fs_io_factory() is None        # off again when the block ends
