@@ -9,8 +9,10 @@ the seal before a byte moves:
 * ``prompt_chain``: kvbridge's chained block hash (:mod:`kvbridge.layouts.hashing`,
   the hashes the store keys and KV events use) over the prompt's first
   ``num_tokens`` tokens, in links of :data:`CHAIN_TOKENS` tokens, with one more
-  link for a partial last block; the cache salt is in every link. The consumer
-  recomputes it from its own tokens: other tokens, another chain.
+  link for a partial last block; each link's extra keys are the request's (the
+  cache salt, and from vLLM its LoRA adapter, multimodal inputs and prompt
+  embeddings). The consumer recomputes it from its own request: other tokens
+  (or another image), another chain.
 * ``hold_id``: 128 random bits naming this one hold. The producer answers a
   ``begin``, ``read`` or release only for its exact hold, from one consumer
   engine, each consumer rank once; the consumer refuses a hold id it already
@@ -46,7 +48,7 @@ import hashlib
 import hmac
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import msgpack
@@ -54,7 +56,7 @@ import msgpack
 from kvbridge.auth import Secret
 from kvbridge.connectors.errors import TransferParamsError
 from kvbridge.connectors.params import TransferMode, TransferParams
-from kvbridge.layouts.hashing import hash_block, root_hash
+from kvbridge.layouts.hashing import ExtraKey, hash_block, root_hash
 
 #: Tokens per link of a prompt chain. A fixed size, so both ends compute the same
 #: chain whatever their block sizes; a region whose keys cover this many tokens
@@ -75,13 +77,18 @@ _RECORD_DOMAIN = b"kvbridge-params-record-v2\0"
 _TAIL_KEY = "kvbridge-partial-block"
 
 
-def _extra_keys(cache_salt: str | None) -> tuple[str, ...]:
-    return (cache_salt,) if cache_salt else ()
+#: The extra keys of a request's block of tokens ``[start, end)``
+#: (``ConnectorRequest.extra_keys``: the salt, LoRA, multimodal inputs, embeddings).
+ExtraKeys = Callable[[int, int], tuple[ExtraKey, ...]]
 
 
 def prompt_chain(token_ids: Sequence[int], num_tokens: int, cache_salt: str | None = None,
-                 links: Sequence[bytes] = ()) -> bytes:
+                 links: Sequence[bytes] = (), extra_keys: ExtraKeys | None = None) -> bytes:
     """The chain over ``token_ids[:num_tokens]`` (32 bytes).
+
+    ``extra_keys``: each link's extra keys (default: the cache salt alone), the same
+    as the request's block hashes use, so what decides the KV besides the tokens
+    (an adapter, an image) decides the chain too.
 
     ``links``: chained hashes of this request's full keys of :data:`CHAIN_TOKENS`
     tokens already computed (a region's ``block_hashes`` when its keys are that
@@ -97,15 +104,22 @@ def prompt_chain(token_ids: Sequence[int], num_tokens: int, cache_salt: str | No
         raise TransferParamsError("transfer_params.num_tokens",
                                   f"{num_tokens} tokens: a prompt chain has at most "
                                   f"{MAX_CHAIN_LINKS} links of {CHAIN_TOKENS}")
-    extra = _extra_keys(cache_salt)
+    if extra_keys is None:
+        plain = (cache_salt,) if cache_salt else ()
+
+        def extra_keys(_start: int, _end: int) -> tuple[ExtraKey, ...]:
+            return plain
+
     have = min(full, len(links))
     parent = links[have - 1] if have else root_hash()
     for index in range(have, full):
         start = index * CHAIN_TOKENS
-        parent = hash_block(parent, token_ids[start:start + CHAIN_TOKENS], extra)
+        parent = hash_block(parent, token_ids[start:start + CHAIN_TOKENS],
+                            extra_keys(start, start + CHAIN_TOKENS))
     if tail:
         start = full * CHAIN_TOKENS
-        parent = hash_block(parent, token_ids[start:num_tokens], (*extra, _TAIL_KEY))
+        parent = hash_block(parent, token_ids[start:num_tokens],
+                            (*extra_keys(start, num_tokens), _TAIL_KEY))
     return parent
 
 
@@ -184,7 +198,8 @@ class ParamsCheck:
         self._by_request: dict[str, tuple[str, str]] = {}  # loads in flight
 
     def check(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None,
-              params: TransferParams, links: Sequence[bytes] = ()) -> None:
+              params: TransferParams, links: Sequence[bytes] = (),
+              extra_keys: ExtraKeys | None = None) -> None:
         self._not_reused(request_id, params)
         if params.mode is not TransferMode.PULL:
             return  # push: the producer compares the register's chain with its own
@@ -201,7 +216,7 @@ class ParamsCheck:
                 raise TransferParamsError("transfer_params.seal",
                                           "does not verify under the cluster secret (the "
                                           "record was changed, or sealed elsewhere)")
-        chain = prompt_chain(token_ids, params.num_tokens, cache_salt, links)
+        chain = prompt_chain(token_ids, params.num_tokens, cache_salt, links, extra_keys)
         if not hmac.compare_digest(chain.hex(), params.prompt_chain):
             raise TransferParamsError("transfer_params.prompt_chain",
                                       "not this request's prompt: the producer held the KV "

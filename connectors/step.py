@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbridge.connectors.params import BlockIds, TransferParams
-from kvbridge.layouts import BlockHash
+from kvbridge.layouts import BlockHash, ExtraKey, block_extra_keys
+from kvbridge.layouts.hashing import Feature
 
 
 def block_range(block_tokens: int, start_token: int, end_token: int) -> range:
@@ -32,7 +33,10 @@ class ConnectorRequest:
     ``block_hashes[r]`` are the chained hashes (``kvbridge.layouts.hash_blocks``)
     of every *full* key of region ``r`` over ``token_ids``, where a key covers
     ``ctx.block_tokens(r)`` tokens (``block_size * dcp_size`` for token-sharded
-    regions); extra keys include ``cache_salt`` when set.
+    regions); each key's extra keys are :meth:`extra_keys` (the cache salt, and what
+    an engine adapter knows beyond token ids: ``lora``, multimodal ``features``, a
+    digest of prompt ``embeds``), so two requests share a key only when they
+    share the KV.
     ``num_computed_tokens`` is how many leading tokens have valid KV in this
     engine (local prefix-cache hits and computed tokens) when the view was made.
 
@@ -51,6 +55,14 @@ class ConnectorRequest:
     transfer_params: TransferParams | None = None
     remote_decode: bool = False
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter's name and path
+    features: tuple[Feature, ...] = ()  # multimodal inputs: (offset, length, identifier)
+    embeds: bytes | None = None  # a digest of the prompt's embeddings, if it came as them
+
+    def extra_keys(self, start: int, end: int) -> tuple[ExtraKey, ...]:
+        """The extra keys of this request's block of tokens ``[start, end)``."""
+        return block_extra_keys(start, end, self.cache_salt, self.lora, self.features,
+                                self.embeds)
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,32 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int],
     return digest.digest()
 
 
+#: A multimodal input's place in a prompt: ``(offset, length, identifier)``; its
+#: placeholder tokens are the same for every image, the identifier is not.
+Feature = tuple[int, int, str]
+
+
+def block_extra_keys(start: int, end: int, cache_salt: str | None = None,
+                     lora: str | None = None, features: Sequence[Feature] = (),
+                     embeds: bytes | None = None) -> tuple[ExtraKey, ...]:
+    """The extra keys of the block of tokens ``[start, end)``: what besides its token
+    ids decides its KV. The cache salt; the LoRA adapter (name and path); each
+    multimodal input whose placeholder overlaps the block, with its offset in it
+    (the chain carries it to every later block); a digest of the prompt's
+    embeddings when the prompt came as embeddings. With none but a salt this is
+    ``(salt,)``: such keys are the ones they always were.
+    """
+    keys: list[ExtraKey] = [cache_salt] if cache_salt else []
+    if lora:
+        keys.append("lora\0" + lora)
+    if embeds:
+        keys.append(b"embeds\0" + embeds)
+    for offset, length, identifier in features:
+        if offset < end and offset + length > start:
+            keys.append(f"mm\0{identifier}\0{offset - start}")
+    return tuple(keys)
+
+
 def hash_blocks(token_ids: Sequence[int], block_tokens: int,
                 extra_keys: Sequence[ExtraKey] = (), seed: bytes = DEFAULT_SEED,
                 ) -> list[BlockHash]:

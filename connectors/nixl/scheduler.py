@@ -235,7 +235,7 @@ class NixlScheduler(SchedulerConnector):
         try:
             self._check_bounds(request, params)
             self._check.check(request.request_id, request.token_ids, request.cache_salt,
-                              params, self._links(request))
+                              params, self._links(request), request.extra_keys)
         except TransferParamsError as exc:
             self._refuse(request, exc)
             return None
@@ -259,7 +259,7 @@ class NixlScheduler(SchedulerConnector):
 
     def _chain(self, request: ConnectorRequest, num_tokens: int) -> bytes:
         return prompt_chain(request.token_ids, num_tokens, request.cache_salt,
-                            self._links(request))
+                            self._links(request), request.extra_keys)
 
     def _refuse(self, request: ConnectorRequest, exc: TransferParamsError) -> None:
         """Refused params: the request recomputes locally; counted, one log line."""

@@ -92,6 +92,7 @@ from kvbridge.integrations.vllm.messages import KVBridgeHandshake, KVBridgeVllmM
 from kvbridge.integrations.vllm.request_view import (
     PARAMS_KEY,
     _HashChain,
+    identity_of,
     parse_transfer_params,
     wrap_transfer_params,
 )
@@ -277,7 +278,7 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
         chain = self._chains.get(rid)
         if chain is None:
             chain = self._chains[rid] = _HashChain(len(self._block_tokens),
-                                                   getattr(request, "cache_salt", None))
+                                                   *identity_of(request))
         tokens = list(request.all_token_ids)
         return ConnectorRequest(
             request_id=kvb_id,
@@ -289,6 +290,9 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
             transfer_params=params,
             remote_decode=remote_decode,
             cache_salt=chain.salt,
+            lora=chain.lora,
+            features=chain.features,
+            embeds=chain.embeds,
         )
 
     def _region_blocks(self, per_group: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
