@@ -25,7 +25,9 @@ The reply kinds it tells apart (the wire is :mod:`~kvbridge.events.frames`):
 Bounds (a replay endpoint is a peer; a hostile or broken one must not cost
 memory or stall the caller): a kvbridge publisher is asked for at most
 ``max_pending_batches`` sequence numbers; at most ``max_pending_batches + 2``
-messages (the header and the end marker) and ``max_pending_bytes`` bytes are read.
+messages (the header and the end marker) and ``max_pending_bytes`` bytes are kept
+(so at most ``max_pending_batches + 2`` batches, from a publisher that sends
+neither header nor end marker in time).
 Past either bound the exchange ends: a reply that was answering in order (a plain
 publisher, or a kvbridge one whose header matched) and already gave batches is
 *truncated* (the caller asks again from where it now is), anything else failed.
@@ -150,7 +152,7 @@ class ReplayExchange:
 
     @property
     def num_pending(self) -> int:
-        """Batches held so far (never more than ``max_pending_batches``)."""
+        """Batches held so far (never more than ``max_pending_batches + 2``)."""
         return len(self._batches)
 
     @property
