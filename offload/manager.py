@@ -69,7 +69,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvbridge.offload.cpu import CpuTier, Slot, SlotState
-from kvbridge.offload.prefix_scan import Act, Ask, PrefixScan, PrimaryState, SecondaryVerdict
+from kvbridge.offload.prefix_scan import (
+    ACT_GIVE_UP,
+    ACT_PIN,
+    ASK_DONE,
+    ASK_PRIMARY,
+    ASK_PROMOTE,
+    ASK_VERIFY,
+    PrefixScan,
+    PrimaryState,
+    SecondaryVerdict,
+)
 from kvbridge.offload.tier import SecondaryTier
 from kvbridge.offload.types import (
     JobKind,
@@ -82,6 +92,17 @@ from kvbridge.offload.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Enum members as module globals for the per-key scan (a member looked up through
+# its class costs a descriptor call each time on Python 3.11).
+_FAILED = PrimaryState.FAILED
+_ABSENT = PrimaryState.ABSENT
+_WRITING_STORE = PrimaryState.WRITING_STORE
+_PROMOTING = PrimaryState.PROMOTING
+_PROMOTION_EXPIRED = PrimaryState.PROMOTION_EXPIRED
+_READY = PrimaryState.READY
+_SLOT_READY = SlotState.READY
+_SLOT_WRITING_STORE = SlotState.WRITING_STORE
 
 
 @dataclass(frozen=True)
@@ -183,29 +204,33 @@ class OffloadManager:
         # the scan decides (offload/prefix_scan.py); this loop answers its questions
         # from the slots, the tiers' cached verdicts and the failed-load ledger
         scan = PrefixScan(len(keys))
-        while scan.ask is not Ask.DONE:
-            if scan.ask is Ask.PROMOTE:
+        slot: Slot | None = None
+        while True:
+            ask = scan.ask
+            if ask is ASK_DONE:
+                break
+            if ask is ASK_PROMOTE:
                 plan = [(keys[position], self.secondaries[index])
                         for position, index in scan.to_promote]
                 scan.promoted(self._promote(request_id, plan, pins))
                 continue
             position = scan.position
             key = keys[position]
-            act = Act.NOTHING
-            if scan.ask is Ask.PRIMARY:
-                act = scan.primary(self._primary_state(key, failed, now))
-            elif scan.ask is Ask.VERIFY:
+            if ask is ASK_PRIMARY:
                 slot = primary.get(key)
-                assert slot is not None
+                act = scan.primary(self._primary_state(key, slot, failed, now))
+            elif ask is ASK_VERIFY:
+                assert slot is not None  # this key's, read for its PRIMARY question
                 act = scan.verified(self._slot_verified(request_id, key, slot, position, pins))
             else:
                 verdict, tier_index = self._secondary_verdict(request_id, key)
                 scan.secondary(verdict, tier_index)
-            if act is Act.PIN and key not in pins:
-                primary.pin(key, request_id)
-                pins.add(key)
-            elif act is Act.GIVE_UP:
-                slot = primary.get(key)
+                continue
+            if act is ACT_PIN:
+                if key not in pins:
+                    primary.pin(key, request_id)
+                    pins.add(key)
+            elif act is ACT_GIVE_UP:
                 assert slot is not None
                 self._give_up_promotion(request_id, key, slot, pins)
         result = scan.outcome
@@ -224,21 +249,23 @@ class OffloadManager:
             self._stats.hit_blocks_primary += len(new)   # an engine re-asking counts nothing
         return result
 
-    def _primary_state(self, key: OffloadKey, failed: dict[OffloadKey, None] | None,
-                       now: float) -> PrimaryState:
-        """What CPU memory holds of ``key`` for a request with ``failed`` loads."""
+    @staticmethod
+    def _primary_state(key: OffloadKey, slot: Slot | None,
+                       failed: dict[OffloadKey, None] | None, now: float) -> PrimaryState:
+        """What CPU memory holds of ``key`` (its ``slot``) for a request with ``failed``
+        loads."""
         if failed is not None and key in failed:
-            return PrimaryState.FAILED
-        slot = self.primary.get(key)
+            return _FAILED
         if slot is None:
-            return PrimaryState.ABSENT
-        if slot.state is SlotState.WRITING_STORE:
-            return PrimaryState.WRITING_STORE
-        if slot.state is SlotState.WRITING_PROMOTION:
-            if slot.deadline is not None and now >= slot.deadline:
-                return PrimaryState.PROMOTION_EXPIRED
-            return PrimaryState.PROMOTING
-        return PrimaryState.READY
+            return _ABSENT
+        state = slot.state
+        if state is _SLOT_READY:
+            return _READY
+        if state is _SLOT_WRITING_STORE:
+            return _WRITING_STORE
+        if slot.deadline is not None and now >= slot.deadline:
+            return _PROMOTION_EXPIRED
+        return _PROMOTING
 
     def _secondary_verdict(self, request_id: RequestId, key: OffloadKey
                            ) -> tuple[SecondaryVerdict, int | None]:

@@ -99,6 +99,27 @@ class StopReason(enum.Enum):
     MISS = "miss"
 
 
+# Enum members as module globals: the scan runs per key of every lookup on the
+# scheduler thread, and a member looked up through its class costs a descriptor
+# call each time (Python 3.11).
+_FAILED = PrimaryState.FAILED
+_ABSENT = PrimaryState.ABSENT
+_WRITING_STORE = PrimaryState.WRITING_STORE
+_PROMOTING = PrimaryState.PROMOTING
+_PROMOTION_EXPIRED = PrimaryState.PROMOTION_EXPIRED
+_READY = PrimaryState.READY
+_UNKNOWN = SecondaryVerdict.UNKNOWN
+_MISS = SecondaryVerdict.MISS
+ASK_PRIMARY = Ask.PRIMARY
+ASK_VERIFY = Ask.VERIFY
+ASK_SECONDARY = Ask.SECONDARY
+ASK_PROMOTE = Ask.PROMOTE
+ASK_DONE = Ask.DONE
+ACT_NOTHING = Act.NOTHING
+ACT_PIN = Act.PIN
+ACT_GIVE_UP = Act.GIVE_UP
+
+
 class PrefixScan:
     """One lookup's scan over ``num_keys`` keys (a request's keys, in order)."""
 
@@ -108,7 +129,7 @@ class PrefixScan:
         self.num_keys = num_keys
         #: the key the current question is about
         self.position = 0
-        self.ask = Ask.PRIMARY
+        self.ask = ASK_PRIMARY
         #: leading keys ready in CPU memory (the prefix reported as a hit)
         self.num_ready = 0
         #: (position, tier index) of keys to promote, in key order
@@ -125,46 +146,54 @@ class PrefixScan:
     # ------------------------------------------------------------ answers
 
     def primary(self, state: PrimaryState) -> Act:
-        self._expect(Ask.PRIMARY)
-        if state is PrimaryState.FAILED:
+        if self.ask is not ASK_PRIMARY:
+            self._wrong(ASK_PRIMARY)
+        if state is _READY:  # the common case first
+            if self._unknown:
+                self._advance()  # only scanning to batch the probes of this step
+                return ACT_NOTHING
+            if not self._gap:
+                self.ask = ASK_VERIFY
+                return ACT_NOTHING
+            return self._hold(state)
+        if state is _FAILED:
             self._stop(StopReason.FAILED)  # recompute, never retry
-            return Act.NOTHING
-        if state is PrimaryState.WRITING_STORE:
+            return ACT_NOTHING
+        if state is _WRITING_STORE:
             self._stop(StopReason.NOT_READABLE)  # the prefix ends here (best effort)
-            return Act.NOTHING
-        if state is PrimaryState.PROMOTION_EXPIRED:
+            return ACT_NOTHING
+        if state is _PROMOTION_EXPIRED:
             self._stop(StopReason.EXPIRED)  # a load past its deadline is a failed load
-            return Act.GIVE_UP
-        if state is PrimaryState.ABSENT:
-            self.ask = Ask.SECONDARY
-            return Act.NOTHING
+            return ACT_GIVE_UP
+        if state is _ABSENT:
+            self.ask = ASK_SECONDARY
+            return ACT_NOTHING
         if self._unknown:
             self._advance()  # only scanning to batch the probes of this step
-            return Act.NOTHING
-        if state is PrimaryState.READY and not self._gap:
-            self.ask = Ask.VERIFY
-            return Act.NOTHING
-        return self._hold(state)
+            return ACT_NOTHING
+        return self._hold(state)  # PROMOTING
 
     def verified(self, ok: bool) -> Act:
         """Whether the READY key's bytes may count for this request; False is a
         failed load of exactly this key (the driver records it)."""
-        self._expect(Ask.VERIFY)
+        if self.ask is not ASK_VERIFY:
+            self._wrong(ASK_VERIFY)
         if not ok:
             self._stop(StopReason.CORRUPT)
-            return Act.NOTHING
-        return self._hold(PrimaryState.READY)
+            return ACT_NOTHING
+        return self._hold(_READY)
 
     def secondary(self, verdict: SecondaryVerdict, tier: int | None = None) -> None:
         """``tier``: the index of the first tier that has the key (for HIT)."""
-        self._expect(Ask.SECONDARY)
-        if verdict is SecondaryVerdict.UNKNOWN:
+        if self.ask is not ASK_SECONDARY:
+            self._wrong(ASK_SECONDARY)
+        if verdict is _UNKNOWN:
             # keep going: every key of the prefix joins this step's probe batch,
             # instead of one key per step
             self._unknown = True
             self._advance()
             return
-        if verdict is SecondaryVerdict.MISS:
+        if verdict is _MISS:
             self._stop(StopReason.MISS)
             return
         if tier is None or tier < 0:
@@ -176,19 +205,21 @@ class PrefixScan:
 
     def promoted(self, num_started: int) -> None:
         """How many of ``to_promote`` (a leading part of it) started loading."""
-        self._expect(Ask.PROMOTE)
+        if self.ask is not ASK_PROMOTE:
+            self._wrong(ASK_PROMOTE)
         if not 0 <= num_started <= len(self.to_promote):
             raise ValueError(f"num_started: expected 0..{len(self.to_promote)}")
         if num_started:
             self._in_flight = True
         # (nothing started -- no free slot -- ends the prefix at the first key to promote)
-        self.ask = Ask.DONE
+        self.ask = ASK_DONE
 
     # ------------------------------------------------------------ the verdict
 
     @property
     def outcome(self) -> LookupResult:
-        self._expect(Ask.DONE)
+        if self.ask is not ASK_DONE:
+            self._wrong(ASK_DONE)
         if self._unknown:
             return LookupResult(LookupStatus.RETRY, self.num_ready)
         if self._in_flight:
@@ -200,26 +231,25 @@ class PrefixScan:
     # ------------------------------------------------------------ internals
 
     def _hold(self, state: PrimaryState) -> Act:
-        if state is PrimaryState.PROMOTING:
+        if state is _PROMOTING:
             self._gap = self._in_flight = True
         elif not self._gap:
             self.num_ready += 1
         self._advance()
-        return Act.PIN
+        return ACT_PIN
 
     def _advance(self) -> None:
         self.position += 1
         if self.position >= self.num_keys:
             self._stop(StopReason.END)
         else:
-            self.ask = Ask.PRIMARY
+            self.ask = ASK_PRIMARY
 
     def _stop(self, reason: StopReason) -> None:
         self.stopped_at = self.position
         self.stop_reason = reason
-        self.ask = Ask.PROMOTE if self.to_promote else Ask.DONE
+        self.ask = ASK_PROMOTE if self.to_promote else ASK_DONE
 
-    def _expect(self, ask: Ask) -> None:
-        if self.ask is not ask:
-            raise RuntimeError(f"prefix scan: answered {ask.value} while it asks "
-                               f"{self.ask.value} (key {self.position})")
+    def _wrong(self, ask: Ask) -> None:
+        raise RuntimeError(f"prefix scan: answered {ask.value} while it asks "
+                           f"{self.ask.value} (key {self.position})")
