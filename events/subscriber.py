@@ -149,6 +149,7 @@ class KVEventSubscriber:
             raise
         self._core = SubscriberCore(config, sealed=auth is not None,
                                     watch_reconnects=self._monitor is not None)
+        self._live_in_order = self._core.live_in_order  # bound once: called per frame
         self._closed = False
         self._last_monitor_check = 0.0
 
@@ -285,7 +286,7 @@ class KVEventSubscriber:
         return self._core.tracker
 
     def _on_live(self, frames: list[bytes]) -> None:
-        if not self._core.live_in_order(frames):
+        if not self._live_in_order(frames):
             drive(self._core.on_live(frames), self._perform)
 
     def _perform(self, request: IoRequest) -> object:
