@@ -167,7 +167,7 @@ class KVEventSubscriber:
             if self._closed:
                 return None
             if core.needs_catch_up:
-                drive(core.catch_up(self.config.start_seq or 0), self._perform)
+                drive(core.first_catch_up(), self._perform)
                 continue
             # Fast path: a frame already queued needs no poll (one syscall less per batch).
             try:

@@ -282,10 +282,14 @@ class SubscriberCore:
             self.ready.append(GapDetected(expected, max(newer) + 1))
             self._apply_replay(result, end=None)
 
+    def first_catch_up(self) -> Io:
+        """A late joiner's catch-up from ``start_seq`` (once, before any live frame)."""
+        self.needs_catch_up = False
+        return self.catch_up(self.config.start_seq or 0)
+
     def catch_up(self, start: int) -> Io:
         """Replay everything the publisher holds from ``start`` on (a late joiner, or a
         new incarnation), chunk after chunk."""
-        self.needs_catch_up = False
         for _ in range(self.config.max_replay_chunks):
             result = yield from self._request_replay(start, None)
             if result.info is not None and not result.info.matched:

@@ -14,7 +14,10 @@ out-of-range and repeated batches, or missing a batch. Whatever the replies:
 - one exchange reads at most ``max_pending_batches + 3`` messages, holds at most
   ``max_pending_batches + 2`` batches (the header's and end marker's slots) and
   ``max_pending_bytes`` payload bytes;
-- with an honest publisher that still holds everything, nothing is lost.
+- with an honest publisher that still holds everything, nothing is lost;
+- when the publisher restarts (a new incarnation, seqs from 0 again), the restart
+  is reported once, and each incarnation's part of the stream keeps the rules
+  above on its own.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from kvbridge.events.replay_exchange import (
     ReplayExchange,
     Resend,
 )
-from kvbridge.events.stream import GapDetected, GapLost, ReceivedBatch
+from kvbridge.events.stream import GapDetected, GapLost, PublisherRestarted, ReceivedBatch
 from kvbridge.events.subscriber_config import SubscriberConfig
 from kvbridge.events.subscriber_core import (
     AwaitReply,
@@ -60,9 +63,14 @@ TIMEOUT_S = 1.0
 BEHAVIOURS = ["honest", "silent", "refuse", "garbage", "noise", "cut", "flood", "skip"]
 
 
-def payload(seq: int) -> bytes:
-    """A batch whose one event names its seq: a delivered batch says where it came from."""
-    return encode_events(float(seq), [BlockRemoved((seq,))], None)
+def payload(seq: int, incarnation: int = 7) -> bytes:
+    """A batch whose one event names its seq (and, past 7, its publisher's incarnation):
+    a delivered batch says where it came from."""
+    return encode_events(float(seq), [BlockRemoved((origin(seq, incarnation),))], None)
+
+
+def origin(seq: int, incarnation: int = 7) -> int:
+    return seq + (incarnation - 7) * 1000
 
 
 class Clock:
@@ -85,7 +93,14 @@ class SimPublisher:
     outbox: deque[list[bytes]] = field(default_factory=deque)
 
     def batch(self, seq: int) -> list[bytes]:
-        return [b"", *replay_batch_frames(TOPIC, seq, payload(seq))]
+        return [b"", *replay_batch_frames(TOPIC, seq, payload(seq, self.incarnation))]
+
+    def restart(self, next_seq: int) -> None:
+        """A new incarnation: seqs start at 0 again, the old ring is gone."""
+        self.incarnation += 1
+        self.next_seq = next_seq
+        self.oldest = 0
+        self.outbox.clear()  # the old process's connection died with it
 
     def on_request(self, frame: bytes) -> None:
         extended = frame.startswith(REPLAY_MAGIC)
@@ -166,15 +181,22 @@ class Edge:
         raise AssertionError(f"unknown request {request!r}")
 
 
-def run(core: SubscriberCore, edge: Edge, live: list[int], resync_rounds: int = 5
-        ) -> list[object]:
+def run(core: SubscriberCore, edge: Edge, live: list[int], resync_rounds: int = 5,
+        restart_at: int | None = None, restarted: list[int] | None = None) -> list[object]:
+    """Feed ``live`` (then, after ``restart_at`` of them, the publisher restarts with
+    ``restarted`` seqs published and those in the list arriving live)."""
     clock = edge.clock
     if core.needs_catch_up:
-        drive(core.catch_up(core.config.start_seq or 0), edge.perform)
-    for seq in live:
+        drive(core.first_catch_up(), edge.perform)
+    stream = [(seq, 7) for seq in live]
+    if restart_at is not None:
+        stream = stream[:restart_at] + [(seq, 8) for seq in (restarted or [])]
+    for seq, incarnation in stream:
+        if incarnation != edge.publisher.incarnation:
+            edge.publisher.restart(max(restarted or [0]) + 1)
         clock.now += 0.01
         core.last_activity = clock.now
-        frames = [TOPIC, encode_seq(seq), payload(seq)]
+        frames = [TOPIC, encode_seq(seq), payload(seq, incarnation)]
         if not core.live_in_order(frames):
             drive(core.on_live(frames), edge.perform)
     # idle: the tail resync asks for what never arrived live, one reply per round
@@ -186,12 +208,19 @@ def run(core: SubscriberCore, edge: Edge, live: list[int], resync_rounds: int = 
 
 
 def check_stream(items: list[object], lower: int | None, expected: int | None,
-                 published: int, catch_up: bool) -> tuple[list[int], set[int]]:
+                 published: int, catch_up: bool, incarnation: int | None = 7
+                 ) -> tuple[list[int], set[int]]:
+    """One incarnation's items (``incarnation`` None: either may have been spliced in,
+    as vLLM's plain protocol cannot tell)."""
     delivered = [item.seq for item in items if isinstance(item, ReceivedBatch)]
     assert delivered == sorted(set(delivered)), "a seq delivered twice or out of order"
     for item in items:
         if isinstance(item, ReceivedBatch):
-            assert item.batch.events[0].block_hashes == (item.seq,), "another seq's batch"
+            made = item.batch.events[0].block_hashes
+            if incarnation is None:
+                assert made in ((origin(item.seq, 7),), (origin(item.seq, 8),))
+            else:
+                assert made == (origin(item.seq, incarnation),), "another seq's batch"
     assert all(0 <= seq < published for seq in delivered)
     lost: set[int] = set()
     for item in items:
@@ -289,6 +318,61 @@ def test_an_honest_publisher_that_holds_everything_loses_nothing(
         covered = {seq for item in items if isinstance(item, GapDetected)
                    for seq in range(item.start_seq, item.end_seq)}
         assert holes <= covered
+
+
+@settings_
+@given(
+    first=st.integers(1, 15),
+    restart_at=st.integers(0, 15),
+    second=st.integers(1, 15),
+    plain=st.booleans(),
+    live_mask=st.lists(st.booleans(), min_size=15, max_size=15),
+    live_mask_after=st.lists(st.booleans(), min_size=15, max_size=15),
+    behaviours=st.lists(st.sampled_from(BEHAVIOURS), max_size=8),
+    max_pending=st.integers(1, 6),
+)
+def test_each_incarnation_between_restarts_is_one_gapless_stream(
+    first: int, restart_at: int, second: int, plain: bool, live_mask: list[bool],
+    live_mask_after: list[bool], behaviours: list[str], max_pending: int,
+) -> None:
+    config = SubscriberConfig(
+        endpoint="tcp://sim", replay_endpoint="tcp://sim-replay",
+        replay_timeout_s=TIMEOUT_S, max_pending_batches=max_pending,
+        max_pending_bytes=max_pending * 200, max_replay_chunks=4,
+        replay_backoff_s=0.5, replay_backoff_max_s=4.0,
+    )
+    clock = Clock()
+    # watch_reconnects: the first live frame asks the publisher who it is (a hello)
+    core = SubscriberCore(config, clock=clock, watch_reconnects=True)
+    edge = Edge(SimPublisher(first, 0, plain, deque(behaviours)), clock)
+    live = [seq for seq in range(first) if live_mask[seq]]
+    after = [seq for seq in range(second) if live_mask_after[seq]]
+    restart_at = min(restart_at, len(live))
+    items = run(core, edge, live, restart_at=restart_at, restarted=after)
+    # split at each restart the subscriber reported; each part is one stream
+    parts: list[list[object]] = [[]]
+    restarts: list[PublisherRestarted] = []
+    for item in items:
+        if isinstance(item, PublisherRestarted):
+            restarts.append(item)
+            parts.append([])
+        else:
+            parts[-1].append(item)
+    assert len(restarts) <= 1, "one restart of the publisher reported more than once"
+    if restart_at and after and after[0] <= live[restart_at - 1]:
+        assert restarts, "the live stream went backwards and no restart was reported"
+    fed = live[:restart_at] + after
+    for index, part in enumerate(parts):
+        lower = (fed[0] if fed else None) if index == 0 else 0
+        if index + 1 < len(parts):
+            last = restarts[index].last_seq
+            end = None if last is None else last + 1
+        else:
+            end = core.tracker.expected
+        # a live frame carries no incarnation, and a replay asked for before the
+        # subscriber learned one may be answered by either: each batch is checked to
+        # be the one published under its seq by one of the two
+        check_stream(part, lower, end, 1000, catch_up=index > 0, incarnation=None)
 
 
 # --------------------------------------------------------------- one exchange
