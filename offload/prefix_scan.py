@@ -123,6 +123,9 @@ ACT_GIVE_UP = Act.GIVE_UP
 class PrefixScan:
     """One lookup's scan over ``num_keys`` keys (a request's keys, in order)."""
 
+    __slots__ = ("num_keys", "position", "ask", "num_ready", "to_promote", "stopped_at",
+                 "stop_reason", "_gap", "_in_flight", "_unknown")
+
     def __init__(self, num_keys: int) -> None:
         if num_keys < 0:
             raise ValueError("num_keys: expected >= 0")
