@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.offload.cpu import CpuTier, SlotState
-from kvbridge.offload.fs import FsTier
+from kvbridge.offload.cpu import SlotState
+from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.prefix_scan import (
     Act,
@@ -172,8 +173,8 @@ def test_an_answer_to_a_question_not_asked_raises() -> None:
 
 # ------------------------------------------------------------ the manager
 
-BLOCK = 4096
 NUM_KEYS = 5
+FINGERPRINT = "0123456789abcdef"
 
 
 def key(i: int) -> bytes:
@@ -202,25 +203,26 @@ _rounds = st.lists(
 )
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rounds=_rounds, slots=st.integers(2, 6))
 # a request saw k1's load fail; k1 is stored anew: a hit for others, never for it
 @example(rounds=[Round(0, 2, store=True, evict=True, corrupt=1, finish=False),
                  Round(0, 2, store=True, evict=False, corrupt=None, finish=False),
                  Round(1, 2, store=False, evict=False, corrupt=None, finish=True)], slots=2)
 def test_a_failed_load_is_never_a_hit_again_until_stored_anew(
-    rounds: list[Round], slots: int,
+    make_manager: Callable[..., OffloadManager], rounds: list[Round], slots: int,
 ) -> None:
+    # a fresh store per example (the fixture's managers are shut down at the end too)
     with tempfile.TemporaryDirectory() as root:
-        fs = FsTier(root, BLOCK, "0123456789abcdef")
-        m = OffloadManager(CpuTier(slots, BLOCK), [fs])
+        m = make_manager(num_slots=slots, root=root, fingerprint=FINGERPRINT)
         try:
-            _drive(m, fs, rounds, slots)
+            _drive(m, FileMapper(root, FINGERPRINT), rounds, slots)
         finally:
             m.shutdown()
 
 
-def _drive(m: OffloadManager, fs: FsTier, rounds: list[Round], slots: int) -> None:
+def _drive(m: OffloadManager, files: FileMapper, rounds: list[Round], slots: int) -> None:
     generation = dict.fromkeys(range(3), 0)
     live: set[str] = set()
     #: per key: the round of its last failed load and of its last completed store
@@ -245,7 +247,7 @@ def _drive(m: OffloadManager, fs: FsTier, rounds: list[Round], slots: int) -> No
             m.complete_store(spec.keys)
             assert m.wait_idle()
         if one.corrupt is not None:
-            path = fs.path(key(one.corrupt))
+            path = files.path(key(one.corrupt))
             if os.path.exists(path):
                 with open(path, "r+b") as f:
                     f.truncate(7)  # a torn file: its next load is a short read
