@@ -330,9 +330,8 @@ class OffloadManager:
         self._failed_loads.setdefault(request_id, {})[key] = None
 
     def _promote(self, request_id: RequestId, plan: list[tuple[OffloadKey, SecondaryTier]],
-                 pins: set[OffloadKey]) -> int:
-        """Start loads of ``plan`` (leading keys, in order) into new primary slots;
-        returns how many started (a leading part of ``plan``)."""
+                 pins: set[OffloadKey]) -> bool:
+        """Start loads of ``plan`` (leading keys, in order) into new primary slots."""
         per_tier: dict[str, tuple[SecondaryTier, list[OffloadKey], list[int]]] = {}
         started = 0
         for key, tier in plan:
@@ -352,7 +351,7 @@ class OffloadManager:
             job_id = self._new_job(JobKind.LOAD, tier, keys)
             tier.submit_load(job_id, keys, self.slot_buffers(slots))
         self._stats.promotions_started += started
-        return started
+        return started > 0
 
     # -- loads into the engine -------------------------------------------------
     def prepare_load(self, request_id: RequestId, keys: Sequence[OffloadKey]) -> LoadSpec:

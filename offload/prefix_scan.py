@@ -15,7 +15,7 @@ The questions, in the order a key may be asked them::
                                                    bytes match their digests?
     SECONDARY  -> secondary(SecondaryVerdict, i)   no slot: the secondary tiers'
                                                    verdicts, first unknown or hit
-    PROMOTE    -> promoted(num_started)            after the scan: start loads of
+    PROMOTE    -> promoted(any_started)            after the scan: start loads of
                                                    :attr:`PrefixScan.to_promote`
     DONE                                           :attr:`PrefixScan.outcome`
 
@@ -206,13 +206,12 @@ class PrefixScan:
             self._gap = True
         self._advance()
 
-    def promoted(self, num_started: int) -> None:
-        """How many of ``to_promote`` (a leading part of it) started loading."""
+    def promoted(self, any_started: bool) -> None:
+        """Whether the loads of ``to_promote`` started (a leading part of it, or none:
+        no free slot)."""
         if self.ask is not ASK_PROMOTE:
             self._wrong(ASK_PROMOTE)
-        if not 0 <= num_started <= len(self.to_promote):
-            raise ValueError(f"num_started: expected 0..{len(self.to_promote)}")
-        if num_started:
+        if any_started:
             self._in_flight = True
         # (nothing started -- no free slot -- ends the prefix at the first key to promote)
         self.ask = ASK_DONE

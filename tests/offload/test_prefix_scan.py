@@ -58,14 +58,15 @@ _key_view = st.builds(
 
 def run_scan(views: list[KeyView], started: int
              ) -> tuple[PrefixScan, list[tuple[int, Act]], list[tuple[Ask, int]]]:
-    """Answer the scan from ``views``; ``started``: promotions that start (capped)."""
+    """Answer the scan from ``views``; ``started``: promotions that start (capped: 0
+    is none, no free slot)."""
     scan = PrefixScan(len(views))
     acts: list[tuple[int, Act]] = []
     asked: list[tuple[Ask, int]] = []
     while scan.ask is not Ask.DONE:
         if scan.ask is Ask.PROMOTE:
             asked.append((Ask.PROMOTE, -1))
-            scan.promoted(min(started, len(scan.to_promote)))
+            scan.promoted(min(started, len(scan.to_promote)) > 0)
             continue
         position = scan.position
         view = views[position]
