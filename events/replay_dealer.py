@@ -1,23 +1,20 @@
-"""A subscriber's connection to the replay endpoint: the DEALER, sealing, backoff.
+"""A subscriber's connection to the replay endpoint: the DEALER and sealing.
 
 Owns the replay DEALER socket (made when the first replay is asked for, with the
 bounds of :class:`~kvbridge.events.subscriber_config.SubscriberConfig`: receive
 high-water mark ``replay_rcvhwm``, ``MAXMSGSIZE`` ``max_message_bytes``), its
 discarding after an abandoned request (late replies to it must never be read as
-the answer to a new one), the sealing of each request with the cluster secret
-(:mod:`kvbridge.auth`), and the backoff after failed replays: no replay for
-``replay_backoff_s``, doubling per consecutive failure up to
-``replay_backoff_max_s``, reset by one successful replay.
+the answer to a new one), and the sealing of each request with the cluster
+secret (:mod:`kvbridge.auth`).
 
-May not touch: what is asked for or how a reply is read and delivered (the
-subscriber's replay path, :mod:`~kvbridge.events.subscriber`), the bytes of a
-request (:mod:`~kvbridge.events.wire`), sequencing, logging (the subscriber
-logs each failure with the backoff this module returns).
+May not touch: what is asked for, how a reply is read and delivered, when to
+discard and the backoff after failed replays (the subscriber's protocol,
+:mod:`~kvbridge.events.subscriber_core`), the bytes of a request
+(:mod:`~kvbridge.events.wire`), sequencing, logging.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import zmq
@@ -37,8 +34,6 @@ class ReplayDealer:
         self._ctx = context
         self._auth = auth
         self._socket: zmq.Socket[Any] | None = None
-        self.failures = 0  # consecutive failed replays
-        self.blocked_until = 0.0  # time.monotonic() before which no replay is tried
 
     def socket(self) -> zmq.Socket[Any]:
         """The DEALER, connected (made on first use, and again after ``discard``)."""
@@ -69,19 +64,3 @@ class ReplayDealer:
         """``request`` as sent: sealed with the cluster secret when there is one."""
         return request if self._auth is None else \
             self._auth.seal_request(Label.EVENTS_REPLAY, request)[0]
-
-    def failed(self) -> float:
-        """Start (or extend) the backoff after a timed-out or overrun replay, and
-        discard the socket; returns the backoff in seconds."""
-        self.failures += 1
-        config = self._config
-        backoff = min(
-            config.replay_backoff_max_s,
-            config.replay_backoff_s * 2 ** min(self.failures - 1, 32),
-        )
-        self.blocked_until = time.monotonic() + backoff
-        self.discard()  # late replies to this request must never be read
-        return backoff
-
-    def succeeded(self) -> None:
-        self.failures = 0

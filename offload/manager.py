@@ -16,6 +16,12 @@ Life of a request::
     request_finished(req)        # drops pins and lookup references
     step()                       # once per scheduler step, for all requests
 
+The prefix scan of ``lookup`` (which keys count, where the prefix ends, what to
+pin, promote or give up on) is decided by
+:class:`~kvbridge.offload.prefix_scan.PrefixScan`, a state machine with no I/O;
+``lookup`` answers its questions from the slots, the tiers' cached verdicts and
+the failed-load ledger, and carries out what it says.
+
 Rules (each has a test):
 
 * A key that is only in a secondary tier is *promoted* into a primary slot
@@ -63,12 +69,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvbridge.offload.cpu import CpuTier, Slot, SlotState
+from kvbridge.offload.prefix_scan import (
+    ACT_GIVE_UP,
+    ACT_PIN,
+    ASK_DONE,
+    ASK_PRIMARY,
+    ASK_PROMOTE,
+    ASK_VERIFY,
+    PrefixScan,
+    PrimaryState,
+    SecondaryVerdict,
+)
 from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.types import (
     JobKind,
     JobResult,
     LookupResult,
-    LookupStatus,
     OffloadError,
     OffloadEvent,
     OffloadKey,
@@ -76,6 +92,17 @@ from kvbridge.offload.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Enum members as module globals for the per-key scan (a member looked up through
+# its class costs a descriptor call each time on Python 3.11).
+_FAILED = PrimaryState.FAILED
+_ABSENT = PrimaryState.ABSENT
+_WRITING_STORE = PrimaryState.WRITING_STORE
+_PROMOTING = PrimaryState.PROMOTING
+_PROMOTION_EXPIRED = PrimaryState.PROMOTION_EXPIRED
+_READY = PrimaryState.READY
+_SLOT_READY = SlotState.READY
+_SLOT_WRITING_STORE = SlotState.WRITING_STORE
 
 
 @dataclass(frozen=True)
@@ -173,65 +200,45 @@ class OffloadManager:
             tier.drain_results()
         primary = self.primary
         pins = self._pins.setdefault(request_id, set())
-        num_ready = 0
-        gap = False        # a key before this one is not ready yet: stop counting
-        in_flight = False  # a promotion this request waits for is running
-        unknown = False    # a secondary tier's verdict is still being probed
-        to_promote: list[tuple[OffloadKey, TierRunner]] = []
         failed = self._failed_loads.get(request_id)
         now = self._clock()
-        for position, key in enumerate(keys):
-            if failed is not None and key in failed:
-                break  # its load failed while this request waited: recompute, never retry
-            slot = primary.get(key)
-            if slot is not None:
-                if slot.state is SlotState.WRITING_STORE:
-                    break  # not readable yet; the prefix ends here (best effort)
-                if (slot.state is SlotState.WRITING_PROMOTION and slot.deadline is not None
-                        and now >= slot.deadline):
-                    self._give_up_promotion(request_id, key, slot, pins)
-                    break  # a load past its deadline is a failed load for this request
-                if unknown:
-                    continue  # only scanning to batch the probes of this step
-                if slot.state is SlotState.READY and not gap \
-                        and not self._slot_verified(request_id, key, slot, position, pins):
-                    break  # corrupt: a failed load of this block; the prefix ends here
+        # the scan decides (offload/prefix_scan.py); this loop answers its questions
+        # from the slots, the tiers' cached verdicts and the failed-load ledger
+        scan = PrefixScan(len(keys))
+        slot: Slot | None = None
+        while True:
+            ask = scan.ask
+            if ask is ASK_DONE:
+                break
+            if ask is ASK_PROMOTE:
+                plan = [(keys[position], self.secondaries[index])
+                        for position, index in scan.to_promote]
+                scan.promoted(self._promote(request_id, plan, pins))
+                continue
+            position = scan.position
+            key = keys[position]
+            if ask is ASK_PRIMARY:
+                slot = primary.get(key)
+                act = scan.primary(self._primary_state(key, slot, failed, now))
+            elif ask is ASK_VERIFY:
+                assert slot is not None  # this key's, read for its PRIMARY question
+                act = scan.verified(self._slot_verified(request_id, key, slot, position, pins))
+            else:
+                verdict, tier_index = self._secondary_verdict(request_id, key)
+                scan.secondary(verdict, tier_index)
+                continue
+            if act is ACT_PIN:
                 if key not in pins:
                     primary.pin(key, request_id)
                     pins.add(key)
-                if slot.state is SlotState.WRITING_PROMOTION:
-                    gap = in_flight = True
-                elif not gap:
-                    num_ready += 1
-                continue
-            source: TierRunner | None = None
-            key_unknown = False
-            for tier in self.secondaries:
-                verdict = tier.lookup(request_id, key)
-                if verdict is None:
-                    key_unknown = True
-                    break
-                if verdict:
-                    source = tier
-                    break
-            if key_unknown:
-                # keep going: every key of the prefix joins this step's probe batch,
-                # instead of one key per step
-                unknown = True
-                continue
-            if source is None:
-                break
-            if not unknown:
-                to_promote.append((key, source))
-                gap = True
-        if to_promote and self._promote(request_id, to_promote, pins):
-            in_flight = True
-        # (nothing started -- no free slot -- ends the prefix at the first key to promote)
-        if unknown:
-            return LookupResult(LookupStatus.RETRY, num_ready)
-        if in_flight:
-            return LookupResult(LookupStatus.HIT_PENDING, num_ready)
+            elif act is ACT_GIVE_UP:
+                assert slot is not None
+                self._give_up_promotion(request_id, key, slot, pins)
+        result = scan.outcome
+        if not result.ready:
+            return result
         # final verdict: keep pins only on the reported prefix
+        num_ready = result.num_blocks
         counted = set(keys[:num_ready])
         for key in [k for k in pins if k not in counted]:
             primary.unpin(key, request_id)
@@ -241,8 +248,36 @@ class OffloadManager:
             new = [k for k in keys[:num_ready] if k not in seen]
             seen.update(new)
             self._stats.hit_blocks_primary += len(new)   # an engine re-asking counts nothing
-            return LookupResult(LookupStatus.HIT, num_ready)
-        return LookupResult(LookupStatus.MISS, 0)
+        return result
+
+    @staticmethod
+    def _primary_state(key: OffloadKey, slot: Slot | None,
+                       failed: dict[OffloadKey, None] | None, now: float) -> PrimaryState:
+        """What CPU memory holds of ``key`` (its ``slot``) for a request with ``failed``
+        loads."""
+        if failed is not None and key in failed:
+            return _FAILED
+        if slot is None:
+            return _ABSENT
+        state = slot.state
+        if state is _SLOT_READY:
+            return _READY
+        if state is _SLOT_WRITING_STORE:
+            return _WRITING_STORE
+        if slot.deadline is not None and now >= slot.deadline:
+            return _PROMOTION_EXPIRED
+        return _PROMOTING
+
+    def _secondary_verdict(self, request_id: RequestId, key: OffloadKey
+                           ) -> tuple[SecondaryVerdict, int | None]:
+        """The first secondary tier (in order) whose cached verdict is unknown or a hit."""
+        for index, tier in enumerate(self.secondaries):
+            verdict = tier.lookup(request_id, key)
+            if verdict is None:
+                return SecondaryVerdict.UNKNOWN, None
+            if verdict:
+                return SecondaryVerdict.HIT, index
+        return SecondaryVerdict.MISS, None
 
     def _slot_verified(self, request_id: RequestId, key: OffloadKey, slot: Slot,
                        position: int, pins: set[OffloadKey]) -> bool:

@@ -79,7 +79,7 @@ def test_the_fast_path_is_taken_for_in_order_frames(
     make_subscriber: Callable[..., KVEventSubscriber], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sub = make_subscriber(endpoint="tcp://127.0.0.1:1", topic="kv", start_seq=0)
-    import kvbridge.events.subscriber as subscriber_module
+    import kvbridge.events.subscriber_core as subscriber_module
 
     def no_full_path(frames: Any) -> Any:
         raise AssertionError("an in-order frame took the full path")
