@@ -41,6 +41,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 ROUTE = "/metadata"
+#: A refused body read and dropped before closing, at most (bytes, seconds).
+DRAIN_BYTES = 1 << 20
+DRAIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -208,8 +212,25 @@ class _Handler(BaseHTTPRequestHandler):
         if length > self.server.limits.max_value_bytes:
             self.server.count("refused_too_large")
             self._reply(413, b"metadata value too large", close=True)
+            self._drain(length)
             return None
         return length
+
+    def _drain(self, length: int) -> None:
+        """Read and drop up to :data:`DRAIN_BYTES` of a refused body, for at most
+        :data:`DRAIN_S`: a socket closed with unread bytes is reset, and a client
+        still sending its body would read the reset, not the answer."""
+        todo = min(length, DRAIN_BYTES)
+        deadline = time.monotonic() + DRAIN_S
+        try:
+            self.connection.settimeout(DRAIN_S)
+            while todo > 0 and time.monotonic() < deadline:
+                chunk = self.rfile.read1(min(todo, 1 << 16))
+                if not chunk:
+                    break
+                todo -= len(chunk)
+        except OSError:
+            pass  # the client went away: nothing left to protect
 
     def handle_expect_100(self) -> bool:
         # Refuse an oversized body before the client sends it.
