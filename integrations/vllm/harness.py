@@ -286,6 +286,30 @@ class VllmServer:
             detail = exc.read().decode("utf-8", "replace")[:2000]
             raise HarnessError(f"{self.spec.name} {path}: HTTP {exc.code}: {detail}") from None
 
+    def try_complete(self, prompt_token_ids: Sequence[int], max_tokens: int,
+                     kv_transfer_params: Any = None, timeout_s: float = 120.0,
+                     ) -> tuple[int, Completion | str]:
+        """Like :meth:`complete`, for requests that may be refused: ``(200, Completion)``
+        or ``(HTTP status, the error body)``; ``kv_transfer_params`` is sent as given
+        (any JSON value: a hostile client's)."""
+        body: dict[str, Any] = {"model": "tiny", "prompt": list(prompt_token_ids),
+                                "max_tokens": max_tokens, "temperature": 0.0,
+                                "ignore_eos": True, "return_token_ids": True,
+                                "kv_transfer_params": kv_transfer_params}
+        req = urllib.request.Request(self.base_url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                out = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode("utf-8", "replace")[:2000]
+        choice = out["choices"][0]
+        return 200, Completion(token_ids=tuple(int(t) for t in choice.get("token_ids") or ()),
+                               kv_transfer_params=out.get("kv_transfer_params"),
+                               latency_s=time.perf_counter() - start)
+
     def complete(self, prompt_token_ids: Sequence[int], max_tokens: int,
                  kv_transfer_params: Mapping[str, Any] | None = None,
                  timeout_s: float = 120.0, *, logprobs: int | None = None) -> Completion:
@@ -402,19 +426,20 @@ def compare_greedy(run: Completion, reference: Completion, tolerance: float) -> 
 
 
 _METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)')
-_SOURCE_LABEL = re.compile(r'source="([^"]*)"')
+_KEPT_LABEL = re.compile(r'(source|reason)="([^"]*)"')
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum samples per metric name (and per ``source`` label, when there is one)."""
+    """Sum samples per metric name (and per ``source`` or ``reason`` label, when there
+    is one: ``name{source=local_compute}``, ``name{reason=seal}``)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         match = _METRIC_LINE.match(line)
         if not match:
             continue
         name, labels, value = match.group(1), match.group(2) or "", match.group(3)
-        source = _SOURCE_LABEL.search(labels)
-        key = f"{name}{{source={source.group(1)}}}" if source else name
+        kept = _KEPT_LABEL.search(labels)
+        key = f"{name}{{{kept.group(1)}={kept.group(2)}}}" if kept else name
         with contextlib.suppress(ValueError):
             out[key] = out.get(key, 0.0) + float(value)
     return out
