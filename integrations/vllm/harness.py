@@ -360,6 +360,18 @@ class VllmServer:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as resp:
             return parse_prometheus(resp.read().decode())
 
+    def metrics_once_grown(self, before: Mapping[str, float], key: str,
+                           timeout_s: float = 10.0) -> dict[str, float]:
+        """:meth:`metrics` once ``key`` has grown past ``before`` (a connector's stats
+        reach /metrics with the engine's step outputs, a moment after the answer),
+        or as they are at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            after = self.metrics()
+            if after.get(key, 0) > before.get(key, 0) or time.monotonic() > deadline:
+                return after
+            time.sleep(0.2)
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -475,6 +487,15 @@ class ServerGroup:
 #: vLLM's prompt-token counters by source (a consumer's /metrics)
 LOCAL_TOKENS = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+
+
+#: a kvbridge consumer's refused transfer params (all, and per reason)
+REFUSED_PARAMS = "vllm:kvbridge_refused_params_total"
+
+
+def refused_params_by(reason: str) -> str:
+    """The key of ``vllm:kvbridge_refused_params_by_reason_total{reason=...}``."""
+    return f"vllm:kvbridge_refused_params_by_reason_total{{reason={reason}}}"
 
 
 def prompt_token_sources(metrics: Mapping[str, float]) -> tuple[float, float]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,11 +42,8 @@ pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 4
 PROMPT_TOKENS = 96  # three blocks of 32
-REFUSED = "vllm:kvbridge_refused_params_total"
-
-
-def by_reason(reason: str) -> str:
-    return f"vllm:kvbridge_refused_params_by_reason_total{{reason={reason}}}"
+REFUSED = h.REFUSED_PARAMS
+by_reason = h.refused_params_by
 
 
 @dataclass
@@ -244,18 +240,6 @@ def _grown(before: dict[str, float], after: dict[str, float], key: str) -> float
     return after.get(key, 0) - before.get(key, 0)
 
 
-def _metrics_once_counted(server: h.VllmServer, before: dict[str, float],
-                          timeout_s: float = 10.0) -> dict[str, float]:
-    """The server's metrics once its refusal counter moved past ``before`` (stats reach
-    /metrics with the engine's step outputs), or as they are at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        after = server.metrics()
-        if _grown(before, after, REFUSED) >= 1 or time.monotonic() > deadline:
-            return after
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_hostile_params_are_refused_or_recomputed_and_others_go_on(deployment: Deployment,
                                                                     row: Row) -> None:
@@ -281,7 +265,7 @@ def test_hostile_params_are_refused_or_recomputed_and_others_go_on(deployment: D
     # the engine lives and still answers as before
     assert d.consumer.complete(LIVE_PROMPT, MAX_TOKENS).token_ids == d.local[tuple(LIVE_PROMPT)]
     after = d.consumer.metrics() if row.refusal is None else \
-        _metrics_once_counted(d.consumer, before)
+        d.consumer.metrics_once_grown(before, REFUSED)
     if row.refusal is not None:
         assert _grown(before, after, REFUSED) >= 1, {k: v for k, v in after.items()
                                                      if "refused" in k}

@@ -64,17 +64,25 @@ def test_push_pd_matches_colocated(push_pair) -> None:
     assert after.get(EXTERNAL, 0) - before.get(EXTERNAL, 0) == sum(len(p) for p in prompts)
 
 
-def test_push_negative_control_other_prompts_kv_changes_output(push_pair) -> None:
-    """The consumer decodes prompt A while the producer pushes prompt B's KV under the
-    same router id: the consumer's output changes, so the pushed bytes are what it uses."""
+def test_push_of_another_prompts_kv_is_refused_and_the_prompt_recomputed(push_pair) -> None:
+    """The consumer decodes prompt A while the producer prefills prompt B under the
+    same router id: the pushed KV is not A's, so the consumer refuses it, computes A
+    itself (its own answer) and counts the refusal. That pushed KV is really used
+    when it is the prompt's own: ``test_push_pd_matches_colocated`` (every prompt
+    token under ``external_kv_transfer``)."""
     producer, consumer = push_pair["producer"], push_pair["consumer"]
     prompt_a, prompt_b = h.make_prompts(2, 96, seed=8888)
     params = _params(push_pair, prompt_a)
     import concurrent.futures
 
+    before = consumer.metrics()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         decode = pool.submit(consumer.complete, prompt_a, MAX_TOKENS, {"kvbridge": params}, 120)
         producer.complete(prompt_b, 1, {"do_remote_decode": True, "kvbridge": params}, 120)
-        wrong = decode.result(timeout=120)
-    right = producer.complete(prompt_a, MAX_TOKENS)
-    assert wrong.token_ids != right.token_ids
+        got = decode.result(timeout=120)
+    after = consumer.metrics_once_grown(before, h.REFUSED_PARAMS)
+    consumer.reset_prefix_cache()
+    own = consumer.complete(prompt_a, MAX_TOKENS)
+    assert got.token_ids == own.token_ids
+    assert after.get(h.REFUSED_PARAMS, 0) - before.get(h.REFUSED_PARAMS, 0) >= 1, {
+        k: v for k, v in after.items() if "refused" in k}
