@@ -4,7 +4,8 @@ One producer and one consumer with ``KVBridgeNixlConnector`` (pull), deployed as
 docs/vllm.md ("The front door") recommends for an engine that takes params from
 clients: a cluster secret on both, the consumer with kvbridge's admission gate
 (``--logits-processors`` :data:`~kvbridge.integrations.vllm.front_door.GATE`) and
-``kv_load_failure_policy: recompute``. Each row takes a real producer record (or
+``kv_load_failure_policy: recompute``, in vLLM's default multi-process deployment
+(where the deeply nested rows would kill its engine core). Each row takes a real producer record (or
 none) and breaks it one way, sends it with a prompt to the consumer, and asserts:
 
 * the answer is HTTP 400 naming the field (refused at the API server, before the
@@ -225,7 +226,11 @@ def deployment(tiny_model: Path, server_logs: Path,
         "engine_id": consumer_id, "kv_load_failure_policy": "recompute"}
     producer, consumer = bench.pair_specs(str(tiny_model), "hostile", producer_config,
                                           consumer_config)
-    consumer = dataclasses.replace(consumer, extra_args=("--logits-processors", GATE))
+    # the consumer in vLLM's default deployment (engine core and worker in their own
+    # processes): there a request nested a few hundred levels deep kills the engine
+    # core (its step is pickled for the worker), so the gate's 400 is what keeps it up
+    consumer = dataclasses.replace(consumer, extra_args=("--logits-processors", GATE),
+                                   in_process=False)
     with h.server_group(server_logs / "hostile") as group:
         started = group.start(producer, consumer, timeout_s=600)
         d = Deployment(started[0], started[1], consumer_id, consumer_port, {})
