@@ -10,7 +10,8 @@ and they never switch a fast path off on a real fleet:
 * ``UCX_MODULES=^ib`` **only on a host without InfiniBand/RoCE devices**
   (``/sys/class/infiniband`` empty): there the ib module is useless, and
   without it every process that made a UCX agent segfaults at exit (see
-  BACKENDS.md); on an RDMA host it would force TCP, so it is not set there.
+  docs/backends.md, "Environment variables"); on an RDMA host it would force TCP,
+  so it is not set there.
 * on a host with NVIDIA GPUs: ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (a READ over
   CUDA IPC without NVLink otherwise may fall back to TCP), and ``cuda_copy``
   added to a ``UCX_TLS`` the user restricted without it (UCX cannot move VRAM

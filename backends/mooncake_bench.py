@@ -65,7 +65,7 @@ def run_mooncake_bench(
     median of per-round paired ratios, plus ratio of medians and of best
     rounds), and ``memcpy_gbps``. Blocks go into this client's own segment (a one-process
     store), which is what the ratio is about; remote-segment throughput over
-    TCP is much lower (see BACKENDS.md).
+    TCP is much lower (docs/backends.md, "Mooncake store").
     """
     import torch
 

@@ -5,7 +5,7 @@ clients' segments and keeps the key -> replica map. The HTTP metadata server
 is what clients use to find each other's transfer endpoints, so the pair is a
 complete store for tests, the CLI and demos.
 
-Facts this module is built around (measured, see BACKENDS.md):
+Facts this module is built around (measured: docs/backends.md, "Mooncake store"):
 
 - The RPC port accepts about 1.1 s after start; that is the readiness signal
   (a client's ``setup()`` against a master that is not listening blocks ~90 s).

@@ -1,7 +1,7 @@
 """Mooncake's HTTP metadata protocol, served by kvbridge on exactly the host it is given.
 
 ``mooncake_master``'s embedded HTTP metadata server listens on 0.0.0.0 whatever
-``--http_metadata_server_host`` says (measured, see BACKENDS.md), so
+``--http_metadata_server_host`` says (measured: docs/backends.md, "Mooncake store"), so
 :class:`~kvbridge.backends.mooncake_master.MooncakeMaster` turns it off and runs
 this server instead, bound to the master's configured host.
 

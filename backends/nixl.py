@@ -1,7 +1,7 @@
 """A thin, leak-counted adapter over one NIXL agent (UCX backend) per worker rank.
 
 Why this layer exists: NIXL's Python API is powerful but has sharp edges that
-every caller would otherwise rediscover (see ``BACKENDS.md``):
+every caller would otherwise rediscover (measured: docs/backends.md, "NIXL"):
 
 * failures are *exceptions* (``nixlRemoteDisconnectError`` ...), not states;
 * there is no transfer timeout: a stalled peer leaves a transfer in ``PROC``

@@ -11,6 +11,11 @@ an unknown field or a wrong type raises :class:`TransferParamsError` naming
 the field. Connector-specific data goes in ``extra`` (a flat mapping of
 str -> scalar), never in new top-level fields: a new field means a new version.
 
+Version 2 adds the producer's seal (:mod:`kvbridge.connectors.sealing`):
+``hold_id``, ``incarnation``, ``prompt_chain``, ``seal_key`` and ``seal``.
+They are absent (null) in push params, which the router writes; a consumer
+loads pull params only with them, checked against its own prompt.
+
 Modes:
 
 * ``PULL``: the producer holds ``block_ids`` (its local ids, per region in
@@ -35,7 +40,7 @@ from kvbridge.layouts import LayoutError, ParallelTopology
 from kvbridge.layouts.limits import MAX_BLOCK_ID, MAX_PARAMS_BLOCK_IDS, MAX_REGIONS
 
 #: Version this kvbridge writes and the only one it reads.
-TRANSFER_PARAMS_VERSION = 1
+TRANSFER_PARAMS_VERSION = 2
 
 #: One tuple of block ids per region, in the spec's region order.
 BlockIds = tuple[tuple[int, ...], ...]
@@ -59,6 +64,14 @@ def _check_str(name: str, value: object, *, optional: bool = False) -> None:
         return
     if not isinstance(value, str) or not value:
         raise _fail(name, f"expected a non-empty string, got {value!r}")
+
+
+def _check_hex(name: str, value: object, length: int) -> None:
+    if value is None:
+        return
+    if (not isinstance(value, str) or len(value) != length
+            or any(c not in "0123456789abcdef" for c in value)):
+        raise _fail(name, f"expected {length} lowercase hex digits, got {_shown(value)}")
 
 
 def _check_port(name: str, value: object, *, optional: bool = False) -> None:
@@ -130,6 +143,12 @@ class TransferParams:
     consumer_request_id: str | None = None
     spec_fingerprint: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: the producer's seal (:mod:`kvbridge.connectors.sealing`); None in push params
+    hold_id: str | None = None
+    incarnation: str | None = None
+    prompt_chain: str | None = None
+    seal_key: str | None = None
+    seal: str | None = None
     version: int = TRANSFER_PARAMS_VERSION
 
     def __post_init__(self) -> None:
@@ -154,6 +173,12 @@ class TransferParams:
         _check_port("consumer_port", self.consumer_port, optional=True)
         _check_str("consumer_request_id", self.consumer_request_id, optional=True)
         _check_str("spec_fingerprint", self.spec_fingerprint, optional=True)
+        _check_hex("hold_id", self.hold_id, 32)
+        _check_hex("incarnation", self.incarnation, 16)
+        _check_hex("prompt_chain", self.prompt_chain, 64)
+        _check_hex("seal", self.seal, 64)
+        if self.seal_key is not None and self.seal_key not in ("cluster", "engine"):
+            raise _fail("seal_key", f"expected 'cluster' or 'engine', got {_shown(self.seal_key)}")
         if self.mode is TransferMode.PUSH:
             for name in ("consumer_engine_id", "consumer_host", "consumer_port"):
                 if getattr(self, name) is None:
@@ -233,6 +258,11 @@ class TransferParams:
             "consumer_request_id": self.consumer_request_id,
             "spec_fingerprint": self.spec_fingerprint,
             "extra": dict(self.extra),
+            "hold_id": self.hold_id,
+            "incarnation": self.incarnation,
+            "prompt_chain": self.prompt_chain,
+            "seal_key": self.seal_key,
+            "seal": self.seal,
         }
 
     def to_json(self) -> str:
@@ -284,6 +314,11 @@ class TransferParams:
             consumer_request_id=data.get("consumer_request_id"),
             spec_fingerprint=data.get("spec_fingerprint"),
             extra=_extra_of(data),
+            hold_id=data.get("hold_id"),
+            incarnation=data.get("incarnation"),
+            prompt_chain=data.get("prompt_chain"),
+            seal_key=data.get("seal_key"),
+            seal=data.get("seal"),
         )
 
     @classmethod
@@ -307,7 +342,8 @@ def _extra_of(data: Mapping[str, Any]) -> Mapping[str, Any]:
 _REQUIRED = ("mode", "producer_engine_id", "producer_host", "producer_port",
              "producer_request_id", "block_ids", "producer_topology", "num_tokens")
 _OPTIONAL = ("consumer_engine_id", "consumer_host", "consumer_port", "consumer_request_id",
-             "spec_fingerprint", "extra")
+             "spec_fingerprint", "extra", "hold_id", "incarnation", "prompt_chain",
+             "seal_key", "seal")
 _FIELDS = frozenset(("version", *_REQUIRED, *_OPTIONAL))
 
 

@@ -1,7 +1,7 @@
 """Handshake side channel: versioned agent metadata, compatibility diff, ZMQ server/client.
 
 Uses :mod:`kvbridge.layouts` only. See :mod:`kvbridge.handshake.schema` for the
-wire records, :mod:`~kvbridge.handshake.server` for the store and ROUTER,
+wire records, :mod:`~kvbridge.handshake.server` for the store and its STREAM socket,
 :mod:`~kvbridge.handshake.client` for the retried, cached client and
 :mod:`~kvbridge.handshake.diff` for the compatibility diff.
 """

@@ -132,7 +132,7 @@ class AgentMetadata:
     # where the rank's KV lives: a peer prepares this rank's descriptors with it
     mem_type: str = "DRAM"  # one of MEM_TYPES
     device_id: int = 0  # CUDA device of VRAM (0 for DRAM)
-    #: block digest algorithms this rank computes for a consumer that asks (issue 18;
+    #: block digest algorithms this rank computes for a consumer that asks (verified KV;
     #: ``layouts.digests``), preferred first; empty: none (an older kvbridge, verify off)
     digests: tuple[str, ...] = ()
 
@@ -303,7 +303,7 @@ def _agent_to_map(meta: AgentMetadata, include_spec: bool) -> dict[str, Any]:
         "agent_blob": meta.agent_blob, "topology": meta.topology.to_dict(),
         "regions": [r.to_map() for r in meta.regions], "generation": meta.generation,
     }
-    if meta.mem_type != "DRAM":  # memory type (issue 15); absent = DRAM, as before it existed
+    if meta.mem_type != "DRAM":  # absent = DRAM, so older peers read the same bytes
         out["mem_type"], out["device_id"] = meta.mem_type, meta.device_id
     if meta.digests:  # absent = none, as before digests existed
         out["digests"] = list(meta.digests)

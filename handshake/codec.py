@@ -29,7 +29,10 @@ from kvbridge.handshake.errors import HandshakeError
 from kvbridge.layouts import LayoutError, limits
 from kvbridge.layouts.limits import MAX_WORLD_SIZE
 
-PROTOCOL_VERSION = 1
+#: 2: consumers name the sealed params they load (``begin``/``read`` carry the
+#: record's digest, push ``register``s the prompt chain); a v1 consumer would be
+#: refused by every hold, so it is refused at the handshake instead, saying why.
+PROTOCOL_VERSION = 2
 
 #: Largest message (request, reply or saved document) either side accepts, in bytes.
 MAX_MESSAGE_BYTES = 1 << 20
@@ -50,7 +53,7 @@ MAX_REGIONS = limits.MAX_REGIONS
 MAX_LAYERS = 8192
 #: Blocks per layer a rank may announce (prepared lists index rows with int32)
 MAX_NUM_BLOCKS = limits.MAX_NUM_BLOCKS
-# --- memory type per rank (gpu helper, issue 15): where a rank's KV lives -------------
+# --- memory type per rank: where a rank's KV lives (a peer's descriptors must say it) ---
 #: NIXL memory types a rank's KV may be in (host memory, pinned or not; CUDA memory)
 MEM_TYPES = ("DRAM", "VRAM")
 MAX_DEVICE_ID = 1 << 16

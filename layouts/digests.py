@@ -404,7 +404,7 @@ class BlockDigester:
         return _slice_digests(self, layers, block_ids)
 
 
-#: Slice digests (issue 18, heterogeneous TP): one block's digest over exactly the bytes
+#: Slice digests (heterogeneous TP): one block's digest over exactly the bytes
 #: one consumer rank reads of it from one producer rank, so that a block assembled from
 #: head slices of several producer ranks, or a sub-slice of one producer rank's block, is
 #: compared part by part. Negotiated under its own name (a peer that does not list it

@@ -14,7 +14,8 @@ Which ranks share a namespace (the bytes are identical, so they are stored once)
   when there are more TP ranks than KV heads) share the namespace of the
   smallest such TP rank, which is the designated writer.
 * **SPLIT, dcp_size > 1**: no KV-head de-duplication: every TP rank has its own
-  namespace (each DCP rank holds different token slots; DESIGN.md). This also
+  namespace (each DCP rank holds different token slots: docs/architecture.md,
+  "Vocabulary"). This also
   holds for SPLIT regions that are not token-sharded: a duplicate copy is
   stored per DCP rank, which is wasteful but never wrong.
 * **REPLICATE** (MLA latent, Mamba-like state): every TP rank holds the same

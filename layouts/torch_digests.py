@@ -1,4 +1,4 @@
-"""``torch-mix64-v1`` block digests on the KV tensor's own device (issue 18).
+"""``torch-mix64-v1`` block digests on the KV tensor's own device, so a reader can check KV in GPU memory.
 
 ``layouts.digests`` defines the algorithm and gives a numpy reference over host
 bytes; this module computes the same digests with integer tensor operations on

@@ -21,7 +21,8 @@ from kvbridge.offload.types import OffloadError, OffloadKey
 #: layer digests of one block, in layer order
 LayerDigests = tuple[int, ...]
 
-#: the policy every tier uses unless told otherwise (the issue's default: verify all)
+#: the policy of a tier built without one: every block checked, the safe choice for a
+#: caller that did not decide (the offloading connector picks per tier, by cost)
 DEFAULT_VERIFY = VerifyPolicy(DigestMode.FULL)
 
 

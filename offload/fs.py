@@ -33,6 +33,9 @@ that landed against them (policy ``verify``: off, sample, full) before the
 block counts as loaded; a mismatch on a full-size file is provable
 corruption: the load of that block fails, alone (the rest of its batch is
 loaded; the engine recomputes it), and the file is removed (``files_deleted``, ``digest_mismatches``, a REMOVED event).
+A header that names another key (a block file renamed or copied under this
+key's name) is refused the same way on every load, whatever ``verify`` says:
+the key check costs a 16-byte compare (``foreign_key_loads``).
 With ``verify`` off no block bytes are digested on store or load (the header
 says "no digests"); such a file, read with verification on, is served and counted
 (``loads_unverified``) unless the policy refuses unverified loads (then it is a
@@ -107,6 +110,7 @@ from kvbridge.offload.fs_batch import (
 from kvbridge.offload.fs_io import (
     BadBlockHeaderError,
     BlockHeader,
+    ForeignKeyError,
     FsIO,
     HeaderBuffer,
     LegacyBlockError,
@@ -473,6 +477,9 @@ class FsTier(SecondaryTier):
                         self.count("legacy_format_loads")     # format 1: no digests
                     elif isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
                         self.count("foreign_format_loads")
+                    elif isinstance(exc, ForeignKeyError):
+                        with self._stats_lock:
+                            self.stats.foreign_key_loads += 1
                     error = self._count_failure(key, path, exc)
                     if isinstance(exc, DigestMismatchError) or (
                             isinstance(exc, BadBlockHeaderError) and exc.corrupt):

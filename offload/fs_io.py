@@ -113,6 +113,20 @@ class BadBlockHeaderError(OSError):
         self.removal_reason = "corrupt" if corrupt else "format"
 
 
+class ForeignKeyError(BadBlockHeaderError):
+    """A well-formed block header (or obj-tier digest object) made for another key.
+
+    The header names its key by hash; a reader compares that with the hash of the
+    key it asked for, so a block copied or renamed under another key's name is
+    never served for that key, whatever the verify policy. Provable corruption
+    (no correct writer leaves one): the entry is removed like a torn header.
+    """
+
+    def __init__(self, path: str, stored: bytes, wanted: bytes) -> None:
+        super().__init__(path, f"the block of key hash {stored.hex()}, not {wanted.hex()}",
+                         True)
+
+
 class LegacyBlockError(OSError):
     """A headerless block file (format 1): no digests to check; the load fails, the file
     is kept (quarantine removes it in time, so it is written again with a header)."""
@@ -467,8 +481,7 @@ def check_block_header(io: FsIO, path: str, header: bytes | memoryview, key_hash
     try:
         parsed = decode_block_header(path, header)
         if parsed.key_hash != key_hash:
-            raise BadBlockHeaderError(path, f"the block of key hash {parsed.key_hash.hex()}"
-                                      f", not {key_hash.hex()}", True)
+            raise ForeignKeyError(path, parsed.key_hash, key_hash)
         if parsed.block_bytes != block_bytes or parsed.num_layers != num_layers:
             raise BadBlockHeaderError(path, f"{parsed.num_layers} layers of "
                                       f"{parsed.block_bytes} bytes in all, expected "

@@ -20,7 +20,10 @@ object itself stays a zero-copy put from the slot. A load gets both in one
 batch and checks the bytes that landed in the slot against the digests
 before the block counts as loaded (policy ``verify``). A mismatch (another
 key's or changed bytes under this name), or a torn digest object, is a
-failed load of that block and removes both objects (a REMOVED event). A
+failed load of that block and removes both objects (a REMOVED event); a
+digest object made for another key is checked whenever digest objects are
+fetched (``verify`` not off, sampled or not) and counted in
+``foreign_key_loads``. A
 block without a digest object (evicted apart by Mooncake, or written with
 ``verify`` off) is served and counted unverified, or fails the load if the
 policy refuses unverified loads. Mooncake puts do not overwrite: if one of
@@ -58,6 +61,7 @@ from kvbridge.offload.blockdigest import (
 from kvbridge.offload.fs import FINGERPRINT_RE, FileMapper
 from kvbridge.offload.fs_io import (
     BadBlockHeaderError,
+    ForeignKeyError,
     buffer_address,
     byte_views,
     compact_header_bytes,
@@ -200,6 +204,9 @@ class ObjTier(SecondaryTier):
                 except (DigestMismatchError, BadBlockHeaderError) as exc:
                     if isinstance(exc, BadBlockHeaderError) and not exc.corrupt:
                         raise BatchIOError(i, exc, skipped=corrupt) from exc
+                    if isinstance(exc, ForeignKeyError):
+                        with self._stats_lock:
+                            self.stats.foreign_key_loads += 1
                     corrupt[i] = exc
                     continue
                 except OSError as exc:
@@ -240,8 +247,8 @@ class ObjTier(SecondaryTier):
         try:
             parsed = decode_block_header(name + self.DIGEST_SUFFIX, bytes(header))
             if parsed.key_hash != FileMapper.key_hash_bytes(key):
-                raise BadBlockHeaderError(name + self.DIGEST_SUFFIX,
-                                          "the digests of another key", True)
+                raise ForeignKeyError(name + self.DIGEST_SUFFIX, parsed.key_hash,
+                                      FileMapper.key_hash_bytes(key))
             if parsed.block_bytes != self.block_bytes or parsed.num_layers != self.num_layers:
                 raise BadBlockHeaderError(name + self.DIGEST_SUFFIX, f"{parsed.num_layers} "
                                           f"layers of {parsed.block_bytes} bytes, expected "

@@ -187,4 +187,7 @@ class TierStats:
     loads_verified: int = 0    # blocks whose bytes were checked against their digests
     loads_unverified: int = 0  # blocks loaded that were stored without digests
     digest_mismatches: int = 0  # blocks whose bytes did not match (failed loads)
+    #: blocks whose header / digest object named another key (failed loads, removed): a
+    #: block copied or renamed under this key's name, refused whatever the verify policy
+    foreign_key_loads: int = 0
     extra: dict[str, int] = field(default_factory=dict)

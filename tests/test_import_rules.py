@@ -1,6 +1,6 @@
 """The package's imports point downward only, and no two modules import each other.
 
-DESIGN.md ("Layout of the repository") states the rule; this test keeps it true.
+docs/architecture.md ("The import rule") states the rule; this test keeps it true.
 It reads every module of the package with :mod:`ast` (nothing is imported, so
 it needs no backend and sees modules that would fail to import) and checks each
 ``kvbridge`` import against :data:`MAY_IMPORT`, then looks for cycles in the
@@ -71,7 +71,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 # list cannot outlive its reason.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
 
-_RULE = "DESIGN.md 'Layout of the repository': dependencies point downward only"
+_RULE = "docs/architecture.md 'The import rule': dependencies point downward only"
 
 
 class Kind(enum.Enum):
@@ -254,7 +254,7 @@ def layer_violations(result: Scan, may_import: Mapping[str, frozenset[str]] = MA
             unknown.add(layer)
             problems.append(f"{result.modules[module].relative_to(result.root)}: {module} is in "
                             f"no layer: add {layer!r} to MAY_IMPORT in tests/test_import_rules.py "
-                            f"and to DESIGN.md 'Layout of the repository'")
+                            f"and to docs/architecture.md 'The packages' and 'The import rule'")
     used: set[tuple[str, str]] = set()
     for imp in result.imports:
         source, target = layer_of(imp.importer, package), layer_of(imp.target, package)

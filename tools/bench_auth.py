@@ -96,3 +96,62 @@ def nixl_with_and_without(patterns: Sequence[tuple[int, int]], iters: int
         with _environment(secret):
             out[mode] = run_nixl_bench(tuple(patterns), iters=iters)["patterns"]
     return out
+
+
+
+def params_seal_costs(prompt_tokens: Sequence[int] = (1024, 32768), rounds: int = 200
+                      ) -> list[dict[str, Any]]:
+    """What sealed transfer params cost per request (:mod:`kvbridge.connectors.sealing`).
+
+    For each prompt length: the producer's seal (prompt chain from its 16-token
+    block hashes, HMAC, record digest), the consumer's parse and check with the
+    chain's links given (blocks of 16 tokens) and computed from the tokens (other
+    block sizes), against parsing the same params unsealed; and the bytes the
+    seal adds to the JSON a router forwards. Median microseconds.
+    """
+    secret = Secret.from_value(_SECRET)
+    return [_params_cost(n, rounds, secret) for n in prompt_tokens]
+
+
+def _median_us(fn: Any, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def _params_cost(n: int, rounds: int, secret: Secret) -> dict[str, Any]:
+    from kvbridge.connectors import TransferMode, TransferParams
+    from kvbridge.connectors.sealing import (
+        CHAIN_TOKENS,
+        ParamsCheck,
+        Sealer,
+        prompt_chain,
+        record_digest,
+    )
+    from kvbridge.layouts import ParallelTopology, hash_blocks
+
+    tokens = list(range(7, 7 + n))
+    links = hash_blocks(tokens, CHAIN_TOKENS)
+    plain = TransferParams(mode=TransferMode.PULL, producer_engine_id="e" * 16,
+                           producer_host="10.0.0.1", producer_port=5600,
+                           producer_request_id="cmpl-" + "0" * 32,
+                           block_ids=(tuple(range(n // 16)),),
+                           producer_topology=ParallelTopology(tp_size=1), num_tokens=n)
+    sealer, check = Sealer(secret), ParamsCheck(secret)
+    sealed = sealer.seal(plain, prompt_chain(tokens, n, links=links))
+    wire_plain, wire_sealed = plain.to_dict(), sealed.to_dict()
+    return {
+        "prompt_tokens": n,
+        "seal_us": _median_us(lambda: record_digest(sealer.seal(
+            plain, prompt_chain(tokens, n, links=links))), rounds),
+        "parse_us": _median_us(lambda: TransferParams.from_dict(wire_plain), rounds),
+        "parse_check_links_us": _median_us(lambda: check.check(
+            "r", tokens, None, TransferParams.from_dict(wire_sealed), links), rounds),
+        "parse_check_computed_us": _median_us(lambda: check.check(
+            "r", tokens, None, TransferParams.from_dict(wire_sealed)), rounds),
+        "json_bytes_plain": len(plain.to_json()),
+        "json_bytes_sealed": len(sealed.to_json()),
+    }

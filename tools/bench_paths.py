@@ -215,14 +215,25 @@ def bench_events(num_events: int, batch_sizes: Sequence[int]) -> dict[str, Any]:
 def bench_auth(patterns: Sequence[tuple[int, int]], iters: int, quick: bool
                ) -> dict[str, Any]:
     """The cluster secret on and off (kvbridge = with it, raw = without), same run."""
-    from kvbridge.tools.bench_auth import handshake_times, nixl_with_and_without, seal_open_us
+    from kvbridge.tools.bench_auth import (
+        handshake_times,
+        nixl_with_and_without,
+        params_seal_costs,
+        seal_open_us,
+    )
 
     times = handshake_times(20 if quick else 200)
     rows = [row("auth", f"handshake {kind}", "fetch", "ms", times["on"][kind],
                 times["off"][kind], "no secret", lower_is_better=True)
             for kind in ("full", "conditional")]
     seal_us = seal_open_us(2000 if quick else 20_000)
-    detail: dict[str, Any] = {"handshake_ms": times, "seal_open_us": round(seal_us, 2)}
+    params = params_seal_costs(rounds=20 if quick else 200)
+    for cost in params:  # sealed params: parse + seal + prompt check against parse alone
+        rows.append(row("auth", f"params {cost['prompt_tokens']} tokens", "parse+check", "us",
+                        cost["parse_check_links_us"], cost["parse_us"], "unsealed parse",
+                        lower_is_better=True))
+    detail: dict[str, Any] = {"handshake_ms": times, "seal_open_us": round(seal_us, 2),
+                              "params_seal": params}
     try:
         from kvbridge.backends.nixl import load_nixl_api
 

@@ -13,7 +13,7 @@ destination, both registered with one pooled client. Per round:
 * **raw put / get**: ``MooncakeDistributedStore.batch_put_from`` /
   ``batch_get_into`` on the same tensors with pre-built keys of the same length.
 
-The connector's put always includes its digest records (issue 18: one
+The connector's put always includes its digest records (its readers need them: one
 XXH3-64 per block and layer, put as a companion key by a call beside the KV's); its
 get runs once per verification mode (``verify_modes``: a consumer half per
 mode with its own destination tensor): ``off`` (no record fetched, nothing

@@ -1,6 +1,6 @@
 """Which blocks of a load are checked against their digest records, and what the check found.
 
-Owns the reader's side of issue 18 for the Mooncake store: :func:`checked_blocks`
+Owns the reader's side of verified KV for the Mooncake store: :func:`checked_blocks`
 (the blocks a :class:`~kvbridge.layouts.digests.VerifyPolicy` checks: every
 one, a deterministic sample the same on every rank, or none) and
 :func:`verify_blocks`, which compares the digests of the bytes that landed
@@ -50,6 +50,8 @@ class Verified:
     missing: int = 0
     mismatches: int = 0
     invalid: int = 0
+    #: of ``invalid``: records made for another key (a block copied under this one's keys)
+    foreign: int = 0
     failed: set[BlockRef] = field(default_factory=set)
     corrupt_keys: list[str] = field(default_factory=list)
     first: tuple[LoadBlock, str, str] | None = None  # (block, key, what): logged once
@@ -65,6 +67,7 @@ class Verified:
         self.missing += other.missing
         self.mismatches += other.mismatches
         self.invalid += other.invalid
+        self.foreign += other.foreign
         self.failed |= other.failed
         self.corrupt_keys.extend(other.corrupt_keys)
         if self.first is None:
@@ -206,6 +209,7 @@ def _check_group(out: Verified, plans: Sequence[RegionPlan], digests: RankDigest
                      f"{int(actual[position][layer]):#018x}")
         else:
             out.invalid += 1
+            out.foreign += check.verdict is RecordVerdict.FOREIGN
             out.note(block, record_keys[n], f"digest record: {check.reason}")
         out.corrupt_keys.extend(block_keys(plans, block, record_keys[n]))
 

@@ -108,7 +108,8 @@ class RecordVerdict(enum.Enum):
     """Why a reader does not trust the record it got for one block."""
 
     MISMATCH = "mismatch"        # a well-formed record for this key; some layer differs
-    INVALID = "invalid"          # not a record of this key and geometry: fail the block
+    INVALID = "invalid"          # not a record of this geometry: fail the block
+    FOREIGN = "foreign"          # a well-formed record made for another key: fail the block
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class RecordTable:
                 out.append((i, RecordCheck(RecordVerdict.INVALID, reason=_header_reason(
                     got[i], self.num_layers, self.block_bytes, expected_algorithm))))
             elif not key_ok[i]:
-                out.append((i, RecordCheck(RecordVerdict.INVALID, reason=(
+                out.append((i, RecordCheck(RecordVerdict.FOREIGN, reason=(
                     f"key_digest {int(got['key_digest'][i]):#018x}: a record of another "
                     f"key"))))
             else:

@@ -30,7 +30,7 @@ and its digests are ``torch-mix64-v1`` taken on that device. The stats say so
   request in ``failed_recving`` for async loads); the engine recomputes it.
   Every request the scheduler told this rank to load is reported finished,
   also when this rank holds none of its layers.
-* **Digests** (issue 18): every block put (unless ``verify`` is off) goes with a digest record of this
+* **Digests** (so a reader never calls wrong bytes loaded): every block put (unless ``verify`` is off) goes with a digest record of this
   rank's part of it (:mod:`.records`: XXH3-64 of the block's bytes in each
   layer for KV in host memory, ``torch-mix64-v1`` on the tensors' device for
   KV in device memory, taken from the tensor after the fence while the
@@ -43,7 +43,9 @@ and its digests are ``torch-mix64-v1`` taken on that device. The stats say so
   the blocks of the part before are hashed (XXH3 releases the GIL, as do the
   store's calls), so hashing hides behind the transfer. A mismatch or a record that is not this key's is a load error of
   exactly that block (the engine recomputes it; blocks before it stay
-  loaded), counted (``digest_mismatches``, ``digest_records_invalid``),
+  loaded), counted (``digest_mismatches``, ``digest_records_invalid``; of those,
+  records made for another key -- a block copied under this one's keys -- also in
+  ``digest_records_foreign``),
   logged once per load with the engine, request, block and key, and the
   block's keys on this rank are removed (force) so the recomputed block can
   be stored again (a put keeps an existing key's value). A block stored
@@ -129,7 +131,8 @@ class MooncakeStoreWorker(WorkerConnector):
         self.staged: StagedKV | None = None
         #: one KV tensor per device: the fences of a step's puts are recorded on them
         self._fence_tensors: list[Any] = []
-        #: records the fence of a step's puts (issue 15); a test may stand in for it
+        #: records the fence of a step's puts (device KV is read only after the kernels that
+        #: wrote it finished); a test may stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[str, tuple[LoadBlock, ...]] | None] = (
@@ -149,7 +152,8 @@ class MooncakeStoreWorker(WorkerConnector):
             "abandoned_gets": 0,
             "blocks_digested": 0, "digest_time_s": 0.0,
             "blocks_verified": 0, "blocks_unverified": 0, "blocks_unchecked": 0,
-            "digest_mismatches": 0, "digest_records_invalid": 0, "digests_missing": 0,
+            "digest_mismatches": 0, "digest_records_invalid": 0,
+            "digest_records_foreign": 0, "digests_missing": 0,
             "verify_time_s": 0.0, "corrupt_keys_removed": 0,
             **{f"load_ms_le_{b}": 0 for b in LATENCY_BUCKETS_MS}, "load_ms_le_inf": 0,
         }
@@ -340,6 +344,7 @@ class MooncakeStoreWorker(WorkerConnector):
             s["blocks_unchecked"] += unchecked
             s["digest_mismatches"] += outcome.mismatches
             s["digest_records_invalid"] += outcome.invalid
+            s["digest_records_foreign"] += outcome.foreign
             s["digests_missing"] += outcome.missing
             s["verify_time_s"] += verify_s
         if outcome.corrupt_keys:

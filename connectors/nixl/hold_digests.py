@@ -1,4 +1,4 @@
-"""Producer rank: the digests of held blocks, taken and served (issue 18).
+"""Producer rank: the digests of held blocks, taken and served so consumers can check what they read.
 
 As a pull hold starts (the KV is final) the rank takes the digests of the
 request's blocks in its first algorithm, in the others consumers asked for

@@ -89,7 +89,8 @@ class HoldSide(WorkerState):
                 return
         if isinstance(msg, messages.ReadDone):
             verdict = self._leases.notify(msg.request_id, msg.consumer_rank, msg.expected,
-                                          sender, now)
+                                          sender, now, record=msg.record,
+                                          engine=consumer.meta.engine_id)
             if verdict is not None and msg.read:
                 self._answer(verdict)
         elif isinstance(msg, messages.Heartbeat):
@@ -109,8 +110,16 @@ class HoldSide(WorkerState):
                 self._early_begin_ids += asked
                 self._counters["begins_before_hold"] += 1
                 return
-            lease_s, reason = self._leases.guarantee(msg.request_id, now)
+            lease_s, reason = self._leases.guarantee(msg.request_id, now, record=msg.record,
+                                                     engine=consumer.meta.engine_id,
+                                                     consumer_rank=msg.consumer_rank)
             digests: tuple[bytes, ...] = ()
+            if reason.startswith("refused"):
+                self._log_refusal(msg.request_id, consumer.meta.engine_id, msg.consumer_rank,
+                                  reason)
+                self._send_to(sender, messages.Held(msg.request_id, self.rank_index, False,
+                                                    0.0, reason))
+                return
             # digests even without a promise: a READ that beat the hold's start (the router
             # is faster than the producer's next step) completes the lease as the hold
             # starts, before this early begin is answered; the digests taken then still
@@ -236,6 +245,11 @@ class HoldSide(WorkerState):
     def _answer(self, verdict: Verdict) -> None:
         if verdict.ok:
             ack: messages.Notif = messages.Ack(verdict.request_id, self.rank_index, True)
+        elif verdict.kind is VerdictKind.REFUSED:
+            ack = messages.Ack(verdict.request_id, self.rank_index, False,
+                               f"refused on producer rank {self.rank_index}: {verdict.reason}")
+            self._log_refusal(verdict.request_id, verdict.peer, verdict.consumer_rank,
+                              verdict.reason)
         else:
             ack = messages.Ack(verdict.request_id, self.rank_index, False,
                                f"lease {verdict.kind.value} on producer rank {self.rank_index}")
@@ -245,6 +259,11 @@ class HoldSide(WorkerState):
                            verdict.request_id, verdict.kind.value, verdict.consumer_rank,
                            verdict.peer)
         self._send_to(verdict.peer, ack)
+
+    def _log_refusal(self, request_id: str, who: str, consumer_rank: int, reason: str) -> None:
+        logger.warning("nixl: producer engine=%s rank=%d request=%s: consumer %s rank %d "
+                       "refused (%s); counted in holds_refused", self.ctx.engine_id,
+                       self.rank_index, request_id[:64], who[:128], consumer_rank, reason)
 
     def _send_to(self, agent: str, msg: messages.Notif) -> None:
         consumer = self._consumers.get(agent)

@@ -23,6 +23,12 @@ never before a promise given), so the promise holds; ``guaranteed_until`` is
 the latest promise given, which a shutting-down worker must honour (keep the
 memory alive) too.
 
+A hold of sealed params (:mod:`kvbridge.connectors.sealing`) carries the
+digest of the record its producer sealed, and is **claimed** by the first
+consumer engine that names it correctly: a notification or ``begin`` whose
+record differs, from another engine, or a second ``begin`` of one consumer
+rank is **refused** (never counted toward completion, never promised).
+
 Invariants: a request id is reported completed or expired at most once; a
 notification is counted toward completion only while the lease is live; every
 notification gets exactly one :class:`Verdict` (now, or when its early wait
@@ -44,6 +50,7 @@ class VerdictKind(str, enum.Enum):
     DUPLICATE = "duplicate"  # that consumer rank already notified; still fine
     LATE = "late"  # the lease had expired: the blocks may have been reused
     UNKNOWN = "unknown"  # never held here (or held by an earlier incarnation)
+    REFUSED = "refused"  # not the sealed record, or the hold is another engine's
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class Verdict:
     consumer_rank: int
     peer: str
     kind: VerdictKind
+    reason: str = ""  # REFUSED: why
 
     @property
     def ok(self) -> bool:
@@ -67,6 +75,9 @@ class Hold:
     held_at: float
     expected: int | None = None  # consumer ranks; learnt from the first notification
     notified: set[int] = field(default_factory=set)
+    record: bytes = b""  # digest of the sealed params (empty: nothing sealed, push)
+    engine: str | None = None  # the consumer engine that claimed it
+    begun: set[int] = field(default_factory=set)  # consumer ranks that sent ``begin``
 
     @property
     def complete(self) -> bool:
@@ -85,6 +96,7 @@ class LeaseStats:
     early_notifs: int = 0
     guarantees: int = 0
     guarantees_refused: int = 0
+    refused: int = 0  # notifications and begins not for the sealed record / its engine
 
 
 class LeaseTable:
@@ -97,7 +109,7 @@ class LeaseTable:
         self.early_grace_s = early_grace_s
         self._holds: dict[str, Hold] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> "expired"|"completed"
-        self._early: dict[str, list[tuple[float, int, int, str]]] = {}
+        self._early: dict[str, list[tuple[float, int, int, str, bytes, str]]] = {}
         self._done: list[str] = []
         self._expired: list[str] = []
         self.stats = LeaseStats()
@@ -106,19 +118,35 @@ class LeaseTable:
 
     # ------------------------------------------------------------------ holds
 
-    def hold(self, request_id: str, now: float) -> list[Verdict]:
-        """Start holding ``request_id``; returns verdicts for notifications that came early."""
+    def hold(self, request_id: str, now: float, record: bytes = b"") -> list[Verdict]:
+        """Start holding ``request_id`` (``record``: the digest of the params sealed for
+        it); returns verdicts for notifications that came early."""
         if request_id in self._holds:
             return []
         self._ended.pop(request_id, None)  # a re-used id starts a new life
-        self._holds[request_id] = Hold(request_id, now + self.lease_s, now)
+        self._holds[request_id] = Hold(request_id, now + self.lease_s, now, record=record)
         self.stats.holds += 1
         out = []
-        for _at, consumer_rank, expected, peer in self._early.pop(request_id, []):
-            verdict = self.notify(request_id, consumer_rank, expected, peer, now)
+        for _at, consumer_rank, expected, peer, rec, engine in self._early.pop(request_id, []):
+            verdict = self.notify(request_id, consumer_rank, expected, peer, now,
+                                  record=rec, engine=engine)
             if verdict is not None:
                 out.append(verdict)
         return out
+
+    def _admit(self, hold: Hold, record: bytes, engine: str) -> str:
+        """Why ``engine`` may not act on ``hold`` with ``record`` ("" if it may)."""
+        if hold.record and record != hold.record:
+            self.stats.refused += 1
+            return (f"the params are not the ones this producer sealed for request "
+                    f"{hold.request_id[:64]!r}" if record else
+                    "unsealed: this request's params were sealed; name their record")
+        if hold.engine is None:
+            hold.engine = engine
+        elif engine != hold.engine:
+            self.stats.refused += 1
+            return f"held for another consumer engine ({hold.engine[:64]!r}): a hold is used once"
+        return ""
 
     def renew(self, request_id: str, now: float) -> bool:
         hold = self._holds.get(request_id)
@@ -129,8 +157,9 @@ class LeaseTable:
         return True
 
     def notify(self, request_id: str, consumer_rank: int, expected: int, peer: str,
-               now: float) -> Verdict | None:
-        """A consumer rank says it is done with (read, or released) ``request_id``.
+               now: float, *, record: bytes = b"", engine: str = "") -> Verdict | None:
+        """A consumer rank of ``engine`` says it is done with (read, or released)
+        ``request_id``, whose sealed params it names by ``record``.
 
         None: the id is not held yet (early); its verdict comes from :meth:`hold`
         or, after ``early_grace_s``, from :meth:`expire`."""
@@ -144,8 +173,12 @@ class LeaseTable:
                 self.stats.duplicate_notifs += 1
                 return Verdict(request_id, consumer_rank, peer, VerdictKind.UNKNOWN)
             self.stats.early_notifs += 1
-            self._early.setdefault(request_id, []).append((now, consumer_rank, expected, peer))
+            self._early.setdefault(request_id, []).append((now, consumer_rank, expected, peer,
+                                                           record, engine))
             return None  # answered when the hold arrives, or UNKNOWN after early_grace_s
+        refused = self._admit(hold, record, engine)
+        if refused:
+            return Verdict(request_id, consumer_rank, peer, VerdictKind.REFUSED, refused)
         if consumer_rank in hold.notified:
             self.stats.duplicate_notifs += 1
             return Verdict(request_id, consumer_rank, peer, VerdictKind.DUPLICATE)
@@ -159,14 +192,18 @@ class LeaseTable:
             self.stats.completed += 1
         return Verdict(request_id, consumer_rank, peer, VerdictKind.OK)
 
-    def guarantee(self, request_id: str, now: float) -> tuple[float | None, str]:
-        """A consumer rank is about to read ``request_id``: promise the hold.
+    def guarantee(self, request_id: str, now: float, *, record: bytes = b"", engine: str = "",
+                  consumer_rank: int = 0) -> tuple[float | None, str]:
+        """Consumer rank ``consumer_rank`` of ``engine`` is about to read ``request_id``
+        (its sealed params named by ``record``): promise the hold.
 
         Returns ``(lease_s, "")`` when held: the deadline is now at least
         ``now + lease_s`` and the blocks stay held until then unless every
         expected consumer rank notified (each one after its read). Otherwise
-        ``(None, reason)``: expired, completed, or not held (yet) -- no promise;
-        the consumer then relies on the verdict of its read notification.
+        ``(None, reason)``: expired, completed, not held (yet), or refused (not
+        the sealed record, another engine's hold, a rank's second ``begin``) --
+        no promise; the consumer then relies on the verdict of its read
+        notification (refused too, when the ``begin`` was).
         """
         hold = self._holds.get(request_id)
         if hold is None:
@@ -177,6 +214,14 @@ class LeaseTable:
             if ended == "completed":
                 return None, "already completed"
             return None, "not held (yet)"
+        refused = self._admit(hold, record, engine)
+        if not refused and consumer_rank in hold.begun:
+            self.stats.refused += 1
+            refused = f"consumer rank {consumer_rank} already began this hold: a hold is used once"
+        if refused:
+            self.stats.guarantees_refused += 1
+            return None, f"refused: {refused}"
+        hold.begun.add(consumer_rank)
         until = now + self.lease_s
         hold.deadline = max(hold.deadline, until)
         self.guaranteed_until = max(self.guaranteed_until, until)
@@ -194,7 +239,7 @@ class LeaseTable:
         out = []
         for request_id, waits in list(self._early.items()):
             keep = [w for w in waits if now - w[0] < self.early_grace_s]
-            for _at, consumer_rank, _n, peer in waits:
+            for _at, consumer_rank, _n, peer, _rec, _engine in waits:
                 if now - _at >= self.early_grace_s:
                     self.stats.unknown_notifs += 1
                     out.append(Verdict(request_id, consumer_rank, peer, VerdictKind.UNKNOWN))

@@ -1,4 +1,4 @@
-"""Consumer rank: verification of landed blocks (issue 18).
+"""Consumer rank: verification of landed blocks (wrong bytes are a failed load, never KV).
 
 Which blocks of a load are checked against which producer rank's digests (the
 digest ask of a ``begin`` or ``register``), taking the digests from the
@@ -47,12 +47,14 @@ class LoadChecks(WorkerState):
 
     def _begin_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> messages.Begin:
         """The ``begin`` of a pull READ from producer rank ``p``, asking for the digests
-        of the blocks this rank will check (issue 18; see ``connectors.nixl.verify``)."""
+        of the blocks this rank will check (see ``connectors.nixl.verify``), naming the sealed
+        record it loads."""
         rid = recv.params.producer_request_id
         ask = self._ask_for(recv, session, p)
         if ask is None:
-            return messages.Begin(rid, self.rank_index)
-        return messages.Begin(rid, self.rank_index, ask.producer_ids, ask.algorithm)
+            return messages.Begin(rid, self.rank_index, record=recv.record)
+        return messages.Begin(rid, self.rank_index, ask.producer_ids, ask.algorithm,
+                              recv.record)
 
     def _ask_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> DigestAsk | None:
         """The blocks of ``recv`` this rank checks against producer rank ``p``'s digests

@@ -47,7 +47,8 @@ class LoadPath(WorkerState):
         recv = RecvTransfer(order.request_id, order.params, order.consumer_block_ids,
                             order.producer_block_ids, order.start,
                             deadline=now + self.handshake_deadline_s
-                            + self.settings.transfer_timeout_s, started_at=now)
+                            + self.settings.transfer_timeout_s, started_at=now,
+                            record=order.record, chain=order.chain)
         self._recv[order.request_id] = recv
         self._by_producer_rid[(order.params.producer_engine_id,
                                order.params.producer_request_id)] = order.request_id
@@ -116,12 +117,14 @@ class LoadPath(WorkerState):
             peer = session.peers[p]
             if p not in session.rank_plan.sources:
                 self.transport.send_notif(peer, messages.encode(messages.ReadDone(
-                    rid, self.rank_index, session.expected[p], read=False)))
+                    rid, self.rank_index, session.expected[p], read=False,
+                    record=recv.record)))
                 continue
             assert local is not None
             lidx, ridx, runs = indices[p]
             notif = messages.encode(messages.ReadDone(rid, self.rank_index,
-                                                      session.expected[p]))
+                                                      session.expected[p],
+                                                      record=recv.record))
             if lidx.size == 0:
                 self.transport.send_notif(peer, notif)
                 continue
@@ -248,7 +251,7 @@ class LoadPath(WorkerState):
         if recv.request_id not in self._recv:
             return
         if tell_producer:
-            self._releases.append(ReleaseOrder(recv.request_id, recv.params))
+            self._releases.append(ReleaseOrder(recv.request_id, recv.params, recv.record))
         del self._recv[recv.request_id]
         self._unindex(recv)
         self._done_recving.add(recv.request_id)
@@ -295,7 +298,8 @@ class LoadPath(WorkerState):
             for p in session.targets:
                 if release.params.mode is TransferMode.PULL:
                     msg: messages.Notif = messages.ReadDone(rid, self.rank_index,
-                                                            session.expected[p], read=False)
+                                                            session.expected[p], read=False,
+                                                            record=release.record)
                 else:
                     msg = messages.Register(rid, self.rank_index, session.expected[p],
                                             tuple(0 for _ in self.ctx.spec.regions),

@@ -46,6 +46,12 @@ Kinds (``C`` = consumer rank, ``P`` = producer rank):
   when the ``register`` named a digest algorithm (``alg``), the digests of the
   producer blocks written, per region, one for each registered block in order.
 
+Sealed params (:mod:`kvbridge.connectors.sealing`): ``begin`` and ``read`` carry
+``rec``, the 16-byte digest of the sealed params the consumer loads (a
+producer answers only the record it sealed); a push ``register`` carries
+``chain``, the consumer's 32-byte prompt chain (a producer writes only to the
+prompt it computed). Both optional on the wire, absent when empty.
+
 Who may send what (checked by the worker, not here): a producer acts on the
 C->P kinds only from an agent that said ``hello``, naming that hello's rank
 as ``consumer_rank``, with the ``expected`` count the producer computes for the
@@ -97,6 +103,8 @@ class ReadDone:
     consumer_rank: int
     expected: int  # consumer ranks that notify this producer rank for the request
     read: bool = True  # False: released without reading (prefix hit, abort)
+    #: the digest of the sealed params this consumer loads (``sealing.record_digest``)
+    record: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,9 @@ class Register:
     start: tuple[int, ...]  # first block index per region
     block_ids: tuple[tuple[int, ...], ...]  # consumer block ids from ``start`` on, per region
     cancel: bool = False  # the consumer will not take the KV (prefix hit, abort)
-    algorithm: str = ""  # ask for digests of the written blocks in ``pushed`` (issue 18)
+    algorithm: str = ""  # ask for digests of the written blocks in ``pushed`` (to verify them)
+    #: the consumer's prompt chain over the tokens it takes (``sealing.prompt_chain``)
+    chain: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,7 @@ class Pushed:
     producer_rank: int
     ok: bool
     reason: str = ""
-    #: packed digests per region of every block written, in registered order (issue 18)
+    #: packed digests per region of every block written, in registered order (the consumer checks them)
     digests: tuple[bytes, ...] = ()
     algorithm: str = ""
 
@@ -141,6 +151,8 @@ class Begin:
     #: producer block ids per region whose digests the consumer asks for (empty: none)
     digest_ids: tuple[tuple[int, ...], ...] = ()
     algorithm: str = ""  # the digest algorithm asked for (with ``digest_ids``)
+    #: the digest of the sealed params this consumer loads (``sealing.record_digest``)
+    record: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,8 @@ def encode(msg: Notif) -> bytes:
     elif isinstance(msg, ReadDone):
         body = {"t": NotifKind.READ.value, "rid": msg.request_id, "cr": msg.consumer_rank,
                 "n": msg.expected, "read": msg.read}
+        if msg.record:
+            body["rec"] = bytes(msg.record)
     elif isinstance(msg, Ack):
         body = {"t": NotifKind.ACK.value, "rid": msg.request_id, "pr": msg.producer_rank,
                 "ok": msg.ok, "why": msg.reason}
@@ -176,6 +190,8 @@ def encode(msg: Notif) -> bytes:
                 "ids": [list(g) for g in msg.block_ids], "cancel": msg.cancel}
         if msg.algorithm:
             body["alg"] = msg.algorithm
+        if msg.chain:
+            body["chain"] = bytes(msg.chain)
     elif isinstance(msg, Pushed):
         body = {"t": NotifKind.PUSHED.value, "rid": msg.request_id, "pr": msg.producer_rank,
                 "ok": msg.ok, "why": msg.reason}
@@ -187,6 +203,8 @@ def encode(msg: Notif) -> bytes:
         if msg.digest_ids:  # absent unless asked: a producer before digests reads it as ever
             body["dig"] = [list(g) for g in msg.digest_ids]
             body["alg"] = msg.algorithm
+        if msg.record:
+            body["rec"] = bytes(msg.record)
     elif isinstance(msg, Held):
         body = {"t": NotifKind.HELD.value, "rid": msg.request_id, "pr": msg.producer_rank,
                 "ok": msg.ok, "for": float(msg.lease_s), "why": msg.reason}
@@ -199,10 +217,16 @@ def encode(msg: Notif) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-#: keys a kind may carry besides its own (digests, issue 18): both or neither
+#: keys a kind may carry besides its own (digests: optional, so a message without them is
+#: the bytes it always was): both or neither
 _OPTIONAL = {NotifKind.BEGIN: {"dig", "alg"}, NotifKind.HELD: {"dig", "alg"},
              NotifKind.PUSHED: {"dig", "alg"}, NotifKind.REGISTER: {"alg"}}
+#: keys a kind may carry alone (absent from a peer with nothing to say): the sealed
+#: record's digest, the prompt chain of a push registration
+_SOLO = {NotifKind.BEGIN: {"rec"}, NotifKind.READ: {"rec"}, NotifKind.REGISTER: {"chain"}}
 MAX_REGIONS = 64
+RECORD_BYTES = 16
+CHAIN_BYTES = 32
 
 _KEYS = {
     NotifKind.HELLO: {"agent"},
@@ -254,6 +278,17 @@ def _int_list(value: object, field: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _fixed_bytes(obj: dict[str, Any], key: str, size: int) -> bytes:
+    """An optional key of exactly ``size`` bytes; b"" when absent."""
+    if key not in obj:
+        return b""
+    value = obj[key]
+    if not isinstance(value, bytes) or len(value) != size:
+        raise NotifError(key, f"expected {size} bytes, got {type(value).__name__}"
+                              f"{f' of {len(value)}' if isinstance(value, bytes) else ''}")
+    return value
+
+
 def _digest_lists(obj: dict[str, Any]) -> tuple[tuple[bytes, ...], str]:
     """The optional ``dig``/``alg`` of an answer: packed digests per region."""
     if "dig" not in obj:
@@ -281,7 +316,7 @@ def decode(data: bytes) -> Notif:
         kind = NotifKind(obj.get("t"))
     except ValueError:
         raise NotifError("t", f"unknown kind {obj.get('t')!r}") from None
-    keys = set(obj) - {"v", "t"}
+    keys = set(obj) - {"v", "t"} - _SOLO.get(kind, set())
     optional = _OPTIONAL.get(kind, set())
     if keys - optional != _KEYS[kind] or 0 < len(keys & optional) < len(optional):
         missing = sorted((_KEYS[kind] | (optional if keys & optional else set())) - keys)
@@ -294,7 +329,8 @@ def decode(data: bytes) -> Notif:
             raise NotifError("agent", "expected non-empty bytes")
         return Hello(agent)
     if kind is NotifKind.READ:
-        return ReadDone(_str(obj, "rid"), _int(obj, "cr"), _int(obj, "n", 1), _bool(obj, "read"))
+        return ReadDone(_str(obj, "rid"), _int(obj, "cr"), _int(obj, "n", 1), _bool(obj, "read"),
+                        _fixed_bytes(obj, "rec", RECORD_BYTES))
     if kind is NotifKind.ACK:
         return Ack(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"),
                    _str(obj, "why", allow_empty=True))
@@ -310,7 +346,8 @@ def decode(data: bytes) -> Notif:
             ids = tuple(_int_list(g, f"dig[{i}]") for i, g in enumerate(groups))
             if sum(len(g) for g in ids) > MAX_IDS:
                 raise NotifError("dig", f"more than {MAX_IDS} block ids")
-        return Begin(_str(obj, "rid"), _int(obj, "cr"), ids, _str(obj, "alg") if ids else "")
+        return Begin(_str(obj, "rid"), _int(obj, "cr"), ids, _str(obj, "alg") if ids else "",
+                     _fixed_bytes(obj, "rec", RECORD_BYTES))
     if kind is NotifKind.HELD:
         held = Held(_str(obj, "rid"), _int(obj, "pr"), _bool(obj, "ok"), _seconds(obj, "for"),
                     _str(obj, "why", allow_empty=True), *_digest_lists(obj))
@@ -331,4 +368,5 @@ def decode(data: bytes) -> Notif:
         raise NotifError("ids", f"expected {len(start)} block-id lists (one per region)")
     ids = tuple(_int_list(g, f"ids[{i}]") for i, g in enumerate(groups))
     return Register(_str(obj, "rid"), _int(obj, "cr"), _int(obj, "n", 1), start, ids,
-                    _bool(obj, "cancel"), _str(obj, "alg") if "alg" in obj else "")
+                    _bool(obj, "cancel"), _str(obj, "alg") if "alg" in obj else "",
+                    _fixed_bytes(obj, "chain", CHAIN_BYTES))

@@ -1,18 +1,20 @@
-"""Push: the producer rank writes each layer to the consumer ranks that registered.
+"""Push, producer side: this rank writes each layer to the consumer ranks that registered.
 
-Consumer side: a load ``register``s its block ids with every producer rank it
-notifies (asking for digests in the same message) and is DONE when every
-source sent ``pushed``; an aborted load sends a cancelling ``register``.
-Producer side: lists for writing to a consumer rank are prepared once, at its
-``hello``; a push job WRITEs a layer to every registered consumer rank once the
-layer's push fence passed (issue 15: never before the kernels that wrote it
-finished), or everything at once when the registration came after the prompt's
-last step; when a target's writes are done it sends ``pushed`` (with the
-digests taken once every layer was final) and notifies the lease.
+Lists for writing to a consumer rank are prepared once, at its ``hello``. A
+push job (:class:`~.send_state.PushJob`, one per request) WRITEs a layer to
+every registered consumer rank once the layer's push fence passed (never
+before the kernels that wrote it finished), or everything at once when the
+registration came after the prompt's last step; when a consumer rank's writes
+are done it sends ``pushed`` (with the digests taken once every layer was
+final) and notifies the lease. Each consumer rank's push is a
+:class:`~.send_state.SendTransfer`, whose states change only through its
+methods (:mod:`.send_state` draws both machines); this module decides when,
+and does the I/O.
 
 Owns: ``_push_jobs``, ``_early_registers``, ``_cancelled``, ``_step_pushes``'
-jobs, the consumer peers' push lists, the push counters. May not touch: pull
-loads or holds (beyond notifying the lease and answering through
+jobs, the consumer peers' push lists, the push counters, the ``pushed``
+answers. May not touch: the consumer side of push (:mod:`.push_consumer`),
+pull loads or holds (beyond notifying the lease and answering through
 :mod:`.holds`' ``_send_to``), nor the sessions.
 """
 
@@ -26,67 +28,24 @@ from kvbridge.backends.nixl import NixlTransportError, XferOp, XferState
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.routing import build_table, pair_indices
 from kvbridge.connectors.nixl.scheduler import PushOrder
-from kvbridge.connectors.nixl.session import PeerSession, check_remote_coverage
-from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
+from kvbridge.connectors.nixl.send_state import PushJob, SendState, SendTransfer
+from kvbridge.connectors.nixl.session import check_remote_coverage
 from kvbridge.connectors.nixl.verify import answer_ask, take_hold_digests, take_slice_digests
 from kvbridge.connectors.nixl.worker_state import (
     MAX_EARLY_REGISTERS,
     TransferRecord,
     WorkerState,
     _ConsumerPeer,
-    _PushJob,
     _PushLists,
-    _PushTarget,
     logger,
 )
-from kvbridge.connectors.params import TransferMode
 from kvbridge.layouts import LayoutError
 from kvbridge.layouts.digests import SLICE_ALGORITHMS, block_algorithm_of
 from kvbridge.layouts.plan import plan_consumer_rank
 
 
-class PushPath(WorkerState):
-    """Push: the producer's per-layer WRITEs, and the consumer's registrations."""
-
-    # ------------------------------------------------------------------ consumer: push
-
-    def _post_registers(self, recv: RecvTransfer, session: PeerSession) -> None:
-        """Consumer, push: ``register`` the load's block ids with every producer rank it
-        notifies (asking the sources for digests); raises what sending raises."""
-        assert self.transport is not None
-        rid = recv.params.producer_request_id
-        for p in session.targets:
-            ask = self._ask_for(recv, session, p) \
-                if p in session.rank_plan.sources else None
-            reg = messages.Register(rid, self.rank_index, session.expected[p],
-                                    recv.start, recv.consumer_block_ids,
-                                    algorithm=ask.algorithm if ask else "")
-            self.transport.send_notif(session.peers[p], messages.encode(reg))
-
-    def _cancel_load(self, request_id: str, now: float) -> None:
-        """The engine finished a request while it was loading (abort). Pull: its READ
-        settles as usual (the blocks stay pinned until then). Push: ask the producer to
-        stop; its answer (after in-flight writes settle) finishes the request."""
-        recv = self._recv.get(request_id)
-        if recv is None or recv.params.mode is not TransferMode.PUSH:
-            return
-        session = self._sessions.get(self._session_key(recv.params))
-        if session is None or recv.state is RecvState.BOOTSTRAPPING:
-            self._fail(recv, "cancelled before registration", now)
-            return
-        assert self.transport is not None
-        for p in session.targets:
-            # the count of notifying ranks the producer rank computes too (else refused)
-            msg = messages.encode(messages.Register(
-                recv.params.producer_request_id, self.rank_index, session.expected[p],
-                recv.start, recv.consumer_block_ids, cancel=True))
-            try:
-                self.transport.send_notif(session.peers[p], msg)
-            except NixlTransportError as exc:
-                self._fail(recv, f"cancel: {exc}", now)
-                return
-
-    # ------------------------------------------------------------------ producer: push
+class PushSender(WorkerState):
+    """Push, producer: the per-layer WRITEs to the consumer ranks that registered."""
 
     def _take_push_orders(self, drops: tuple[str, ...], pushes: tuple[PushOrder, ...],
                           now: float) -> None:
@@ -96,40 +55,38 @@ class PushPath(WorkerState):
             self._early_registers.pop(rid, None)
             job = self._push_jobs.get(rid)
             if job is not None:
-                job.dropped = True
+                self._drop_job(job)
                 for target in job.targets.values():
-                    if not target.finished and not self._writes_pending(target):
-                        self._finish_push_target(job, target, False, "producer request aborted",
-                                                 now)
+                    if target.state is SendState.CANCELLING \
+                            and not self._writes_pending(target):
+                        target.cancelled("producer request aborted", now)
+                        self._finish_push_target(job, target, now)
                 self._maybe_drop_job(job)
         self._step_pushes = pushes
         for push in pushes:
             job = self._push_jobs.setdefault(push.request_id,
-                                             _PushJob(push.request_id, started_at=now))
+                                             PushJob(push.request_id, started_at=now))
             if self._cancelled.pop(push.request_id, None) is not None:
-                job.dropped = True
-            job.block_ids = tuple(tuple(g) for g in push.block_ids)
-            job.final = job.final or push.final
+                self._drop_job(job)  # its targets are answered as their writes settle
+            job.order(tuple(tuple(g) for g in push.block_ids), push.final)
+            job.chain = job.chain or push.chain
             for sender, reg in self._early_registers.pop(push.request_id, []):
                 self._on_register(sender, reg, now)
 
-    def _release_fenced(self, job: _PushJob) -> bool:
+    def _drop_job(self, job: PushJob) -> None:
+        """The request is aborted: nothing more is posted, every consumer rank still
+        pushed to is cancelled (answered once its writes in flight settled)."""
+        job.drop()
+        for target in job.targets.values():
+            if not target.state.terminal:
+                target.cancel()
+
+    def _release_fenced(self, job: PushJob) -> bool:
         """Move the layers of passed fences into ``layers_ready``; True if any moved.
 
         A WRITE of a layer is posted only from ``layers_ready``: never before the
         kernels that wrote the layer finished (on host memory fences pass at once)."""
-        if not job.fenced:
-            return False
-        waiting = []
-        moved = False
-        for fence, layers in job.fenced:
-            if fence.done():
-                job.layers_ready |= layers
-                moved = True
-            else:
-                waiting.append((fence, layers))
-        job.fenced = waiting
-        return moved
+        return job.release_fenced()
 
     def _prepare_push(self, consumer: _ConsumerPeer) -> _PushLists | None:
         """Lists for writing to ``consumer``'s rank, prepared right after its hello."""
@@ -163,11 +120,11 @@ class PushPath(WorkerState):
         job = self._push_jobs.get(rid)
         if reg.cancel:
             target_c = job.targets.get(reg.consumer_rank) if job is not None else None
-            if job is not None and target_c is not None and not target_c.finished:
-                target_c.cancelled = True  # answered once its writes settle
+            if job is not None and target_c is not None and not target_c.state.terminal:
+                target_c.cancel()  # answered once its writes settle
                 if not self._writes_pending(target_c):
-                    self._finish_push_target(job, target_c, False, "cancelled by consumer",
-                                             now)
+                    target_c.cancelled("cancelled by consumer", now)
+                    self._finish_push_target(job, target_c, now)
                 return
             self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
                                                   "cancelled by consumer"))
@@ -195,7 +152,16 @@ class PushPath(WorkerState):
             raise NixlTransportError(f"register from {sender} names consumer rank "
                                      f"{reg.consumer_rank}, its hello said "
                                      f"{consumer.meta.rank_index}")
-        target = _PushTarget(reg.consumer_rank, consumer.peer, reg)
+        refused = self._refuse_register(job, reg, consumer.meta.engine_id)
+        if refused:
+            self._counters["registers_refused"] += 1
+            logger.warning("nixl: producer engine=%s rank=%d request=%s: register of consumer "
+                           "%s rank %d refused: %s", self.ctx.engine_id, self.rank_index,
+                           rid, consumer.meta.engine_id, reg.consumer_rank, refused)
+            self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+                                                  f"refused: {refused}"))
+            return
+        target = SendTransfer(reg.consumer_rank, consumer.peer, reg)
         lists = consumer.push
         if lists is not None:
             target.local, target.remote = lists.local, lists.remote
@@ -203,14 +169,30 @@ class PushPath(WorkerState):
             target.layers_needed = lists.layers_needed
         job.targets[reg.consumer_rank] = target
         if not target.layers_needed:
-            target.finished = True
+            target.nothing_needed(now)
             self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
             return
+        if job.dropped:
+            target.cancel()  # answered "cancelled" by the next progress
         if job.final and not self._step_pushes and not job.fenced:
-            job.layers_ready |= set(self.memory)  # prefill already complete: everything
+            job.ready_all(set(self.memory))  # prefill already complete: everything
         self._post_push_writes(job)
 
-    def _post_push_writes(self, job: _PushJob) -> None:
+    def _refuse_register(self, job: PushJob, reg: messages.Register, engine: str) -> str:
+        """Why a register may not have ``job``'s KV ("" if it may): its prompt is another
+        (or it names none), or another consumer engine or this rank registered first."""
+        if not job.chain or reg.chain != job.chain:
+            return ("the consumer's prompt is not this request's prompt" if reg.chain else
+                    "no prompt chain: a push register names the prompt it takes")
+        if job.engine is None:
+            job.engine = engine
+        elif job.engine != engine:
+            return f"registered by another consumer engine ({job.engine[:64]!r}) first"
+        if reg.consumer_rank in job.targets:
+            return f"consumer rank {reg.consumer_rank} registered already: once per rank"
+        return ""
+
+    def _post_push_writes(self, job: PushJob) -> None:
         assert self.transport is not None
         now = time.monotonic()
         if job.dropped:
@@ -234,12 +216,11 @@ class PushPath(WorkerState):
                                self.ctx.engine_id, self.rank_index, job.request_id, exc)
                 job.digests = ()
         for target in job.targets.values():
-            if (job.digests and target.slice_digests is None and not target.finished
+            if (job.digests and target.slice_digests is None and not target.state.terminal
                     and self._slicer(target.register.algorithm) is not None):
                 self._take_push_slices(job, target)
         for target in job.targets.values():
-            if (target.finished or target.cancelled or target.local is None
-                    or target.remote is None):
+            if not target.writable or target.local is None or target.remote is None:
                 continue
             layers = (job.layers_ready & target.layers_needed) - target.layers_written
             if not layers:
@@ -260,22 +241,22 @@ class PushPath(WorkerState):
                 lidx, ridx, runs = pair_indices(target.local, which, producer_ids, "producer",
                                                 target.remote, which, reg.block_ids,
                                                 "consumer")
-                target.runs += runs
-                target.layers_written |= layers
+                target.posted(layers, runs)
                 if lidx.size:
                     target.transfers.append(self.transport.post(
                         XferOp.WRITE, target.local_list, lidx, target.remote_list, ridx,
                         b"", deadline_s=self.settings.transfer_timeout_s))
             except Exception as exc:
-                self._finish_push_target(job, target, False, f"write refused: {exc}", now)
+                target.fail(f"write refused: {exc}", now)
+                self._finish_push_target(job, target, now)
 
-    def _writes_pending(self, target: _PushTarget) -> bool:
+    def _writes_pending(self, target: SendTransfer) -> bool:
         assert self.transport is not None
         return any(self.transport.poll(x) is XferState.PENDING or not x.quiesced
                    for x in target.transfers)
 
-    def _maybe_drop_job(self, job: _PushJob) -> None:
-        if job.dropped and all(t.finished for t in job.targets.values()):
+    def _maybe_drop_job(self, job: PushJob) -> None:
+        if job.dropped and all(t.state.terminal for t in job.targets.values()):
             self._drop_push_job(job.request_id)
 
     def _progress_pushes(self, now: float) -> None:
@@ -285,27 +266,32 @@ class PushPath(WorkerState):
                 self._post_push_writes(job)
             self._maybe_drop_job(job)
             for target in job.targets.values():
-                if target.finished:
+                if target.state.terminal:
                     continue
-                if target.cancelled or job.dropped:
+                if target.state is SendState.CANCELLING:  # every target of a dropped job
                     if not self._writes_pending(target):
-                        self._finish_push_target(job, target, False, "cancelled", now)
+                        target.cancelled("cancelled", now)
+                        self._finish_push_target(job, target, now)
                     continue
                 states = [self.transport.poll(x) for x in target.transfers]
                 bad = [x for x in target.transfers
                        if x.state in (XferState.FAILED, XferState.TIMED_OUT)]
                 if bad:
                     self._counters["transfer_failures"] += 1
-                    self._finish_push_target(job, target, False,
-                                             f"WRITE {bad[0].state.value}: {bad[0].error}", now)
+                    target.fail(f"WRITE {bad[0].state.value}: {bad[0].error}", now)
+                    self._finish_push_target(job, target, now)
                     continue
                 if (target.layers_written >= target.layers_needed
                         and all(s is XferState.DONE for s in states)):
-                    self._finish_push_target(job, target, True, "", now)
+                    target.written(now)
+                    self._finish_push_target(job, target, now)
 
-    def _finish_push_target(self, job: _PushJob, target: _PushTarget, ok: bool, reason: str,
-                            now: float) -> None:
-        target.finished = True
+    def _finish_push_target(self, job: PushJob, target: SendTransfer, now: float) -> None:
+        """Count, record and answer a push to one consumer rank that just ended (PUSHED:
+        ``pushed`` ok, with the digests it asked for; CANCELLED or FAILED: not ok)."""
+        assert target.state.terminal
+        ok = target.state is SendState.PUSHED
+        reason = target.error or ""
         nbytes = sum(x.nbytes for x in target.transfers)
         ndescs = sum(x.num_descs for x in target.transfers)
         self._counters["pushes_done" if ok else "pushes_failed"] += 1
@@ -333,7 +319,7 @@ class PushPath(WorkerState):
         self._leases.notify(job.request_id, reg.consumer_rank, reg.expected, target.peer.name,
                             now)
 
-    def _push_digests(self, job: _PushJob, reg: messages.Register) -> tuple[bytes, ...] | str:
+    def _push_digests(self, job: PushJob, reg: messages.Register) -> tuple[bytes, ...] | str:
         """Producer: digests of every block written for ``reg``, or why there are none."""
         if reg.algorithm not in self._digesters or not job.digests:
             return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
@@ -344,7 +330,7 @@ class PushPath(WorkerState):
             self._counters["digests_served"] += sum(len(g) for g in asked)
         return answer
 
-    def _push_alg_digests(self, job: _PushJob, alg: str) -> tuple[dict[int, int], ...]:
+    def _push_alg_digests(self, job: PushJob, alg: str) -> tuple[dict[int, int], ...]:
         """Producer: a push job's digests in ``alg`` (taken now when no target asked for
         it as the last layer was final; the layers are final, so the same bytes)."""
         assert job.digests is not None
@@ -358,7 +344,7 @@ class PushPath(WorkerState):
             self._count_digests(started, job.block_ids)
         return have
 
-    def _take_push_slices(self, job: _PushJob, target: _PushTarget) -> None:
+    def _take_push_slices(self, job: PushJob, target: SendTransfer) -> None:
         """Producer, push: slice digests of the blocks registered by ``target`` (every
         layer is final), before its remaining WRITEs are posted."""
         reg = target.register
@@ -382,7 +368,7 @@ class PushPath(WorkerState):
             return
         self._count_slices(started, plan, ids, "slice_digests_at_hold")
 
-    def _push_slice_digests(self, job: _PushJob, target: _PushTarget
+    def _push_slice_digests(self, job: PushJob, target: SendTransfer
                             ) -> tuple[bytes, ...] | str:
         """Producer: slice digests of every block written for ``target``, or why none."""
         if not target.slice_digests:

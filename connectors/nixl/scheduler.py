@@ -3,15 +3,18 @@
 Consumer (``kv_consumer``): a request that carries ``TransferParams`` asks for
 ``min(params.num_tokens, request tokens) - computed`` tokens, loaded
 asynchronously, once the params are checked against the request
-(``TransferParams.check_request``: sizes bounded by its prompt; refused ones
-are counted and the request recomputes); once blocks are allocated a
+(``TransferParams.check_request``: sizes bounded by its prompt; then
+:class:`~kvbridge.connectors.sealing.ParamsCheck`: sealed by their producer,
+for this prompt, a hold not loaded before; refused ones are counted per
+reason and the request recomputes); once blocks are allocated a
 :class:`LoadOrder` goes to the workers. Zero tokens (a full local prefix hit) or an abort before the
 request was ever allocated still sends a :class:`ReleaseOrder`, so the
 producer frees at once instead of waiting for its lease to run out.
 
 Producer (``kv_producer``): a finished ``remote_decode`` request is held
 (``delay_free``) and a :class:`HoldOrder` starts its lease on every rank;
-``request_finished`` returns the pull ``TransferParams`` the router forwards.
+``request_finished`` returns the pull ``TransferParams`` the router forwards,
+sealed (:class:`~kvbridge.connectors.sealing.Sealer`).
 In push mode every scheduled step of such a request is a :class:`PushOrder`
 (the workers write each layer as it completes in the prompt's last step).
 
@@ -40,6 +43,13 @@ from kvbridge.connectors.api import (
 from kvbridge.connectors.errors import TransferParamsError
 from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.params import TransferMode, TransferParams
+from kvbridge.connectors.sealing import (
+    ParamsCheck,
+    Sealer,
+    chain_links,
+    prompt_chain,
+    record_digest,
+)
 from kvbridge.handshake import (
     CompatHeader,
     HandshakeServer,
@@ -54,7 +64,13 @@ logger = logging.getLogger(__name__)
 #: every refusal, these the bounds checks': see ``TransferParams.check_request``).
 REFUSAL_COUNTERS = {"num_tokens": "refused_params_num_tokens",
                     "block_ids": "refused_params_block_ids",
-                    "block_id": "refused_params_block_id"}
+                    "block_id": "refused_params_block_id",
+                    # unsealed, or a seal that does not verify (sealing.ParamsCheck)
+                    "seal": "refused_params_seal",
+                    # sealed for other tokens than this request's prompt
+                    "prompt_chain": "refused_params_prompt",
+                    # a hold this engine already loaded for another request
+                    "hold_id": "refused_params_replay"}
 
 
 def _refusal_counter(field_name: str) -> str:
@@ -63,7 +79,9 @@ def _refusal_counter(field_name: str) -> str:
     name = field_name.removeprefix("transfer_params.")
     if name.startswith("block_ids"):
         return REFUSAL_COUNTERS["block_id" if name.count("[") == 2 else "block_ids"]
-    return REFUSAL_COUNTERS["num_tokens"]
+    if name.startswith("seal"):
+        return REFUSAL_COUNTERS["seal"]
+    return REFUSAL_COUNTERS.get(name, REFUSAL_COUNTERS["num_tokens"])
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,10 @@ class LoadOrder:
     producer_block_ids: BlockIds
     start: tuple[int, ...]
     error: str | None = None
+    #: the sealed params' digest the producer checks (``sealing.record_digest``)
+    record: bytes = b""
+    #: push: this request's prompt chain, which the producer compares with its own
+    chain: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -89,15 +111,18 @@ class ReleaseOrder:
 
     request_id: str
     params: TransferParams
+    record: bytes = b""  # as in LoadOrder: a release names the sealed record too
 
 
 @dataclass(frozen=True)
 class HoldOrder:
-    """Producer: hold ``request_id``'s blocks under a lease until the consumers are done."""
+    """Producer: hold ``request_id``'s blocks under a lease until the consumers are done;
+    ``record``: the digest of the params sealed for it (empty in push mode)."""
 
     request_id: str
     block_ids: BlockIds
     push: bool
+    record: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,8 @@ class PushOrder:
     block_ids: BlockIds
     end: int
     final: bool
+    #: the prompt chain a consumer's register must name (``sealing.prompt_chain``)
+    chain: bytes = b""
 
 
 @dataclass
@@ -159,6 +186,11 @@ class NixlScheduler(SchedulerConnector):
                                        **dict.fromkeys(REFUSAL_COUNTERS.values(), 0)}
         #: the field of the last refused params (``transfer_params.block_ids[0]``), or None
         self.last_refused_field: str | None = None
+        auth = settings.cluster_auth()
+        secret = auth.secret if auth is not None else None
+        self._sealer = Sealer(secret)  # producer: seals the params it returns
+        self._check = ParamsCheck(secret)  # consumer: loads only sealed params of its prompt
+        self._push_chains: dict[str, bytes] = {}  # producer, push: each request's chain
 
     # ------------------------------------------------------------------ handshake
 
@@ -202,6 +234,8 @@ class NixlScheduler(SchedulerConnector):
             return None
         try:
             self._check_bounds(request, params)
+            self._check.check(request.request_id, request.token_ids, request.cache_salt,
+                              params, self._links(request))
         except TransferParamsError as exc:
             self._refuse(request, exc)
             return None
@@ -216,6 +250,16 @@ class NixlScheduler(SchedulerConnector):
         dcp = params.producer_topology.dcp_size
         params.check_request(request.num_prompt_tokens,
                              [region.tokens_per_key(dcp) for region in self.ctx.spec.regions])
+
+    def _links(self, request: ConnectorRequest) -> tuple[bytes, ...]:
+        """The request's block hashes that are prompt-chain links (none: computed)."""
+        return tuple(chain_links(request.block_hashes,
+                                 [self.ctx.block_tokens(r)
+                                  for r in range(len(self.ctx.spec.regions))]))
+
+    def _chain(self, request: ConnectorRequest, num_tokens: int) -> bytes:
+        return prompt_chain(request.token_ids, num_tokens, request.cache_salt,
+                            self._links(request))
 
     def _refuse(self, request: ConnectorRequest, exc: TransferParamsError) -> None:
         """Refused params: the request recomputes locally; counted, one log line."""
@@ -244,10 +288,11 @@ class NixlScheduler(SchedulerConnector):
         if params is None:
             return
         self._handled.add(request.request_id)
+        self._check.used(request.request_id, params)
         if num_external_tokens <= 0:
-            self._pending.releases.append(ReleaseOrder(request.request_id, params))
-            self._stats["releases_ordered"] += 1
+            self._release(request.request_id, params)
             return
+        record = record_digest(params) if params.seal is not None else b""
         start_token = request.num_computed_tokens
         end_token = start_token + num_external_tokens
         consumer: list[tuple[int, ...]] = []
@@ -267,10 +312,22 @@ class NixlScheduler(SchedulerConnector):
                 if len(producer[-1]) != len(span) and error is None:
                     error = (f"region {r}: producer sent {len(theirs)} block ids, need block "
                              f"indices {span.start}..{span.stop - 1}")
+        chain = b""
+        if params.mode is TransferMode.PUSH and error is None:
+            try:  # what the producer compares with its own prompt before writing
+                chain = self._chain(request, min(params.num_tokens, request.num_prompt_tokens))
+            except TransferParamsError as exc:
+                error = f"{exc.field}: {exc.reason}"
         self._pending.loads.append(LoadOrder(request.request_id, params, tuple(consumer),
-                                             tuple(producer), tuple(starts), error))
+                                             tuple(producer), tuple(starts), error,
+                                             record, chain))
         self._stats["loads_ordered"] += 1
         self._stats["blocks_ordered"] += sum(len(ids) for ids in consumer)
+
+    def _release(self, request_id: str, params: TransferParams) -> None:
+        record = record_digest(params) if params.seal is not None else b""
+        self._pending.releases.append(ReleaseOrder(request_id, params, record))
+        self._stats["releases_ordered"] += 1
 
     # ------------------------------------------------------------------ both
 
@@ -283,8 +340,13 @@ class NixlScheduler(SchedulerConnector):
                 if not req.remote_decode or params is None or params.mode is not TransferMode.PUSH:
                     continue
                 end = item.num_computed_tokens + item.num_scheduled_tokens
-                final = end >= min(req.num_prompt_tokens, params.num_tokens or req.num_prompt_tokens)
-                pushes.append(PushOrder(req.request_id, params, item.block_ids, end, final))
+                upto = min(req.num_prompt_tokens, params.num_tokens or req.num_prompt_tokens)
+                final = end >= upto
+                chain = self._push_chains.get(req.request_id)
+                if chain is None:
+                    chain = self._push_chains[req.request_id] = self._chain(req, upto)
+                pushes.append(PushOrder(req.request_id, params, item.block_ids, end, final,
+                                        chain))
         heartbeats: tuple[TransferParams, ...] = ()
         now = time.monotonic()
         if self._waiting and now - self._last_heartbeat >= self.settings.heartbeat_interval_s:
@@ -301,14 +363,18 @@ class NixlScheduler(SchedulerConnector):
         self._stats["finished_sending"] += len(output.finished_sending)
         self._stats["finished_recving"] += len(output.finished_recving)
         self._stats["failed_recving"] += len(output.failed_recving)
+        for rid in output.failed_recving:
+            self._check.failed(rid)
+        for rid in output.finished_recving:
+            if rid not in output.failed_recving:
+                self._check.finished(rid)
 
     def request_finished(self, request: ConnectorRequest,
                          block_ids: BlockIds) -> tuple[bool, TransferParams | None]:
         rid = request.request_id
         params = self._waiting.pop(rid, None)
         if params is not None:  # consumer: matched but never allocated (abort, error)
-            self._pending.releases.append(ReleaseOrder(rid, params))
-            self._stats["releases_ordered"] += 1
+            self._release(rid, params)
             self._handled.discard(rid)
             return False, None
         handled = rid in self._handled
@@ -317,13 +383,13 @@ class NixlScheduler(SchedulerConnector):
                 and self.ctx.role.is_consumer:
             if not handled:
                 # finished before the connector was ever asked (aborted while queued)
-                self._pending.releases.append(ReleaseOrder(rid, request.transfer_params))
-                self._stats["releases_ordered"] += 1
+                self._release(rid, request.transfer_params)
             else:
                 self._pending.cancels.append(rid)  # a no-op for loads already finished
             return False, None
         if not (self.ctx.role.is_producer and request.remote_decode):
             return False, None
+        self._push_chains.pop(rid, None)
         push = self.settings.mode is TransferMode.PUSH
         num_tokens = min(request.num_prompt_tokens, request.num_computed_tokens)
         # A remote prefill ends by producing its one token; without it the request was
@@ -334,17 +400,19 @@ class NixlScheduler(SchedulerConnector):
             if push:
                 self._pending.drops.append(rid)
             return False, None
-        self._pending.holds.append(HoldOrder(rid, tuple(tuple(g) for g in block_ids), push))
-        self._stats["holds_ordered"] += 1
+        ids = tuple(tuple(g) for g in block_ids)
         if push:
+            self._pending.holds.append(HoldOrder(rid, ids, push))
+            self._stats["holds_ordered"] += 1
             return True, request.transfer_params
         host, port = self.endpoint() or (self.settings.public_host, 1)
-        params = TransferParams(
+        params = self._sealer.seal(TransferParams(
             mode=TransferMode.PULL, producer_engine_id=self.ctx.engine_id,
             producer_host=host, producer_port=port, producer_request_id=rid,
-            block_ids=tuple(tuple(g) for g in block_ids),
-            producer_topology=self.ctx.topology.sizes(), num_tokens=num_tokens,
-            spec_fingerprint=self.ctx.spec.fingerprint())
+            block_ids=ids, producer_topology=self.ctx.topology.sizes(), num_tokens=num_tokens,
+            spec_fingerprint=self.ctx.spec.fingerprint()), self._chain(request, num_tokens))
+        self._pending.holds.append(HoldOrder(rid, ids, push, record_digest(params)))
+        self._stats["holds_ordered"] += 1
         return True, params
 
     def get_stats(self) -> dict[str, int | float]:

@@ -88,6 +88,10 @@ class RecvTransfer:
     #: regions some producer rank's digests cover, and why the others are not checked
     checked_regions: set[int] = field(default_factory=set)
     unchecked_why: str = ""
+    #: the digest of the sealed params (``sealing.record_digest``; empty: push, unsealed)
+    record: bytes = b""
+    #: push: the consumer's prompt chain over the tokens it takes (``sealing.prompt_chain``)
+    chain: bytes = b""
 
     @property
     def local_blocks(self) -> frozenset[tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""Verified pull loads (issue 18): which blocks a consumer rank checks, and the check.
+"""Verified pull loads: which blocks a consumer rank checks, and the check.
 
 A producer rank takes the digests of a request's blocks when it starts to
 hold them (prefill is done, the layers are final: ``take_hold_digests``), so

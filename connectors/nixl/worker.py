@@ -69,7 +69,8 @@ from kvbridge.connectors.nixl.holds import MAX_DEFERRED_PER_AGENT, HoldSide
 from kvbridge.connectors.nixl.load_checks import LoadChecks
 from kvbridge.connectors.nixl.loads import LoadPath
 from kvbridge.connectors.nixl.pump import ProgressPump
-from kvbridge.connectors.nixl.push import PushPath
+from kvbridge.connectors.nixl.push import PushSender
+from kvbridge.connectors.nixl.push_consumer import PushRegisters
 from kvbridge.connectors.nixl.scheduler import NixlMetadata
 from kvbridge.connectors.nixl.worker_state import (
     LATENCY_BUCKETS_MS,
@@ -133,8 +134,8 @@ def keep_alive(tensors: list[Any], until: float) -> None:
 OFFERED_DIGESTS = (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
 
 
-class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, ProgressPump,
-                 WorkerState):
+class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, PushSender,
+                 ProgressPump, WorkerState):
     """One rank's NIXL worker: its parts (the bases) and the hooks the engine calls.
 
     Every hook that touches the state runs under the state lock (:func:`_locked`),
@@ -235,7 +236,7 @@ class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, Progress
                                                                      started_at=now))
             if not hold.push:
                 self._take_hold_digests(hold.request_id, hold.block_ids)
-            for verdict in self._leases.hold(hold.request_id, now):
+            for verdict in self._leases.hold(hold.request_id, now, hold.record):
                 self._answer(verdict)
             for _at, sender, begin in self._early_begins.pop(hold.request_id, []):
                 self._early_begin_ids -= sum(len(g) for g in begin.digest_ids)
@@ -265,7 +266,7 @@ class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, Progress
             if job is not None and push.final:
                 if fence is None:  # one fence for the layer, whatever the number of requests
                     fence = self.record_fence(kv_layer)
-                job.fenced.append((fence, frozenset((layer_id,))))
+                job.fence(fence, frozenset((layer_id,)))
                 if self._release_fenced(job):
                     self._post_push_writes(job)
 
@@ -282,7 +283,7 @@ class NixlWorker(LoadPath, LoadChecks, HoldSide, HoldDigests, PushPath, Progress
                 if fence is None:
                     fence = self.record_fence(self._kv_tensors[0] if self._kv_tensors
                                               else None)
-                job.fenced.append((fence, frozenset(self.memory)))
+                job.fence(fence, frozenset(self.memory))
                 if self._release_fenced(job):
                     self._post_push_writes(job)
         self._step_pushes = ()

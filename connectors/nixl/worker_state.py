@@ -1,8 +1,8 @@
 """The state every part of a :class:`~kvbridge.connectors.nixl.worker.NixlWorker` shares.
 
 :class:`WorkerState` is the base of the worker's parts (:mod:`.loads`,
-:mod:`.load_checks`, :mod:`.holds`, :mod:`.hold_digests`, :mod:`.push`,
-:mod:`.pump`): it creates all of the rank's state in ``__init__`` (sessions,
+:mod:`.load_checks`, :mod:`.push_consumer`, :mod:`.holds`, :mod:`.hold_digests`,
+:mod:`.push`, :mod:`.pump`): it creates all of the rank's state in ``__init__`` (sessions,
 loads in flight, leases, known consumer peers, push jobs, digesters,
 counters) and holds the few helpers every part uses (counters, transfer
 records, the XXH3-64 digester). The parts are mixins rather than objects
@@ -29,16 +29,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from kvbridge.backends.fence import Fence, record_fence
-from kvbridge.backends.nixl import DescList, NixlTransport, PeerHandle, Transfer
+from kvbridge.backends.nixl import DescList, NixlTransport, PeerHandle
 from kvbridge.connectors.api import BlockRef, ConnectorContext, WorkerConnector
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.leases import LeaseTable, Verdict
 from kvbridge.connectors.nixl.routing import DescTable
 from kvbridge.connectors.nixl.scheduler import PushOrder, ReleaseOrder
+from kvbridge.connectors.nixl.send_state import PushJob
 from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey
 from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.nixl.state import RecvTransfer
@@ -116,40 +117,8 @@ class _ConsumerPeer:
     push: _PushLists | None = None
 
 
-@dataclass
-class _PushTarget:
-    consumer_rank: int
-    peer: PeerHandle
-    register: messages.Register
-    local: DescTable | None = None
-    remote: DescTable | None = None
-    local_list: DescList | None = None
-    remote_list: DescList | None = None
-    layers_needed: frozenset[int] = frozenset()
-    layers_written: set[int] = field(default_factory=set)
-    transfers: list[Transfer] = field(default_factory=list)
-    finished: bool = False
-    cancelled: bool = False
-    runs: int = 0  # contiguous runs posted (what NIXL moves after merging)
-    #: slice digests per region of the blocks registered (``xxh3-64-slices`` asked)
-    slice_digests: tuple[dict[int, int], ...] | None = None
-
-
-@dataclass
-class _PushJob:
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...] = ()
-    final: bool = False
-    dropped: bool = False
-    layers_ready: set[int] = field(default_factory=set)
-    # push fence (issue 15): layers saved whose kernels may still run; ready once done()
-    fenced: list[tuple[Fence, frozenset[int]]] = field(default_factory=list)
-    targets: dict[int, _PushTarget] = field(default_factory=dict)
-    started_at: float = 0.0
-    #: block id -> digest per region, taken once every layer is final (issue 18)
-    digests: tuple[dict[int, int], ...] | None = None
-    #: the same in the producer's other algorithms consumers ask for (not the first)
-    alg_digests: dict[str, tuple[dict[int, int], ...]] = field(default_factory=dict)
+#: the name the worker's parts, tools and tests know a push job by
+_PushJob = PushJob
 
 
 @dataclass(frozen=True)
@@ -226,7 +195,8 @@ class WorkerState(WorkerConnector):
         #: answers to agents that are not (or no more) peers: (queued at, answer)
         self._pending_acks: dict[str, list[tuple[float, messages.Notif]]] = {}
         self._push_jobs: dict[str, _PushJob] = {}
-        #: records the push fence of a saved layer (issue 15); a test may stand in for it
+        #: records the push fence of a saved layer (so no WRITE precedes its kernels); a test may
+        #: stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
         self._early_registers: dict[str, list[tuple[str, messages.Register]]] = {}
         self._step_pushes: tuple[PushOrder, ...] = ()
@@ -242,12 +212,14 @@ class WorkerState(WorkerConnector):
             "pushes_done": 0, "pushes_failed": 0, "sessions_dropped": 0, "finished_sending": 0,
             "peer_restarts": 0, "requests_refused": 0, "handshakes_abandoned": 0,
             "notifs_rejected": 0,
+            # producer, push: registers not naming this request's prompt (or a second one)
+            "registers_refused": 0,
             # producer: notifications of agents not (yet) peers, kept until their hello
             # or, after early_grace_s, rejected (notifs_rejected)
             "notifs_deferred": 0,
             # producer: begins that came before the hold started, answered when it did
             "begins_before_hold": 0,
-            # verified KV (issue 18): blocks checked against the producer's digests, found
+            # verified KV: blocks checked against the producer's digests, found
             # different (each a failed load of that block), and loaded without a check
             "blocks_verified": 0, "digest_mismatches": 0, "blocks_unverified": 0,
             "loads_corrupt": 0, "digests_served": 0,
@@ -344,7 +316,10 @@ class WorkerState(WorkerConnector):
         lease = self._leases.stats
         return {"lease_expiries": lease.expiries, "late_notifs": lease.late_notifs,
                 "unknown_notifs": lease.unknown_notifs, "holds_promised": lease.guarantees,
-                "holds_promise_refused": lease.guarantees_refused}
+                "holds_promise_refused": lease.guarantees_refused,
+                # begins, reads and releases not naming the sealed record, or from
+                # another consumer engine than the one that claimed the hold
+                "holds_refused": lease.refused}
 
     # ------------------------------------------------------------------ seams
     # What one part calls of another, for the type checker only (at run time the
@@ -386,8 +361,10 @@ class WorkerState(WorkerConnector):
         def _slice_digests_for(self, begin: messages.Begin, consumer: _ConsumerPeer
                                ) -> tuple[tuple[bytes, ...], str]: ...
 
-        # .push
+        # .push_consumer
         def _post_registers(self, recv: RecvTransfer, session: PeerSession) -> None: ...
+
+        # .push
         def _prepare_push(self, consumer: _ConsumerPeer) -> _PushLists | None: ...
         def _on_register(self, sender: str, reg: messages.Register, now: float) -> None: ...
         def _progress_pushes(self, now: float) -> None: ...

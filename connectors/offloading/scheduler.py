@@ -470,7 +470,7 @@ class OffloadingScheduler(SchedulerConnector):
                 for stat in ("loads_failed", "files_deleted", "files_quarantined",
                              "close_errors_ignored", "jobs_fenced", "probe_timeouts",
                              "stuck_thread_replacements", "loads_verified",
-                             "loads_unverified", "digest_mismatches",
+                             "loads_unverified", "digest_mismatches", "foreign_key_loads",
                              "lookup_invariant_violations"):
                     if stat in tier:
                         out[f"{name}_{stat}"] = out.get(f"{name}_{stat}", 0) + tier[stat]

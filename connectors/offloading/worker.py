@@ -72,7 +72,8 @@ class OffloadingWorker(WorkerConnector):
         self._slots: dict[str, list[torch.Tensor]] = {}
         self._memories: list[SlotMemory] = []
         self._invalid: set[BlockRef] = set()
-        #: records the fence of a step's stores (issue 15); a test may stand in for it
+        #: records the fence of a step's stores (device KV is read only after the kernels that
+        #: wrote it finished); a test may stand in for it
         self.record_fence: Callable[[Any], Fence] = record_fence
         self._copiers: dict[torch.device, SlotCopier] = {}
         #: the KV lives on a CUDA device: the slot memory is pinned when first used

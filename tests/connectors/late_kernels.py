@@ -1,4 +1,4 @@
-"""A fence over kernels that have not run yet, for CPU tests of the GPU fence (issue 15).
+"""A fence over kernels that have not run yet, for CPU tests of the GPU fence.
 
 On a GPU, the hooks that record a fence run while the kernels writing the KV
 are only queued: the memory still holds older bytes. :class:`LateKernels`

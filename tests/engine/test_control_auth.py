@@ -1,4 +1,4 @@
-"""The control port with a cluster secret (issue 17, item 1): members drive the engine,
+"""The control port with a cluster secret: members drive the engine,
 strangers, other secrets and replayed messages get an ``AuthError`` reply and nothing else.
 """
 

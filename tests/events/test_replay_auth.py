@@ -1,4 +1,4 @@
-"""The events replay ROUTER with a cluster secret (issue 17, item 1): a member's subscriber
+"""The events replay ROUTER with a cluster secret: a member's subscriber
 repairs a gap by replay; a vLLM-protocol client, a kvbridge subscriber without the secret
 or with another one get the end marker alone (nothing replayed), counted by the publisher.
 """

@@ -43,13 +43,22 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from kvbridge.auth import Label, Secret
 from kvbridge.auth.seal import open_sealed, seal
-from kvbridge.connectors import ConnectorMetadata, TransferMode, TransferParams
+from kvbridge.connectors import ConnectorMetadata, TransferMode, TransferParams, sealing
 from kvbridge.connectors.metadata_wire import decode_metadata, encode_metadata
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
+from kvbridge.connectors.mooncake_store.records import (
+    RecordTable,
+    RecordVerdict,
+    digest_key_prefix,
+    record_bytes,
+    record_dtype,
+)
+from kvbridge.connectors.mooncake_store.records import key_digest as record_key_digest
 from kvbridge.connectors.multi import MultiMetadata
 from kvbridge.connectors.nixl import messages as notifs
 from kvbridge.connectors.nixl.scheduler import (
@@ -117,8 +126,17 @@ from kvbridge.layouts import (
     RegionLayout,
     RegionSpec,
 )
+from kvbridge.layouts.digests import ALGORITHMS, DIGEST_VERSION
 from kvbridge.layouts.hashing import hash_blocks, root_hash
 from kvbridge.layouts.namespaces import BlockKey, KeyNamespace, namespace_for
+from kvbridge.offload.fs import FileMapper
+from kvbridge.offload.fs_io import (
+    BlockHeader,
+    block_header_bytes,
+    compact_header_bytes,
+    decode_block_header,
+    encode_block_header,
+)
 
 VECTORS_DIR = Path(__file__).parent / "vectors"
 #: Set to 1 to rewrite the vector files (a wire-format change; see the docstring).
@@ -193,6 +211,50 @@ def _params_pull() -> TransferParams:
                           spec_fingerprint="0123456789abcdef",
                           extra={"lease_s": 30.0, "note": "x", "flag": True, "n": 7,
                                  "none": None})
+
+
+#: the cluster secret of the sealed vectors (a test value, never a real one)
+_GOLDEN_SECRET = Secret.from_value("golden-cluster-secret-0123456789", "golden")
+
+
+def _params_sealed() -> TransferParams:
+    """Pull params as a producer with the cluster secret returns them: every sealed
+    field fixed (a real producer draws ``hold_id`` and ``incarnation`` at random)."""
+    chain = sealing.prompt_chain(list(range(100, 140)), 40)
+    return sealing.sealed(_GOLDEN_SECRET, dataclasses.replace(
+        _params_pull(), hold_id="00112233445566778899aabbccddeeff",
+        incarnation="0123456789abcdef", prompt_chain=chain.hex(), seal_key="cluster"))
+
+
+def _prompt_chains() -> list[tuple[str, int, str, str]]:
+    """(tokens, num_tokens, cache salt, chain hex): full links only, a partial last
+    link, a salt, and nothing at all."""
+    cases = [(list(range(32)), 32, ""), (list(range(40)), 37, ""), (list(range(40)), 40, "s1"),
+             ([7, 8], 0, "")]
+    return [(" ".join(map(str, t)), n, salt,
+             sealing.prompt_chain(t, n, salt or None).hex()) for t, n, salt in cases]
+
+
+def _chains_text(rows: list[tuple[str, int, str, str]]) -> bytes:
+    return "".join(f"{t}|{n}|{salt}|{h}\n" for t, n, salt, h in rows).encode()
+
+
+def _chains_parse(data: bytes) -> list[tuple[str, int, str, str]]:
+    rows = []
+    for line in data.decode().splitlines():
+        tokens, n, salt, chain = line.split("|")
+        rows.append((tokens, int(n), salt, chain))
+    return rows
+
+
+def _sealed_notifs() -> list[notifs.Notif]:
+    """The sealed-params fields: a ``begin`` and ``read`` naming the record's digest, a
+    push ``register`` naming the prompt chain (all optional keys)."""
+    return [
+        notifs.Begin("req-1", 1, record=bytes(range(16))),
+        notifs.ReadDone("req-1", 0, 2, True, bytes(range(16, 32))),
+        notifs.Register("req-2", 1, 2, (0,), ((7, 8),), chain=bytes(range(32))),
+    ]
 
 
 def _params_push() -> TransferParams:
@@ -383,6 +445,51 @@ def _hash_chain() -> dict[str, Any]:
                                   seed=b"tenant-a")}
 
 
+# Stored records that name their key: what one kvbridge version writes into a store
+# and another reads. A reader compares the key hash in them with the key it asked for.
+_RECORD_DIGESTS = (0x0123456789ABCDEF, 0xFEDCBA9876543210)
+
+
+def _block_header() -> BlockHeader:
+    """The fs tier's block header (format 2) without its page padding: the obj tier's
+    ``.dg`` object, and the first bytes of every fs block file."""
+    key = _block_keys()[0].to_bytes()
+    return BlockHeader(block_header_bytes(2), 8192, 2, FileMapper.key_hash_bytes(key),
+                       _RECORD_DIGESTS)
+
+
+def _block_header_encode(header: BlockHeader) -> bytes:
+    return encode_block_header(header.block_bytes, header.key_hash, header.num_layers,
+                               header.layer_digests)[:compact_header_bytes(header.num_layers)]
+
+
+def _record() -> dict[str, Any]:
+    """The Mooncake store connector's digest record (``D1``) of one block of one namespace."""
+    key = digest_key_prefix(_namespaces()[0]) + hash_blocks(_TOKENS, 16)[0].hex()
+    return {"magic": b"KVBD", "record_version": 1, "digest_version": DIGEST_VERSION,
+            "algorithm": 1, "num_layers": 2, "block_bytes": 4096,
+            "key_digest": record_key_digest(key), "layer_digests": _RECORD_DIGESTS}
+
+
+def _record_encode(value: dict[str, Any]) -> bytes:
+    buffer = np.zeros(record_bytes(value["num_layers"]), dtype=np.uint8)
+    table = RecordTable(buffer, value["num_layers"], value["block_bytes"], 1,
+                        ALGORITHMS[value["algorithm"] - 1])
+    table.reset_headers()
+    table.write([0], [value["key_digest"]], np.array([value["layer_digests"]], dtype="<u8"))
+    return buffer.tobytes()
+
+
+def _record_decode(data: bytes) -> dict[str, Any]:
+    num_layers = (len(data) - 32) // 8
+    (record,) = np.frombuffer(data, dtype=record_dtype(num_layers))
+    return {"magic": bytes(record["magic"]),
+            **{name: int(record[name]) for name in (
+                "record_version", "digest_version", "algorithm", "num_layers",
+                "block_bytes", "key_digest")},
+            "layer_digests": tuple(int(d) for d in record["layer_digests"])}
+
+
 VECTORS = [
     # handshake
     Vector("handshake_engine_document.hex", _engine, encode_engine, decode_engine),
@@ -391,7 +498,7 @@ VECTORS = [
     Vector("handshake_agent_vram.hex",
            lambda: dataclasses.replace(_rank(0), mem_type="VRAM", device_id=3), encode_agent,
            decode_agent),
-    # a rank that computes block digests for consumers that ask (issue 18)
+    # a rank that computes block digests for consumers that ask (verified KV)
     Vector("handshake_agent_digests.hex",
            lambda: dataclasses.replace(_rank(1), digests=("xxh3-64",)), encode_agent,
            decode_agent),
@@ -427,6 +534,12 @@ VECTORS = [
            TransferParams.from_json),
     Vector("transfer_params_pull.msgpack.hex", _params_pull, lambda p: _pack(p.to_dict()),
            lambda data: TransferParams.from_dict(msgpack.unpackb(data, raw=False))),
+    Vector("transfer_params_sealed.json.txt", _params_sealed, lambda p: p.to_json().encode(),
+           TransferParams.from_json),
+    Vector("prompt_chains.txt", _prompt_chains, _chains_text, _chains_parse),
+    Vector("nixl_notifications_sealed.hex", _sealed_notifs,
+           lambda ms: _pack([notifs.encode(m) for m in ms]),
+           lambda data: [notifs.decode(b) for b in msgpack.unpackb(data)]),
     # KV events
     Vector("events_batch_map.hex", _events_batch,
            lambda b: encode_batch(b, EventWireFormat.MAP), decode_batch),
@@ -456,6 +569,10 @@ VECTORS = [
            lambda ks: _pack([k.to_bytes() for k in ks]),
            lambda data: [BlockKey.from_bytes(b) for b in msgpack.unpackb(data)]),
     Vector("block_hash_chain.txt", _hash_chain, _hash_chain_encode, _hash_chain_decode),
+    # stored digest records, each naming the key it was made for
+    Vector("offload_block_header.hex", _block_header, _block_header_encode,
+           lambda data: decode_block_header("golden", data)),
+    Vector("mooncake_digest_record.hex", _record, _record_encode, _record_decode),
 ]
 _BY_NAME = {v.name: v for v in VECTORS}
 
@@ -500,7 +617,7 @@ def _control() -> list[control.ControlMessage]:
 
 
 def _digest_notifs() -> list[notifs.Notif]:
-    """The digest fields of ``begin``/``held`` (issue 18): optional, so the kinds
+    """The digest fields of ``begin``/``held``: optional, so the kinds
     without them (``nixl_notifications.hex``) are the bytes they always were."""
     return [
         notifs.Begin("req-1", 1, ((3, 4, 5), ()), "xxh3-64"),
@@ -512,7 +629,7 @@ def _digest_notifs() -> list[notifs.Notif]:
 
 
 def _slice_notifs() -> list[notifs.Notif]:
-    """Slice digests (issue 18, head slices at another TP): the same optional fields
+    """Slice digests (head slices at another TP): the same optional fields
     with ``alg = "xxh3-64-slices"`` (asked only of a producer that lists it)."""
     return [
         notifs.Begin("req-3", 0, ((6, 7), (8,)), "xxh3-64-slices"),
@@ -547,7 +664,7 @@ VECTORS += [
 ]
 
 
-# ---------------------------------------------------------------- sealed messages (issue 17)
+# ----------------------------------------------------- sealed messages (the cluster secret)
 
 _SEAL_SECRET = Secret.from_value("golden-cluster-secret-0123456789", "golden")
 _SEAL_LABELS = [Label.SIDE_CHANNEL, Label.CONTROL, Label.EVENTS_REPLAY, Label.NIXL_HELLO]
@@ -657,4 +774,20 @@ def test_events_vectors_are_the_formats_vllm_reads() -> None:
 def test_transfer_params_json_is_what_a_router_forwards() -> None:
     text = _golden(_BY_NAME["transfer_params_pull.json.txt"], _params_pull().to_json().encode())
     data = json.loads(text)
-    assert list(data)[0] == "version" and data["version"] == 1 and data["mode"] == "pull"
+    assert list(data)[0] == "version" and data["version"] == 2 and data["mode"] == "pull"
+
+
+def test_the_stored_records_name_the_key_they_were_made_for() -> None:
+    """A reader of the checked-in record accepts it for its own key only."""
+    value = _record()
+    golden = _golden(_BY_NAME["mooncake_digest_record.hex"], _record_encode(value))
+    table = RecordTable(np.frombuffer(bytearray(golden), dtype=np.uint8), 2, 4096, 1)
+    digests = np.array([value["layer_digests"]], dtype="<u8")
+    assert table.failures([0], [value["key_digest"]], digests) == []
+    other = digest_key_prefix(_namespaces()[0]) + hash_blocks(_TOKENS, 16)[1].hex()
+    ((_, check),) = table.failures([0], [record_key_digest(other)], digests)
+    assert check.verdict is RecordVerdict.FOREIGN
+    header = decode_block_header("golden", _golden(_BY_NAME["offload_block_header.hex"],
+                                                   _block_header_encode(_block_header())))
+    assert header.key_hash == FileMapper.key_hash_bytes(_block_keys()[0].to_bytes())
+    assert header.key_hash != FileMapper.key_hash_bytes(_block_keys()[1].to_bytes())

@@ -31,7 +31,7 @@ Checks (``--checks`` selects; default all, in this order):
   producer's handshake must announce VRAM; the consumer verifies every block
   (``verify: full``, ``torch-mix64-v1`` and its slice digests): every loaded
   block verified, none mismatched or unverified; the producer's digest GB/s.
-* ``digests``    -- ``torch-mix64-v1`` block digests (issue 18) of KV on the device
+* ``digests``    -- ``torch-mix64-v1`` block digests of KV on the device
   equal those of a CPU copy of the same bytes and the numpy reference (padded
   pages, a tail word, an unaligned span), a bit flipped on the device changes
   exactly its block's digest; ``torch-mix64-v1-slices`` head-slice digests

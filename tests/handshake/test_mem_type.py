@@ -1,4 +1,4 @@
-"""Per-rank memory type in the handshake (issue 15): where a rank's KV lives.
+"""Per-rank memory type in the handshake: where a rank's KV lives.
 
 A peer prepares a rank's descriptor lists with that rank's memory type and
 device id, so both travel in the rank's record; a host-memory record is

@@ -170,6 +170,7 @@ def _outcome(tier: FsTier, primary: CpuTier, n: int) -> dict[str, object]:
     stats = tier.stats
     return {"blocks": result, "files": files,
             "counts": (stats.files_deleted, stats.digest_mismatches, stats.loads_verified,
+                       stats.foreign_key_loads,
                        stats.extra.get("legacy_format_loads", 0),
                        stats.extra.get("foreign_format_loads", 0))}
 
@@ -195,7 +196,8 @@ def test_every_block_file_state_loads_the_same_batched_and_one_by_one(tmp_path) 
     for i in range(n):                                     # and that outcome is the right one
         if i not in states:
             assert blocks[i] == "loaded", (i, blocks[i])
-    assert blocks[1] == "DigestMismatchError" and blocks[6] == "BadBlockHeaderError"
+    assert blocks[1] == "DigestMismatchError" and blocks[6] == "ForeignKeyError"
+    assert outcomes["uring"]["counts"][3] == 1            # block 6: another key's header
     assert all(blocks[i] == "failed" for i in (3, 5, 8, 9, 11, 12))
 
 

@@ -4,7 +4,7 @@ wrong bytes under a key are caught by the digest check and recomputed.
 Real ``mooncake_master`` (a fresh one for the tests that kill it). A producer
 and a consumer engine in this process share the store; the consumer's loads
 are broken by killing the master right when they start. The digest cases
-(issue 18) run a ``kv_both`` engine on the shared master and overwrite a
+(verified KV) run a ``kv_both`` engine on the shared master and overwrite a
 stored object with another block's bytes through a real store client.
 """
 
@@ -474,6 +474,7 @@ def test_foreign_or_malformed_record_is_a_failed_load(
         engine.shutdown()
     assert result.num_external_tokens == _BLOCK_TOKENS and result.mismatched_bytes == 0
     assert stats["digest_records_invalid"] == 2 and stats["digest_mismatches"] == 0
+    assert stats["digest_records_foreign"] == 1   # the moved one; the other is malformed
     assert stats["load_errors"] == 2
     assert stats["corrupt_keys_removed"] == 2 * (4 + 1)
 

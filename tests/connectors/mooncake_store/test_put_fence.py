@@ -1,5 +1,5 @@
 """A step's Mooncake puts are issued only after the kernels that wrote its KV finished
-(issue 15), on a real mooncake_master.
+(GPU KV is read outside every CUDA stream), on a real mooncake_master.
 
 The put reads the registered tensors directly, outside every CUDA stream, so
 ``wait_for_save`` waits (bounded) for a fence before ``batch_put_from``. Here

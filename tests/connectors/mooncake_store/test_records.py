@@ -100,7 +100,7 @@ def test_check_names_the_layer_that_differs_and_rejects_foreign_records() -> Non
     assert sorted(bad) == [1, 2, 3]
     assert bad[1].verdict is RecordVerdict.INVALID and "num_layers 3" in bad[1].reason
     assert bad[2].verdict is RecordVerdict.MISMATCH and bad[2].layer_position == 1
-    assert bad[3].verdict is RecordVerdict.INVALID and "another key" in bad[3].reason
+    assert bad[3].verdict is RecordVerdict.FOREIGN and "another key" in bad[3].reason
     load.records["magic"][0] = b"XXXX"
     ((_, check),) = load.failures([0], [keys[0]], digests.layer_digests(0, [0]))
     assert check.verdict is RecordVerdict.INVALID and "magic" in check.reason

@@ -1,4 +1,4 @@
-"""A cluster secret on the NIXL connector (issue 17, item 1), against a served producer.
+"""A cluster secret on the NIXL connector, against a served producer.
 
 With ``auth_secret_file`` configured on both engines, a stranger gets no
 metadata from the side channel, and an agent that has the metadata anyway (a

@@ -1,4 +1,4 @@
-"""Notifications belong to sessions (issue 17, item 2), against a served producer and real NIXL.
+"""Notifications belong to sessions, against a served producer and real NIXL.
 
 A producer rank acts on a consumer's notification (``read``, ``begin``,
 ``heartbeat``, ``register``) only when its sender said hello, names the
@@ -207,12 +207,12 @@ def _helds(rogue: NixlTransport, want: int, timeout_s: float) -> list[messages.H
     return got
 
 
-def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded() -> None:
-    """A peer's ``begin`` may ask for digests only of the blocks the producer holds for
-    that request: other block ids get an answer without digests (nothing is hashed);
-    a ``begin`` for a request not held (yet), with digest asks or without, waits for its
-    hold, then is answered without a promise after ``early_grace_s``. The real
-    consumer's load beside it is unharmed."""
+def test_begins_not_naming_the_sealed_record_get_nothing_and_early_asks_are_bounded() -> None:
+    """A peer's ``begin`` for a held request that does not name the params the producer
+    sealed for it (this one names none) is refused: no promise, no digests (nothing is
+    hashed for it), and it does not claim the hold. A ``begin`` for a request not held
+    (yet), with digest asks or without, waits for its hold, then is answered without a
+    promise after ``early_grace_s``. The real consumer's load beside it is unharmed."""
     spec_model = load_spec(MODEL)
     producer = _producer(early_grace_s=GRACE_S)
     consumer = _consumer()
@@ -236,27 +236,26 @@ def test_digest_asks_get_digests_of_held_blocks_only_and_early_asks_are_bounded(
         alg = _producer_doc(producer).ranks[0].digests[0]
         _send_all(rogue, peers, [
             member_hello(encode_agent(meta)),
-            messages.Begin(rid, 0, ((held_ids[0], stray),), alg),   # one not held
-            messages.Begin(rid, 0, ((held_ids[0],),), alg),         # held: answered
+            messages.Begin(rid, 0, ((held_ids[0], stray),), alg),   # no record: refused
+            messages.Begin(rid, 0, ((held_ids[0],),), alg),         # refused too
             messages.Begin("never-held", 0, ((1, 2, 3),), alg),     # waits, bounded
             messages.Begin("never-held", 0)])                        # waits too
         answers = _helds(rogue, 4 * len(peers), 60)
-        by_rid = {}
+        by_rid: dict[str, list[messages.Held]] = {}
         for held in answers:
             by_rid.setdefault(held.request_id, []).append(held)
-        stray_answers = [h for h in by_rid[rid] if not h.digests]
-        good = [h for h in by_rid[rid] if h.digests]
-        assert len(stray_answers) == len(good) == len(peers)
-        assert all("not held for this request" in h.reason for h in stray_answers)
-        assert all(len(h.digests[0]) == 8 and h.algorithm == alg for h in good)
+        assert len(by_rid[rid]) == 2 * len(peers)
+        assert all(not h.ok and not h.digests and h.reason.startswith("refused: unsealed")
+                   for h in by_rid[rid])
         assert len(by_rid["never-held"]) == 2 * len(peers)
         assert all(not h.ok and not h.digests and "not held" in h.reason
                    for h in by_rid["never-held"])
         _wait_producer(producer, "begins_before_hold", 2 * len(peers), 20)
         stats = _producer_worker_stats(producer)  # both waited for a hold (none came)
         assert stats["begins_before_hold"] == 2 * len(peers)
-        assert stats["holds_promised"] == 2 * len(peers)  # the held ask; the stray one too
-        assert stats["holds_promise_refused"] == 0
+        assert stats["holds_promised"] == 0
+        assert stats["holds_promise_refused"] == stats["holds_refused"] == 2 * len(peers)
+        assert stats["digests_served"] == 0
         _load_and_check(stepper, spec, params)
         totals = _worker_totals(consumer)  # TP 2 -> 1: head slices, checked with slice digests
         assert sum(t["digest_mismatches"] for t in totals) == 0

@@ -140,7 +140,7 @@ def test_an_id_past_the_producers_announced_cache_fails_its_request_only(
 
 
 def _wire(**changes: object) -> dict[str, object]:
-    return {"version": 1, "mode": "pull", "producer_engine_id": "p", "producer_host": "h",
+    return {"version": 2, "mode": "pull", "producer_engine_id": "p", "producer_host": "h",
             "producer_port": 1, "producer_request_id": "r", "block_ids": [[0, 1, 2]],
             "producer_topology": {"tp_size": 1, "pp_size": 1, "dcp_size": 1, "pcp_size": 1},
             "num_tokens": 48, **changes}

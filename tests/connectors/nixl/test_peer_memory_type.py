@@ -1,6 +1,7 @@
 """A consumer prepares the producer's lists with the memory type the producer announced.
 
-The producer's handshake record carries its memory type and device (issue 15).
+The producer's handshake record carries its memory type and device (a peer must prepare
+its rows with them).
 Here a real producer on host memory announces VRAM on device 2 (its
 transport's ``memory_type`` stands in for a CUDA registration while the engine
 is built): the consumer must prepare the producer's rows as VRAM with device 2

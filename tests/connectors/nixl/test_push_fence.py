@@ -1,4 +1,4 @@
-"""Push mode posts a layer's WRITE only after its fence passed (issue 15).
+"""Push mode posts a layer's WRITE only after its fence passed (never stale bytes).
 
 On a GPU the fence is a CUDA event recorded in ``save_kv_layer`` /
 ``wait_for_save``; here a fence that passes only when the test says so stands
@@ -120,3 +120,59 @@ def test_fences_release_layers_in_order_of_completion(engine_calls_save_per_laye
     a.release()
     assert release(None, job) is True and job.layers_ready == {0, 1, 2}  # type: ignore[arg-type]
     assert job.fenced == [] and release(None, job) is False  # type: ignore[arg-type]
+
+
+def test_a_consumer_cancel_while_the_fences_hold_ends_the_push_cancelled() -> None:
+    """The consumer aborts a push load before any layer was written: the producer's
+    push to that consumer rank goes FENCED -> CANCELLED at once (no WRITE is in
+    flight), answers ``pushed`` not ok, and the request is forgotten (its lease got
+    every answer): nothing is posted once the fences pass."""
+    require("nixl_cu12", "NIXL (nixl-cu12)")
+    from kvbridge.connectors.nixl.send_state import SendState
+
+    producer = Engine(nixl_config("tiny-gqa", KVRole.PRODUCER, ParallelTopology(), PUSH))
+    consumer = Engine(nixl_config("tiny-gqa", KVRole.CONSUMER, ParallelTopology(), PUSH))
+    try:
+        workers: list[Any] = [w.connector for w in producer.workers]
+        fences: list[HeldFence] = []
+        for w in workers:
+            w.record_fence = lambda _tensor: HeldFence(fences)
+        router = InProcessRouter(producer, consumer, PUSH)
+        spec = make_requests(1, prompt_tokens=40, max_tokens=2, seed=4, prefix="cancel")[0]
+        router.submit(spec)
+
+        def targets() -> list[Any]:
+            return [t for w in workers for job in w._push_jobs.values()
+                    for t in job.targets.values()]
+
+        deadline = time.monotonic() + 60
+        while not (fences and targets() and router.producer_results):
+            assert time.monotonic() < deadline, "prefill / consumer registration not seen"
+            router.poll()
+            time.sleep(0.002)
+        seen = targets()
+        assert {t.state for t in seen} == {SendState.FENCED}
+        assert consumer.abort(spec.request_id)
+        deadline = time.monotonic() + 60
+        while not all(t.state.terminal for t in seen) or consumer.has_work():
+            assert time.monotonic() < deadline, "cancel not answered: " \
+                f"{[t.state.value for t in seen]}, consumer busy {consumer.has_work()}"
+            router.poll()
+            time.sleep(0.002)
+        assert {(t.state, t.error) for t in seen} == {(SendState.CANCELLED,
+                                                       "cancelled by consumer")}
+        for fence in fences:
+            fence.release()
+        for _ in range(50):  # the fences passed: a cancelled push still posts nothing
+            router.poll()
+            time.sleep(0.002)
+        assert not any(w._push_jobs for w in workers)
+        assert all(w.transport.counters().posted == 0 for w in workers)
+        stats = [w.get_stats() for w in workers]
+        assert sum(s["pushes_failed"] for s in stats) == len(seen)
+        assert sum(s["pushes_done"] for s in stats) == 0
+        (result,) = router.results
+        assert result.state is RequestState.FINISHED_ABORTED
+    finally:
+        consumer.shutdown()
+        producer.shutdown()

@@ -1,4 +1,4 @@
-"""Slice digests of head slices at heterogeneous TP (issue 18), the pure part: for every
+"""Slice digests of head slices at heterogeneous TP, the pure part: for every
 topology pair, the producer's slice digest of what one consumer rank reads from it
 equals the consumer's slice digest of what landed, after a naive copy of every
 descriptor of the plan; a byte flipped after the producer's digest changes exactly

@@ -1,4 +1,4 @@
-"""Verified pull loads (issue 18): the consumer checks the blocks it READ against the
+"""Verified pull loads: the consumer checks the blocks it READ against the
 producer's digests before it reports them loaded.
 
 Both engines run in this process over real NIXL (UCX on host memory). The

@@ -1,4 +1,4 @@
-"""Verified NIXL loads with the ``torch-mix64-v1`` digests (issue 18, GPU memory).
+"""Verified NIXL loads with the ``torch-mix64-v1`` digests (KV in GPU memory).
 
 A rank whose KV is on a GPU offers only ``torch-mix64-v1`` (XXH3-64 needs host
 memory); a host rank offers both, XXH3-64 first. There is no GPU here, so a

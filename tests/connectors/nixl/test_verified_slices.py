@@ -1,4 +1,4 @@
-"""Verified head slices at heterogeneous TP (issue 18): a SPLIT region read as head
+"""Verified head slices at heterogeneous TP: a SPLIT region read as head
 slices from another TP is checked with slice digests, over exactly the bytes each
 consumer rank reads from each producer rank.
 

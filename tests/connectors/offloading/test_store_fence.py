@@ -1,5 +1,5 @@
 """Offloading stores copy a step's KV to the CPU slots only after the kernels that
-wrote it finished (issue 15).
+wrote it finished (else the slots would hold stale bytes).
 
 ``wait_for_save`` waits (bounded) for a fence before the copies.
 :class:`~tests.connectors.late_kernels.LateKernels` stands in for the CUDA

@@ -1,4 +1,4 @@
-"""kvbridge NIXL in real vLLM with a cluster secret (issue 17, item 1).
+"""kvbridge NIXL in real vLLM with a cluster secret.
 
 Both engines get ``auth_secret_file`` in ``kv_connector_extra_config``: the
 disaggregated output still equals the colocated one with every prompt token
