@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge.connectors.params import TRANSFER_PARAMS_VERSION
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -549,10 +551,12 @@ def kvbridge_push_params(*, producer_engine_id: str, producer_port: int,
     Push needs both kvbridge side channels at known addresses (``port`` in
     each engine's ``kv_connector_extra_config``) and engine ids (``engine_id``
     in ``--kv-transfer-config``); ``request_id`` is the router's id, which the
-    adapter uses as the producer's kvbridge request id.
+    adapter uses as the producer's kvbridge request id. Nothing seals it (no producer
+    has the request yet): the consumer's registration carries its prompt chain, and
+    the producer writes only KV of the same tokens.
     """
     return {
-        "version": 1, "mode": "push",
+        "version": TRANSFER_PARAMS_VERSION, "mode": "push",
         "producer_engine_id": producer_engine_id, "producer_host": LOOPBACK,
         "producer_port": producer_port, "producer_request_id": request_id,
         "block_ids": [], "producer_topology": {"tp_size": 1, "pp_size": 1, "dcp_size": 1,

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvbridge.connectors import TransferParams
+from kvbridge.connectors.params import TRANSFER_PARAMS_VERSION
 from kvbridge.integrations.vllm.front_door import (
     MAX_EXTRA_CHARS,
     MAX_EXTRA_ENTRIES,
@@ -27,7 +28,7 @@ from kvbridge.layouts.limits import MAX_PARAMS_BLOCK_IDS
 
 def record(**overrides: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "version": 1, "mode": "pull", "producer_engine_id": "prod", "producer_host": "127.0.0.1",
+        "version": TRANSFER_PARAMS_VERSION, "mode": "pull", "producer_engine_id": "prod", "producer_host": "127.0.0.1",
         "producer_port": 7100, "producer_request_id": "req-1", "block_ids": [[3, 4, 5, 6]],
         "producer_topology": {"tp_size": 1, "pp_size": 1, "dcp_size": 1, "pcp_size": 1},
         "num_tokens": 100,
@@ -65,6 +66,7 @@ def test_a_well_formed_record_and_foreign_params_pass() -> None:
     ({"kvbridge": [1, 2]}, "kv_transfer_params.kvbridge"),
     ({"kvbridge": "x" * 100}, "kv_transfer_params.kvbridge"),
     ({"kvbridge": record(version=99)}, "kv_transfer_params.kvbridge.version"),
+    ({"kvbridge": record(version=1)}, "kv_transfer_params.kvbridge.version"),
     ({"kvbridge": record(num_tokens=-1)}, "kv_transfer_params.kvbridge.num_tokens"),
     ({"kvbridge": record(producer_topology={"tp_size": 2**40, "pp_size": 1, "dcp_size": 1,
                                             "pcp_size": 1})},
