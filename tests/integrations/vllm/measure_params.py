@@ -12,7 +12,8 @@ secret, the consumer with kvbridge's admission gate and
   prompt (block size 32: 32 block ids), and of its ``kvbridge`` record alone;
 * the consumer's refusal counters on ``/metrics`` (the lines as vLLM prints
   them) after one request of each kind it refuses in the engine: ``num_tokens``
-  past the prompt, more ids than the prompt needs, another prompt's params.
+  past the prompt, more ids than the prompt needs, another prompt's params, a
+  changed seal, params replayed after their use.
 """
 
 from __future__ import annotations
@@ -62,15 +63,21 @@ def main(argv: list[str] | None = None) -> int:
                                                          separators=(",", ":"))),
                  "record_fields": sorted(params["kvbridge"])}
         prompt_a, prompt_b = h.make_prompts(2, 96, seed=77)
-        for kind in ("num_tokens", "block_ids", "prompt"):
+        for kind in ("num_tokens", "block_ids", "prompt", "seal", "replay"):
             sent = prompt_b if kind == "prompt" else prompt_a
             record = copy.deepcopy(producer.complete(sent, 1, h.producer_params())
                                    .kv_transfer_params)
             assert record is not None
+            kvb = record["kvbridge"]
             if kind == "num_tokens":
-                record["kvbridge"]["num_tokens"] = 10**9
+                kvb["num_tokens"] = 10**9
             elif kind == "block_ids":
-                record["kvbridge"]["block_ids"] = [g * 5 for g in record["kvbridge"]["block_ids"]]
+                kvb["block_ids"] = [g * 5 for g in kvb["block_ids"]]
+            elif kind == "seal" and kvb.get("seal"):
+                kvb["seal"] = kvb["seal"][:-1] + ("0" if kvb["seal"][-1] != "0" else "1")
+            elif kind == "replay":  # loaded once, then sent again
+                consumer.complete(prompt_a, 4, record)
+                consumer.reset_prefix_cache()
             consumer.complete(prompt_a, 4, record)
             consumer.reset_prefix_cache()
         before: dict[str, float] = {}
