@@ -82,6 +82,7 @@ from kvbridge.connectors import (
 )
 from kvbridge.integrations.vllm.description import (
     CONNECTOR_KEY,
+    PARAMS_CONNECTORS,
     SAME_PROCESS_CONNECTORS,
     EngineDescription,
     _resolve,
@@ -255,6 +256,7 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
         self._new_ids: dict[str, str] = {}
         self._held_push: set[str] = set()  # push producer: finished, KV still to write
         self._refusals_reported: dict[str, int | float] = {}  # scheduler's, as last reported
+        self._counts_refusals = resolved.plugin.name in PARAMS_CONNECTORS
         # worker-side state
         self._views: dict[str, torch.Tensor] = {}
         self._records_seen: Any = None
@@ -428,6 +430,8 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
         since its last report, which become ``vllm:kvbridge_refused_params*``."""
         if self._scheduler is None:
             return super().get_kv_connector_stats()
+        if not self._counts_refusals:
+            return None
         now = self._scheduler.get_stats()
         grown = refusal_deltas(now, self._refusals_reported)
         if not grown:
