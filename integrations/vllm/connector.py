@@ -82,6 +82,7 @@ from kvbridge.connectors import (
 )
 from kvbridge.integrations.vllm.description import (
     CONNECTOR_KEY,
+    PARAMS_CONNECTORS,
     SAME_PROCESS_CONNECTORS,
     EngineDescription,
     _resolve,
@@ -96,12 +97,18 @@ from kvbridge.integrations.vllm.request_view import (
     parse_transfer_params,
     wrap_transfer_params,
 )
-from kvbridge.integrations.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.integrations.vllm.stats import (
+    ALL_REFUSED,
+    KVBridgePromMetrics,
+    KVBridgeStats,
+    refusal_deltas,
+)
 from kvbridge.integrations.vllm.worker_side import WorkerSide
 from kvbridge.layouts import rank_index
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -249,6 +256,8 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
         self._to_kvb: dict[str, str] = {}
         self._new_ids: dict[str, str] = {}
         self._held_push: set[str] = set()  # push producer: finished, KV still to write
+        self._refusals_reported: dict[str, int | float] = {}  # scheduler's, as last reported
+        self._counts_refusals = resolved.plugin.name in PARAMS_CONNECTORS
         # worker-side state
         self._views: dict[str, torch.Tensor] = {}
         self._records_seen: Any = None
@@ -418,6 +427,23 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata],
                                     ) -> None:
         self.set_xfer_handshake_metadata_pp_aware({(0, k): v for k, v in metadata.items()})
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Workers: their transfers (``WorkerSide``). The scheduler (vLLM asks it every
+        step too, and adds it to the workers' report): the refusal counters that grew
+        since its last report, which become ``vllm:kvbridge_refused_params*``."""
+        if self._scheduler is None:
+            return super().get_kv_connector_stats()
+        if not self._counts_refusals:
+            return None
+        now = self._scheduler.get_stats()
+        grown = refusal_deltas(now, self._refusals_reported)
+        if not grown:
+            return None
+        self._refusals_reported = {k: v for k, v in now.items() if k.startswith(ALL_REFUSED)}
+        data = KVBridgeStats().data
+        data["refused"] = grown
+        return KVBridgeStats.packed(data)
 
     def take_events(self) -> Iterable[Any]:
         # kvbridge's own KV events go out on kvbridge's publisher, not vLLM's.

@@ -41,6 +41,10 @@ CONNECTOR_KEY = "kvbridge_connector"
 #: kvbridge connectors whose two halves share memory: one process, unless the
 #: offloading connector's CPU slots are file-backed (``shm_dir``).
 SAME_PROCESS_CONNECTORS = frozenset({"offloading"})
+#: kvbridge connectors that take transfer params from requests and count the ones they
+#: refuse (``refused_params*`` in their scheduler stats): only these are asked for
+#: them every step (the others' ``get_stats`` walk tiers or pending lookups).
+PARAMS_CONNECTORS = frozenset({"nixl"})
 
 
 def _group_info(index: int, group: Any, total_kv_heads: int, cache_dtype: str) -> GroupInfo:

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge.connectors.params import TRANSFER_PARAMS_VERSION
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -286,6 +288,30 @@ class VllmServer:
             detail = exc.read().decode("utf-8", "replace")[:2000]
             raise HarnessError(f"{self.spec.name} {path}: HTTP {exc.code}: {detail}") from None
 
+    def try_complete(self, prompt_token_ids: Sequence[int], max_tokens: int,
+                     kv_transfer_params: Any = None, timeout_s: float = 120.0,
+                     ) -> tuple[int, Completion | str]:
+        """Like :meth:`complete`, for requests that may be refused: ``(200, Completion)``
+        or ``(HTTP status, the error body)``; ``kv_transfer_params`` is sent as given
+        (any JSON value: a hostile client's)."""
+        body: dict[str, Any] = {"model": "tiny", "prompt": list(prompt_token_ids),
+                                "max_tokens": max_tokens, "temperature": 0.0,
+                                "ignore_eos": True, "return_token_ids": True,
+                                "kv_transfer_params": kv_transfer_params}
+        req = urllib.request.Request(self.base_url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                out = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode("utf-8", "replace")[:2000]
+        choice = out["choices"][0]
+        return 200, Completion(token_ids=tuple(int(t) for t in choice.get("token_ids") or ()),
+                               kv_transfer_params=out.get("kv_transfer_params"),
+                               latency_s=time.perf_counter() - start)
+
     def complete(self, prompt_token_ids: Sequence[int], max_tokens: int,
                  kv_transfer_params: Mapping[str, Any] | None = None,
                  timeout_s: float = 120.0, *, logprobs: int | None = None) -> Completion:
@@ -335,6 +361,18 @@ class VllmServer:
         """Prometheus counters summed over label sets, keyed ``name{source=..}``."""
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as resp:
             return parse_prometheus(resp.read().decode())
+
+    def metrics_once_grown(self, before: Mapping[str, float], key: str,
+                           timeout_s: float = 10.0) -> dict[str, float]:
+        """:meth:`metrics` once ``key`` has grown past ``before`` (a connector's stats
+        reach /metrics with the engine's step outputs, a moment after the answer),
+        or as they are at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            after = self.metrics()
+            if after.get(key, 0) > before.get(key, 0) or time.monotonic() > deadline:
+                return after
+            time.sleep(0.2)
 
 
 @dataclass(frozen=True)
@@ -402,19 +440,20 @@ def compare_greedy(run: Completion, reference: Completion, tolerance: float) -> 
 
 
 _METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)')
-_SOURCE_LABEL = re.compile(r'source="([^"]*)"')
+_KEPT_LABEL = re.compile(r'(source|reason)="([^"]*)"')
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum samples per metric name (and per ``source`` label, when there is one)."""
+    """Sum samples per metric name (and per ``source`` or ``reason`` label, when there
+    is one: ``name{source=local_compute}``, ``name{reason=seal}``)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         match = _METRIC_LINE.match(line)
         if not match:
             continue
         name, labels, value = match.group(1), match.group(2) or "", match.group(3)
-        source = _SOURCE_LABEL.search(labels)
-        key = f"{name}{{source={source.group(1)}}}" if source else name
+        kept = _KEPT_LABEL.search(labels)
+        key = f"{name}{{{kept.group(1)}={kept.group(2)}}}" if kept else name
         with contextlib.suppress(ValueError):
             out[key] = out.get(key, 0.0) + float(value)
     return out
@@ -450,6 +489,15 @@ class ServerGroup:
 #: vLLM's prompt-token counters by source (a consumer's /metrics)
 LOCAL_TOKENS = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+
+
+#: a kvbridge consumer's refused transfer params (all, and per reason)
+REFUSED_PARAMS = "vllm:kvbridge_refused_params_total"
+
+
+def refused_params_by(reason: str) -> str:
+    """The key of ``vllm:kvbridge_refused_params_by_reason_total{reason=...}``."""
+    return f"vllm:kvbridge_refused_params_by_reason_total{{reason={reason}}}"
 
 
 def prompt_token_sources(metrics: Mapping[str, float]) -> tuple[float, float]:
@@ -503,10 +551,12 @@ def kvbridge_push_params(*, producer_engine_id: str, producer_port: int,
     Push needs both kvbridge side channels at known addresses (``port`` in
     each engine's ``kv_connector_extra_config``) and engine ids (``engine_id``
     in ``--kv-transfer-config``); ``request_id`` is the router's id, which the
-    adapter uses as the producer's kvbridge request id.
+    adapter uses as the producer's kvbridge request id. Nothing seals it (no producer
+    has the request yet): the consumer's registration carries its prompt chain, and
+    the producer writes only KV of the same tokens.
     """
     return {
-        "version": 1, "mode": "push",
+        "version": TRANSFER_PARAMS_VERSION, "mode": "push",
         "producer_engine_id": producer_engine_id, "producer_host": LOOPBACK,
         "producer_port": producer_port, "producer_request_id": request_id,
         "block_ids": [], "producer_topology": {"tp_size": 1, "pp_size": 1, "dcp_size": 1,

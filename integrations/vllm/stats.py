@@ -23,6 +23,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvbridge.connectors.metadata_wire import MetadataWireError
 
 _STAT_LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors", "nixl_xfer_duration")
+#: The scheduler's counter of every refused transfer params; ``ALL_REFUSED + "_" + reason``
+#: counts one reason (``refused_params_block_ids``, ``refused_params_seal``, ...).
+ALL_REFUSED = "refused_params"
+#: Refusal counters one report may carry (a scheduler has a handful).
+MAX_REFUSAL_COUNTERS = 64
+
+
+def refusal_deltas(now: Mapping[str, int | float], before: Mapping[str, int | float],
+                   ) -> dict[str, int]:
+    """The refusal counters of a scheduler's ``get_stats()`` that grew since ``before``."""
+    return {name: int(value) - int(before.get(name, 0)) for name, value in now.items()
+            if name.startswith(ALL_REFUSED) and int(value) > int(before.get(name, 0))}
 
 
 @dataclass
@@ -32,8 +44,12 @@ class KVBridgeStats(KVConnectorStats):
     ``data``: ``transfer_duration`` (s), ``bytes_transferred``,
     ``num_descriptors`` (lists, one entry per finished transfer since the
     last report), ``nixl_xfer_duration`` (s: NIXL's own telemetry of each READ,
-    one entry per NIXL transfer, the measurement vLLM's NixlConnector reports)
-    and ``failed`` (count of failed transfers in those).
+    one entry per NIXL transfer, the measurement vLLM's NixlConnector reports),
+    ``failed`` (count of failed transfers in those) and ``refused`` (the
+    scheduler's refused transfer params since the last report, by counter name:
+    ``refused_params`` for all of them, ``refused_params_<reason>`` per reason;
+    the scheduler-side connector reports these, vLLM aggregates them with the
+    workers').
 
     A worker's report crosses vLLM's (pickling) channel as ``wire`` only: msgpack
     bytes of ``data``, with ``data`` empty (:meth:`packed`). Every method opens
@@ -42,7 +58,7 @@ class KVBridgeStats(KVConnectorStats):
 
     data: dict[str, Any] = field(default_factory=lambda: {
         "transfer_duration": [], "bytes_transferred": [], "num_descriptors": [],
-        "nixl_xfer_duration": [], "failed": 0})
+        "nixl_xfer_duration": [], "failed": 0, "refused": {}})
     wire: bytes = b""
 
     @classmethod
@@ -66,6 +82,13 @@ class KVBridgeStats(KVConnectorStats):
             failed = raw.get("failed", 0)
             if not isinstance(failed, int) or isinstance(failed, bool):
                 raise MetadataWireError("kv_connector_stats.failed", "expected an int")
+            refused = raw.setdefault("refused", {})
+            if not isinstance(refused, dict) or len(refused) > MAX_REFUSAL_COUNTERS or not all(
+                    isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                    and v >= 0 for k, v in refused.items()):
+                raise MetadataWireError("kv_connector_stats.refused",
+                                        f"expected at most {MAX_REFUSAL_COUNTERS} counters "
+                                        f"(name -> int >= 0)")
             self.data = raw
         return self.data
 
@@ -82,6 +105,9 @@ class KVBridgeStats(KVConnectorStats):
         for key in _STAT_LISTS:
             data.setdefault(key, []).extend(theirs.get(key, []))
         data["failed"] = data.get("failed", 0) + theirs.get("failed", 0)
+        refused = data.setdefault("refused", {})
+        for name, count in theirs.get("refused", {}).items():
+            refused[name] = refused.get(name, 0) + count
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -94,18 +120,22 @@ class KVBridgeStats(KVConnectorStats):
             "num_failed": data.get("failed", 0),
             "median_xfer_time_ms": round(1e3 * durations[count // 2], 3) if count else 0.0,
             "total_mb": round(sum(nbytes) / 2**20, 3),
+            "num_refused_params": data.get("refused", {}).get(ALL_REFUSED, 0),
         }
 
     def is_empty(self) -> bool:
         data = self._open()
-        return not data.get("transfer_duration") and not data.get("failed")
+        return not data.get("transfer_duration") and not data.get("failed") \
+            and not data.get("refused")
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """``vllm:kvbridge_xfer_time_seconds`` (a whole load) / ``_nixl_xfer_time_seconds``
     (NIXL's telemetry of each READ, as vLLM's ``vllm:nixl_xfer_time_seconds``) /
     ``_bytes_transferred`` / ``_num_descriptors`` histograms and
-    ``vllm:kvbridge_num_failed_transfers``, like vLLM's NIXL ones."""
+    ``vllm:kvbridge_num_failed_transfers``, like vLLM's NIXL ones; the consumer's
+    ``vllm:kvbridge_refused_params`` and ``_refused_params_by_reason{reason=...}``
+    counters (transfer params refused, the request recomputed)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -135,6 +165,17 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self.failed = per_engine(metric_types[Counter](
             name="vllm:kvbridge_num_failed_transfers",
             documentation="Failed kvbridge KV transfers.", labelnames=labelnames))
+        self.refused = per_engine(metric_types[Counter](
+            name="vllm:kvbridge_refused_params",
+            documentation="Transfer params the consumer refused (the request recomputed).",
+            labelnames=labelnames))
+        by_reason = metric_types[Counter](
+            name="vllm:kvbridge_refused_params_by_reason",
+            documentation="Refused transfer params by reason (seal, prompt, replay, "
+                          "num_tokens, block_ids, block_id, ...).",
+            labelnames=[*labelnames, "reason"])
+        self._labelvalues = per_engine_labelvalues
+        self._by_reason = by_reason
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for metric, key in ((self.xfer_time, "transfer_duration"),
@@ -146,3 +187,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         failed = transfer_stats_data.get("failed", 0)
         if failed:
             self.failed[engine_idx].inc(failed)
+        for name, count in transfer_stats_data.get("refused", {}).items():
+            if name == ALL_REFUSED:
+                self.refused[engine_idx].inc(count)
+            elif name.startswith(ALL_REFUSED + "_"):
+                reason = name[len(ALL_REFUSED) + 1:]
+                self._by_reason.labels(*self._labelvalues[engine_idx], reason).inc(count)

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
 LOCAL = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+FAILED = "vllm:kvbridge_num_failed_transfers_total"
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,10 @@ def push_pair(tiny_model: Path, server_logs: Path) -> Iterator[dict[str, object]
     def config(role: str, who: str) -> dict[str, object]:
         cfg = bench.kvbridge_nixl_config(role, extra={"mode": "push", "port": ports[who]})
         cfg["engine_id"] = ids[who]
+        if role == "kv_consumer":
+            # a push the producer refuses (another prompt's) is a failed load here:
+            # recomputed, not vLLM's default HTTP 500
+            cfg["kv_load_failure_policy"] = "recompute"
         return cfg
 
     specs = bench.pair_specs(str(tiny_model), "push", config("kv_producer", "producer"),
@@ -64,17 +69,28 @@ def test_push_pd_matches_colocated(push_pair) -> None:
     assert after.get(EXTERNAL, 0) - before.get(EXTERNAL, 0) == sum(len(p) for p in prompts)
 
 
-def test_push_negative_control_other_prompts_kv_changes_output(push_pair) -> None:
-    """The consumer decodes prompt A while the producer pushes prompt B's KV under the
-    same router id: the consumer's output changes, so the pushed bytes are what it uses."""
+def test_push_of_another_prompts_kv_is_refused_and_the_prompt_recomputed(push_pair) -> None:
+    """The consumer decodes prompt A while the producer prefills prompt B under the
+    same router id: the consumer's registration names A's prompt chain, so the
+    producer refuses to write B's KV into it; the consumer counts a failed load,
+    computes A itself and answers A's own text. That pushed KV is really used when
+    it is the prompt's own: ``test_push_pd_matches_colocated`` (every prompt token
+    under ``external_kv_transfer``)."""
     producer, consumer = push_pair["producer"], push_pair["consumer"]
     prompt_a, prompt_b = h.make_prompts(2, 96, seed=8888)
     params = _params(push_pair, prompt_a)
     import concurrent.futures
 
+    before = consumer.metrics()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         decode = pool.submit(consumer.complete, prompt_a, MAX_TOKENS, {"kvbridge": params}, 120)
         producer.complete(prompt_b, 1, {"do_remote_decode": True, "kvbridge": params}, 120)
-        wrong = decode.result(timeout=120)
-    right = producer.complete(prompt_a, MAX_TOKENS)
-    assert wrong.token_ids != right.token_ids
+        got = decode.result(timeout=120)
+    after = consumer.metrics_once_grown(before, FAILED)
+    consumer.reset_prefix_cache()
+    own = consumer.complete(prompt_a, MAX_TOKENS)
+    assert got.token_ids == own.token_ids
+    assert after.get(FAILED, 0) - before.get(FAILED, 0) >= 1, {
+        k: v for k, v in after.items() if "kvbridge" in k}
+    assert "refused: the consumer's prompt is not this request's prompt" in \
+        consumer.log_path.read_text(errors="replace")

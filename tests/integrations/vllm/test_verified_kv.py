@@ -11,6 +11,7 @@ not what the producer computed (the control that the fault is real).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,7 +41,10 @@ def servers(tiny_model: Path, server_logs: Path) -> Iterator[tuple[h.VllmServer,
     producer, consumer = bench.pair_specs(model, "corrupt", producer_config, consumer_config)
     producer = h.ServerSpec(producer.name, producer.model, producer.port, core=0,
                             kv_transfer_config=producer_config,
-                            env={"PYTHONPATH": str(FAULTS)})
+                            # the fault module first, then whatever kvbridge the run imports
+                            # (a source tree on PYTHONPATH stays ahead of the installed one)
+                            env={"PYTHONPATH": os.pathsep.join(
+                                filter(None, (str(FAULTS), os.environ.get("PYTHONPATH"))))})
     unchecked = h.ServerSpec("unverified-consumer", model, h.free_port(), core=1,
                              kv_transfer_config=bench.kvbridge_nixl_config(
                                  "kv_consumer", extra={"verify": "off"}))

@@ -44,7 +44,8 @@ def test_worker_stats_travel_as_bytes_and_aggregate(connector: Any) -> None:
     assert one.data == {} and isinstance(one.wire, bytes) and one.wire
     total = one.aggregate(two)
     assert total.reduce() == {"num_transfers": 2, "num_failed": 1,
-                              "median_xfer_time_ms": 500.0, "total_mb": 2.0}
+                              "median_xfer_time_ms": 500.0, "total_mb": 2.0,
+                              "num_refused_params": 0}
     assert total.to_dict()["num_descriptors"] == [4, 2]
     assert total.to_dict()["nixl_xfer_duration"] == [0.01, 0.02]  # NIXL's, per READ
     worse = connector.KVBridgeStats.packed({"nixl_xfer_duration": [True]})
@@ -54,3 +55,26 @@ def test_worker_stats_travel_as_bytes_and_aggregate(connector: Any) -> None:
     with pytest.raises(MetadataWireError) as info:
         bad.is_empty()
     assert info.value.field == "kv_connector_stats.transfer_duration"
+
+
+def test_scheduler_refusals_travel_as_deltas_and_add_to_the_workers(connector: Any) -> None:
+    stats = require("kvbridge.integrations.vllm.stats")
+    before = {"refused_params": 2, "refused_params_seal": 2, "loads_ordered": 9}
+    now = {"refused_params": 5, "refused_params_seal": 2, "refused_params_prompt": 3,
+           "loads_ordered": 12}
+    grown = stats.refusal_deltas(now, before)
+    assert grown == {"refused_params": 3, "refused_params_prompt": 3}  # nothing else
+    assert stats.refusal_deltas(now, now) == {}
+    scheduler = connector.KVBridgeStats.packed({"refused": grown})
+    assert not scheduler.is_empty()  # a report with refusals only still reaches vLLM
+    worker = connector.KVBridgeStats.packed({"transfer_duration": [0.5], "failed": 0,
+                                             "refused": {"refused_params": 1}})
+    total = worker.aggregate(scheduler)
+    assert total.to_dict()["refused"] == {"refused_params": 4, "refused_params_prompt": 3}
+    assert total.reduce()["num_refused_params"] == 4
+    for refused in ({"refused_params": -1}, {"refused_params": "3"}, [1],
+                    {f"refused_params_{i}": 1 for i in range(stats.MAX_REFUSAL_COUNTERS + 1)}):
+        bad = connector.KVBridgeStats.packed({"refused": refused})
+        with pytest.raises(MetadataWireError) as info:
+            bad.is_empty()
+        assert info.value.field == "kv_connector_stats.refused"
