@@ -159,7 +159,7 @@ def metadata_command(fd: int, limits: MetadataLimits) -> list[str]:
     directory on ``sys.path``, which would put ``backends/mooncake/__init__.py`` in front of
     the real ``mooncake``): the module needs the standard library only.
     """
-    script = Path(__file__).with_name("mooncake_metadata.py")
+    script = Path(__file__).with_name("metadata.py")
     return [sys.executable, "-I", str(script), f"--fd={fd}", *limits.argv()]
 
 
