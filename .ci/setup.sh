@@ -35,7 +35,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     # torch first, to learn its CUDA: the NIXL build must link the same CUDA major, and
     # pip cannot read torch's CUDA in a marker. The base install brings nixl-cu12 (CPU and
     # CUDA 12 torch); a CUDA 13 torch adds nixl-cu13 (kvbridge[cu13]), which kvbridge
-    # loads first there (backends/nixl_load.py).
+    # loads first there (backends/nixl/load.py).
     if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
         echo "setup: installing torch"
         "${PIP[@]}" install "torch>=2.4"

@@ -128,7 +128,7 @@ class SlotMemory:
     def pin(self) -> bool:
         """Register the mapping with CUDA as pinned memory (idempotent); False if CUDA
         refused (logged; copies then run unpinned)."""
-        from kvbridge.backends.device_copy import pin_host_memory
+        from kvbridge.backends.device.copy import pin_host_memory
 
         with self._pin_lock:
             if not self.pinned:
@@ -159,7 +159,7 @@ class SlotMemory:
         our file."""
         with self._pin_lock:
             if self.pinned:
-                from kvbridge.backends.device_copy import unpin_host_memory
+                from kvbridge.backends.device.copy import unpin_host_memory
 
                 unpin_host_memory(self._address())
                 self.pinned = False

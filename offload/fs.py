@@ -57,7 +57,7 @@ memory, bounded (``QUARANTINE_TRACKED`` keys, oldest forgotten first).
 Batched reads (``io_engine``): with O_DIRECT and the primary tier's memory
 attached, a load opens its files (checking each is a regular file of exactly
 header + block bytes) and reads them all with one io_uring submission through
-NIXL's POSIX backend (:mod:`kvbridge.backends.nixl_files`, one reader per I/O
+NIXL's POSIX backend (:mod:`kvbridge.backends.nixl.files`, one reader per I/O
 thread), then checks headers and digests as a one-by-one read would. A file
 that does not open or has the wrong size, and every file of a batch the
 backend fails, is read the plain way (``open``/``readv``), which names what is

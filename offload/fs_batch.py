@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvbridge.backends.nixl_files import MAX_SEGMENTS, FileReader, FileReadError, PendingRead
+from kvbridge.backends.nixl.files import MAX_SEGMENTS, FileReader, FileReadError, PendingRead
 from kvbridge.offload.fs_io import O_DIRECT, FsIO, buffer_address, byte_views, direct_ok
 from kvbridge.offload.tier import BlockBuffers, IOCounters
 from kvbridge.offload.types import OffloadKey

@@ -153,14 +153,14 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:
-    from kvbridge.backends.mooncake_master import MooncakeMaster
+    from kvbridge.backends.mooncake.master import MooncakeMaster
 
 
 def _start_mooncake_master(log_dir: object) -> MooncakeMaster:
     """Start a real mooncake_master on 127.0.0.1, or skip/fail when Mooncake is missing."""
     require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    from kvbridge.backends.mooncake_master import MooncakeMaster, MooncakeMasterNotFound  # noqa: F811
+    from kvbridge.backends.mooncake.master import MooncakeMaster, MooncakeMasterNotFound  # noqa: F811
 
     master = MooncakeMaster(log_path=os.path.join(str(log_dir), "mooncake_master.log"))
     try:

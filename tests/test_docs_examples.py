@@ -154,7 +154,7 @@ def test_the_readme_table_is_rendered_from_the_saved_report() -> None:
     --markdown`, byte for byte: the committed numbers and the committed report agree."""
     import json
 
-    from kvbridge.tools.bench_suite import format_markdown
+    from kvbridge.tools.bench.suite import format_markdown
 
     table = format_markdown(json.loads((ROOT / "docs" / "bench.json").read_text()))
     assert table in (ROOT / "README.md").read_text()

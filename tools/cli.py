@@ -1,6 +1,6 @@
 """Entry point of the `kvbridge` command.
 
-Each subcommand lives in its own module `kvbridge/tools/cmd_<name>.py` that
+Each subcommand lives in its own module `kvbridge/tools/commands/<name>.py` that
 defines::
 
     def register(subparsers: argparse._SubParsersAction) -> None
@@ -24,7 +24,7 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-import kvbridge.tools as _tools_pkg
+import kvbridge.tools.commands as _commands_pkg
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -41,10 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(_tools_pkg.__path__), key=lambda m: m.name):
-        if not info.name.startswith("cmd_"):
-            continue
-        module = importlib.import_module(f"kvbridge.tools.{info.name}")
+    for info in sorted(pkgutil.iter_modules(_commands_pkg.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"kvbridge.tools.commands.{info.name}")
         module.register(subparsers)
     return parser
 

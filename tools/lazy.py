@@ -1,6 +1,6 @@
 """Names imported on first use, so that building the CLI parser stays cheap.
 
-``kvbridge --help`` imports every ``tools/cmd_*.py`` (and the demo runners they
+``kvbridge --help`` imports every ``tools/commands/*.py`` (and the demo runners they
 register flags for). Those that need the engine (which imports torch) bind its
 names with :func:`lazy` at run time and import them for real under
 ``TYPE_CHECKING``::

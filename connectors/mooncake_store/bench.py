@@ -51,9 +51,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.backends.device_copy import host_buffer
-from kvbridge.backends.mooncake_bench import gbps, memcpy_seconds, paired_ratio
-from kvbridge.backends.mooncake_master import master_endpoint  # also applies env defaults
+from kvbridge.backends.device.copy import host_buffer
+from kvbridge.backends.mooncake.bench import gbps, memcpy_seconds, paired_ratio
+from kvbridge.backends.mooncake.master import master_endpoint  # also applies env defaults
 from kvbridge.connectors.api import ConnectorContext, KVCaches
 from kvbridge.connectors.config import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata

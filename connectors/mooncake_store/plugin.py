@@ -75,7 +75,7 @@ def conformance_cases() -> tuple[ConformanceCase, ...]:
         @contextmanager
         def setup(tmp: Path) -> Iterator[CaseEnv]:
             import kvbridge.backends  # noqa: F401  (Mooncake env defaults)
-            from kvbridge.backends.mooncake_master import MooncakeMaster
+            from kvbridge.backends.mooncake.master import MooncakeMaster
 
             with MooncakeMaster(log_path=tmp / "mooncake_master.log") as master:
                 settings = {"master_address": master.rpc_address,

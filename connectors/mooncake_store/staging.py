@@ -25,7 +25,7 @@ A round holds at most half of ``staging_bytes`` (puts and gets have a half each,
 so the save path and the load thread never share bytes); a batch larger than
 that takes several rounds. On a CUDA device the buffer is pinned and the copies
 run ``non_blocking`` on the device's copy stream, ordered after the compute
-stream (:mod:`kvbridge.backends.device_copy`); on the host the same steps run
+stream (:mod:`kvbridge.backends.device.copy`); on the host the same steps run
 synchronously. Only torch ops touch the KV.
 
 The calls mirror the client's ``start_batch_put_from`` / ``start_batch_get_into``
@@ -48,7 +48,7 @@ from typing import Protocol
 
 import torch
 
-from kvbridge.backends.device_copy import finish, host_buffer, is_cuda, on_copy_stream
+from kvbridge.backends.device.copy import finish, host_buffer, is_cuda, on_copy_stream
 from kvbridge.backends.mooncake import KeyResult, KeyStatus, McStatus, MooncakeStoreClient
 from kvbridge.connectors.errors import ContractError
 

@@ -21,7 +21,7 @@ and its digests are ``torch-mix64-v1`` taken on that device. The stats say so
   removed once the client is idle again (they could hold later bytes).
   The put reads device memory outside every CUDA stream, so it is issued only
   once the kernels that wrote the step's KV finished: a fence per device
-  (:mod:`kvbridge.backends.fence`), waited on at most ``op_timeout_s``; if it
+  (:mod:`kvbridge.backends.device.fence`), waited on at most ``op_timeout_s``; if it
   has not passed then, the step's puts are dropped (``put_fence_timeouts``).
   On host memory the fence has passed already.
 * **Loads** run on this rank's load thread (``load_async``, the default) or
@@ -78,7 +78,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvbridge.backends.fence import Fence, record_fence, wait_fence
+from kvbridge.backends.device.fence import Fence, record_fence, wait_fence
 from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient, PendingBatch
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ConfigError, ContractError

@@ -45,7 +45,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbridge.backends.fence import Fence
+from kvbridge.backends.device.fence import Fence
 from kvbridge.connectors.nixl import messages
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.auth import ClusterAuth, SecretError, insecure_from_env, resolve_secret
-from kvbridge.backends.nixl_lanes import DEFAULT_LANES, MAX_LANES
+from kvbridge.backends.nixl.lanes import DEFAULT_LANES, MAX_LANES
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
 from kvbridge.connectors.verify_config import VERIFY_KEYS, VerifySettings, parse_verify
@@ -39,7 +39,7 @@ class NixlSettings(VerifySettings):
     this bounds the READ's time (NIXL's telemetry of a 512 KiB READ here: 1.06
     ms at 0.2 ms, 0.46-0.58 ms at 0.05 ms); it lasts only as long as the READ.
     ``lanes``: how many NIXL agents of a rank move the parts of one large
-    host-memory READ or WRITE at once (``backends.nixl_lanes``: parts of at
+    host-memory READ or WRITE at once (``backends.nixl.lanes``: parts of at
     least 1 MiB; default 2; 1: one agent). On one host UCX copies over CMA in
     the posting thread, one core's copy per agent: raw NIXL 64 x 2 MiB READ 6.3
     GB/s with one, 11.1 GB/s (0.95 of a torch copy) with two, 9.7 with three on

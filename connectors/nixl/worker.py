@@ -61,7 +61,7 @@ import uuid
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from kvbridge.backends.fence import Fence
+from kvbridge.backends.device.fence import Fence
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors.api import BlockRef, KVCaches
 from kvbridge.connectors.nixl.hold_digests import HoldDigests

@@ -8,7 +8,7 @@ counters) and holds the few helpers every part uses (counters, transfer
 records, the XXH3-64 digester). The parts are mixins rather than objects
 of their own: their state is one web (a failed handshake fails loads, a
 ``begin`` is answered from the leases and the digests, a push writes to the
-consumer peers that said hello), and ``tools/trace.py`` instruments a worker by
+consumer peers that said hello), and ``tools/trace/__init__.py`` instruments a worker by
 wrapping its methods on the one object (``_fail``, ``_verify``,
 ``_on_notif``), so every internal call must go through ``self``.
 
@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from kvbridge.backends.fence import Fence, record_fence
+from kvbridge.backends.device.fence import Fence, record_fence
 from kvbridge.backends.nixl import DescList, NixlTransport, PeerHandle
 from kvbridge.connectors.api import BlockRef, ConnectorContext, WorkerConnector
 from kvbridge.connectors.nixl import messages
@@ -52,7 +52,7 @@ from kvbridge.layouts.digests import SLICE_ALGORITHMS, Digester, slice_algorithm
 from kvbridge.layouts.plan import rank_index
 
 #: One logger for every part of the worker, named as when it was one module: tools
-#: and tests listen on it (``tools/trace.py``, ``tests/connectors/nixl/netns_driver.py``).
+#: and tests listen on it (``tools/trace/__init__.py``, ``tests/connectors/nixl/netns_driver.py``).
 logger = logging.getLogger("kvbridge.connectors.nixl.worker")
 
 #: Transfer latency samples kept per rank (for percentiles in the demo and bench).

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvbridge.backends.device_copy import host_buffer, is_cuda
+from kvbridge.backends.device.copy import host_buffer, is_cuda
 from kvbridge.connectors.offloading.copier import SlotCopier
 from kvbridge.offload.cpu import SlotMemory
 

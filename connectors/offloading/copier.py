@@ -17,7 +17,7 @@ region, layer after layer. A batch of ``n`` (block, slot) pairs moves as:
 On a CUDA device every step runs on the device's dedicated copy stream,
 ordered after the compute stream, ``non_blocking`` from or to the (pinned) slot
 memory; :meth:`SlotCopier.copy` returns only once the stream ran the batch,
-waiting at most ``timeout_s`` (:mod:`kvbridge.backends.device_copy`). On the
+waiting at most ``timeout_s`` (:mod:`kvbridge.backends.device.copy`). On the
 host (plain or guarded KV) the same steps run synchronously: no stream, and
 no host-only access to the KV (only torch ops), so the CPU suite exercises this
 path with KV that refuses host reads. A batch is cut into rounds of at most
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvbridge.backends.device_copy import finish, is_cuda, on_copy_stream
-from kvbridge.backends.fence import FENCE_TIMEOUT_S
+from kvbridge.backends.device.copy import finish, is_cuda, on_copy_stream
+from kvbridge.backends.device.fence import FENCE_TIMEOUT_S
 
 #: Bound of the gathered rows a round puts on the KV's device (bytes)
 DEFAULT_MAX_GATHER_BYTES = 256 << 20

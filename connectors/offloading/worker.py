@@ -31,7 +31,7 @@ on the stuck device without a bound, so all its blocks fail (loads are
 recomputed, stores dropped).
 
 Stores are issued only after the kernels that wrote the KV finished:
-``wait_for_save`` records a fence (:mod:`kvbridge.backends.fence`) and waits
+``wait_for_save`` records a fence (:mod:`kvbridge.backends.device.fence`) and waits
 for it, at most ``FENCE_TIMEOUT_S``, before copying; if it has not passed, the
 step's stores count as copy errors (the scheduler then fails them). The copy
 stream is ordered after the compute stream as well; the fence keeps the rule
@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from kvbridge.backends.device_copy import is_cuda
-from kvbridge.backends.fence import FENCE_TIMEOUT_S, Fence, record_fence, wait_fence
+from kvbridge.backends.device.copy import is_cuda
+from kvbridge.backends.device.fence import FENCE_TIMEOUT_S, Fence, record_fence, wait_fence
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
 from kvbridge.connectors.errors import ContractError
 from kvbridge.connectors.offloading.copier import CopyTimeout, SlotCopier

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from kvbridge.backends.mooncake_master import listening_addresses, port_accepts
+from kvbridge.backends.mooncake.master import listening_addresses, port_accepts
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
-from kvbridge.tools.cmd_mooncake import parse_pattern
+from kvbridge.tools.commands.mooncake import parse_pattern
 from tests.conftest import assert_figures, require
 
 

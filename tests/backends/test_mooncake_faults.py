@@ -19,7 +19,7 @@ from kvbridge.backends.mooncake import (
     MooncakeSetupError,
     MooncakeStoreClient,
 )
-from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.backends.mooncake.master import MooncakeMaster
 from tests.conftest import require
 
 torch = require("torch")

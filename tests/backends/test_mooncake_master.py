@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeSetupError, MooncakeStoreClient
-from kvbridge.backends.mooncake_master import (
+from kvbridge.backends.mooncake.master import (
     MasterPorts,
     MooncakeMaster,
     MooncakeMasterError,

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbridge.backends.mooncake_master import (
+from kvbridge.backends.mooncake.master import (
     MooncakeMaster,
     listening_addresses,
     port_accepts,
 )
-from kvbridge.backends.mooncake_metadata import (
+from kvbridge.backends.mooncake.metadata import (
     MetadataHTTPServer,
     MetadataLimits,
     MetadataStore,
@@ -254,7 +254,7 @@ def test_mooncake_clients_put_and_get_through_it_and_oversized_puts_are_refused(
 
 _OWNER = """
 import json, sys
-from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.backends.mooncake.master import MooncakeMaster
 master = MooncakeMaster().start()
 print(json.dumps({"pid": master.pid, "metadata_pid": master.metadata_pid,
                   "ports": [master.rpc_port, master.http_port, master.metrics_port]}), flush=True)

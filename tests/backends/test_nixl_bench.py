@@ -9,7 +9,7 @@ from tests.conftest import assert_figures, require
 require("torch")
 require("nixl_cu12._api", "NIXL")
 
-from kvbridge.backends.nixl_bench import run_nixl_raw_bench  # noqa: E402
+from kvbridge.backends.nixl.bench import run_nixl_raw_bench  # noqa: E402
 
 
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
@@ -32,7 +32,7 @@ def test_bench_rejects_unknown_op() -> None:
 
 
 def test_cost_bench_compares_each_way_per_transfer_and_verifies() -> None:
-    from kvbridge.backends.nixl_cost import CostPattern, request_pattern, run_nixl_cost_bench
+    from kvbridge.backends.nixl.cost import CostPattern, request_pattern, run_nixl_cost_bench
 
     small = request_pattern(64, layers=2)  # scattered: the remote order permuted
     assert (small.num_descs, small.desc_bytes, small.scattered) == (2 * 2 * 4, 8192, True)
@@ -51,7 +51,7 @@ def test_cost_bench_compares_each_way_per_transfer_and_verifies() -> None:
 
 
 def test_request_pattern_is_one_ranks_kv_of_a_70b_prompt() -> None:
-    from kvbridge.backends.nixl_cost import request_pattern
+    from kvbridge.backends.nixl.cost import request_pattern
 
     p4k, p32k = request_pattern(4096), request_pattern(32768)
     # 80 layers x K,V x 256 blocks of 16 tokens x 2 heads (8 over TP 4) x 128 x bf16
@@ -63,7 +63,7 @@ def test_request_pattern_is_one_ranks_kv_of_a_70b_prompt() -> None:
 
 
 def test_cost_bench_refuses_a_pattern_that_does_not_fit_before_allocating() -> None:
-    from kvbridge.backends.nixl_cost import memory_needed, request_pattern, run_nixl_cost_bench
+    from kvbridge.backends.nixl.cost import memory_needed, request_pattern, run_nixl_cost_bench
 
     big = request_pattern(32768)  # 2.5 GiB moved per rank at 80 layers
     host, device = memory_needed(big)

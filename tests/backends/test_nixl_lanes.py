@@ -1,4 +1,4 @@
-"""Lanes (``backends.nixl_lanes``): one transfer cut across several NIXL agents of a rank.
+"""Lanes (``backends.nixl.lanes``): one transfer cut across several NIXL agents of a rank.
 
 The cut is pure (ranges of descriptors); the transport tests run against a real
 NIXL peer in a second process: laned READ and WRITE byte for byte, a transfer
@@ -17,7 +17,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvbridge.backends.nixl_lanes import MIN_LANE_PART_BYTES, cut, lane_threads_alive
+from kvbridge.backends.nixl.lanes import MIN_LANE_PART_BYTES, cut, lane_threads_alive
 from tests.conftest import require, sigstop
 
 MIB = 1 << 20
@@ -57,8 +57,8 @@ torch = require("torch")
 require("nixl_cu12._api", "NIXL")
 
 from kvbridge.backends.nixl import NixlTransport, NixlTransportError, XferState, block_descs  # noqa: E402
-from kvbridge.backends.nixl_bench import PeerProcess  # noqa: E402
-from kvbridge.backends.nixl_bench import pattern as np_pattern  # noqa: E402
+from kvbridge.backends.nixl.bench import PeerProcess  # noqa: E402
+from kvbridge.backends.nixl.bench import pattern as np_pattern  # noqa: E402
 
 NB, BB = 8, 2 * MIB
 SEED = 11

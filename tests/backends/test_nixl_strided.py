@@ -27,8 +27,8 @@ from kvbridge.backends.nixl import (  # noqa: E402
     expand_descs,
     strided_descs,
 )
-from kvbridge.backends.nixl_bench import PeerProcess  # noqa: E402
-from kvbridge.backends.nixl_bench import pattern as np_pattern  # noqa: E402
+from kvbridge.backends.nixl.bench import PeerProcess  # noqa: E402
+from kvbridge.backends.nixl.bench import pattern as np_pattern  # noqa: E402
 from kvbridge.connectors.nixl.routing import (  # noqa: E402
     consumer_table,
     pair_indices,

@@ -108,7 +108,7 @@ def test_state_terminality() -> None:
 
 def test_as_indices_int32_fast_path_checks_like_the_general_one() -> None:
     """A flat int32 array is returned as is (no copies), but still bounds-checked."""
-    from kvbridge.backends.nixl_descs import as_indices
+    from kvbridge.backends.nixl.descs import as_indices
 
     idx = np.arange(8, dtype=np.int32)
     assert as_indices(idx, 8, "x") is idx
@@ -126,7 +126,7 @@ def test_as_indices_int32_fast_path_checks_like_the_general_one() -> None:
 def test_as_indices_rejects_out_of_range_in_one_pass(count: int) -> None:
     """Negative indices read as unsigned exceed any bound: one pass checks both ends,
     for short arrays (checked in Python) and long ones (one numpy reduction)."""
-    from kvbridge.backends.nixl_descs import as_indices
+    from kvbridge.backends.nixl.descs import as_indices
 
     for dtype in (np.int32, np.int64):
         good = np.arange(count, dtype=dtype)
@@ -144,7 +144,7 @@ def test_as_indices_rejects_out_of_range_in_one_pass(count: int) -> None:
 
 
 def test_dlist_entry_uniform_length() -> None:
-    from kvbridge.backends.nixl_descs import DListEntry
+    from kvbridge.backends.nixl.descs import DListEntry
 
     same = DListEntry(None, np.array([64, 64], dtype=np.uint64), np.array([3, 5]), None)
     mixed = DListEntry(None, np.array([64, 32], dtype=np.uint64), np.array([3, 5]), None)

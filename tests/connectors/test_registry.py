@@ -19,7 +19,7 @@ from kvbridge.connectors import registry
 from kvbridge.connectors.errors import UnknownConnectorError
 from kvbridge.connectors.registry import BUILTIN_CONNECTORS, Origin
 from kvbridge.connectors.shared_storage import SharedStoragePlugin
-from kvbridge.tools import cmd_doctor
+from kvbridge.tools.commands import doctor as cmd_doctor
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = {"shared_storage", "nixl", "mooncake_store", "offloading", "multi"}

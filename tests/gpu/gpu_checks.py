@@ -23,7 +23,7 @@ Checks (``--checks`` selects; default all, in this order):
   one request does (make, post, wait, release) and against one re-posted handle,
   VRAM to VRAM, READ and WRITE: GB/s, the one-descriptor fixed cost, kvbridge's
   excess in µs, NIXL's own make + release, a device copy of the same bytes; the
-  4k- and 32k-token requests of a 70B-class model (:mod:`kvbridge.backends.nixl_cost`).
+  4k- and 32k-token requests of a 70B-class model (:mod:`kvbridge.backends.nixl.cost`).
 * ``connector``  -- the ``nixl`` connector end to end, pull and push, and pull at
   TP 1 -> 2 (head slices), producer and consumer reference engines in two
   processes with their KV caches on the GPU (the engine's ``device`` setting;
@@ -211,7 +211,7 @@ def run_transfers(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kvbridge.backends.nixl import NixlTransport, load_nixl_api, strided_descs
-    from kvbridge.backends.nixl_bench import PeerProcess, pattern
+    from kvbridge.backends.nixl.bench import PeerProcess, pattern
 
     api = load_nixl_api()
     device = torch.device(args.device)
@@ -373,7 +373,7 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     from kvbridge.engine.workload import check_outputs, make_requests
     from kvbridge.handshake import HandshakeClient, format_address
     from kvbridge.layouts import ParallelTopology, load_spec
-    from kvbridge.tools.demo_nixl import Router
+    from kvbridge.tools.demo.nixl import Router
 
     # the engines' own device setting puts each rank's KV on the GPU; a dry run on the
     # host guards its KV against host reads, so it takes the GPU ranks' paths
@@ -436,7 +436,7 @@ def check_cost(args: argparse.Namespace) -> dict[str, Any]:
     descriptor transfer, kvbridge's excess per transfer, NIXL's own make + release,
     and a device copy of the same bytes; the 4k- and 32k-token requests of a 70B-class
     model at TP 4 (``--quick``: small patterns)."""
-    from kvbridge.backends.nixl_cost import default_cost_patterns, run_nixl_cost_bench
+    from kvbridge.backends.nixl.cost import default_cost_patterns, run_nixl_cost_bench
 
     device = args.device if args.device.startswith("cuda") else "cpu"
     report = run_nixl_cost_bench(default_cost_patterns(quick=args.quick), device=device,
@@ -632,7 +632,7 @@ def check_digests(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvbridge.layouts.digests import mix64_combine, mix64_digest
     from kvbridge.layouts.torch_digests import TensorSpan, TorchBlockDigester
-    from kvbridge.tools.bench_digests import digest_rates
+    from kvbridge.tools.bench.digests import digest_rates
 
     device = torch.device(args.device)
     rng = np.random.default_rng(18)

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from kvbridge.backends.nixl_files import MAX_SEGMENTS, FileReader, FileReadError
+from kvbridge.backends.nixl.files import MAX_SEGMENTS, FileReader, FileReadError
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fs import DEFAULT_WRITE_THREADS, FileMapper, FsTier

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.tools.bench_digests import digest_rates
+from kvbridge.tools.bench.digests import digest_rates
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
 
 

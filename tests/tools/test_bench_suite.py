@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.backends.mooncake_master import MooncakeMaster
-from kvbridge.tools import bench_suite
+from kvbridge.backends.mooncake.master import MooncakeMaster
+from kvbridge.tools.bench import suite as bench_suite
 from kvbridge.tools.cli import EXIT_OK, EXIT_USAGE, main
 from tests.conftest import assert_figures, require
 

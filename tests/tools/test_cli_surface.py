@@ -174,8 +174,8 @@ def test_an_unhandled_kvbridge_error_is_one_line(monkeypatch: pytest.MonkeyPatch
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from kvbridge.connectors import ConfigError
     from kvbridge.handshake import HandshakeError
-    from kvbridge.tools import cmd_events, cmd_plan
-
+    from kvbridge.tools.commands import events as cmd_events
+    from kvbridge.tools.commands import plan as cmd_plan
     def bad_input(args: object) -> int:
         raise ConfigError("kv_config", "expected a JSON object")
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.backends.mooncake_master import MooncakeMaster
-from kvbridge.tools import cmd_doctor
+from kvbridge.backends.mooncake.master import MooncakeMaster
 from kvbridge.tools.cli import main
+from kvbridge.tools.commands import doctor as cmd_doctor
 from tests.conftest import missing_backend
 
 
@@ -29,7 +29,7 @@ def test_doctor_json_reports_backends_and_connectors(capsys: pytest.CaptureFixtu
         assert connectors[name]["origin"].startswith(f"kvbridge.connectors.{name}:")
     assert "nixl-build" in names and not names["nixl-build"]["required"]
     if names["nixl"]["ok"]:  # which build loaded, beside what this host's torch wants
-        from kvbridge.backends.nixl_load import torch_cuda_major
+        from kvbridge.backends.nixl.load import torch_cuda_major
 
         build = report["nixl_build"]
         assert build["loaded"] in ("nixl_cu12", "nixl_cu13")
@@ -159,8 +159,7 @@ def _mooncake_ready() -> None:
 def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests probe 127.0.0.1 only: doctor's connect attempts on this host's other
     addresses are left out (what /proc says is still read for real)."""
-    from kvbridge.backends import mooncake_exposure
-
+    from kvbridge.backends.mooncake import exposure as mooncake_exposure
     monkeypatch.setattr(mooncake_exposure, "local_addresses", lambda: ["127.0.0.1"])
 
 
@@ -187,8 +186,7 @@ def test_doctor_flags_a_metadata_server_on_every_interface(
     port's listener is 0.0.0.0 (tests never listen beyond loopback)."""
     import socket
 
-    from kvbridge.backends import mooncake_exposure
-
+    from kvbridge.backends.mooncake import exposure as mooncake_exposure
     _mooncake_ready()
     _loopback_only(monkeypatch)
     _skip_backend_probes(monkeypatch)

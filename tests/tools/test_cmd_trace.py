@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
-from kvbridge.tools.cmd_trace import format_trace
+from kvbridge.tools.commands.trace import format_trace
 from kvbridge.tools.trace import TraceRecorder, capture_connector_logs
 from tests.conftest import assert_figures, free_port, ready_line, require, stop_process
 

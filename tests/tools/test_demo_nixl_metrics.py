@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.tools.demo_nixl import busy_seconds, exact_percentile
+from kvbridge.tools.demo.nixl import busy_seconds, exact_percentile
 
 
 def test_exact_percentile_is_nearest_rank_of_observed_values() -> None:

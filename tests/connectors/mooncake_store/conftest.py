@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvbridge.backends.mooncake import MooncakeStoreClient
-from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.backends.mooncake.master import MooncakeMaster
 
 
 def run_again_from_store(engine: Any, requests: Sequence[Any]) -> tuple[list[Any], list[Any]]:

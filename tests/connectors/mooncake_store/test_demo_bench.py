@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.backends.mooncake.master import MooncakeMaster
 from kvbridge.tools.cli import main
 from tests.conftest import assert_figures
 

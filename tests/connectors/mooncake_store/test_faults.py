@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvbridge.backends.mooncake import ClientStats, MooncakeStoreClient
-from kvbridge.backends.mooncake_master import MooncakeMaster
+from kvbridge.backends.mooncake.master import MooncakeMaster
 from kvbridge.connectors import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store import clients, store_key
 from kvbridge.connectors.mooncake_store import worker as store_worker

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvbridge.backends.fence import DONE, record_fence
+from kvbridge.backends.device.fence import DONE, record_fence
 from kvbridge.connectors import ConnectorConfig, KVRole
 from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
 from kvbridge.engine.core import Engine, EngineConfig

@@ -89,7 +89,7 @@ def _ask(scheduler: MooncakeStoreScheduler, view: ConnectorRequest,
 def test_scheduler_without_master_misses_then_recovers(tmp_path: Any) -> None:
     """No master at first: lookups are misses (never a wait); once a master serves on that
     address the scheduler's client is set up and lookups run, without a restart."""
-    from kvbridge.backends.mooncake_master import MooncakeMaster
+    from kvbridge.backends.mooncake.master import MooncakeMaster
     from tests.conftest import require
 
     require("mooncake.store", "Mooncake (mooncake-transfer-engine-non-cuda)")

@@ -27,7 +27,7 @@ from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.engine.workload import make_requests
 from kvbridge.handshake import parse_address
 from kvbridge.layouts import ParallelTopology, load_spec
-from kvbridge.tools.demo_nixl import RemoteEngine
+from kvbridge.tools.demo.nixl import RemoteEngine
 
 
 class LoadFailures(logging.Handler):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvbridge.tools.cmd_bench import parse_pattern
-from kvbridge.tools.cmd_demo import demo_modules
+from kvbridge.tools.commands.bench import parse_pattern
+from kvbridge.tools.commands.demo import demo_modules
 from tests.conftest import assert_figures, free_port, ready_line, require, stop_process
 
 KVBRIDGE = [sys.executable, "-m", "kvbridge.tools.cli"]

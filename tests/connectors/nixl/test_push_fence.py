@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvbridge.backends.fence import DONE, record_fence
+from kvbridge.backends.device.fence import DONE, record_fence
 from kvbridge.connectors import KVRole, TransferMode
 from kvbridge.engine.core import Engine
 from kvbridge.engine.request import RequestState

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.backends.fence import DONE
+from kvbridge.backends.device.fence import DONE
 from kvbridge.backends.nixl import PeerHandle
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.send_state import (

@@ -20,7 +20,7 @@ from kvbridge.connectors import KVRole, TransferMode
 from kvbridge.engine.request import RequestState
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts import ParallelTopology, load_spec
-from kvbridge.tools.demo_nixl import Router
+from kvbridge.tools.demo.nixl import Router
 from tests.conftest import require
 from tests.connectors.nixl.nixl_helpers import EngineHost, nixl_config
 

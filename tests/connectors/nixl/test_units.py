@@ -342,7 +342,7 @@ def _runs_in_rows(local_rows: np.ndarray, remote_rows: np.ndarray) -> int:
 
 
 def _one_layer_tables(num_blocks: int) -> tuple[object, object, object]:
-    from kvbridge.tools.bench_nixl import bench_spec
+    from kvbridge.tools.bench.nixl import bench_spec
 
     spec = bench_spec(16 << 10)  # one layer, one whole-block descriptor per block
     topo = ParallelTopology()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvbridge.layouts import ParallelTopology
-from kvbridge.tools.demo_offload import run_offload_workload
+from kvbridge.tools.demo.offload import run_offload_workload
 
 MAX_STEPS_PER_ROUND = 2000
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
-from kvbridge.tools.cmd_demo import format_summary
-from kvbridge.tools.demo_offload import format_details
+from kvbridge.tools.commands.demo import format_summary
+from kvbridge.tools.demo.offload import format_details
 
 
 def test_demo_json_reports_fs_hits_and_verified_bytes(tmp_path: Path,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvbridge.backends.fence import DONE, record_fence, wait_fence
+from kvbridge.backends.device.fence import DONE, record_fence, wait_fence
 from kvbridge.connectors.offloading.worker import OffloadingWorker
 from kvbridge.engine.workload import make_requests
 from tests.connectors import late_kernels

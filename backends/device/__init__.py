@@ -1,0 +1,1 @@
+"""Device memory: copies between devices and the host, and push fences."""

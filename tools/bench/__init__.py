@@ -1,0 +1,1 @@
+"""`kvbridge bench`: the suite and its paths (kvbridge against the raw library)."""

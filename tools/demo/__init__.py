@@ -1,0 +1,1 @@
+"""`kvbridge demo`: the demos of each connector, and the PD report they print."""
