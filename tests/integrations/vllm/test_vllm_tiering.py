@@ -466,3 +466,24 @@ def test_obj_load_against_a_paused_master_is_reported_by_its_deadline(
     assert hits(s.lookup("r2", keys)) == [True, True]
     assert s.read("r2", keys) == [payload(k) for k in keys]
     s.finish("r2")
+
+
+def test_the_benchmark_runs_both_tiers_and_checks_every_byte(tmp_path: Path) -> None:
+    """No timing is asserted: both tiers stored and loaded every chunk through vLLM's
+    manager (byte for byte), and the ratios are the ratios of the report's own figures."""
+    require_vllm_env()
+    from kvbridge.integrations.vllm.bench_tiering import TIERS, run_case
+    from tests.conftest import assert_figures
+
+    row = run_case(str(tmp_path), 16 << 10, 8, 4, rounds=2)
+    assert row["verified"] is True and set(row["median"]) == set(TIERS)
+    for tier in TIERS:
+        assert_figures(row["median"][tier], ["store", "load", "lookup_ms", "lookup_us",
+                                             "ttfb_ms"])
+    m = row["median"]
+    for metric in ("store", "load"):
+        assert row["ratio"][metric] == pytest.approx(
+            m["kvbridge"][metric] / m["vllm"][metric], rel=0.02)
+    if m["kvbridge"]["ttfb_ms"]:
+        assert row["ratio"]["ttfb_ms"] == pytest.approx(
+            m["vllm"]["ttfb_ms"] / m["kvbridge"]["ttfb_ms"], rel=0.02)
