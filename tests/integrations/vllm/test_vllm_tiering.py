@@ -274,6 +274,32 @@ def test_a_corrupted_block_fails_alone_and_is_removed(tmp_path: Path,
     s.finish("r")
 
 
+def test_fsck_reads_and_repairs_the_store_vllm_wrote(tmp_path: Path,
+                                                    sched_factory: Any) -> None:
+    from kvbridge.offload.fsck import FindingKind, fsck
+
+    s = sched_factory([fs_tier(tmp_path)])
+    keys = [vkey(i, "fsck") for i in range(3)]
+    s.store("w", keys)
+    s.finish("w")
+    path = s.tier.runner.tier.inner.path(s.tier.key(keys[2]))
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    report = fsck(str(tmp_path))
+    assert report.blocks_ok == 2
+    assert [(f.kind, f.path) for f in report.findings] == [(FindingKind.DIGEST_MISMATCH, path)]
+    assert os.path.exists(path)                     # a report only
+    fsck(str(tmp_path), repair=True)
+    assert not os.path.exists(path)
+    s.manager.reset_cache()
+    assert hits(s.lookup("r", keys)) == [True, True, False]
+    assert s.read("r", keys[:2]) == [payload(k) for k in keys[:2]]
+    s.finish("r")
+
+
 class StuckReads:
     """The fs tier's real I/O, with reads of chosen files held until released (a disk
     that stopped answering): what the tier's ``io`` wraps in tests."""
@@ -367,11 +393,18 @@ def test_config_errors_are_clear_at_start(tmp_path: Path) -> None:
         Sched([fs_tier(tmp_path, verify="most")])
     with pytest.raises(ConfigError, match="bounce_bytes"):
         Sched([fs_tier(tmp_path, bounce_bytes=CHUNK - 1)])
+    # vLLM's own per-tier key is taken by vLLM's factory and reaches the tier
+    s = Sched([fs_tier(tmp_path / "bp", backpressure={
+        "backpressure_cls": "EMABackpressureDetector"})])
+    try:
+        assert s.tier.bp_detector is not None
+    finally:
+        s.close()
     check_vllm()                                   # the vLLM installed here is supported
     for version in ("0.31.2", "0.34.0", "1.0.0", "nightly"):
         with pytest.raises(ConfigError, match="support vLLM 0.32 up to"):
             check_vllm(version)
-    assert os.listdir(tmp_path) == []              # nothing was made by a refused config
+    assert os.listdir(tmp_path) == ["bp"]          # nothing was made by a refused config
 
 
 def test_metric_definitions_name_vllms_and_kvbridges_counters(tmp_path: Path) -> None:
