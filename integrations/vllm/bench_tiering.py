@@ -6,6 +6,8 @@ per request) and per round, each tier gets a fresh vLLM ``TieringOffloadingManag
 or ``KvbridgeFsTier`` with its defaults, ``verify: full``), over the same directory,
 and the manager is driven as vLLM's scheduler drives it:
 
+* warm-up (untimed): the same store and load on other chunks, so both tiers run as a
+  server does after its first requests (memory touched, threads started);
 * store: requests of ``batch`` chunks each; the worker's GPU->CPU copy is this script
   writing the chunk rows; ``complete_store`` cascades one job per request into the
   tier; timed until every job finished (``has_pending_work`` false);
@@ -200,6 +202,17 @@ def run_case(directory: str, chunk_bytes: int, num_chunks: int, batch: int, roun
             tier = dict(TIERS[name], root_dir=directory)
             driver = _Driver(tier, chunk_bytes, num_chunks, timeout_s)
             try:
+                # untimed, the same pattern on other chunks: a server's steady state
+                # (memory of both tiers touched once, threads started)
+                warm = [_key(tag + "|warm", i) for i in range(num_chunks)]
+                warm_requests = [warm[s:s + batch] for s in range(0, num_chunks, batch)]
+                driver.store(warm_requests, {k: _content(i, chunk_bytes)
+                                             for i, k in enumerate(warm)})
+                driver.manager.reset_cache()
+                verified = driver.verify(
+                    warm_requests, driver.lookup_and_load(warm_requests)[3],
+                    {k: _content(i, chunk_bytes) for i, k in enumerate(warm)}) and verified
+                driver.manager.reset_cache()
                 os.sync()
                 store_s = driver.store(requests, payloads)
                 driver.manager.reset_cache()

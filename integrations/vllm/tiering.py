@@ -535,9 +535,28 @@ class KvbridgeTier(SecondaryTierManager):
         for entry in list(self._waiting):   # queued, never started: cancelled
             self._report(entry, False)
         self._waiting.clear()
+        latest = max((e.deadline for e in self._jobs.values() if not e.reported),
+                     default=0.0)
+        # past every deadline only a copy between memories can hold a job, and it ends;
+        # this bound only keeps a bug from waiting forever
+        give_up = max(latest, time.monotonic()) + 5.0
         while self.has_pending_work():
-            self._collect()
-            if self.has_pending_work() and self.runner is not None:
+            try:
+                self._collect()
+            except Exception:
+                logger.exception("%s: collecting finished jobs failed", self.tier_type)
+            if not self.has_pending_work():
+                break
+            if time.monotonic() > give_up:
+                for entry in list(self._jobs.values()):
+                    if not entry.reported:
+                        logger.error("%s: job %d still unreported %.1f s past its deadline; "
+                                     "reported failed", self.tier_type, entry.job.job_id,
+                                     time.monotonic() - entry.deadline)
+                        entry.gate.abandon()
+                        self._report(entry, False)
+                break
+            if self.runner is not None:
                 self.runner.wait_for_finished(0.01)
 
     # -- events and metrics ---------------------------------------------------------------

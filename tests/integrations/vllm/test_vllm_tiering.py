@@ -520,3 +520,33 @@ def test_the_benchmark_runs_both_tiers_and_checks_every_byte(tmp_path: Path) -> 
     if m["kvbridge"]["ttfb_ms"]:
         assert row["ratio"]["ttfb_ms"] == pytest.approx(
             m["vllm"]["ttfb_ms"] / m["kvbridge"]["ttfb_ms"], rel=0.02)
+
+
+def test_obj_tier_restart_serves_what_the_last_run_stored(mooncake_master_fresh: Any,
+                                                         sched_factory: Any) -> None:
+    """The objects live in a segment another client lends (as a Mooncake fleet's
+    memory does), so they outlive the engine that stored them."""
+    from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient
+
+    master = mooncake_master_fresh
+    holder = MooncakeStoreClient.connect(MooncakeConfig(
+        master.rpc_address, master.metadata_url, global_segment_size=64 << 20,
+        local_buffer_size=0))
+    try:
+        def tier() -> dict[str, Any]:
+            entry = obj_tier(master)
+            entry["mooncake"]["global_segment_size"] = 0     # lends nothing: a client only
+            return entry
+
+        keys = [vkey(i, "objrestart") for i in range(3)]
+        first = sched_factory([tier()])
+        first.store("w", keys)
+        first.close()
+        second = sched_factory([tier()])
+        assert second.tier.fingerprint == first.tier.fingerprint
+        assert hits(second.lookup("r", keys)) == [True] * 3
+        assert second.read("r", keys) == [payload(k) for k in keys]
+        second.finish("r")
+        second.close()
+    finally:
+        holder.close()
