@@ -366,6 +366,57 @@ def test_a_stuck_disk_is_a_miss_at_the_deadline_and_never_writes_a_reused_slot(
     assert data["kvbridge:kv_offload_tiering_deadline_misses"][("KvbridgeFsTier", "load")] == 1
 
 
+class FailingReads:
+    """The fs tier's real I/O, with every read of chosen files failing with EIO (a bad
+    sector under them)."""
+
+    def __init__(self) -> None:
+        self.failing: set[str] = set()
+
+    def __call__(self, root: str, fingerprint: str) -> Any:
+        from kvbridge.offload.fs_io import FsIO
+
+        outer = self
+
+        class _IO(FsIO):
+            def open_read(self, path: str, direct: bool) -> int:
+                if path in outer.failing:
+                    raise OSError(errno.EIO, f"injected EIO on {path}")
+                return super().open_read(path, direct)
+
+        return _IO()
+
+
+def test_a_file_that_fails_every_read_is_quarantined(tmp_path: Path,
+                                                     sched_factory: Any) -> None:
+    from vllm.v1.kv_offload.base import Medium
+
+    from kvbridge.connectors.offloading.io_hook import fs_io_factory
+
+    failing = FailingReads()
+    with fs_io_factory(failing):
+        s = sched_factory([fs_tier(tmp_path, quarantine_after=2, io_engine="python")])
+    keys = [vkey(i, "quarantine") for i in range(2)]
+    s.store("w", keys)
+    s.finish("w")
+    path = s.tier.runner.tier.inner.path(s.tier.key(keys[1]))
+    failing.failing.add(path)
+    for attempt in range(2):
+        s.manager.reset_cache()
+        s.events.clear()
+        assert hits(s.lookup(f"r{attempt}", keys)) == [True, False]
+        assert s.read(f"r{attempt}", keys[:1]) == [payload(keys[0])]
+        s.finish(f"r{attempt}")
+        s.step()
+        removed = [e.keys for e in s.events if e.removed and e.medium is Medium.STORAGE]
+        # kept after the first failure (it may be a passing fault), removed after the 2nd
+        assert removed == ([] if attempt == 0 else [[keys[1]]])
+        assert os.path.exists(path) is (attempt == 0)
+    data = s.stats()
+    assert data["kvbridge:kv_offload_tiering_quarantined_blocks"][("KvbridgeFsTier",)] == 1
+    assert s.tier.stats()["files_quarantined"] == 1
+
+
 def test_a_restart_serves_what_the_last_run_stored(tmp_path: Path, sched_factory: Any) -> None:
     keys = [vkey(i, "restart") for i in range(5)]
     first = sched_factory([fs_tier(tmp_path)])
