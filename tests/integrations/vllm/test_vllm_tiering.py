@@ -366,6 +366,71 @@ def test_a_stuck_disk_is_a_miss_at_the_deadline_and_never_writes_a_reused_slot(
     assert data["kvbridge:kv_offload_tiering_deadline_misses"][("KvbridgeFsTier", "load")] == 1
 
 
+class StuckWrites:
+    """The fs tier's real I/O, with writes held while ``armed`` until released (a disk
+    whose writes stopped returning)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, root: str, fingerprint: str) -> Any:
+        from kvbridge.offload.fs_io import FsIO
+
+        outer = self
+
+        class _IO(FsIO):
+            def open_write(self, path: str, direct: bool) -> int:
+                if outer.armed:
+                    outer.entered.set()
+                    if not outer.release.wait(60):
+                        raise OSError(errno.EIO, "stuck write never released")
+                return super().open_write(path, direct)
+
+        return _IO()
+
+
+def test_a_stuck_store_is_reported_by_its_deadline_and_stores_the_bytes_it_was_given(
+        tmp_path: Path, sched_factory: Any) -> None:
+    from kvbridge.connectors.offloading.io_hook import fs_io_factory
+
+    stuck = StuckWrites()
+    with fs_io_factory(stuck):
+        s = sched_factory([fs_tier(tmp_path, store_timeout_s=1.0, io_engine="python")],
+                          num_chunks=4)
+    key = vkey(0, "stuckstore")
+    stuck.armed = True
+    try:
+        ctx = s.ctx("w")
+        out = s.manager.prepare_store([key], ctx)
+        (chunk,) = out.store_spec.chunk_ids
+        s.rows[int(chunk)] = memoryview(payload(key))
+        s.manager.complete_store([key], ctx)
+        s.settle()                       # returns once the job is reported: failed at 1 s
+        assert stuck.entered.is_set()
+        assert s.tier.stats()["deadline_misses"]["store"] == 1
+        data = s.stats()
+        assert data["vllm:kv_offload_tiering_cascade_job_failures"][
+            ("1:KvbridgeFsTier",)] == 1
+        # vLLM may reuse the slot now: other bytes land in it while the write is stuck
+        s.rows[int(chunk)] = 0xA5
+    finally:
+        stuck.armed = False
+        stuck.release.set()
+    deadline = time.monotonic() + 30
+    while s.tier.stats()["arena_free"] != s.tier.arena.num_slots:
+        assert time.monotonic() < deadline, "the late write never ended"
+        s.step()
+        time.sleep(STEP_S)
+    s.finish("w")
+    # the late write stored the bytes the job was given, not what the slot holds now
+    s.manager.reset_cache()
+    assert hits(s.lookup("r", [key])) == [True]
+    assert s.read("r", [key]) == [payload(key)]
+    s.finish("r")
+
+
 class FailingReads:
     """The fs tier's real I/O, with every read of chosen files failing with EIO (a bad
     sector under them)."""
