@@ -238,11 +238,15 @@ def run_case(directory: str, chunk_bytes: int, num_chunks: int, batch: int, roun
             by["ttfb_ms"].append(ttfb * 1e3)
         if progress is not None:
             progress(f"round {r + 1}/{rounds}")
-    med = {t: {m: round(statistics.median(v), 3) for m, v in by.items()}
-           for t, by in samples.items()}
-    ratio = {m: round(med["kvbridge"][m] / med["vllm"][m], 3) if m in ("store", "load")
-             else round(med["vllm"][m] / med["kvbridge"][m], 3) if med["kvbridge"][m] else 0.0
-             for m in med["vllm"]}
+    # unrounded: a small case's GB/s on a loaded machine rounds to 0
+    med = {t: {m: statistics.median(v) for m, v in by.items()} for t, by in samples.items()}
+
+    def ratio_of(metric: str) -> float:
+        better, worse = (("kvbridge", "vllm") if metric in ("store", "load")
+                         else ("vllm", "kvbridge"))
+        return med[better][metric] / med[worse][metric] if med[worse][metric] else 0.0
+
+    ratio = {m: ratio_of(m) for m in med["vllm"]}
     return {"chunk_bytes": chunk_bytes, "num_chunks": num_chunks, "batch": batch,
             "rounds": rounds, "median": med, "ratio": ratio, "verified": verified}
 
