@@ -2,6 +2,7 @@
 
 Nothing here imports vLLM at module import time except the adapter modules
 that vLLM itself loads (``connector`` with ``worker_side``, ``messages`` and
-``stats``, which it imports, and the plugin's ``register``), so the harness and
+``stats``, which it imports, the plugin's ``register``, and ``tiering``, which vLLM's
+secondary-tier factory loads by module path), so the harness and
 the tiny-model builder work in any environment.
 """

@@ -1,0 +1,256 @@
+"""Buffers of a vLLM tier's own, so a job can be reported at its deadline while its I/O runs on.
+
+Why: vLLM's tiering manager hands a job's primary (CPU) slots back the moment the tier
+reports the job, and a failed promotion's slots go to the next key at once. A kvbridge
+tier reports every job by its deadline (vLLM has none: an unreported job stalls its
+request forever), but a read or write stuck in the kernel cannot be cancelled, and a
+Mooncake get abandoned at its timeout keeps running. So the I/O never touches vLLM's
+slots: a load reads into a slot of the tier's own arena, and its bytes are copied into
+vLLM's slot only while the job is still wanted; a store copies vLLM's slot into the
+arena first and writes from there. An arena slot is reused only once the tier runner
+reported its job, i.e. once its I/O provably ended.
+
+The copies are the price of that promise (one memory copy per block and direction, on
+the I/O threads, never on the scheduler thread): the benchmark
+(:mod:`kvbridge.integrations.vllm.bench_tiering`) measures them beside vLLM's own fs tier.
+
+Owns: the arena (:class:`BounceArena`, scheduler thread only), each job's gate
+(:class:`JobGate`: the one lock between an I/O thread's copy and the scheduler giving
+the job up) and the wrapper tier (:class:`GatedTier`) that moves bytes between them.
+May not touch: vLLM (nothing here imports it), the wrapped tier's own state.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import mmap
+import threading
+from collections.abc import Sequence
+from typing import overload
+
+import numpy as np
+
+from kvbridge.offload.blockdigest import LayerDigests
+from kvbridge.offload.tier import BlockBuffers, Tier
+from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey
+
+logger = logging.getLogger(__name__)
+
+#: arenas whose slots an abandoned call may still write into at shutdown: never unmapped
+_KEPT_ALIVE: list[object] = []
+
+
+class GateState(enum.Enum):
+    RUNNING = "running"      # I/O on arena slots only; the job may be given up
+    COPYING = "copying"      # an I/O thread copies between arena and vLLM's slots
+    ABANDONED = "abandoned"  # reported at its deadline: vLLM's slots are no longer ours
+
+
+class JobGate:
+    """Whether a job may still touch vLLM's slots; the scheduler gives it up at its deadline.
+
+    ``enter_copy`` (I/O thread) and ``abandon`` (scheduler thread) exclude each other: a
+    copy in progress is never cut short (a memory copy ends; the scheduler asks again next
+    step), and no copy starts once the job was given up.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = GateState.RUNNING
+
+    def enter_copy(self) -> bool:
+        with self._lock:
+            if self.state is GateState.ABANDONED:
+                return False
+            self.state = GateState.COPYING
+            return True
+
+    def leave_copy(self) -> None:
+        with self._lock:
+            if self.state is GateState.COPYING:
+                self.state = GateState.RUNNING
+
+    def abandon(self) -> bool:
+        """Give the job up (True), unless a copy runs now (False: ask again later)."""
+        with self._lock:
+            if self.state is GateState.COPYING:
+                return False
+            self.state = GateState.ABANDONED
+            return True
+
+    @property
+    def abandoned(self) -> bool:
+        with self._lock:
+            return self.state is GateState.ABANDONED
+
+
+class BounceArena:
+    """``num_slots`` page-aligned slots of ``block_bytes`` each (anonymous memory, touched
+    only when used). Slots are taken and given back on the scheduler thread only."""
+
+    def __init__(self, num_slots: int, block_bytes: int) -> None:
+        if num_slots < 1 or block_bytes < 1:
+            raise OffloadError("bounce_bytes", f"expected room for at least one block of "
+                                               f"{block_bytes} bytes")
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self._map: mmap.mmap | None = mmap.mmap(-1, num_slots * block_bytes)
+        #: the whole arena (what a tier registers for zero-copy or batched I/O)
+        self.buffer: memoryview = memoryview(self._map)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int] | None:
+        """``count`` slots, or None when fewer are free (the caller waits or fails)."""
+        if count > len(self._free):
+            return None
+        taken = self._free[-count:] if count else []
+        del self._free[len(self._free) - count:]
+        return taken[::-1]
+
+    def give(self, slots: Sequence[int]) -> None:
+        self._free.extend(slots)
+
+    def view(self, slot: int) -> memoryview:
+        start = slot * self.block_bytes
+        return self.buffer[start:start + self.block_bytes]
+
+    def close(self) -> None:
+        """Unmap, unless a slot is still out (an abandoned call may write it): then kept."""
+        if self._map is None:
+            return
+        if len(self._free) != self.num_slots:
+            logger.error("bounce arena: %d slot(s) still held by I/O that never ended; "
+                         "keeping the arena mapped", self.num_slots - len(self._free))
+            _KEPT_ALIVE.append(self)
+            return
+        self.buffer.release()
+        try:
+            self._map.close()
+        except BufferError:   # a view of it is still alive somewhere: leave it to the GC
+            _KEPT_ALIVE.append(self._map)
+        self._map = None
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` through numpy (its copy loop runs without the GIL)."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+class JobBlocks(Sequence[Sequence[memoryview]]):
+    """A job's buffers as the tier runner sees them: per key, its arena slot (what the
+    I/O reads into or writes from); beside it vLLM's slot and the job's gate. Slicing
+    (the runner cuts a job into parts) keeps the pairing."""
+
+    def __init__(self, gate: JobGate, arena: Sequence[memoryview],
+                 primary: Sequence[memoryview]) -> None:
+        if len(arena) != len(primary):
+            raise OffloadError("buffers", f"{len(arena)} arena slots for {len(primary)} blocks")
+        self.gate = gate
+        self.arena = list(arena)
+        self.primary = list(primary)
+
+    def __len__(self) -> int:
+        return len(self.arena)
+
+    @overload
+    def __getitem__(self, index: int) -> Sequence[memoryview]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> JobBlocks: ...
+
+    def __getitem__(self, index: int | slice) -> Sequence[memoryview] | JobBlocks:
+        if isinstance(index, slice):
+            return JobBlocks(self.gate, self.arena[index], self.primary[index])
+        return [self.arena[index]]
+
+
+class GatedTier(Tier):
+    """``inner`` with its I/O on arena slots; bytes cross to vLLM's slots under the gate.
+
+    A load reads into the arena, then copies the blocks that loaded into vLLM's slots,
+    unless the job was given up (then it fails as a whole: its result is no longer
+    read). A store copies vLLM's slots into the arena first (or fails if the job was
+    given up before it started), then writes from the arena.
+    """
+
+    def __init__(self, inner: Tier) -> None:
+        super().__init__(inner.name, inner.block_bytes, verify=inner.verify,
+                         num_layers=inner.num_layers)
+        self.inner = inner
+        self.counters = inner.counters
+        self.medium = inner.medium
+        self.locality = inner.locality
+
+    # the runner reads these when it cuts a job; the inner tier may change them when it
+    # attaches memory (fs: batched reads)
+    @property
+    def load_part_blocks(self) -> int:
+        return self.inner.load_part_blocks
+
+    @load_part_blocks.setter
+    def load_part_blocks(self, value: int) -> None:
+        self.inner.load_part_blocks = value
+
+    @property
+    def store_part_blocks(self) -> int:
+        return self.inner.store_part_blocks
+
+    @store_part_blocks.setter
+    def store_part_blocks(self, value: int) -> None:
+        self.inner.store_part_blocks = value
+
+    def attach_primary(self, buffer: memoryview) -> None:
+        """``buffer`` is the arena (the only memory the inner tier's I/O touches)."""
+        self.inner.attach_primary(buffer)
+
+    def probe(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        return self.inner.probe(keys)
+
+    @staticmethod
+    def _blocks(buffers: BlockBuffers) -> JobBlocks:
+        if not isinstance(buffers, JobBlocks):
+            raise OffloadError("buffers", "a gated tier runs jobs of JobBlocks only")
+        return buffers
+
+    def load(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+             digests_out: list[LayerDigests | None]) -> None:
+        blocks = self._blocks(buffers)
+        failure: BatchIOError | None = None
+        try:
+            self.inner.load(keys, [[v] for v in blocks.arena], digests_out)
+            loaded: Sequence[int] = range(len(keys))
+        except BatchIOError as exc:
+            failure = exc
+            loaded = [i for i in range(min(exc.num_succeeded, len(keys)))
+                      if i not in exc.skipped]
+        if loaded:
+            if not blocks.gate.enter_copy():
+                raise BatchIOError(0, TimeoutError("given up at its deadline before its "
+                                                   "bytes were copied"), fence=None)
+            try:
+                for i in loaded:
+                    copy_bytes(blocks.primary[i], blocks.arena[i])
+            finally:
+                blocks.gate.leave_copy()
+        if failure is not None:
+            raise failure
+
+    def store(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+              digests: Sequence[LayerDigests | None]) -> None:
+        blocks = self._blocks(buffers)
+        if not blocks.gate.enter_copy():
+            raise BatchIOError(0, TimeoutError("given up at its deadline before it started"))
+        try:
+            for i in range(len(keys)):
+                copy_bytes(blocks.arena[i], blocks.primary[i])
+        finally:
+            blocks.gate.leave_copy()
+        self.inner.store(keys, [[v] for v in blocks.arena], digests)
+
+    def close(self) -> None:
+        self.inner.close()

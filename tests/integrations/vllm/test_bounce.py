@@ -1,0 +1,126 @@
+"""The arena and gate that let a vLLM tier report a job at its deadline (no vLLM needed).
+
+A real ``FsTier`` on a temp directory runs under ``GatedTier``: its I/O touches only
+arena slots, and bytes cross to the "vLLM slots" (here a plain buffer) only while the
+job's gate is open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvbridge.integrations.vllm.bounce import (
+    BounceArena,
+    GatedTier,
+    GateState,
+    JobBlocks,
+    JobGate,
+)
+from kvbridge.offload.fs import FsTier
+from kvbridge.offload.types import BatchIOError
+
+BLOCK = 16 << 10
+
+
+def content(i: int) -> bytes:
+    return hashlib.shake_128(b"bounce|%d" % i).digest(BLOCK)
+
+
+def make(tmp_path: Path, num: int) -> tuple[GatedTier, BounceArena, bytearray, list[bytes]]:
+    tier = GatedTier(FsTier(str(tmp_path), BLOCK, "0123456789abcdef"))
+    arena = BounceArena(num, BLOCK)
+    tier.attach_primary(arena.buffer)
+    primary = bytearray(num * BLOCK)
+    return tier, arena, primary, [b"key-%d" % i for i in range(num)]
+
+
+def blocks(gate: JobGate, arena: BounceArena, slots: list[int], primary: bytearray,
+           rows: range) -> JobBlocks:
+    view = memoryview(primary)
+    return JobBlocks(gate, [arena.view(s) for s in slots],
+                     [view[r * BLOCK:(r + 1) * BLOCK] for r in rows])
+
+
+def test_store_and_load_move_bytes_through_the_arena(tmp_path: Path) -> None:
+    tier, arena, primary, keys = make(tmp_path, 4)
+    for i in range(4):
+        primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
+    slots = arena.take(4)
+    assert slots is not None and arena.num_free == 0 and arena.take(1) is None
+    tier.store(keys, blocks(JobGate(), arena, slots, primary, range(4)), [None] * 4)
+    primary[:] = bytes(len(primary))
+    digests: list[object] = []
+    job = blocks(JobGate(), arena, slots, primary, range(4))
+    assert len(job[1:3]) == 2 and job[1:3].primary[0] == job.primary[1]   # slices keep pairs
+    tier.load(keys, job, digests)
+    assert [bytes(primary[i * BLOCK:(i + 1) * BLOCK]) for i in range(4)] == \
+        [content(i) for i in range(4)]
+    assert len(digests) == 4
+    arena.give(slots)
+    assert arena.num_free == 4
+
+
+def test_a_load_given_up_never_writes_the_slot(tmp_path: Path) -> None:
+    tier, arena, primary, keys = make(tmp_path, 2)
+    for i in range(2):
+        primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
+    slots = arena.take(2)
+    assert slots is not None
+    tier.store(keys, blocks(JobGate(), arena, slots, primary, range(2)), [None] * 2)
+    primary[:] = b"\x5a" * len(primary)          # the slots belong to other chunks now
+    gate = JobGate()
+    assert gate.abandon() and gate.abandoned
+    with pytest.raises(BatchIOError) as info:
+        tier.load(keys, blocks(gate, arena, slots, primary, range(2)), [])
+    assert info.value.num_succeeded == 0
+    assert bytes(primary) == b"\x5a" * len(primary)
+    assert bytes(arena.view(slots[0])) == content(0)   # the read landed in the arena only
+
+
+def test_a_store_given_up_before_it_starts_stores_nothing(tmp_path: Path) -> None:
+    tier, arena, primary, keys = make(tmp_path, 1)
+    gate = JobGate()
+    gate.abandon()
+    slots = arena.take(1)
+    assert slots is not None
+    with pytest.raises(BatchIOError):
+        tier.store(keys, blocks(gate, arena, slots, primary, range(1)), [None])
+    assert tier.probe(keys) == [False]
+
+
+def test_the_gate_refuses_to_give_up_a_job_while_it_copies() -> None:
+    gate = JobGate()
+    assert gate.enter_copy() and gate.state is GateState.COPYING
+    assert gate.abandon() is False               # the copy ends first; ask again
+    gate.leave_copy()
+    assert gate.abandon() is True
+    assert gate.enter_copy() is False            # no copy starts once given up
+    # the two sides from two threads: exactly one of them wins each round
+    for _ in range(200):
+        g = JobGate()
+        won: list[str] = []
+        t = threading.Thread(target=lambda g=g, won=won: won.append("copy")
+                             if g.enter_copy() else None)
+        t.start()
+        if g.abandon():
+            won.append("abandon")
+        t.join(5)
+        assert not t.is_alive()
+        assert len(won) == 1, won               # never both
+
+
+def test_an_arena_with_a_slot_still_out_stays_mapped() -> None:
+    arena = BounceArena(2, BLOCK)
+    held = arena.take(1)
+    assert held is not None
+    arena.close()                                # a late call may still write the slot
+    arena.view(held[0])[:4] = b"late"            # still mapped: no crash
+    arena.give(held)
+    done = BounceArena(1, BLOCK)
+    done.close()
+    with pytest.raises(ValueError):
+        done.view(0)[:1] = b"x"                  # released after a clean close
