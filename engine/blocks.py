@@ -4,8 +4,8 @@ the blocks a worker reported invalid.
 :class:`BlockSpace` is the one owner of block bookkeeping in
 :class:`~kvbridge.engine.core.Engine`. Other parts ask it for blocks and hand them
 back through its methods; only it changes a pool, the quarantine or the invalid
-marks. It also writes a request's ``block_ids`` when it gives or takes blocks, so
-a request's block list and the pools' reference counts change together.
+marks. It is also the only caller of a request's block methods, so a request's
+block lists and the pools' reference counts change together.
 
 Owns:
 
@@ -71,7 +71,7 @@ class BlockSpace:
             return False
         for r, need in enumerate(needs):
             if need > 0:
-                req.block_ids[r].extend(self.pools[r].allocate(need))
+                req.extend_blocks(r, self.pools[r].allocate(need))
         return True
 
     def free_preempted(self, req: EngineRequest) -> None:
@@ -79,7 +79,7 @@ class BlockSpace:
         a report about them may still be claimed)."""
         for r, ids in enumerate(req.block_ids):
             self.pools[r].free(ids)
-        req.block_ids = self._empty()
+        req.clear_blocks()
 
     def release(self, req: EngineRequest) -> None:
         """A finished request's blocks go back to the pools, and their invalid marks
@@ -87,7 +87,7 @@ class BlockSpace:
         for r, ids in enumerate(req.block_ids):
             self.pools[r].free(ids)
             self._invalid -= {(r, b) for b in ids}
-        req.block_ids = self._empty()
+        req.clear_blocks()
 
     def quarantine_after(self, req: EngineRequest, keep_tokens: int) -> None:
         """Keep the request's blocks past its first ``keep_tokens`` tokens referenced
@@ -95,13 +95,13 @@ class BlockSpace:
         for r, t in enumerate(self.tokens_per_block):
             keep = keep_tokens // t
             self._quarantined.extend((r, b) for b in req.block_ids[r][keep:])
-            req.block_ids[r] = req.block_ids[r][:keep]
+            req.set_blocks(r, req.block_ids[r][:keep])
 
     def quarantine_all(self, req: EngineRequest) -> None:
         """Keep all the request's blocks referenced forever; it holds none afterwards."""
         for r, ids in enumerate(req.block_ids):
             self._quarantined.extend((r, b) for b in ids)
-        req.block_ids = self._empty()
+        req.clear_blocks()
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -123,7 +123,7 @@ class BlockSpace:
         """Reference the hit blocks and make them the request's first blocks."""
         for r, ids in enumerate(hit_blocks):
             self.pools[r].touch(ids)
-            req.block_ids[r] = list(ids)
+            req.set_blocks(r, ids)
 
     def undo_hit(self, req: EngineRequest, hit_blocks: list[list[int]] | None) -> None:
         """Give back what :meth:`take_hit` took (the request could not be allocated)."""
@@ -131,7 +131,7 @@ class BlockSpace:
             return
         for r in range(self.num_regions):
             self.pools[r].free(req.block_ids[r])
-            req.block_ids[r] = []
+            req.set_blocks(r, [])
 
     def cache_full_blocks(self, req: EngineRequest) -> None:
         if not self.prefix_caching:

@@ -40,8 +40,7 @@ class ContentChecks:
             return
         for worker in self._workers:
             verified, mismatched = worker.verify(req.block_ids, req.token_ids, start, end)
-            req.verified_bytes += verified
-            req.mismatched_bytes += mismatched
+            req.add_verified(verified, mismatched)
             self.counts["verified_bytes"] += verified
             self.counts["mismatched_bytes"] += mismatched
         if req.mismatched_bytes:

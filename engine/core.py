@@ -438,7 +438,7 @@ class Engine:
         self.check_request(spec)
         request = EngineRequest(spec, self.num_regions)
         request.update_hashes(self.spec, self.dcp_size)
-        request.waiting_since = time.monotonic()
+        request.queue(time.monotonic())
         self._book.admit(request)
         self._scheduler.enqueue(request)
 
@@ -538,11 +538,11 @@ class Engine:
             if req.request_id in invalidated or req.state.finished:
                 continue
             self._loads.settle_sync(req)
-            req.num_computed_tokens += n
+            req.advance(n)
             num_tokens += n
             self._blocks.cache_full_blocks(req)
             if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(next_token(req.update_seeds()))
+                req.append_token(next_token(req.update_seeds()))
                 req.update_hashes(self.spec, self.dcp_size)
                 if len(req.output) >= req.spec.max_tokens:
                     self._end(req, RequestState.FINISHED_LENGTH)

@@ -60,13 +60,13 @@ class Lifecycle:
     def finish(self, req: EngineRequest, state: RequestState, *, receiving: bool) -> None:
         """``req`` ends in ``state``. ``receiving``: its receive has not ended, so a
         transfer may still write its blocks (they are held until it does)."""
-        req.state = state
+        req.end(state)
         self.counts["aborted" if state is RequestState.FINISHED_ABORTED else "finished"] += 1
         delay = False
         if self._connector is not None:
             self._record("scheduler", None, "request_finished", req.request_id)
             delay, params = self._connector.request_finished(req.view(), req.frozen_block_ids())
-            req.transfer_params_out = params
+            req.set_transfer_params_out(params)
         self._finished_since_last_step.add(req.request_id)
         if receiving:
             self._held_on_recv[req.request_id] = req  # a transfer may still write them

@@ -92,8 +92,7 @@ class Loads:
     def start_sync(self, req: EngineRequest, start: int, num_tokens: int) -> None:
         """A load of tokens ``[start, start + num_tokens)`` runs in this step's forward."""
         self.started.add(req.request_id)
-        req.sync_load = (start, start + num_tokens)
-        req.num_external_tokens += num_tokens
+        req.start_sync_load(start, num_tokens)
         self.counts["external_tokens"] += num_tokens
 
     def receive_done(self, request_id: str) -> bool:
@@ -124,17 +123,14 @@ class Loads:
             invalidated.add(req.request_id)
             self.counts["failed_loads"] += 1
             lost = end - first
-            req.num_recomputed_tokens += lost
-            req.num_external_tokens -= lost
             self.counts["recomputed_tokens"] += lost
             self.counts["external_tokens"] -= lost
             logger.warning("engine %s: request %s: load of tokens [%d, %d) failed from token %d; "
                            "recomputing", self._engine_id, req.request_id, start, end, first)
             self._checks.verify_load(req, start, first)
-            req.sync_load = None
-            req.num_computed_tokens = first  # tokens computed this step are discarded too
+            req.fail_sync_load(first)  # tokens computed this step are discarded too
             if self._fail_on_error:
-                req.error = f"load of tokens [{first}, {end}) failed"
+                req.fail(f"load of tokens [{first}, {end}) failed")
                 self._end(req, RequestState.FINISHED_ERROR)
         if not refs:
             return invalidated
@@ -148,7 +144,7 @@ class Loads:
         """A sync load whose tokens were kept: verify them; the load is over."""
         if req.sync_load is not None:
             self._checks.verify_load(req, *req.sync_load)
-            req.sync_load = None
+            req.end_sync_load()
 
     def finish_remote(self, req: EngineRequest) -> bool:
         """Turn a finished async receive into computed tokens. False if the request ended."""
@@ -160,26 +156,21 @@ class Loads:
         if failed and first is None:
             first = start  # failed without naming blocks: trust none of them
         valid_end = end if first is None else first
-        req.pending_external_tokens = 0
         if first is not None:
             self.counts["failed_loads"] += 1
-            lost = end - first
-            req.num_recomputed_tokens += lost
-            self.counts["recomputed_tokens"] += lost
+            self.counts["recomputed_tokens"] += end - first
             logger.warning("engine %s: request %s: async load of tokens [%d, %d) failed from "
                            "token %d; recomputing", self._engine_id, req.request_id, start, end,
                            first)
             if self._fail_on_error:
-                req.error = f"load of tokens [{first}, {end}) failed"
-                req.state = RequestState.WAITING  # the receive is over
+                req.fail(f"load of tokens [{first}, {end}) failed")
+                req.end_remote_load(valid_end, keep=False)  # the receive is over
                 self._end(req, RequestState.FINISHED_ERROR)
                 return False
         self._checks.verify_load(req, start, valid_end)
-        req.num_external_tokens += valid_end - start
         self.counts["external_tokens"] += valid_end - start
-        req.num_computed_tokens = min(valid_end, req.num_tokens - 1)
+        req.end_remote_load(valid_end, keep=True)
         self._blocks.cache_full_blocks(req)
-        req.state = RequestState.WAITING
         return True
 
     def handle_finished_transfers(self, output: ConnectorOutput) -> None:
@@ -215,20 +206,15 @@ class Loads:
                              "never reported it: recomputing, quarantining its blocks",
                              self._engine_id, req.request_id, now - req.waiting_since)
                 self._blocks.quarantine_after(req, req.num_computed_tokens)
-                req.num_recomputed_tokens += req.pending_external_tokens
-                req.pending_external_tokens = 0
-                req.state = RequestState.WAITING
-                req.connector_done = True
+                req.give_up_remote()
                 self._ignore_recv.add(req.request_id)
-                req.sync_load = None
             elif (req.state is RequestState.WAITING_FOR_LOOKUP
                     and now - req.waiting_since > timeout):
                 self.counts["lookup_timeouts"] += 1
                 logger.error("engine %s: request %s: the connector answered 'ask again' for "
                              "%.1f s; treating it as a miss", self._engine_id, req.request_id,
                              now - req.waiting_since)
-                req.connector_done = True
-                req.state = RequestState.WAITING
+                req.give_up_lookup()
         # aborted while receiving and the receive never ended: never reuse its blocks
         for request_id in self._book.expire_held_receives(now, timeout):
             self.counts["remote_kv_timeouts"] += 1

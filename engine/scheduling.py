@@ -97,9 +97,7 @@ class Scheduler:
     def _preempt(self, req: EngineRequest) -> None:
         self.counts["preemptions"] += 1
         self._blocks.free_preempted(req)
-        req.num_computed_tokens = 0
-        req.state = RequestState.PREEMPTED
-        req.waiting_since = time.monotonic()
+        req.preempt(time.monotonic())
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, items: list[StepItem]) -> None:
@@ -126,9 +124,7 @@ class Scheduler:
                 matched, load_async = connector.get_num_new_matched_tokens(req.view(local), local)
                 if matched is None:
                     self.counts["lookups_deferred"] += 1
-                    if req.state is not RequestState.WAITING_FOR_LOOKUP:
-                        req.waiting_since = time.monotonic()
-                    req.state = RequestState.WAITING_FOR_LOOKUP
+                    req.defer_lookup(time.monotonic())
                     skipped.append(req)
                     continue
                 if matched < 0 or local + matched > req.num_tokens:
@@ -144,16 +140,13 @@ class Scheduler:
                     self.waiting.appendleft(req)
                     break
                 if hit_blocks is not None:
-                    req.num_local_hit_tokens = local
+                    req.take_local_hit(local)
                     self.counts["local_hit_tokens"] += local
-                req.num_computed_tokens = local
-                req.pending_external_tokens = ext
                 self._record("scheduler", None, "update_state_after_alloc", req.request_id)
                 assert connector is not None
                 connector.update_state_after_alloc(req.view(local), req.frozen_block_ids(), ext)
                 self._loads.start_async(req)
-                req.state = RequestState.WAITING_FOR_REMOTE_KVS
-                req.waiting_since = time.monotonic()
+                req.await_remote(local, ext, time.monotonic())
                 skipped.append(req)
                 continue
             if local + ext >= req.num_tokens:
@@ -164,7 +157,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             if hit_blocks is not None:
-                req.num_local_hit_tokens = local
+                req.take_local_hit(local)
                 self.counts["local_hit_tokens"] += local
             if connector is not None and not from_remote and not req.connector_done:
                 self._record("scheduler", None, "update_state_after_alloc", req.request_id)
@@ -173,8 +166,7 @@ class Scheduler:
                 self._loads.start_sync(req, local, ext)
             is_new = req.state in (RequestState.WAITING, RequestState.PREEMPTED,
                                    RequestState.WAITING_FOR_LOOKUP) or from_remote
-            req.num_computed_tokens = local + ext
-            req.state = RequestState.RUNNING
+            req.run(local + ext)
             self.running.append(req)
             items.append((req, n, is_new))
             budget -= n

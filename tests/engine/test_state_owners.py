@@ -13,6 +13,10 @@ engine) and fails when
   returning a part's container, then ``self.view.append(...)``): that part would
   not own ``attr`` any more.
 
+and when a module other than ``engine/request.py`` writes a field of an
+``EngineRequest`` (``req.state = ...``): a request changes only through its own
+methods, one per thing that happens to it, which the parts call.
+
 A write is an assignment (plain, annotated, augmented, to an item, ``del`` of
 an item) or a call of a mutating container method on the attribute. Run as a
 script (``python tests/engine/test_state_owners.py DIR``) it prints the
@@ -102,6 +106,53 @@ def _written_paths(method: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple
     return out
 
 
+def _write_targets(tree: ast.AST) -> list[ast.expr]:
+    """Every written expression in ``tree``, items looked through (``x.a[k] = v`` and
+    ``x.a[k].append(v)`` write ``x.a``)."""
+    out: list[ast.expr] = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            else:
+                while isinstance(target, ast.Subscript):
+                    target = target.value
+                out.append(target)
+    return out
+
+
+def request_field_writes(engine_dir: Path) -> list[tuple[str, int, str]]:
+    """``(module, line, field)`` where a module other than ``request`` writes a field
+    of ``EngineRequest`` on anything but its own ``self``."""
+    request_tree = ast.parse((engine_dir / "request.py").read_text())
+    request_class = next(n for n in request_tree.body
+                         if isinstance(n, ast.ClassDef) and n.name == "EngineRequest")
+    fields = {n.target.id for n in request_class.body
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    out = []
+    for path in sorted(engine_dir.glob("*.py")):
+        if path.stem == "request":
+            continue
+        for target in _write_targets(ast.parse(path.read_text())):
+            if isinstance(target, ast.Attribute) and target.attr in fields and not (
+                    isinstance(target.value, ast.Name) and target.value.id == "self"):
+                out.append((path.stem, target.lineno, target.attr))
+    return sorted(out)
+
+
 def scan(engine_dir: Path) -> dict[str, ClassFacts]:
     """Every class defined in ``engine_dir/*.py``, by name."""
     classes: dict[str, ClassFacts] = {}
@@ -177,6 +228,13 @@ def test_no_class_writes_another_objects_attribute() -> None:
         for m, cls, part, attr, line in foreign)
 
 
+def test_only_a_request_writes_its_fields() -> None:
+    writes = request_field_writes(ENGINE_DIR)
+    assert writes == [], "\n".join(
+        f"engine/{m}.py:{line}: writes a request's {name} (call an EngineRequest method)"
+        for m, line, name in writes)
+
+
 def test_the_scan_sees_the_writes_it_forbids(tmp_path: Path) -> None:
     """The scanner itself: a mixin writing its base's state, and a write through a
     part, are both found (so the two tests above cannot pass by seeing nothing)."""
@@ -209,6 +267,19 @@ def test_the_scan_sees_the_writes_it_forbids(tmp_path: Path) -> None:
         ("part", "count"), ("part", "items")]
     assert [(p, a) for p, a, _ in classes["Facade"].foreign] == [("<view>", "items")]
     assert set(classes["Part"].writes) == {"items", "count"}
+    (tmp_path / "request.py").write_text(
+        "class EngineRequest:\n"
+        "    state: str\n"
+        "    block_ids: list\n"
+        "    def end(self):\n"
+        "        self.state = 'done'\n")
+    (tmp_path / "c.py").write_text(
+        "def go(req, other):\n"
+        "    req.state = 'x'\n"
+        "    req.block_ids[0].append(1)\n"
+        "    other.name = 1\n")
+    assert [(m, f) for m, _, f in request_field_writes(tmp_path)] == [
+        ("c", "state"), ("c", "block_ids")]
 
 
 def _report(engine_dir: Path) -> None:
@@ -228,6 +299,13 @@ def _report(engine_dir: Path) -> None:
               f"{foreign} writes through another object")
         for attr, who in sorted(shared.get(name, {}).items()):
             print(f"    {attr}: {', '.join(sorted(who))}")
+    writers: dict[str, set[str]] = defaultdict(set)
+    for module, _, name in request_field_writes(engine_dir):
+        writers[name].add(module)
+    print(f"EngineRequest fields written outside request.py: {len(writers)}, "
+          f"from 2+ modules: {sum(1 for w in writers.values() if len(w) > 1)}")
+    for name, modules in sorted(writers.items()):
+        print(f"    {name}: {', '.join(sorted(modules))}")
 
 
 if __name__ == "__main__":
