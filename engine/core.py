@@ -38,23 +38,40 @@ quarantined, never reused, because a late transfer could still write them),
 and counted in ``stats()["remote_kv_timeouts"]`` -- a correct connector never
 lets that happen, which the conformance suite checks.
 
-Where each part lives (one idea per file; this module builds the engine and runs
-the step loop, and re-exports the names others import from here):
+Where each piece of state lives (one owner each; this module builds the parts,
+routes between them and runs the step loop in order, and re-exports the names
+others import from here):
 
 * :mod:`kvbridge.engine.config` -- :class:`EngineConfig`;
 * :mod:`kvbridge.engine.host_memory` -- the KV cache's size and whether this host
   can hold it (checked before anything is allocated);
 * :mod:`kvbridge.engine.records` -- :class:`StepReport`, :class:`HookCall`;
-* :mod:`kvbridge.engine.state` -- the bookkeeping the phases share, and how a
-  request ends (free now, delay the free, hold while receiving);
-* :mod:`kvbridge.engine.scheduling` -- phase 1;
-* :mod:`kvbridge.engine.loads` -- what phases 4 and 5 do with the aggregated
-  output (load errors -> recompute, finished transfers) and the engine-side
-  timeouts;
-* here -- construction (connector halves, handshake metadata, the aggregator),
-  the client API, phases 2, 3, the aggregation of 4, 6 and 7 (metadata, workers,
-  advance, events), inspection and shutdown. May not touch what the modules
-  above own.
+* :mod:`kvbridge.engine.blocks` -- :class:`~kvbridge.engine.blocks.BlockSpace`:
+  the block pools, quarantined blocks, blocks reported invalid;
+* :mod:`kvbridge.engine.lifecycle` -- :class:`~kvbridge.engine.lifecycle.Lifecycle`:
+  the live requests by id, how a request ends (free now, delay the free, hold
+  while receiving), results not yet taken, the requests finished since the last
+  step;
+* :mod:`kvbridge.engine.scheduling` -- :class:`~kvbridge.engine.scheduling.Scheduler`:
+  phase 1, the waiting and running queues;
+* :mod:`kvbridge.engine.loads` -- :class:`~kvbridge.engine.loads.Loads`: what
+  phases 4 and 5 do with the aggregated output (load errors -> recompute,
+  finished transfers), the loads started this step, finished receives, the
+  engine-side timeouts;
+* :mod:`kvbridge.engine.checks` -- :class:`~kvbridge.engine.checks.ContentChecks`:
+  verification of loaded KV against the reference content;
+* :mod:`kvbridge.engine.hook_log` -- :class:`~kvbridge.engine.hook_log.HookLog`:
+  ``hook_log`` and ``output_log``;
+* :mod:`kvbridge.engine.outlet` -- :class:`~kvbridge.engine.outlet.EventOutlet`:
+  the event sink, the engine's own publisher, the kept ``events``;
+* here -- :class:`Engine`, the facade: construction (connector halves, handshake
+  metadata, the aggregator, the parts), the client API, the step loop (phases 2,
+  3, the aggregation of 4, 6 and 7), inspection and shutdown. It owns the
+  identity (config, spec, topology, engine id, role), the ranks and connector
+  halves, ``step_id``, ``step_hooks`` and the ``steps`` / ``tokens_computed``
+  counters; the other state attributes it shows (``requests``, ``waiting``,
+  ``pools``, ...) are read-only views of the parts'. A part changes only its own
+  attributes (``tests/engine/test_state_owners.py`` checks it).
 """
 
 from __future__ import annotations
@@ -77,19 +94,24 @@ from kvbridge.connectors import (
     ContractError,
     EventBuffer,
     KVRole,
+    LoadFailurePolicy,
     OutputAggregator,
     RoleError,
     ScheduledRequest,
+    SchedulerConnector,
     SchedulerStep,
     WorkerConnector,
     WorkerOutput,
     registry,
 )
 from kvbridge.engine.block_pool import BlockPool
+from kvbridge.engine.blocks import BlockSpace
+from kvbridge.engine.checks import ContentChecks
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.content import next_token
 from kvbridge.engine.control import ControlLimits
 from kvbridge.engine.devices import rank_device
+from kvbridge.engine.hook_log import HookLog
 from kvbridge.engine.host_memory import (
     BLOCK_OVERHEAD_BYTES,
     HOST_MEMORY_FRACTION,
@@ -99,9 +121,12 @@ from kvbridge.engine.host_memory import (
     kv_cache_bytes,
 )
 from kvbridge.engine.kv_events import EngineEventsConfig, active_publishing
+from kvbridge.engine.lifecycle import Lifecycle
+from kvbridge.engine.loads import Loads
+from kvbridge.engine.outlet import EventOutlet
 from kvbridge.engine.records import HookCall, StepReport
 from kvbridge.engine.request import EngineRequest, RequestResult, RequestSpec, RequestState
-from kvbridge.engine.scheduling import Scheduling
+from kvbridge.engine.scheduling import Scheduler
 from kvbridge.engine.worker import ComputeItem, Worker
 from kvbridge.events import AllBlocksCleared, EventSink, KVEvent, KVEventPublisher
 
@@ -122,13 +147,27 @@ __all__ = [  # the engine, and what other modules import from here since before 
 logger = logging.getLogger(__name__)
 
 
-class Engine(Scheduling):
+#: the order of the engine's counters in :meth:`Engine.stats` (each part owns some)
+_COUNTER_ORDER = (
+    "steps", "preemptions", "tokens_computed", "local_hit_tokens", "external_tokens",
+    "recomputed_tokens", "failed_loads", "remote_kv_timeouts", "lookup_timeouts",
+    "lookups_deferred", "stray_finished_sending", "stray_finished_recving",
+    "stray_invalid_blocks", "verified_bytes", "mismatched_bytes", "aborted", "finished",
+)
+
+
+class Engine:
     """A paged-KV engine with all its ranks in this process. Not thread-safe.
 
-    Its phases are its bases, one module each (see the module docstring):
-    :class:`~kvbridge.engine.scheduling.Scheduling` ->
-    :class:`~kvbridge.engine.loads.LoadHandling` ->
-    :class:`~kvbridge.engine.state.EngineState`.
+    A facade over parts that each own their state (see the module docstring):
+    :class:`~kvbridge.engine.blocks.BlockSpace`,
+    :class:`~kvbridge.engine.lifecycle.Lifecycle`,
+    :class:`~kvbridge.engine.scheduling.Scheduler`,
+    :class:`~kvbridge.engine.loads.Loads`,
+    :class:`~kvbridge.engine.checks.ContentChecks`,
+    :class:`~kvbridge.engine.hook_log.HookLog` and
+    :class:`~kvbridge.engine.outlet.EventOutlet`. It routes the client calls and the
+    connector's outputs to them and runs their phases in step order.
     """
 
     def __init__(self, config: EngineConfig, event_sink: EventSink | None = None, *,
@@ -145,83 +184,76 @@ class Engine(Scheduling):
         engine's endpoints; such an engine still keeps its events, for the
         summary of the command that built it).
         """
-        #: events also go to ``self.events``
-        self.keep_events = (event_sink is None and events is None if keep_events is None
-                            else keep_events)
+        keep = (event_sink is None and events is None if keep_events is None
+                else keep_events)
         publishing = active_publishing() if event_sink is None and events is None else None
         if publishing is not None:
             events = publishing.assign()
-        self.publisher: KVEventPublisher | None = None
+        publisher: KVEventPublisher | None = None
         if events is not None:
             if event_sink is not None:
                 raise ConfigError("events", "give either an event sink or an events config")
             config = replace(config, enable_kv_cache_events=True)
-            self.publisher = events.make_publisher()
-            event_sink = self.publisher
-        self._close_timeout_s = events.close_timeout_s if events is not None else 0.0
+            publisher = events.make_publisher()
+            event_sink = publisher
+        self._outlet = EventOutlet(
+            event_sink, publisher, keep=keep,
+            close_timeout_s=events.close_timeout_s if events is not None else 0.0)
         try:
-            self._start(config, event_sink)
+            self._start(config)
         except BaseException:
-            if self.publisher is not None:
-                self.publisher.close(timeout_s=0)
+            self._outlet.abandon()
             raise
-        if publishing is not None and self.publisher is not None:
+        if publishing is not None and publisher is not None:
             name = {KVRole.PRODUCER: "producer", KVRole.CONSUMER: "consumer"}.get(
                 self.role, "engine") if self.role is not None else "engine"
-            publishing.record(name, self.engine_id, self.publisher.endpoint,
-                              self.publisher.replay_endpoint)
+            publishing.record(name, self.engine_id, publisher.endpoint,
+                              publisher.replay_endpoint)
 
-    def _start(self, config: EngineConfig, event_sink: EventSink | None) -> None:
-        self.config = config
-        self.event_sink = event_sink
+    def _start(self, config: EngineConfig) -> None:
+        self._config = config
         self.spec = config.spec
         self.sizes = config.topology.sizes()
         self.dcp_size = self.sizes.dcp_size
         self.num_regions = len(self.spec.regions)
-        self.tokens_per_block = tuple(r.tokens_per_key(self.dcp_size) for r in self.spec.regions)
-        num_blocks = tuple(config.num_blocks for _ in self.spec.regions)
+        tokens_per_block = tuple(r.tokens_per_key(self.dcp_size) for r in self.spec.regions)
         check_host_memory(config)  # before any pool or tensor exists
         self.engine_id = (config.connector.engine_id if config.connector is not None
                           else config.engine_id or uuid.uuid4().hex[:16])
         self.role: KVRole | None = config.connector.role if config.connector else None
-        self.pools = [BlockPool(n, block_size=t, group_idx=r,
-                                emit_events=config.enable_kv_cache_events,
-                                sorted_allocation=config.sorted_allocation)
-                      for r, (n, t) in enumerate(zip(num_blocks, self.tokens_per_block,
-                                                     strict=True))]
-        self.hook_log = []
-        #: each step's aggregated connector output (kept when ``record_hooks``)
-        self.output_log: list[ConnectorOutput] = []
+        self.step_id = 0
+        self._counts = {"steps": 0, "tokens_computed": 0}
+        self._worker_stats: dict[str, int | float] = {}
         #: called as ``hook(engine, step)`` after ``build_connector_meta``, before the
         #: workers run (fault injection and tests)
         self.step_hooks: list[Callable[[Engine, SchedulerStep], None]] = []
-        self.loads_started = set()
-        self.step_id = 0
-        self.requests = {}
-        self.waiting = deque()
-        self.running = []
-        self.results = []
-        self.events: list[KVEvent] = []
-        self._finished_since_last_step = set()
-        self._delayed = {}  # delayed frees
-        self._free_on_recv = {}  # aborted while receiving
-        self._recv_done = {}  # request id -> failed
-        self._ignore_recv = set()
-        self._invalid_refs = set()
-        self._quarantined = []
-        self._stats = {
-            "steps": 0, "preemptions": 0, "tokens_computed": 0, "local_hit_tokens": 0,
-            "external_tokens": 0, "recomputed_tokens": 0, "failed_loads": 0,
-            "remote_kv_timeouts": 0, "lookup_timeouts": 0, "lookups_deferred": 0,
-            "stray_finished_sending": 0,
-            "stray_finished_recving": 0, "stray_invalid_blocks": 0, "verified_bytes": 0,
-            "mismatched_bytes": 0, "aborted": 0, "finished": 0,
-        }
-        self._worker_stats: dict[str, int | float] = {}
-        self.scheduler_connector = None
-        self.workers = []
-        self.aggregator: OutputAggregator | None = None
         self._shut_down = False
+        self._hooks = HookLog(config.record_hooks)
+        self._blocks = BlockSpace(config.num_blocks, tokens_per_block,
+                                  prefix_caching=config.enable_prefix_caching,
+                                  emit_events=config.enable_kv_cache_events,
+                                  sorted_allocation=config.sorted_allocation)
+        self.scheduler_connector: SchedulerConnector | None = None
+        #: one per rank, in ``topology.ranks()`` order (index = worker index)
+        self.workers: list[Worker] = []
+        self.aggregator: OutputAggregator | None = None
+        self._start_ranks(config, tuple(config.num_blocks for _ in self.spec.regions))
+        self._book = Lifecycle(self._blocks, self.scheduler_connector, self._record)
+        self._checks = ContentChecks(self.workers, verify_loads=config.verify_loads,
+                                     engine_id=self.engine_id)
+        self._loads = Loads(self._blocks, self._book, self._checks, self._end,
+                            fail_on_error=(config.connector is not None
+                                           and config.connector.load_failure_policy
+                                           is LoadFailurePolicy.FAIL),
+                            timeout_s=config.remote_kv_timeout_s, engine_id=self.engine_id)
+        self._scheduler = Scheduler(self._blocks, self._loads, self.scheduler_connector,
+                                    self._record,
+                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                    max_num_seqs=config.max_num_seqs)
+
+    def _start_ranks(self, config: EngineConfig, num_blocks: tuple[int, ...]) -> None:
+        """The workers (each rank's KV tensors) and, with a connector, both its halves,
+        the handshake metadata and the output aggregator."""
         ranks = list(self.sizes.ranks())
         if config.connector is None:
             self.workers = [Worker(self.spec, self.sizes, rank, index, num_blocks, None,
@@ -271,8 +303,93 @@ class Engine(Scheduling):
     def _placement(self, worker_index: int) -> dict[str, Any]:
         """Where rank ``worker_index``'s KV lives (``device`` setting) and whether it is
         guarded against host reads."""
-        return {"device": rank_device(self.config.device, worker_index),
-                "host_guard": self.config.kv_host_guard}
+        return {"device": rank_device(self._config.device, worker_index),
+                "host_guard": self._config.kv_host_guard}
+
+    def _record(self, side: str, worker: int | None, hook: str, request_id: str | None) -> None:
+        """The hook recorder every part calls: stamps the current step."""
+        self._hooks.record(self.step_id, side, worker, hook, request_id)
+
+    def _end(self, req: EngineRequest, state: RequestState) -> None:
+        """The one way a request ends: out of its queue, its finished receive dropped,
+        then :meth:`Lifecycle.finish` (blocks held while a receive may still write them)."""
+        self._scheduler.remove(req)
+        had_finished_receive = self._loads.forget_receive(req.request_id)
+        receiving = req.state is RequestState.WAITING_FOR_REMOTE_KVS and not had_finished_receive
+        self._book.finish(req, state, receiving=receiving)
+
+    # ------------------------------------------------------------------ views of the parts
+
+    @property
+    def config(self) -> EngineConfig:
+        """The settings this engine runs with (:meth:`set_verify_loads` changes one)."""
+        return self._config
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        """One block pool per region (owned by :class:`BlockSpace`)."""
+        return self._blocks.pools
+
+    @property
+    def tokens_per_block(self) -> tuple[int, ...]:
+        """Tokens one block of region r covers (``block_size * dcp_size`` if token-sharded)."""
+        return self._blocks.tokens_per_block
+
+    @property
+    def requests(self) -> dict[str, EngineRequest]:
+        """Every live request (not yet released) by id (owned by :class:`Lifecycle`)."""
+        return self._book.requests
+
+    @property
+    def results(self) -> list[RequestResult]:
+        """Results of finished requests not yet taken (:meth:`pop_results`)."""
+        return self._book.results
+
+    @property
+    def waiting(self) -> deque[EngineRequest]:
+        """FIFO: waiting, preempted (at the front), waiting for a lookup or for remote KV."""
+        return self._scheduler.waiting
+
+    @property
+    def running(self) -> list[EngineRequest]:
+        return self._scheduler.running
+
+    @property
+    def loads_started(self) -> set[str]:
+        """Requests whose connector load (``num_external_tokens > 0``) starts this step."""
+        return self._loads.started
+
+    @property
+    def hook_log(self) -> list[HookCall]:
+        """Every connector hook call (kept when ``record_hooks``)."""
+        return self._hooks.calls
+
+    @hook_log.setter
+    def hook_log(self, calls: list[HookCall]) -> None:
+        self._hooks.replace_calls(calls)
+
+    @property
+    def output_log(self) -> list[ConnectorOutput]:
+        """Each step's aggregated connector output (kept when ``record_hooks``)."""
+        return self._hooks.outputs
+
+    @property
+    def events(self) -> list[KVEvent]:
+        """The KV events published so far, when kept (``keep_events``)."""
+        return self._outlet.events
+
+    @property
+    def keep_events(self) -> bool:
+        return self._outlet.keep
+
+    @property
+    def event_sink(self) -> EventSink | None:
+        return self._outlet.sink
+
+    @property
+    def publisher(self) -> KVEventPublisher | None:
+        """The publisher this engine bound itself (``events=``), closed by :meth:`shutdown`."""
+        return self._outlet.publisher
 
     # ------------------------------------------------------------------ client API
 
@@ -282,18 +399,22 @@ class Engine(Scheduling):
 
         A request needing more (``len(prompt) + max_tokens - 1``) could never be
         scheduled, and FIFO scheduling would then starve every request behind it."""
-        return min(pool.num_blocks * t for pool, t in zip(self.pools, self.tokens_per_block,
-                                                          strict=True))
+        return self._blocks.max_request_tokens
 
     def control_limits(self) -> ControlLimits:
         """What one control message to this engine may carry (``kvbridge.engine.control``)."""
-        return ControlLimits.for_pools(self.config.num_blocks, self.tokens_per_block)
+        return ControlLimits.for_pools(self._config.num_blocks, self.tokens_per_block)
+
+    def set_verify_loads(self, enabled: bool) -> None:
+        """Verify loaded KV against the reference content from now on (or stop)."""
+        self._config = replace(self._config, verify_loads=enabled)
+        self._checks.set_verify_loads(enabled)
 
     def check_request(self, spec: RequestSpec) -> None:
         """Raise (naming the field) if :meth:`add_request` would refuse ``spec``; no effect."""
         if self._shut_down:
             raise ContractError("engine", "add_request after shutdown")
-        if spec.request_id in self.requests:
+        if spec.request_id in self._book.requests:
             raise ConfigError("request_id", f"duplicate request id {spec.request_id!r}")
         needed = len(spec.prompt) + spec.max_tokens - 1
         if needed > self.max_request_tokens:
@@ -301,7 +422,7 @@ class Engine(Scheduling):
                               else "max_tokens",
                               f"request {spec.request_id!r} needs the KV of {needed} tokens; "
                               f"this engine's block pool holds {self.max_request_tokens} "
-                              f"(num_blocks {self.config.num_blocks}): it could never run")
+                              f"(num_blocks {self._config.num_blocks}): it could never run")
         if spec.transfer_params is not None:
             if self.scheduler_connector is None:
                 raise RoleError("transfer_params", f"request {spec.request_id!r} carries "
@@ -317,35 +438,30 @@ class Engine(Scheduling):
         self.check_request(spec)
         request = EngineRequest(spec, self.num_regions)
         request.update_hashes(self.spec, self.dcp_size)
-        request.waiting_since = time.monotonic()
-        self.requests[spec.request_id] = request
-        self.waiting.append(request)
+        request.queue(time.monotonic())
+        self._book.admit(request)
+        self._scheduler.enqueue(request)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (between steps). False if it is unknown or already finished."""
-        request = self.requests.get(request_id)
+        request = self._book.requests.get(request_id)
         if request is None or request.state.finished:
             return False
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
-        self._finish(request, RequestState.FINISHED_ABORTED)
+        self._end(request, RequestState.FINISHED_ABORTED)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self._scheduler.has_requests()
 
     def has_pending_transfers(self) -> bool:
         """Delayed frees or receives of aborted requests still outstanding."""
-        return bool(self._delayed or self._free_on_recv)
+        return self._book.has_pending_transfers()
 
     def has_work(self) -> bool:
         return self.has_unfinished_requests() or self.has_pending_transfers()
 
     def pop_results(self) -> list[RequestResult]:
-        results, self.results = self.results, []
-        return results
+        return self._book.pop_results()
 
     def run_until_done(self, *, max_steps: int = 100_000, timeout_s: float = 120.0,
                        idle_sleep_s: float = 0.0005) -> list[RequestResult]:
@@ -356,7 +472,7 @@ class Engine(Scheduling):
             if steps >= max_steps or time.monotonic() > deadline:
                 raise TimeoutError(f"engine {self.engine_id}: still busy after {steps} steps "
                                    f"({len(self.waiting)} waiting, {len(self.running)} running, "
-                                   f"{len(self._delayed)} delayed frees)")
+                                   f"{self._book.num_delayed()} delayed frees)")
             report = self.step()
             steps += 1
             if report.num_scheduled == 0 and idle_sleep_s:
@@ -369,15 +485,10 @@ class Engine(Scheduling):
         if self._shut_down:
             raise ContractError("engine", "step after shutdown")
         self.step_id += 1
-        self._stats["steps"] += 1
-        self.loads_started = set()
-        preempted: set[str] = set()
-        items: list[tuple[EngineRequest, int, bool]] = []
-        self._schedule_running(items, preempted)
-        if not preempted:
-            self._schedule_waiting(items)
-        finished_prev = frozenset(self._finished_since_last_step)
-        self._finished_since_last_step = set()
+        self._counts["steps"] += 1
+        self._loads.begin_step()
+        items, preempted = self._scheduler.schedule()
+        finished_prev = self._book.take_finished_ids()
 
         metadata: ConnectorMetadata | None = None
         connector_events: list[KVEvent] = []
@@ -412,13 +523,13 @@ class Engine(Scheduling):
         invalidated: set[str] = set()
         if self.aggregator is not None and self.scheduler_connector is not None:
             output = self.aggregator.aggregate(outputs)
-            if self.config.record_hooks:
-                self.output_log.append(output)
-            self._add_worker_stats(output)
-            invalidated = self._handle_sync_load_errors(items, output)
+            self._hooks.keep_output(output)
+            # cumulative snapshots: the latest one is the total
+            self._worker_stats = output.merged_stats()
+            invalidated = self._loads.handle_sync_errors(items, output)
             self._record("scheduler", None, "update_connector_output", None)
             self.scheduler_connector.update_connector_output(output)
-            self._handle_finished_transfers(output)
+            self._loads.handle_finished_transfers(output)
             connector_events.extend(output.events)
 
         finished: list[str] = []
@@ -426,58 +537,35 @@ class Engine(Scheduling):
         for req, n, _ in items:
             if req.request_id in invalidated or req.state.finished:
                 continue
-            if req.sync_load is not None:
-                self._verify_load(req, *req.sync_load)
-                req.sync_load = None
-            req.num_computed_tokens += n
+            self._loads.settle_sync(req)
+            req.advance(n)
             num_tokens += n
-            self._cache_full_blocks(req)
+            self._blocks.cache_full_blocks(req)
             if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(next_token(req.update_seeds()))
+                req.append_token(next_token(req.update_seeds()))
                 req.update_hashes(self.spec, self.dcp_size)
                 if len(req.output) >= req.spec.max_tokens:
-                    self.running.remove(req)
-                    self._finish(req, RequestState.FINISHED_LENGTH)
+                    self._end(req, RequestState.FINISHED_LENGTH)
                     finished.append(req.request_id)
-        self._stats["tokens_computed"] += num_tokens
-        self._check_remote_timeouts()
+        self._counts["tokens_computed"] += num_tokens
+        self._loads.check_timeouts(list(self._scheduler.waiting), time.monotonic())
         if self.scheduler_connector is not None:
             self._record("scheduler", None, "take_events", None)
             connector_events.extend(self.scheduler_connector.take_events())
-        self._publish(self._take_pool_events() + connector_events)
+        self._outlet.publish(self._blocks.take_events() + connector_events)
         return StepReport(self.step_id, len(items), num_tokens, frozenset(preempted),
                           tuple(finished), output)
 
-    # ------------------------------------------------------------------ events
-
-    def _take_pool_events(self) -> list[KVEvent]:
-        return [event for pool in self.pools for event in pool.take_events()]
-
-    def _publish(self, events: list[KVEvent]) -> None:
-        """One batch to the sink (and ``self.events`` when kept); nothing when empty."""
-        if not events:
-            return
-        if self.event_sink is not None:
-            self.event_sink.publish(events)
-        if self.keep_events:
-            self.events.extend(events)
-
     # ------------------------------------------------------------------ inspection
 
-    def _add_worker_stats(self, output: ConnectorOutput) -> None:
-        # cumulative snapshots: the latest one is the total
-        self._worker_stats = output.merged_stats()
-
     def stats(self) -> dict[str, object]:
-        out: dict[str, object] = dict(self._stats)
-        out["delayed_frees_pending"] = len(self._delayed)
-        now = time.monotonic()
-        out["delayed_frees_overdue"] = sum(
-            1 for _, since in self._delayed.values()
-            if now - since > self.config.remote_kv_timeout_s)
-        out["receives_pending_after_abort"] = len(self._free_on_recv)
-        out["quarantined_blocks"] = len(self._quarantined)
-        out["blocks_used"] = [pool.num_used for pool in self.pools]
+        counts: dict[str, int] = {**self._counts, **self._scheduler.counts, **self._loads.counts,
+                                  **self._checks.counts, **self._book.counts}
+        out: dict[str, object] = {name: counts.pop(name) for name in _COUNTER_ORDER}
+        out.update(counts)  # a counter a part added after the order was written
+        out.update(self._book.stats(time.monotonic(), self._config.remote_kv_timeout_s))
+        out["quarantined_blocks"] = self._blocks.num_quarantined
+        out["blocks_used"] = self._blocks.num_used()
         out["worker_stats"] = dict(self._worker_stats)
         if self.scheduler_connector is not None:
             out["connector_stats"] = self.scheduler_connector.get_stats()
@@ -491,36 +579,24 @@ class Engine(Scheduling):
         half-reported request, and no engine-side timeout ever fired.
         """
         problems = []
-        if self.waiting or self.running:
+        if self._scheduler.has_requests():
             problems.append(f"{len(self.waiting)} waiting, {len(self.running)} running requests")
-        if self._delayed:
-            problems.append(f"delayed frees not released: {sorted(self._delayed)[:5]}")
-        if self._free_on_recv:
-            problems.append(f"aborted receives not finished: {sorted(self._free_on_recv)[:5]}")
-        for r, pool in enumerate(self.pools):
-            pool.check()
-            expected_used = sum(1 for q in self._quarantined if q[0] == r)
-            if pool.num_used != expected_used:
-                problems.append(f"region {r}: {pool.num_used} blocks still referenced")
+        problems.extend(self._book.problems())
+        problems.extend(self._blocks.problems())
         if self.aggregator is not None:
             pending = self.aggregator.pending()
             if pending["sending"] or pending["recving"]:
                 problems.append(f"half-reported transfers: {pending}")
-        if self._stats["remote_kv_timeouts"]:
-            problems.append(f"{self._stats['remote_kv_timeouts']} engine-side remote KV timeouts")
-        if self._stats["lookup_timeouts"]:
-            problems.append(f"{self._stats['lookup_timeouts']} engine-side lookup timeouts")
+        timeouts = self._loads.counts
+        if timeouts["remote_kv_timeouts"]:
+            problems.append(f"{timeouts['remote_kv_timeouts']} engine-side remote KV timeouts")
+        if timeouts["lookup_timeouts"]:
+            problems.append(f"{timeouts['lookup_timeouts']} engine-side lookup timeouts")
         return problems
 
     def verify_request_blocks(self, request_id: str, start: int, end: int) -> tuple[int, int]:
         """Verify tokens ``[start, end)`` of a live request on every rank."""
-        req = self.requests[request_id]
-        verified = mismatched = 0
-        for worker in self.workers:
-            v, m = worker.verify(req.block_ids, req.token_ids, start, end)
-            verified += v
-            mismatched += m
-        return verified, mismatched
+        return self._checks.verify_tokens(self._book.requests[request_id], start, end)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request references; returns how many.
@@ -529,13 +605,11 @@ class Engine(Scheduling):
         when no cached block is left in any pool (vLLM's successful reset),
         else a ``BlockRemoved`` per pool for the hashes forgotten.
         """
-        clears_all = all(pool.num_cached == len(pool.unreferenced_cached())
-                         for pool in self.pools)
-        count = sum(len(pool.drop_unreferenced(emit=not clears_all)) for pool in self.pools)
-        events = self._take_pool_events()
-        if clears_all and self.config.enable_kv_cache_events:
+        count, clears_all = self._blocks.drop_unreferenced()
+        events = self._blocks.take_events()
+        if clears_all and self._config.enable_kv_cache_events:
             events.append(AllBlocksCleared())
-        self._publish(events)
+        self._outlet.publish(events)
         return count
 
     def endpoint(self) -> tuple[str, int] | None:
@@ -556,8 +630,7 @@ class Engine(Scheduling):
                 self.scheduler_connector.shutdown()
             except Exception:
                 logger.exception("engine %s: scheduler connector shutdown failed", self.engine_id)
-        if self.publisher is not None:
-            self.publisher.close(timeout_s=self._close_timeout_s)  # logs what it abandons
+        self._outlet.close()  # logs what it abandons
 
     def __enter__(self) -> Engine:
         return self

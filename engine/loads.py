@@ -1,18 +1,33 @@
-"""What the engine does with the connector's load and transfer reports.
+"""What the engine does with the connector's loads, and their load and transfer reports.
 
-Owns, for :class:`~kvbridge.engine.core.Engine` (through :class:`LoadHandling`):
+:class:`Loads` is the one owner, in :class:`~kvbridge.engine.core.Engine`, of:
+
+* the loads starting this step (``loads_started``: request ids whose connector load,
+  ``num_external_tokens > 0``, starts now);
+* the receives that finished (request id -> failed) and are not yet turned into
+  tokens, and the receives the engine gave up on (their late ``finished_recving``
+  is dropped);
+* the counters of loads and transfer reports: ``external_tokens``,
+  ``recomputed_tokens``, ``failed_loads``, ``remote_kv_timeouts``,
+  ``lookup_timeouts``, ``stray_*``.
+
+What it does:
 
 * synchronous loads: blocks a step's output names invalid send the affected
   requests' ``num_computed_tokens`` back to the first invalid token (recompute,
   never trust the bytes), or fail them under ``LoadFailurePolicy.FAIL``;
 * asynchronous loads: a finished receive becomes computed tokens (up to its
   first invalid token; a failed receive that names no block trusts none);
-* verification of loaded tokens against the reference content (``verify_loads``);
 * ``finished_recving`` / ``finished_sending``: release waiting requests, aborted
-  receives and delayed frees; count stray reports;
+  receives and delayed frees (held by :class:`~kvbridge.engine.lifecycle.Lifecycle`);
+  count stray reports;
 * bounds: a request waiting for remote KV, or for a lookup, longer than
   ``remote_kv_timeout_s`` is recomputed by the engine itself, its blocks
   quarantined (a late transfer could still write them).
+
+Its context: the block space (invalid marks, quarantine), the request table (held
+blocks, releases), the content checks (verify what a load brought), and ``end``:
+how the engine ends a request (out of the queues, then ``Lifecycle.finish``).
 
 May not touch: scheduling and allocation (:mod:`kvbridge.engine.scheduling`), the
 connector's hooks (it reads only the aggregated :class:`ConnectorOutput` the step
@@ -22,186 +37,187 @@ loop hands it), events and the step loop (:mod:`kvbridge.engine.core`).
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable, Iterable
 
-from kvbridge.connectors import ConnectorOutput, LoadFailurePolicy
+from kvbridge.connectors import ConnectorOutput
+from kvbridge.engine.blocks import BlockRef, BlockSpace
+from kvbridge.engine.checks import ContentChecks
+from kvbridge.engine.lifecycle import Lifecycle
 from kvbridge.engine.request import EngineRequest, RequestState
-from kvbridge.engine.state import EngineState
 
 logger = logging.getLogger(__name__)
 
+#: how the engine ends a request: out of its queue, then ``Lifecycle.finish``
+EndRequest = Callable[[EngineRequest, RequestState], None]
 
-class LoadHandling(EngineState):
-    """Load results and transfer completions, applied to the engine's state."""
+#: one scheduled request of a step: (request, tokens to compute, first time scheduled)
+StepItem = tuple[EngineRequest, int, bool]
 
-    def _first_invalid_token(self, req: EngineRequest, start: int, end: int,
-                             refs: set[tuple[int, int]]) -> int | None:
-        """First token in ``[start, end)`` held by a block in ``refs`` (None: all valid)."""
-        first: int | None = None
-        for r, t in enumerate(self.tokens_per_block):
-            ids = req.block_ids[r]
-            for index in range(start // t, min(len(ids), -(-end // t))):
-                if (r, ids[index]) in refs:
-                    token = max(start, index * t)
-                    first = token if first is None else min(first, token)
-                    break
-        return first
 
-    def _handle_sync_load_errors(self, items: list[tuple[EngineRequest, int, bool]],
-                                 output: ConnectorOutput) -> set[str]:
+class Loads:
+    """Load results and transfer completions of one engine. Not thread-safe."""
+
+    def __init__(self, blocks: BlockSpace, book: Lifecycle, checks: ContentChecks,
+                 end: EndRequest, *, fail_on_error: bool, timeout_s: float,
+                 engine_id: str) -> None:
+        """``fail_on_error``: a failed load fails its request (``LoadFailurePolicy.FAIL``)
+        instead of recomputing; ``timeout_s``: ``remote_kv_timeout_s``."""
+        self._blocks = blocks
+        self._book = book
+        self._checks = checks
+        self._end = end
+        self._fail_on_error = fail_on_error
+        self._timeout_s = timeout_s
+        self._engine_id = engine_id
+        #: requests whose connector load starts this step
+        self.started: set[str] = set()
+        #: receives that finished (request id -> failed), not yet turned into tokens
+        self._recv_done: dict[str, bool] = {}
+        #: receives the engine gave up on (timed out): their late ``finished_recving`` is dropped
+        self._ignore_recv: set[str] = set()
+        self.counts = {
+            "external_tokens": 0, "recomputed_tokens": 0, "failed_loads": 0,
+            "remote_kv_timeouts": 0, "lookup_timeouts": 0, "stray_finished_sending": 0,
+            "stray_finished_recving": 0, "stray_invalid_blocks": 0,
+        }
+
+    # ------------------------------------------------------------------ starting loads
+
+    def begin_step(self) -> None:
+        self.started = set()
+
+    def start_async(self, req: EngineRequest) -> None:
+        self.started.add(req.request_id)
+
+    def start_sync(self, req: EngineRequest, start: int, num_tokens: int) -> None:
+        """A load of tokens ``[start, start + num_tokens)`` runs in this step's forward."""
+        self.started.add(req.request_id)
+        req.start_sync_load(start, num_tokens)
+        self.counts["external_tokens"] += num_tokens
+
+    def receive_done(self, request_id: str) -> bool:
+        """Whether the request's async receive finished (its tokens are not taken yet)."""
+        return request_id in self._recv_done
+
+    def forget_receive(self, request_id: str) -> bool:
+        """The request ends: drop its finished receive. Whether there was one."""
+        return self._recv_done.pop(request_id, None) is not None
+
+    # ------------------------------------------------------------------ load results
+
+    def handle_sync_errors(self, items: list[StepItem], output: ConnectorOutput) -> set[str]:
+        """Apply the invalid blocks of a step's output to its sync loads. Returns the
+        requests whose tokens of this step are discarded."""
         refs = set(output.invalid_block_ids)
-        self._invalid_refs |= refs
+        self._blocks.mark_invalid(refs)
         invalidated: set[str] = set()
-        claimed: set[tuple[int, int]] = set()
+        claimed: set[BlockRef] = set()
         for req, _n, _ in items:
             if req.sync_load is None:
                 continue
             start, end = req.sync_load
-            own = {(r, b) for r, ids in enumerate(req.block_ids) for b in ids}
-            claimed |= own & refs
-            first = self._first_invalid_token(req, start, end, refs)
+            claimed |= self._blocks.owned(req) & refs
+            first = self._blocks.first_invalid_token(req, start, end, refs)
             if first is None:
                 continue
             invalidated.add(req.request_id)
-            self._stats["failed_loads"] += 1
+            self.counts["failed_loads"] += 1
             lost = end - first
-            req.num_recomputed_tokens += lost
-            req.num_external_tokens -= lost
-            self._stats["recomputed_tokens"] += lost
-            self._stats["external_tokens"] -= lost
+            self.counts["recomputed_tokens"] += lost
+            self.counts["external_tokens"] -= lost
             logger.warning("engine %s: request %s: load of tokens [%d, %d) failed from token %d; "
-                           "recomputing", self.engine_id, req.request_id, start, end, first)
-            self._verify_load(req, start, first)
-            req.sync_load = None
-            req.num_computed_tokens = first  # tokens computed this step are discarded too
-            if self.config.connector is not None and \
-                    self.config.connector.load_failure_policy is LoadFailurePolicy.FAIL:
-                self.running.remove(req)
-                req.error = f"load of tokens [{first}, {end}) failed"
-                self._finish(req, RequestState.FINISHED_ERROR)
+                           "recomputing", self._engine_id, req.request_id, start, end, first)
+            self._checks.verify_load(req, start, first)
+            req.fail_sync_load(first)  # tokens computed this step are discarded too
+            if self._fail_on_error:
+                req.fail(f"load of tokens [{first}, {end}) failed")
+                self._end(req, RequestState.FINISHED_ERROR)
         if not refs:
             return invalidated
-        waiting_blocks = {(r, b) for req in self.requests.values()
-                          if req.state is RequestState.WAITING_FOR_REMOTE_KVS
-                          for r, ids in enumerate(req.block_ids) for b in ids}
-        waiting_blocks |= {(r, b) for req in self._free_on_recv.values()
-                           for r, ids in enumerate(req.block_ids) for b in ids}
-        stray = refs - claimed - waiting_blocks
-        self._stats["stray_invalid_blocks"] += len(stray)
+        stray = refs - claimed - self._book.receiving_blocks()
+        self.counts["stray_invalid_blocks"] += len(stray)
         # refs of sync loads are consumed now; async ones wait for finished_recving
-        self._invalid_refs -= claimed | stray
+        self._blocks.unmark_invalid(claimed | stray)
         return invalidated
 
-    def _finish_remote_load(self, req: EngineRequest) -> bool:
+    def settle_sync(self, req: EngineRequest) -> None:
+        """A sync load whose tokens were kept: verify them; the load is over."""
+        if req.sync_load is not None:
+            self._checks.verify_load(req, *req.sync_load)
+            req.end_sync_load()
+
+    def finish_remote(self, req: EngineRequest) -> bool:
         """Turn a finished async receive into computed tokens. False if the request ended."""
         failed = self._recv_done.pop(req.request_id)
         start = req.num_computed_tokens
         end = start + req.pending_external_tokens
-        own = {(r, b) for r, ids in enumerate(req.block_ids) for b in ids}
-        refs = self._invalid_refs & own
-        self._invalid_refs -= refs
-        first = self._first_invalid_token(req, start, end, refs)
+        refs = self._blocks.claim_invalid(req)
+        first = self._blocks.first_invalid_token(req, start, end, refs)
         if failed and first is None:
             first = start  # failed without naming blocks: trust none of them
         valid_end = end if first is None else first
-        req.pending_external_tokens = 0
         if first is not None:
-            self._stats["failed_loads"] += 1
-            lost = end - first
-            req.num_recomputed_tokens += lost
-            self._stats["recomputed_tokens"] += lost
+            self.counts["failed_loads"] += 1
+            self.counts["recomputed_tokens"] += end - first
             logger.warning("engine %s: request %s: async load of tokens [%d, %d) failed from "
-                           "token %d; recomputing", self.engine_id, req.request_id, start, end,
+                           "token %d; recomputing", self._engine_id, req.request_id, start, end,
                            first)
-            if self.config.connector is not None and \
-                    self.config.connector.load_failure_policy is LoadFailurePolicy.FAIL:
-                req.error = f"load of tokens [{first}, {end}) failed"
-                req.state = RequestState.WAITING  # the receive is over
-                self._finish(req, RequestState.FINISHED_ERROR)
+            if self._fail_on_error:
+                req.fail(f"load of tokens [{first}, {end}) failed")
+                req.end_remote_load(valid_end, keep=False)  # the receive is over
+                self._end(req, RequestState.FINISHED_ERROR)
                 return False
-        self._verify_load(req, start, valid_end)
-        req.num_external_tokens += valid_end - start
-        self._stats["external_tokens"] += valid_end - start
-        req.num_computed_tokens = min(valid_end, req.num_tokens - 1)
-        self._cache_full_blocks(req)
-        req.state = RequestState.WAITING
+        self._checks.verify_load(req, start, valid_end)
+        self.counts["external_tokens"] += valid_end - start
+        req.end_remote_load(valid_end, keep=True)
+        self._blocks.cache_full_blocks(req)
         return True
 
-    def _verify_load(self, req: EngineRequest, start: int, end: int) -> None:
-        if not self.config.verify_loads or end <= start:
-            return
-        for worker in self.workers:
-            verified, mismatched = worker.verify(req.block_ids, req.token_ids, start, end)
-            req.verified_bytes += verified
-            req.mismatched_bytes += mismatched
-            self._stats["verified_bytes"] += verified
-            self._stats["mismatched_bytes"] += mismatched
-        if req.mismatched_bytes:
-            logger.error("engine %s: request %s: %d mismatched bytes in loaded tokens [%d, %d)",
-                         self.engine_id, req.request_id, req.mismatched_bytes, start, end)
-
-    def _handle_finished_transfers(self, output: ConnectorOutput) -> None:
+    def handle_finished_transfers(self, output: ConnectorOutput) -> None:
         for request_id in output.finished_recving:
-            req = self.requests.get(request_id)
-            if request_id in self._free_on_recv:
-                held = self._free_on_recv.pop(request_id)
-                self._release(held)
+            req = self._book.requests.get(request_id)
+            if self._book.receive_ended(request_id):
+                pass  # aborted while receiving: its blocks went back
             elif request_id in self._ignore_recv:
                 self._ignore_recv.discard(request_id)
             elif req is not None and req.state is RequestState.WAITING_FOR_REMOTE_KVS:
                 self._recv_done[request_id] = request_id in output.failed_recving
             else:
-                self._stats["stray_finished_recving"] += 1
+                self.counts["stray_finished_recving"] += 1
                 logger.warning("engine %s: finished_recving for %s, which is not receiving",
-                               self.engine_id, request_id)
+                               self._engine_id, request_id)
         for request_id in output.finished_sending:
-            held_entry = self._delayed.pop(request_id, None)
-            if held_entry is not None:
-                self._release(held_entry[0])
-            else:
-                self._stats["stray_finished_sending"] += 1
+            if not self._book.send_ended(request_id):
+                self.counts["stray_finished_sending"] += 1
                 logger.warning("engine %s: finished_sending for %s, whose free was not delayed",
-                               self.engine_id, request_id)
+                               self._engine_id, request_id)
 
-    def _check_remote_timeouts(self) -> None:
-        timeout = self.config.remote_kv_timeout_s
-        now = time.monotonic()
-        for req in list(self.waiting):
+    # ------------------------------------------------------------------ bounds
+
+    def check_timeouts(self, waiting: Iterable[EngineRequest], now: float) -> None:
+        """Give up on receives and lookups older than ``remote_kv_timeout_s``."""
+        timeout = self._timeout_s
+        for req in waiting:
             if (req.state is RequestState.WAITING_FOR_REMOTE_KVS
                     and req.request_id not in self._recv_done
                     and now - req.waiting_since > timeout):
-                self._stats["remote_kv_timeouts"] += 1
+                self.counts["remote_kv_timeouts"] += 1
                 logger.error("engine %s: request %s waited %.1f s for remote KV; the connector "
                              "never reported it: recomputing, quarantining its blocks",
-                             self.engine_id, req.request_id, now - req.waiting_since)
-                local = req.num_computed_tokens
-                for r, t in enumerate(self.tokens_per_block):
-                    keep = local // t
-                    self._quarantine(r, req.block_ids[r][keep:])
-                    req.block_ids[r] = req.block_ids[r][:keep]
-                req.num_recomputed_tokens += req.pending_external_tokens
-                req.pending_external_tokens = 0
-                req.state = RequestState.WAITING
-                req.connector_done = True
+                             self._engine_id, req.request_id, now - req.waiting_since)
+                self._blocks.quarantine_after(req, req.num_computed_tokens)
+                req.give_up_remote()
                 self._ignore_recv.add(req.request_id)
-                req.sync_load = None
             elif (req.state is RequestState.WAITING_FOR_LOOKUP
                     and now - req.waiting_since > timeout):
-                self._stats["lookup_timeouts"] += 1
+                self.counts["lookup_timeouts"] += 1
                 logger.error("engine %s: request %s: the connector answered 'ask again' for "
-                             "%.1f s; treating it as a miss", self.engine_id, req.request_id,
+                             "%.1f s; treating it as a miss", self._engine_id, req.request_id,
                              now - req.waiting_since)
-                req.connector_done = True
-                req.state = RequestState.WAITING
-        for request_id, req in list(self._free_on_recv.items()):
-            if now - req.waiting_since > timeout:
-                # aborted while receiving and the receive never ended: never reuse its blocks
-                self._stats["remote_kv_timeouts"] += 1
-                logger.error("engine %s: aborted request %s: its receive never finished; "
-                             "quarantining its blocks", self.engine_id, request_id)
-                del self._free_on_recv[request_id]
-                self._ignore_recv.add(request_id)
-                for r, ids in enumerate(req.block_ids):
-                    self._quarantine(r, ids)
-                req.block_ids = [[] for _ in range(self.num_regions)]
-                self.requests.pop(request_id, None)
+                req.give_up_lookup()
+        # aborted while receiving and the receive never ended: never reuse its blocks
+        for request_id in self._book.expire_held_receives(now, timeout):
+            self.counts["remote_kv_timeouts"] += 1
+            logger.error("engine %s: aborted request %s: its receive never finished; "
+                         "quarantining its blocks", self._engine_id, request_id)
+            self._ignore_recv.add(request_id)

@@ -3,7 +3,7 @@
 ``record_hooks`` is set).
 
 Owns: these two immutable records. May not touch: the engine's state; they are
-built by :mod:`kvbridge.engine.core` and :mod:`kvbridge.engine.state` and only read
+built by :mod:`kvbridge.engine.core` and :mod:`kvbridge.engine.hook_log` and only read
 by callers (tests, the harness, the CLI).
 """
 

@@ -114,7 +114,15 @@ class RequestResult:
 
 @dataclass
 class EngineRequest:
-    """Mutable engine-side state of one request (owned by the scheduler thread)."""
+    """Mutable engine-side state of one request (owned by the scheduler thread).
+
+    Its fields change only through the methods below, one per thing that happens
+    to a request (queued, preempted, parked for remote KV, a load settled, ended,
+    ...), so every write to a request is in this class; the engine's parts call
+    them (``tests/engine/test_state_owners.py`` checks that no other module
+    writes a field). The block lists are the block space's
+    (:class:`~kvbridge.engine.blocks.BlockSpace`): only it calls the block methods.
+    """
 
     spec: RequestSpec
     num_regions: int
@@ -194,6 +202,125 @@ class EngineRequest:
 
     def frozen_block_ids(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(ids) for ids in self.block_ids)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def queue(self, now: float) -> None:
+        """Submitted: waiting since ``now`` (monotonic s)."""
+        self.waiting_since = now
+
+    def preempt(self, now: float) -> None:
+        """Out of the running batch (its blocks are freed): recompute from token 0."""
+        self.num_computed_tokens = 0
+        self.state = RequestState.PREEMPTED
+        self.waiting_since = now
+
+    def defer_lookup(self, now: float) -> None:
+        """The connector answered "ask again": waiting for a lookup since the first time."""
+        if self.state is not RequestState.WAITING_FOR_LOOKUP:
+            self.waiting_since = now
+        self.state = RequestState.WAITING_FOR_LOOKUP
+
+    def take_local_hit(self, num_tokens: int) -> None:
+        self.num_local_hit_tokens = num_tokens
+
+    def await_remote(self, num_computed_tokens: int, num_external_tokens: int,
+                     now: float) -> None:
+        """An async load of ``num_external_tokens`` after ``num_computed_tokens`` started:
+        parked until its receive ends."""
+        self.num_computed_tokens = num_computed_tokens
+        self.pending_external_tokens = num_external_tokens
+        self.state = RequestState.WAITING_FOR_REMOTE_KVS
+        self.waiting_since = now
+
+    def run(self, num_computed_tokens: int) -> None:
+        """Scheduled into the running batch, its first ``num_computed_tokens`` done."""
+        self.num_computed_tokens = num_computed_tokens
+        self.state = RequestState.RUNNING
+
+    def advance(self, num_tokens: int) -> None:
+        """This step computed ``num_tokens`` more tokens."""
+        self.num_computed_tokens += num_tokens
+
+    def append_token(self, token_id: int) -> None:
+        """The next sampled token (the caller extends the hashes)."""
+        self.token_ids.append(token_id)
+
+    # ------------------------------------------------------------------ loads
+
+    def start_sync_load(self, start: int, num_tokens: int) -> None:
+        """Tokens ``[start, start + num_tokens)`` are loaded in this step's forward."""
+        self.sync_load = (start, start + num_tokens)
+        self.num_external_tokens += num_tokens
+
+    def end_sync_load(self) -> None:
+        self.sync_load = None
+
+    def fail_sync_load(self, first_invalid: int) -> None:
+        """This step's sync load is bad from token ``first_invalid``: those tokens, and
+        the tokens computed this step after them, are recomputed."""
+        assert self.sync_load is not None
+        lost = self.sync_load[1] - first_invalid
+        self.num_recomputed_tokens += lost
+        self.num_external_tokens -= lost
+        self.sync_load = None
+        self.num_computed_tokens = first_invalid
+
+    def end_remote_load(self, valid_end: int, *, keep: bool) -> None:
+        """The async receive ended; its tokens before ``valid_end`` arrived intact, the
+        rest are recomputed. ``keep``: the intact tokens count as computed (not when
+        the request fails instead)."""
+        start = self.num_computed_tokens
+        end = start + self.pending_external_tokens
+        self.pending_external_tokens = 0
+        self.num_recomputed_tokens += end - valid_end
+        if keep:
+            self.num_external_tokens += valid_end - start
+            # at least one token is computed to produce the next token
+            self.num_computed_tokens = min(valid_end, self.num_tokens - 1)
+        self.state = RequestState.WAITING
+
+    def give_up_remote(self) -> None:
+        """The engine stopped waiting for its receive: recompute what it would bring,
+        without the connector."""
+        self.num_recomputed_tokens += self.pending_external_tokens
+        self.pending_external_tokens = 0
+        self.state = RequestState.WAITING
+        self.connector_done = True
+        self.sync_load = None
+
+    def give_up_lookup(self) -> None:
+        """The engine stopped asking the connector: a miss."""
+        self.connector_done = True
+        self.state = RequestState.WAITING
+
+    def add_verified(self, verified_bytes: int, mismatched_bytes: int) -> None:
+        self.verified_bytes += verified_bytes
+        self.mismatched_bytes += mismatched_bytes
+
+    # ------------------------------------------------------------------ ending
+
+    def fail(self, error: str) -> None:
+        """Why it ends in FINISHED_ERROR (set before it ends)."""
+        self.error = error
+
+    def end(self, state: RequestState) -> None:
+        self.state = state
+
+    def set_transfer_params_out(self, params: TransferParams | None) -> None:
+        """What ``request_finished`` returned for the other engine."""
+        self.transfer_params_out = params
+
+    # ------------------------------------------------------------------ blocks (BlockSpace)
+
+    def extend_blocks(self, region: int, block_ids: Sequence[int]) -> None:
+        self.block_ids[region].extend(block_ids)
+
+    def set_blocks(self, region: int, block_ids: Sequence[int]) -> None:
+        self.block_ids[region] = list(block_ids)
+
+    def clear_blocks(self) -> None:
+        self.block_ids = [[] for _ in range(self.num_regions)]
 
     def result(self) -> RequestResult:
         return RequestResult(

@@ -251,7 +251,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             next_ids = consumer.pools[0].next_allocation(num_blocks)
             raw_kv.prepare(result.transfer_params.block_ids[0], block_bytes, next_ids)
             if i == 1:  # verified once (the warm-up); not while timing
-                consumer.config = replace(consumer.config, verify_loads=False)
+                consumer.set_verify_loads(False)
 
             def load(rid: str, result: RequestResult) -> RequestResult:
                 assert consumer is not None
