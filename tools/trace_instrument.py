@@ -184,6 +184,9 @@ class _TraceObserver:
         self.rec = rec
         self._pending: dict[int, Any] = {}  # transfers posted, not seen settled yet
 
+    def loads_ordered(self, orders: Any) -> None:
+        pass  # each load shows by its own events (its handshake, notifications, transfers)
+
     def handshake(self, address: str, result: Any) -> None:
         from kvbridge.handshake import encode_engine
 

@@ -10,9 +10,10 @@ receives with their block ids as load errors.
 The production worker knows nothing of this: the fault is a
 :class:`FaultyTransport` the worker is given in place of its transport
 (:meth:`~kvbridge.connectors.nixl.worker.NixlWorker.wrap_transport`), installed
-once, on first use. Which loads are doomed it learns from the step's metadata,
-read as the public ``start_load_kv`` hook runs. This module owns only the
-wrapper's state; it may not change what the transport does for any other load.
+once, on first use; which loads are doomed it learns as an observer of the
+worker (:meth:`~kvbridge.connectors.nixl.worker.NixlWorker.observe`: the loads
+each step orders). This module owns only the fault's state; it may not change
+what the transport does for any other load.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from kvbridge.backends.nixl import (
     XferState,
 )
 from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.scheduler import NixlMetadata
+from kvbridge.connectors.nixl.observe import NullObserver
+from kvbridge.connectors.nixl.scheduler import LoadOrder
 from kvbridge.connectors.nixl.transport import PdTransport
 from kvbridge.connectors.nixl.worker import NixlWorker
 
@@ -101,7 +103,7 @@ class FaultyTransport:
         return self.inner.close(strict=strict)
 
 
-class LoadFault:
+class LoadFault(NullObserver):
     """Installed on ``worker``: the loads ordered in the step after :meth:`arm` lose
     their NIXL peer as they are posted."""
 
@@ -115,20 +117,13 @@ class LoadFault:
             return self.transport
 
         worker.wrap_transport(wrap)
-        real_start = worker.start_load_kv
+        worker.observe(self)
 
-        def start_load_kv() -> None:
-            with worker.pump.lock:  # as the hook itself: the pump shares the state
-                if self.armed:
-                    meta = worker.connector_metadata
-                    if isinstance(meta, NixlMetadata) and self.transport is not None:
-                        self.transport.doom([o.params.producer_request_id
-                                             for o in meta.loads])
-                    self.armed = False
-                real_start()
-
-        # an instance attribute: the engine's call of the hook goes through it
-        worker.start_load_kv = start_load_kv  # type: ignore[method-assign]
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None:
+        """The worker's step orders these loads (under its state lock)."""
+        if self.armed and self.transport is not None:
+            self.transport.doom([order.params.producer_request_id for order in orders])
+        self.armed = False
 
     def arm(self) -> None:
         """The loads ordered in the worker's next ``start_load_kv`` fail."""

@@ -1,17 +1,19 @@
 """What a worker tells an observer (tracing): :class:`WorkerObserver`.
 
-The worker's parts call the observer at the points a trace shows: a handshake
-(or its failure), a notification received, a load's failure, a finished load's
-verification, the requests a step finished. Transfers posted, their
+The worker's parts call the observer at the points a trace shows: the loads a
+step orders, a handshake (or its failure), a notification received, a load's
+failure, a finished load's verification, the requests a step finished. Transfers posted, their
 completions and the notifications sent are seen by the transport the parts
 are given: :class:`ObservedTransport` wraps the real one (it is a
 :class:`~.transport.PdTransport` like any other) and tells the observer.
 
 An observer only looks: it must not change an argument nor raise. The worker
-holds :data:`NO_OBSERVER` until one is attached (``NixlWorker.observe``).
+tells every observer attached (``NixlWorker.observe``, in the order attached)
+through one :class:`Observers`; none is attached by default.
 
-Owns: the protocol, the null observer and the observing transport. May not
-hold any of the worker's state.
+Owns: the protocol, :class:`NullObserver` (a base that ignores every event),
+:class:`Observers` and the observing transport. May not hold any of the
+worker's state.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvbridge.backends.nixl import (
     XferState,
 )
 from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.scheduler import LoadOrder
 from kvbridge.connectors.nixl.state import RecvTransfer
 from kvbridge.connectors.nixl.transport import PdTransport
 from kvbridge.handshake import FetchResult
@@ -39,6 +42,7 @@ from kvbridge.layouts.digests import Digester
 class WorkerObserver(Protocol):
     """The events of one rank's NIXL worker, in the order they happen."""
 
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None: ...
     def handshake(self, address: str, result: FetchResult) -> None: ...
     def handshake_failed(self, address: str, error: Exception) -> None: ...
     def posted(self, xfer: Transfer) -> None: ...
@@ -52,7 +56,10 @@ class WorkerObserver(Protocol):
 
 
 class NullObserver:
-    """Sees nothing: the observer of an untraced worker."""
+    """Ignores every event: a base for an observer of a few of them."""
+
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None:
+        pass
 
     def handshake(self, address: str, result: FetchResult) -> None:
         pass
@@ -83,7 +90,55 @@ class NullObserver:
         pass
 
 
-NO_OBSERVER: WorkerObserver = NullObserver()
+class Observers:
+    """Every observer attached to one worker, each told of every event in turn."""
+
+    def __init__(self) -> None:
+        self._all: list[WorkerObserver] = []
+
+    def attach(self, observer: WorkerObserver) -> None:
+        self._all.append(observer)
+
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None:
+        for observer in self._all:
+            observer.loads_ordered(orders)
+
+    def handshake(self, address: str, result: FetchResult) -> None:
+        for observer in self._all:
+            observer.handshake(address, result)
+
+    def handshake_failed(self, address: str, error: Exception) -> None:
+        for observer in self._all:
+            observer.handshake_failed(address, error)
+
+    def posted(self, xfer: Transfer) -> None:
+        for observer in self._all:
+            observer.posted(xfer)
+
+    def polled(self, xfer: Transfer, state: XferState) -> None:
+        for observer in self._all:
+            observer.polled(xfer, state)
+
+    def notif_sent(self, peer: PeerHandle, msg: bytes, error: str | None) -> None:
+        for observer in self._all:
+            observer.notif_sent(peer, msg, error)
+
+    def notif_received(self, sender: str, msg: messages.Notif) -> None:
+        for observer in self._all:
+            observer.notif_received(sender, msg)
+
+    def failure(self, recv: RecvTransfer, reason: str) -> None:
+        for observer in self._all:
+            observer.failure(recv, reason)
+
+    def verified(self, recv: RecvTransfer, bad: set[tuple[int, int]],
+                 digesters: Mapping[str, Digester]) -> None:
+        for observer in self._all:
+            observer.verified(recv, bad, digesters)
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        for observer in self._all:
+            observer.finished(sending, recving)
 
 
 class ObservedTransport:

@@ -284,11 +284,11 @@ class NixlWorker(WorkerConnector):
 
     @_locked
     def observe(self, observer: WorkerObserver) -> None:
-        """Tell ``observer`` what this rank does from now on (tracing): the parts' events,
-        and the transport's (wrapped in an :class:`~.observe.ObservedTransport`).
-        Call after ``register_kv_caches``."""
+        """Tell ``observer`` what this rank does from now on (tracing, fault injection):
+        the parts' events, and the transport's (wrapped in an
+        :class:`~.observe.ObservedTransport`). Call after ``register_kv_caches``."""
         assert self.cx.transport is not None, "observe a registered worker"
-        self.cx.observer = observer
+        self.cx.observer.attach(observer)
         self.cx.transport = ObservedTransport(self.cx.transport, observer)
 
     @_locked
@@ -309,6 +309,7 @@ class NixlWorker(WorkerConnector):
             if hold.push:
                 self.push.start(hold, now)
             self.holds.start(hold, now)
+        self.cx.observer.loads_ordered(meta.loads)
         for order in meta.loads:
             self.loads.start(order, now)
         for release in meta.releases:

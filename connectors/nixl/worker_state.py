@@ -24,7 +24,7 @@ from typing import Any
 
 from kvbridge.backends.nixl import DescList, PeerHandle
 from kvbridge.connectors.api import ConnectorContext
-from kvbridge.connectors.nixl.observe import NO_OBSERVER, WorkerObserver
+from kvbridge.connectors.nixl.observe import Observers
 from kvbridge.connectors.nixl.routing import DescTable
 from kvbridge.connectors.nixl.send_state import PushJob
 from kvbridge.connectors.nixl.session import PeerSession, SessionKey
@@ -217,7 +217,8 @@ class WorkerContext:
         self.auth = self.settings.cluster_auth()
         self.stats = WorkerStats()
         self.log = logger
-        self.observer: WorkerObserver = NO_OBSERVER
+        #: the observers attached (tracing, fault injection); none by default
+        self.observer = Observers()
         #: None until ``register_kv_caches``; the parts run only after it
         self.transport: PdTransport | None = None
         self.memory: dict[int, LayerMemory] = {}

@@ -107,13 +107,14 @@ def test_push_writes_wait_for_the_layer_fences() -> None:
 def test_fences_release_layers_in_order_of_completion(engine_calls_save_per_layer: bool
                                                       ) -> None:
     """The pure bookkeeping: only layers whose fence passed become ready."""
-    from kvbridge.connectors.nixl.worker import NixlWorker, _PushJob
+    from kvbridge.connectors.nixl.push import PushSender
+    from kvbridge.connectors.nixl.worker import _PushJob
 
     job = _PushJob("r")
     log: list[HeldFence] = []
     a, b = HeldFence(log), HeldFence(log)
     job.fenced = [(a, frozenset({0})), (b, frozenset({1, 2}))]
-    release = NixlWorker._release_fenced
+    release = PushSender._release_fenced
     assert release(None, job) is False and job.layers_ready == set()  # type: ignore[arg-type]
     b.release()
     assert release(None, job) is True and job.layers_ready == {1, 2}  # type: ignore[arg-type]
