@@ -303,7 +303,7 @@ class Holds:
         for _at, waiting in self._deferred.pop(sender, []):
             try:
                 self.on_consumer_notif(sender, waiting, now)
-            except Exception as exc:  # as in _handle_batch: one message, not the rank
+            except Exception as exc:  # as in the worker's dispatch: one message, not the rank
                 self.cx.stats.count("bad_notifs")
                 self.cx.log.warning("nixl: notification %s from %s refused: %s",
                                type(waiting).__name__, sender, exc)

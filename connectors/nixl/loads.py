@@ -7,7 +7,7 @@ it. The load is DONE when, for each source, the ack came ``ok`` or the READ
 ended inside that source's promise (see :class:`~kvbridge.connectors.nixl.state.RecvTransfer`).
 A finished load's blocks are checked (:mod:`.load_checks`) before it counts
 as done. Push loads share the completion here (``_complete``, ``_fail``) and
-post their ``register`` from :mod:`.push`.
+post their ``register`` through :mod:`.push_consumer`.
 
 Owns: ``recv`` (the loads in flight), ``_by_producer_rid``, ``_done_recving``,
 ``_failed_recving``, ``_failed_reported``, ``_load_errors``, ``_releases``,
