@@ -4,11 +4,14 @@ Modules: :mod:`.settings` (extra config), :mod:`.messages` (notification
 records), :mod:`.routing` (pure index math), :mod:`.leases` (pure lease
 bookkeeping), :mod:`.state` (per-request receive state machine),
 :mod:`.session` (handshaken peers), :mod:`.verify` (pure digest planning and
-checks), :mod:`.scheduler` and :mod:`.worker` (the two halves; the worker's
-parts: :mod:`.worker_state`, :mod:`.loads`, :mod:`.load_checks`, :mod:`.holds`,
+checks), :mod:`.transport` (what the connector needs of a transport, a
+protocol), :mod:`.observe` (the worker's observer protocol, for tracing),
+:mod:`.scheduler` and :mod:`.worker` (the two halves; the worker is a facade
+over its parts: :mod:`.worker_state` (their shared context), :mod:`.sessions`,
+:mod:`.loads`, :mod:`.load_checks`, :mod:`.push_consumer`, :mod:`.holds`,
 :mod:`.hold_digests`, :mod:`.push`, :mod:`.pump`), :mod:`.faults` (fault
-injection for tests), :mod:`.conformance` (its conformance cases),
-:mod:`.plugin` (the registered plugin).
+injection for tests, a transport wrapper), :mod:`.conformance` (its conformance
+cases), :mod:`.plugin` (the registered plugin).
 """
 
 from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind

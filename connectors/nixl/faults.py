@@ -1,74 +1,142 @@
 """Fault injection for the NIXL worker (tests, conformance, the trace demo): failed loads.
 
 :func:`fail_next_loads` makes the loads a consumer rank is ordered in its next
-step fail the way a vanished producer makes them fail: just before such a load
-is posted, its session's NIXL peers are removed (the real
-``remove_remote_agent``), then the real post runs and the real NIXL path fails
-it, so the engine sees those requests, and only those, as failed receives with
-their block ids as load errors.
+step fail the way a vanished producer makes them fail: as such a load's first
+message goes out, the NIXL peer it goes to is removed (the real
+``remove_remote_agent``) and the real send fails, so the real NIXL path fails
+the load, and the engine sees those requests, and only those, as failed
+receives with their block ids as load errors.
 
-The production worker knows nothing of this: :class:`LoadFault` is installed
-around one :class:`~kvbridge.connectors.nixl.worker.NixlWorker` object (its
-``start_load_kv`` hook, to learn the step's loads, and its ``_post``, the call
-the fault comes before), once, on first use. This module owns only that
-wrapper's state; it may not change what the worker does for any other load.
+The production worker knows nothing of this: the fault is a
+:class:`FaultyTransport` the worker is given in place of its transport
+(:meth:`~kvbridge.connectors.nixl.worker.NixlWorker.wrap_transport`), installed
+once, on first use; which loads are doomed it learns as an observer of the
+worker (:meth:`~kvbridge.connectors.nixl.worker.NixlWorker.observe`: the loads
+each step orders). This module owns only the fault's state; it may not change
+what the transport does for any other load.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.connectors.nixl.scheduler import NixlMetadata
-from kvbridge.connectors.nixl.session import PeerSession
-from kvbridge.connectors.nixl.state import RecvTransfer
+from kvbridge.backends.nixl import (
+    DRAM,
+    DescList,
+    PeerHandle,
+    Region,
+    Transfer,
+    TransportCounters,
+    XferOp,
+    XferState,
+)
+from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.observe import NullObserver
+from kvbridge.connectors.nixl.scheduler import LoadOrder
+from kvbridge.connectors.nixl.transport import PdTransport
 from kvbridge.connectors.nixl.worker import NixlWorker
 
 
-class LoadFault:
-    """Installed around ``worker``: the loads ordered in the step after :meth:`arm` lose
-    their NIXL peers just before they are posted."""
+class FaultyTransport:
+    """A :class:`~.transport.PdTransport` that loses the peer a doomed load's first
+    message goes to (every other call runs on ``inner`` unchanged)."""
+
+    def __init__(self, inner: PdTransport) -> None:
+        self.inner = inner
+        #: producer request ids of doomed loads that sent nothing yet
+        self.doomed: set[str] = set()
+
+    def doom(self, producer_request_ids: Sequence[str]) -> None:
+        self.doomed.update(producer_request_ids)
+
+    def send_notif(self, peer: PeerHandle, msg: bytes) -> None:
+        if self.doomed:
+            try:
+                rid = getattr(messages.decode(msg), "request_id", None)
+            except messages.NotifError:
+                rid = None
+            if rid in self.doomed:
+                self.doomed.discard(rid)
+                self.inner.remove_peer(peer)  # the real NIXL call: the peer vanishes
+        self.inner.send_notif(peer, msg)
+
+    def register_regions(self, regions: Sequence[Any]) -> list[Region]:
+        return self.inner.register_regions(regions)
+
+    @property
+    def memory_type(self) -> tuple[str, int]:
+        return self.inner.memory_type
+
+    def agent_metadata(self) -> bytes:
+        return self.inner.agent_metadata()
+
+    def add_peer(self, peer_name: str, metadata: bytes) -> PeerHandle:
+        return self.inner.add_peer(peer_name, metadata)
+
+    def remove_peer(self, peer: PeerHandle) -> None:
+        self.inner.remove_peer(peer)
+
+    def prepare_local_descs(self, descs: Any) -> DescList:
+        return self.inner.prepare_local_descs(descs)
+
+    def prepare_remote(self, peer: PeerHandle, descs: Any, mem_type: str = DRAM) -> DescList:
+        return self.inner.prepare_remote(peer, descs, mem_type)
+
+    def release_dlist(self, dlist: DescList) -> None:
+        self.inner.release_dlist(dlist)
+
+    def post(self, op: XferOp | str, local: DescList, local_idx: Any, remote: DescList,
+             remote_idx: Any, notif: bytes = b"", deadline_s: float = 30.0) -> Transfer:
+        return self.inner.post(op, local, local_idx, remote, remote_idx, notif, deadline_s)
+
+    def poll(self, xfer: Transfer) -> XferState:
+        return self.inner.poll(xfer)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        return self.inner.get_notifs()
+
+    def counters(self) -> TransportCounters:
+        return self.inner.counters()
+
+    def close(self, *, strict: bool = True) -> TransportCounters:
+        return self.inner.close(strict=strict)
+
+
+class LoadFault(NullObserver):
+    """Installed on ``worker``: the loads ordered in the step after :meth:`arm` lose
+    their NIXL peer as they are posted."""
 
     def __init__(self, worker: NixlWorker) -> None:
         self.worker = worker
         self.armed = False
-        #: loads ordered in an armed step, not posted yet (consumer request ids)
-        self.faulty: set[str] = set()
-        real_start, real_post = worker.start_load_kv, worker._post
+        self.transport: FaultyTransport | None = None
 
-        def start_load_kv() -> None:
-            with worker._state_lock:  # as the hook itself: the pump shares the state
-                if self.armed:
-                    meta = worker.connector_metadata
-                    if isinstance(meta, NixlMetadata):
-                        self.faulty.update(order.request_id for order in meta.loads)
-                    self.armed = False
-                real_start()
+        def wrap(inner: PdTransport) -> PdTransport:
+            self.transport = FaultyTransport(inner)
+            return self.transport
 
-        def post(recv: RecvTransfer, session: PeerSession, now: float) -> None:
-            if recv.request_id in self.faulty:
-                self.faulty.discard(recv.request_id)
-                assert worker.transport is not None
-                for peer in list(session.peers.values()):
-                    worker.transport.remove_peer(peer)  # the real NIXL call: the peer vanishes
-            real_post(recv, session, now)
+        worker.wrap_transport(wrap)
+        worker.observe(self)
 
-        # instance attributes: every call of the worker (hooks, pump) goes through them
-        worker.start_load_kv = start_load_kv  # type: ignore[method-assign]
-        worker._post = post  # type: ignore[method-assign]
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None:
+        """The worker's step orders these loads (under its state lock)."""
+        if self.armed and self.transport is not None:
+            self.transport.doom([order.params.producer_request_id for order in orders])
+        self.armed = False
 
     def arm(self) -> None:
         """The loads ordered in the worker's next ``start_load_kv`` fail."""
-        with self.worker._state_lock:  # as a hook (``_locked``) would
-            self.worker._last_progress = time.monotonic()
+        with self.worker.pump.lock:  # as a hook (``_locked``) would
+            self.worker.pump.touch()
             self.armed = True
 
 
 def fail_next_loads(connector: Any) -> bool:
     """Make the loads ordered in ``connector``'s next step fail (a vanished peer), when it
-    is a :class:`NixlWorker` (installing the fault around it on first use); False when it
-    is not one (nothing done)."""
-    if not isinstance(connector, NixlWorker):
+    is a registered :class:`NixlWorker` (installing the fault on it on first use); False
+    when it is not one (nothing done)."""
+    if not isinstance(connector, NixlWorker) or connector.transport is None:
         return False
     fault = getattr(connector, "_load_fault", None)
     if not isinstance(fault, LoadFault):

@@ -8,11 +8,12 @@ Blocks that cannot be checked are counted unverified (and fail the load when
 ``verify_allow_unverified`` is false). The pure planning and comparison live in
 :mod:`.verify`; this module applies them to a load.
 
-Owns: the digest fields of a :class:`~kvbridge.connectors.nixl.state.RecvTransfer`,
-the sessions' ``digest_regions`` / ``digest_algorithms`` / ``slice_check``
-caches, the ``blocks_verified`` / ``digest_mismatches`` / ``blocks_unverified``
-counters. May not touch: a load's state machine (it answers ``_verify`` and
-the load path acts on it), nor anything of the producer side.
+Owns: ``_unverified_logged``, the digest fields of a
+:class:`~kvbridge.connectors.nixl.state.RecvTransfer`, the sessions'
+``digest_regions`` / ``digest_algorithms`` / ``slice_check`` caches, the
+``blocks_verified`` / ``digest_mismatches`` / ``blocks_unverified`` counters.
+May not touch: a load's state machine (it answers :meth:`LoadChecks.verify` and
+:mod:`.loads` acts on it), nor anything of the producer side.
 """
 
 from __future__ import annotations
@@ -36,30 +37,34 @@ from kvbridge.connectors.nixl.verify import (
     slice_bytes,
     whole_block_regions,
 )
-from kvbridge.connectors.nixl.worker_state import WorkerState, logger
+from kvbridge.connectors.nixl.worker_state import WorkerContext
 from kvbridge.connectors.params import TransferMode
 from kvbridge.handshake import AgentMetadata
 from kvbridge.layouts.digests import SLICE_ALGORITHMS, block_algorithm_of, pick_algorithm
 
 
-class LoadChecks(WorkerState):
+class LoadChecks:
     """The consumer's checks of landed blocks against the producers' digests."""
 
-    def _begin_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> messages.Begin:
+    def __init__(self, cx: WorkerContext) -> None:
+        self.cx = cx
+        self._unverified_logged: set[str] = set()  # reasons logged once
+
+    def begin_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> messages.Begin:
         """The ``begin`` of a pull READ from producer rank ``p``, asking for the digests
         of the blocks this rank will check (see ``connectors.nixl.verify``), naming the sealed
         record it loads."""
         rid = recv.params.producer_request_id
-        ask = self._ask_for(recv, session, p)
+        ask = self.ask_for(recv, session, p)
         if ask is None:
-            return messages.Begin(rid, self.rank_index, record=recv.record)
-        return messages.Begin(rid, self.rank_index, ask.producer_ids, ask.algorithm,
+            return messages.Begin(rid, self.cx.rank_index, record=recv.record)
+        return messages.Begin(rid, self.cx.rank_index, ask.producer_ids, ask.algorithm,
                               recv.record)
 
-    def _ask_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> DigestAsk | None:
+    def ask_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> DigestAsk | None:
         """The blocks of ``recv`` this rank checks against producer rank ``p``'s digests
         (None: none); blocks it cannot check are counted unverified, said once."""
-        policy = self.settings.verify_policy
+        policy = self.cx.settings.verify_policy
         if not policy.enabled:
             return None
         known = session.digest_regions.get(p)
@@ -93,7 +98,7 @@ class LoadChecks(WorkerState):
         recv.digest_algorithms[p] = ask.algorithm
         return ask
 
-    def _take_digests(self, recv: RecvTransfer, producer_rank: int, digests: tuple[bytes, ...],
+    def take_digests(self, recv: RecvTransfer, producer_rank: int, digests: tuple[bytes, ...],
                       algorithm: str, reason: str) -> None:
         """The first answer of ``producer_rank`` to this load's digest ask (held, pushed)."""
         if producer_rank not in recv.digest_asks or producer_rank in recv.digests:
@@ -105,10 +110,10 @@ class LoadChecks(WorkerState):
                              f"producer rank {producer_rank} sent no digests "
                              f"({reason or 'no reason given'})")
 
-    def _count_unchecked(self, recv: RecvTransfer) -> None:
+    def count_unchecked(self, recv: RecvTransfer) -> None:
         """After every producer rank was asked: the load's blocks in regions no producer
         rank's digests cover, counted once (not once per producer rank read from)."""
-        if not self.settings.verify_policy.enabled:
+        if not self.cx.settings.verify_policy.enabled:
             return
         unchecked = sum(len(ids) for r, ids in enumerate(recv.consumer_block_ids)
                         if r not in recv.checked_regions)
@@ -120,38 +125,38 @@ class LoadChecks(WorkerState):
         """The regions this rank checks against producer rank ``p``'s digests (and why
         not the others): the same for every load of the session."""
         remote = next((m for m in session.metadata.ranks if m.rank_index == p), None)
-        if not self._digesters:
+        if not self.cx.digesters:
             return frozenset(), "this rank computes no digests"
         alg = session.digest_algorithms[p] = self._digest_algorithm(remote)
         if remote is None or alg is None:
             return frozenset(), (f"producer rank {p} offers no digests this rank computes "
                                  f"({list(remote.digests) if remote else []} against "
-                                 f"{list(self._digesters)}: an older kvbridge, verification "
+                                 f"{list(self.cx.digesters)}: an older kvbridge, verification "
                                  f"off there, or GPU memory against XXH3-64 only)")
         regions = whole_block_regions(
             session.rank_plan, p, [s.block_bytes_per_layer
-                                   for s in self.ctx.spec.rank_shapes(self.rank)],
+                                   for s in self.cx.spec.rank_shapes(self.cx.rank)],
             [r.block_bytes_per_layer for r in remote.regions],
-            [s.layer_ids for s in self.ctx.spec.rank_shapes(remote.topology)])
+            [s.layer_ids for s in self.cx.spec.rank_shapes(remote.topology)])
         return regions, "blocks not copied whole from one producer rank (head slices at " \
                         "another TP, or another pipeline split)"
 
     def _digest_algorithm(self, remote: AgentMetadata | None) -> str | None:
         """The algorithm this consumer rank asks producer rank ``remote`` for: the first of
         its own (preference-ordered, computable here) that the producer offers."""
-        return pick_algorithm(list(self._digesters), remote.digests) if remote else None
+        return pick_algorithm(list(self.cx.digesters), remote.digests) if remote else None
 
     def _unverified(self, recv: RecvTransfer, num_blocks: int, why: str) -> None:
         recv.unverified += num_blocks
-        self._counters["blocks_unverified"] += num_blocks
+        self.cx.stats.count("blocks_unverified", num_blocks)
         if why not in self._unverified_logged and len(self._unverified_logged) < 64:
             self._unverified_logged.add(why)
-            logger.warning("nixl: engine=%s rank=%d: loads from producer engine %s are not "
+            self.cx.log.warning("nixl: engine=%s rank=%d: loads from producer engine %s are not "
                            "verified: %s (counted in blocks_unverified; logged once)",
-                           self.ctx.engine_id, self.rank_index,
+                           self.cx.engine_id, self.cx.rank_index,
                            recv.params.producer_engine_id, why)
 
-    def _verify(self, recv: RecvTransfer) -> set[tuple[int, int]]:
+    def verify(self, recv: RecvTransfer) -> set[tuple[int, int]]:
         """A finished pull load's blocks whose digests differ (checked against the
         answers of its producer ranks). Unchecked blocks fail too when the policy
         does not allow them."""
@@ -161,18 +166,19 @@ class LoadChecks(WorkerState):
             if packed is None:
                 continue  # counted unverified when the answer came
             # a slice ask's whole regions: block digests in its block algorithm
-            digester = self._digesters[block_algorithm_of(recv.digest_algorithms[p])]
+            digester = self.cx.digesters[block_algorithm_of(recv.digest_algorithms[p])]
             started = time.perf_counter()
             verified, mismatched = check_answer(ask, packed, digester,
                                                 whole_load=recv.params.mode is TransferMode.PUSH)
-            self._count_digests(started, [() if r in ask.slices else ids
+            self.cx.count_digests(started, [() if r in ask.slices else ids
                                           for r, ids in enumerate(ask.consumer_ids)])
-            self._counters["blocks_verified"] += verified
-            self._counters["digest_mismatches"] += len(mismatched)
+            self.cx.stats.count("blocks_verified", verified)
+            self.cx.stats.count("digest_mismatches", len(mismatched))
             bad.update(mismatched)
         self._verify_slices(recv, bad)
-        if recv.unverified and not self.settings.verify_allow_unverified:
+        if recv.unverified and not self.cx.settings.verify_allow_unverified:
             bad |= set(recv.local_blocks)
+        self.cx.observer.verified(recv, bad, self.cx.digesters)
         return bad
 
     def _slice_check(self, session: PeerSession) -> SliceCheck:
@@ -181,11 +187,11 @@ class LoadChecks(WorkerState):
         slice algorithm of this rank's that a producer rank offers; once."""
         if session.slice_check is None:
             offered = {m.rank_index: m.digests for m in session.metadata.ranks}
-            alg = pick_slice_algorithm(self._slice_algorithms, offered)
+            alg = pick_slice_algorithm(self.cx.slice_algorithms, offered)
             if alg is None:
                 session.slice_check = SliceCheck(
                     why=f"no producer rank offers slice digests this rank computes "
-                        f"({list(self._slice_algorithms)}): an older kvbridge, or "
+                        f"({list(self.cx.slice_algorithms)}): an older kvbridge, or "
                         f"verification off there")
             else:
                 whole = {}
@@ -214,18 +220,18 @@ class LoadChecks(WorkerState):
                 continue  # no answer: its parts stay unchecked (counted below)
             if not any(ask.consumer_ids[r] for r in ask.slices):
                 continue  # sampling chose none of its slice blocks (a block algorithm ask)
-            slicer = self._slicer(ask.algorithm)
+            slicer = self.cx.slicer(ask.algorithm)
             assert slicer is not None  # slice blocks are asked only in an algorithm of ours
             matched[p], mismatched = check_slices(ask, packed, slicer,
                                                   whole_load=recv.params.mode is TransferMode.PUSH)
             failed.update(mismatched)
             nbytes += sum(len(ask.consumer_ids[r]) * slice_bytes(ask.slice_ranges[r])
                           for r in ask.slices)
-        self._counters["digest_time_s"] += time.perf_counter() - started
-        self._counters["digest_bytes"] += nbytes
+        self.cx.stats.count("digest_time_s", time.perf_counter() - started)
+        self.cx.stats.count("digest_bytes", nbytes)
         verified, unverified = count_slices(asks, matched, failed)
-        self._counters["blocks_verified"] += verified
-        self._counters["digest_mismatches"] += len(failed)
+        self.cx.stats.count("blocks_verified", verified)
+        self.cx.stats.count("digest_mismatches", len(failed))
         bad.update(failed)
         if unverified:
             self._unverified(recv, unverified, "a producer rank sent no slice digests for "

@@ -11,43 +11,114 @@ final) and notifies the lease. Each consumer rank's push is a
 methods (:mod:`.send_state` draws both machines); this module decides when,
 and does the I/O.
 
-Owns: ``_push_jobs``, ``_early_registers``, ``_cancelled``, ``_step_pushes``'
-jobs, the consumer peers' push lists, the push counters, the ``pushed``
-answers. May not touch: the consumer side of push (:mod:`.push_consumer`),
-pull loads or holds (beyond notifying the lease and answering through
-:mod:`.holds`' ``_send_to``), nor the sessions.
+Owns: ``_push_jobs``, ``_early_registers``, ``_cancelled``, ``_step_pushes``,
+the consumer peers' push lists (prepared here, kept by :mod:`.holds` with the
+peer), the push counters, the ``pushed`` answers. Calls: the lease table, the
+holds (answers, rejections, the consumer peers) and the hold digests
+(algorithms, slice plans) it is given. May not touch: the consumer side of push
+(:mod:`.push_consumer`), pull loads, nor the sessions.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
+from kvbridge.backends.device.fence import Fence
 from kvbridge.backends.nixl import NixlTransportError, XferOp, XferState
 from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.hold_digests import HoldDigests
+from kvbridge.connectors.nixl.holds import Holds
+from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.routing import build_table, pair_indices
-from kvbridge.connectors.nixl.scheduler import PushOrder
+from kvbridge.connectors.nixl.scheduler import HoldOrder, PushOrder
 from kvbridge.connectors.nixl.send_state import PushJob, SendState, SendTransfer
 from kvbridge.connectors.nixl.session import check_remote_coverage
 from kvbridge.connectors.nixl.verify import answer_ask, take_hold_digests, take_slice_digests
 from kvbridge.connectors.nixl.worker_state import (
     MAX_EARLY_REGISTERS,
     TransferRecord,
-    WorkerState,
+    WorkerContext,
     _ConsumerPeer,
     _PushLists,
-    logger,
 )
 from kvbridge.layouts import LayoutError
 from kvbridge.layouts.digests import SLICE_ALGORITHMS, block_algorithm_of
 from kvbridge.layouts.plan import plan_consumer_rank
 
 
-class PushSender(WorkerState):
+class PushSender:
     """Push, producer: the per-layer WRITEs to the consumer ranks that registered."""
 
-    def _take_push_orders(self, drops: tuple[str, ...], pushes: tuple[PushOrder, ...],
+    def __init__(self, cx: WorkerContext, leases: LeaseTable, holds: Holds,
+                 digests: HoldDigests) -> None:
+        self.cx = cx
+        self.leases = leases
+        self.holds = holds
+        self.digests = digests
+        self._push_jobs: dict[str, PushJob] = {}
+        self._early_registers: dict[str, list[tuple[str, messages.Register]]] = {}
+        self._step_pushes: tuple[PushOrder, ...] = ()
+        self._cancelled: dict[str, float] = {}  # push rids cancelled before known
+
+    @property
+    def jobs(self) -> Mapping[str, PushJob]:
+        """The push jobs by request id (read only)."""
+        return MappingProxyType(self._push_jobs)
+
+    @property
+    def busy(self) -> bool:
+        """Pushes a consumer may be waiting on (a hint for the idle pump)."""
+        return bool(self._push_jobs)
+
+    def start(self, hold: HoldOrder, now: float) -> None:
+        """A push hold starts: its job (the blocks come with the push orders)."""
+        self._push_jobs.setdefault(hold.request_id, PushJob(hold.request_id, hold.block_ids,
+                                                            started_at=now))
+
+    def fence_layer(self, layer_id: int, kv_layer: Any,
+                    record_fence: Callable[[Any], Fence]) -> None:
+        """``save_kv_layer``: the layer's writes wait for the fence of its kernels."""
+        fence: Fence | None = None
+        for push in self._step_pushes:
+            job = self._push_jobs.get(push.request_id)
+            if job is not None and push.final:
+                if fence is None:  # one fence for the layer, whatever the number of requests
+                    fence = record_fence(kv_layer)
+                job.fence(fence, frozenset((layer_id,)))
+                if self._release_fenced(job):
+                    self._post_push_writes(job)
+
+    def fence_step(self, kv_tensor: Any, record_fence: Callable[[Any], Fence]) -> None:
+        """``wait_for_save``: a fence over the whole step covers every layer of the
+        step's final pushes (for engines that do not call ``save_kv_layer`` per layer)."""
+        fence: Fence | None = None
+        for push in self._step_pushes:
+            job = self._push_jobs.get(push.request_id)
+            if job is not None and push.final and self.cx.memory:
+                if fence is None:
+                    fence = record_fence(kv_tensor)
+                job.fence(fence, frozenset(self.cx.memory))
+                if self._release_fenced(job):
+                    self._post_push_writes(job)
+        self._step_pushes = ()
+
+    def prune(self, now: float) -> None:
+        """Forget cancellations of requests no push order named within ``lease_s``."""
+        for rid, at in list(self._cancelled.items()):
+            if now - at > self.cx.settings.lease_s:
+                del self._cancelled[rid]
+
+    def close(self) -> None:
+        """Shutdown: every push job is forgotten."""
+        for rid in list(self._push_jobs):
+            self.forget(rid)
+
+    def take_orders(self, drops: tuple[str, ...], pushes: tuple[PushOrder, ...],
                           now: float) -> None:
         """Producer, in ``start_load_kv``: this step's aborted push requests (``drops``) and
         push orders (the prompt's blocks so far; ``final`` in its last step)."""
@@ -71,7 +142,7 @@ class PushSender(WorkerState):
             job.order(tuple(tuple(g) for g in push.block_ids), push.final)
             job.chain = job.chain or push.chain
             for sender, reg in self._early_registers.pop(push.request_id, []):
-                self._on_register(sender, reg, now)
+                self.on_register(sender, reg, now)
 
     def _drop_job(self, job: PushJob) -> None:
         """The request is aborted: nothing more is posted, every consumer rank still
@@ -88,34 +159,33 @@ class PushSender(WorkerState):
         kernels that wrote the layer finished (on host memory fences pass at once)."""
         return job.release_fenced()
 
-    def _prepare_push(self, consumer: _ConsumerPeer) -> _PushLists | None:
+    def prepare(self, consumer: _ConsumerPeer) -> _PushLists | None:
         """Lists for writing to ``consumer``'s rank, prepared right after its hello."""
-        assert self.transport is not None
         # one consumer rank's plan: never the whole engine it claims to belong to
-        sub = plan_consumer_rank(self.ctx.spec, self.sizes,
-                                 consumer.meta.topology).for_producer(self.rank_index)
+        sub = plan_consumer_rank(self.cx.spec, self.cx.sizes,
+                                 consumer.meta.topology).for_producer(self.cx.rank_index)
         if not sub.num_descriptors:
             return None
         remote_memory = consumer.meta.layer_memory()
-        check_remote_coverage(self.transport, consumer.peer, remote_memory,
+        check_remote_coverage(self.cx.io, consumer.peer, remote_memory,
                               sub.layers.tolist(), f"consumer {consumer.meta.agent_name}",
                               consumer.meta.mem_type, consumer.meta.device_id)
         local = build_table(sub.regions, sub.layers, sub.producer_offsets, sub.lengths,
-                            self.memory, "producer")
+                            self.cx.memory, "producer")
         remote = build_table(sub.regions, sub.layers, sub.consumer_offsets, sub.lengths,
                              remote_memory, "consumer")
-        local_list = self.transport.prepare_local_descs(
-            local.strided(self.transport.memory_type[1]))
+        local_list = self.cx.io.prepare_local_descs(
+            local.strided(self.cx.io.memory_type[1]))
         try:
-            remote_list = self.transport.prepare_remote(  # the consumer's memory type
+            remote_list = self.cx.io.prepare_remote(  # the consumer's memory type
                 consumer.peer, remote.strided(consumer.meta.device_id), consumer.meta.mem_type)
         except BaseException:
-            self.transport.release_dlist(local_list)
+            self.cx.io.release_dlist(local_list)
             raise
         return _PushLists(local, remote, local_list, remote_list,
                           frozenset(int(x) for x in sub.layers.tolist()))
 
-    def _on_register(self, sender: str, reg: messages.Register, now: float) -> None:
+    def on_register(self, sender: str, reg: messages.Register, now: float) -> None:
         rid = reg.request_id
         job = self._push_jobs.get(rid)
         if reg.cancel:
@@ -126,26 +196,26 @@ class PushSender(WorkerState):
                     target_c.cancelled("cancelled by consumer", now)
                     self._finish_push_target(job, target_c, now)
                 return
-            self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+            self.holds.send_to(sender, messages.Pushed(rid, self.cx.rank_index, False,
                                                   "cancelled by consumer"))
             if job is None:
                 self._cancelled[rid] = now  # a later push order starts dropped
-            self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
+            self.leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
             return
         if job is None:
-            if self._leases.ended(rid) == "expired":
-                self._counters["pushes_failed"] += 1
-                self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+            if self.leases.ended(rid) == "expired":
+                self.cx.stats.count("pushes_failed")
+                self.holds.send_to(sender, messages.Pushed(rid, self.cx.rank_index, False,
                                                       "lease expired before registration"))
                 return
             if rid not in self._early_registers and \
                     len(self._early_registers) >= MAX_EARLY_REGISTERS:
-                self._reject(sender, f"register for {rid[:64]!r}, not held, past "
+                self.holds.reject(sender, f"register for {rid[:64]!r}, not held, past "
                                      f"{MAX_EARLY_REGISTERS} such requests")
                 return
             self._early_registers.setdefault(rid, []).append((sender, reg))
             return
-        consumer = self._consumers.get(sender)
+        consumer = self.holds.consumer(sender)
         if consumer is None:
             raise NixlTransportError(f"register from {sender} before its hello")
         if reg.consumer_rank != consumer.meta.rank_index:
@@ -154,11 +224,11 @@ class PushSender(WorkerState):
                                      f"{consumer.meta.rank_index}")
         refused = self._refuse_register(job, reg, consumer.meta.engine_id)
         if refused:
-            self._counters["registers_refused"] += 1
-            logger.warning("nixl: producer engine=%s rank=%d request=%s: register of consumer "
-                           "%s rank %d refused: %s", self.ctx.engine_id, self.rank_index,
+            self.cx.stats.count("registers_refused")
+            self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: register of consumer "
+                           "%s rank %d refused: %s", self.cx.engine_id, self.cx.rank_index,
                            rid, consumer.meta.engine_id, reg.consumer_rank, refused)
-            self._send_to(sender, messages.Pushed(rid, self.rank_index, False,
+            self.holds.send_to(sender, messages.Pushed(rid, self.cx.rank_index, False,
                                                   f"refused: {refused}"))
             return
         target = SendTransfer(reg.consumer_rank, consumer.peer, reg)
@@ -170,12 +240,12 @@ class PushSender(WorkerState):
         job.targets[reg.consumer_rank] = target
         if not target.layers_needed:
             target.nothing_needed(now)
-            self._leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
+            self.leases.notify(rid, reg.consumer_rank, reg.expected, sender, now)
             return
         if job.dropped:
             target.cancel()  # answered "cancelled" by the next progress
         if job.final and not self._step_pushes and not job.fenced:
-            job.ready_all(set(self.memory))  # prefill already complete: everything
+            job.ready_all(set(self.cx.memory))  # prefill already complete: everything
         self._post_push_writes(job)
 
     def _refuse_register(self, job: PushJob, reg: messages.Register, engine: str) -> str:
@@ -193,31 +263,30 @@ class PushSender(WorkerState):
         return ""
 
     def _post_push_writes(self, job: PushJob) -> None:
-        assert self.transport is not None
         now = time.monotonic()
         if job.dropped:
             return
-        if (job.digests is None and self._digester is not None and job.final
-                and job.layers_ready >= self.memory.keys()):
+        if (job.digests is None and self.cx.digester is not None and job.final
+                and job.layers_ready >= self.cx.memory.keys()):
             try:  # every layer is final: what the consumer must find after the writes
                 started = time.perf_counter()
-                job.digests = take_hold_digests(self._digester, job.block_ids)
-                self._count_digests(started, job.block_ids)
+                job.digests = take_hold_digests(self.cx.digester, job.block_ids)
+                self.cx.count_digests(started, job.block_ids)
                 asked = {block_algorithm_of(t.register.algorithm)
                          for t in job.targets.values()}
-                for alg in (self._hold_algs | asked) & self._digesters.keys():
-                    if self._digesters[alg] is not self._digester:
+                for alg in (self.digests.algorithms | asked) & self.cx.digesters.keys():
+                    if self.cx.digesters[alg] is not self.cx.digester:
                         started = time.perf_counter()
-                        job.alg_digests[alg] = take_hold_digests(self._digesters[alg],
+                        job.alg_digests[alg] = take_hold_digests(self.cx.digesters[alg],
                                                                  job.block_ids)
-                        self._count_digests(started, job.block_ids)
+                        self.cx.count_digests(started, job.block_ids)
             except LayoutError as exc:
-                logger.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
-                               self.ctx.engine_id, self.rank_index, job.request_id, exc)
+                self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
+                               self.cx.engine_id, self.cx.rank_index, job.request_id, exc)
                 job.digests = ()
         for target in job.targets.values():
             if (job.digests and target.slice_digests is None and not target.state.terminal
-                    and self._slicer(target.register.algorithm) is not None):
+                    and self.cx.slicer(target.register.algorithm) is not None):
                 self._take_push_slices(job, target)
         for target in job.targets.values():
             if not target.writable or target.local is None or target.remote is None:
@@ -243,24 +312,22 @@ class PushSender(WorkerState):
                                                 "consumer")
                 target.posted(layers, runs)
                 if lidx.size:
-                    target.transfers.append(self.transport.post(
+                    target.transfers.append(self.cx.io.post(
                         XferOp.WRITE, target.local_list, lidx, target.remote_list, ridx,
-                        b"", deadline_s=self.settings.transfer_timeout_s))
+                        b"", deadline_s=self.cx.settings.transfer_timeout_s))
             except Exception as exc:
                 target.fail(f"write refused: {exc}", now)
                 self._finish_push_target(job, target, now)
 
     def _writes_pending(self, target: SendTransfer) -> bool:
-        assert self.transport is not None
-        return any(self.transport.poll(x) is XferState.PENDING or not x.quiesced
+        return any(self.cx.io.poll(x) is XferState.PENDING or not x.quiesced
                    for x in target.transfers)
 
     def _maybe_drop_job(self, job: PushJob) -> None:
         if job.dropped and all(t.state.terminal for t in job.targets.values()):
-            self._drop_push_job(job.request_id)
+            self.forget(job.request_id)
 
-    def _progress_pushes(self, now: float) -> None:
-        assert self.transport is not None
+    def progress(self, now: float) -> None:
         for job in list(self._push_jobs.values()):
             if self._release_fenced(job):
                 self._post_push_writes(job)
@@ -273,11 +340,11 @@ class PushSender(WorkerState):
                         target.cancelled("cancelled", now)
                         self._finish_push_target(job, target, now)
                     continue
-                states = [self.transport.poll(x) for x in target.transfers]
+                states = [self.cx.io.poll(x) for x in target.transfers]
                 bad = [x for x in target.transfers
                        if x.state in (XferState.FAILED, XferState.TIMED_OUT)]
                 if bad:
-                    self._counters["transfer_failures"] += 1
+                    self.cx.stats.count("transfer_failures")
                     target.fail(f"WRITE {bad[0].state.value}: {bad[0].error}", now)
                     self._finish_push_target(job, target, now)
                     continue
@@ -294,15 +361,15 @@ class PushSender(WorkerState):
         reason = target.error or ""
         nbytes = sum(x.nbytes for x in target.transfers)
         ndescs = sum(x.num_descs for x in target.transfers)
-        self._counters["pushes_done" if ok else "pushes_failed"] += 1
+        self.cx.stats.count("pushes_done" if ok else "pushes_failed")
         if ok:
-            self._count_transfer(nbytes, ndescs, now - job.started_at, target.runs)
+            self.cx.stats.count_transfer(nbytes, ndescs, now - job.started_at, target.runs)
         else:
-            logger.warning("nixl push failed: engine=%s rank=%d request=%s consumer_rank=%d "
-                           "blocks=%d reason=%s", self.ctx.engine_id, self.rank_index,
+            self.cx.log.warning("nixl push failed: engine=%s rank=%d request=%s consumer_rank=%d "
+                           "blocks=%d reason=%s", self.cx.engine_id, self.cx.rank_index,
                            job.request_id, target.consumer_rank,
                            sum(len(g) for g in target.register.block_ids), reason)
-        self._record(TransferRecord(job.request_id, ok, nbytes, ndescs, now - job.started_at,
+        self.cx.stats.record(TransferRecord(job.request_id, ok, nbytes, ndescs, now - job.started_at,
                                     job.started_at, target.runs))
         digests: tuple[bytes, ...] = ()
         reg = target.register
@@ -313,45 +380,45 @@ class PushSender(WorkerState):
                 reason = answer
             else:
                 digests = answer
-        self._send_to(target.peer.name, messages.Pushed(job.request_id, self.rank_index, ok,
+        self.holds.send_to(target.peer.name, messages.Pushed(job.request_id, self.cx.rank_index, ok,
                                                         reason, digests,
                                                         reg.algorithm if digests else ""))
-        self._leases.notify(job.request_id, reg.consumer_rank, reg.expected, target.peer.name,
+        self.leases.notify(job.request_id, reg.consumer_rank, reg.expected, target.peer.name,
                             now)
 
     def _push_digests(self, job: PushJob, reg: messages.Register) -> tuple[bytes, ...] | str:
         """Producer: digests of every block written for ``reg``, or why there are none."""
-        if reg.algorithm not in self._digesters or not job.digests:
-            return f"no {reg.algorithm} digests on producer rank {self.rank_index}"
+        if reg.algorithm not in self.cx.digesters or not job.digests:
+            return f"no {reg.algorithm} digests on producer rank {self.cx.rank_index}"
         asked = [job.block_ids[r][start:start + len(reg.block_ids[r])]
                  for r, start in enumerate(reg.start)]
         answer = answer_ask(self._push_alg_digests(job, reg.algorithm), asked)
         if not isinstance(answer, str):
-            self._counters["digests_served"] += sum(len(g) for g in asked)
+            self.cx.stats.count("digests_served", sum(len(g) for g in asked))
         return answer
 
     def _push_alg_digests(self, job: PushJob, alg: str) -> tuple[dict[int, int], ...]:
         """Producer: a push job's digests in ``alg`` (taken now when no target asked for
         it as the last layer was final; the layers are final, so the same bytes)."""
         assert job.digests is not None
-        if self._digesters[alg] is self._digester:
+        if self.cx.digesters[alg] is self.cx.digester:
             return job.digests
         have = job.alg_digests.get(alg)
         if have is None:
-            self._hold_algs.add(alg)
+            self.digests.want(alg)
             started = time.perf_counter()
-            have = job.alg_digests[alg] = take_hold_digests(self._digesters[alg], job.block_ids)
-            self._count_digests(started, job.block_ids)
+            have = job.alg_digests[alg] = take_hold_digests(self.cx.digesters[alg], job.block_ids)
+            self.cx.count_digests(started, job.block_ids)
         return have
 
     def _take_push_slices(self, job: PushJob, target: SendTransfer) -> None:
         """Producer, push: slice digests of the blocks registered by ``target`` (every
         layer is final), before its remaining WRITEs are posted."""
         reg = target.register
-        slicer = self._slicer(reg.algorithm)
+        slicer = self.cx.slicer(reg.algorithm)
         assert slicer is not None and job.digests
-        consumer = self._consumers.get(target.peer.name)
-        plan = self._slice_plan(consumer.meta.topology) if consumer is not None else None
+        consumer = self.holds.consumer(target.peer.name)
+        plan = self.digests.slice_plan(consumer.meta.topology) if consumer is not None else None
         target.slice_digests = ()
         if plan is None:
             return
@@ -363,16 +430,16 @@ class PushSender(WorkerState):
             held = self._push_alg_digests(job, SLICE_ALGORITHMS[reg.algorithm])
             target.slice_digests = take_slice_digests(slicer, plan, ids, held)
         except LayoutError as exc:
-            logger.warning("nixl: producer engine=%s rank=%d request=%s: no slice digests: %s",
-                           self.ctx.engine_id, self.rank_index, job.request_id, exc)
+            self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: no slice digests: %s",
+                           self.cx.engine_id, self.cx.rank_index, job.request_id, exc)
             return
-        self._count_slices(started, plan, ids, "slice_digests_at_hold")
+        self.cx.count_slices(started, plan, ids, "slice_digests_at_hold")
 
     def _push_slice_digests(self, job: PushJob, target: SendTransfer
                             ) -> tuple[bytes, ...] | str:
         """Producer: slice digests of every block written for ``target``, or why none."""
         if not target.slice_digests:
-            return f"no {target.register.algorithm} digests on producer rank {self.rank_index}"
+            return f"no {target.register.algorithm} digests on producer rank {self.cx.rank_index}"
         reg = target.register
         # a region this consumer rank reads nothing of from this rank (another rank's
         # replicated region) is answered empty: the consumer checks it against that rank
@@ -381,9 +448,9 @@ class PushSender(WorkerState):
                  for r, start in enumerate(reg.start)]
         answer = answer_ask(target.slice_digests, asked)
         if not isinstance(answer, str):
-            self._counters["digests_served"] += sum(len(g) for g in asked)
+            self.cx.stats.count("digests_served", sum(len(g) for g in asked))
         return answer
 
-    def _drop_push_job(self, rid: str) -> None:
+    def forget(self, rid: str) -> None:
         """Forget a push request (its lists belong to the consumer peer and stay)."""
         self._push_jobs.pop(rid, None)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbridge.backends.nixl import DescList, NixlTransport, NixlTransportError, PeerHandle
+from kvbridge.backends.nixl import DescList, NixlTransportError, PeerHandle
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.routing import (
     DescTable,
@@ -35,11 +35,12 @@ from kvbridge.connectors.nixl.routing import (
     notify_targets,
     producer_table,
 )
+from kvbridge.connectors.nixl.transport import PdTransport
 from kvbridge.connectors.nixl.verify import SliceCheck
 from kvbridge.handshake import (
     CompatHeader,
     EngineMetadata,
-    HandshakeClient,
+    FetchResult,
     HandshakeError,
     format_address,
 )
@@ -91,7 +92,7 @@ class PeerSession:
     def address(self) -> str:
         return format_address(self.key[1], self.key[2])
 
-    def close(self, transport: NixlTransport) -> None:
+    def close(self, transport: PdTransport) -> None:
         """Drop the NIXL peers (failing their pending transfers) and their lists."""
         for peer in self.peers.values():
             transport.remove_peer(peer)  # releases the peer's remote lists too
@@ -99,7 +100,7 @@ class PeerSession:
         self.remote_lists.clear()
 
 
-def check_remote_coverage(transport: NixlTransport, peer: PeerHandle,
+def check_remote_coverage(transport: PdTransport, peer: PeerHandle,
                           memory: Mapping[int, LayerMemory], layers: Iterable[int],
                           who: str, mem_type: str = "DRAM", device_id: int = 0) -> None:
     """Refuse a peer whose NIXL registration does not cover the blocks it advertises.
@@ -134,7 +135,8 @@ def check_remote_coverage(transport: NixlTransport, peer: PeerHandle,
     transport.release_dlist(dlist)
 
 
-def open_session(key: SessionKey, transport: NixlTransport, client: HandshakeClient,
+def open_session(key: SessionKey, transport: PdTransport,
+                 fetch: Callable[[str, CompatHeader], FetchResult],
                  expected_header: CompatHeader, spec: KVCacheSpec, sizes: ParallelTopology,
                  rank: ParallelTopology, memory: dict[int, LayerMemory], hello: bytes,
                  local_cache: dict[ParallelTopology, LocalLists]) -> PeerSession:
@@ -144,7 +146,7 @@ def open_session(key: SessionKey, transport: NixlTransport, client: HandshakeCli
     is left behind (peers added so far are removed).
     """
     _engine_id, host, port = key
-    result = client.fetch(format_address(host, port), expected=expected_header)
+    result = fetch(format_address(host, port), expected_header)
     meta = result.metadata
     if meta.engine_id != key[0]:
         raise HandshakeError("engine_id", f"{format_address(host, port)} serves engine "

@@ -38,45 +38,54 @@ is bad (a block id outside the registered blocks) fails alone, before anything
 is posted: the session and the other loads on it go on. A handshake that runs
 past :attr:`NixlWorker.handshake_deadline_s` fails its requests and is abandoned.
 
-Where it lives: this module owns :class:`NixlWorker` (the public class),
-registration (the NIXL agent, the registered regions, the digesters, the
-handshake record), the engine's hooks (each under the state lock, in the order
-of work above) and shutdown. The rest are the worker's parts, mixins over
-:class:`~kvbridge.connectors.nixl.worker_state.WorkerState` (the shared state,
-and why mixins): :mod:`.loads` (the consumer's load path), :mod:`.load_checks`
-(verification of landed blocks), :mod:`.holds` (the producer's lease/hold side),
-:mod:`.hold_digests` (the producer's digests), :mod:`.push` (both sides of
-push), :mod:`.pump` (the progress pump and the consumer's sessions). Fault
-injection for tests and demos is a wrapper around a worker, :mod:`.faults`.
-This module may not hold a part's logic; names other modules import from here
-stay importable from here (``__all__``).
+Where it lives: this module owns :class:`NixlWorker` (the public class, a
+facade), registration (the NIXL agent, the registered regions, the digesters,
+the handshake record), the engine's hooks (each under the state lock, routed
+to the parts) and the order of a progress step, and shutdown. The state lives
+in the parts, objects that own it and talk through explicit calls, each given
+the narrow :class:`~kvbridge.connectors.nixl.worker_state.WorkerContext`:
+:mod:`.sessions` (the consumer's sessions), :mod:`.loads` (the consumer's
+loads), :mod:`.load_checks` (verification of landed blocks),
+:mod:`.push_consumer` (a push load's registers), :mod:`.holds` (the producer's
+lease/hold side), :mod:`.hold_digests` (the producer's digests), :mod:`.push`
+(the producer side of push), the :class:`~.leases.LeaseTable`, and
+:mod:`.pump` (the state lock and the idle thread). The parts speak to the
+transport through :class:`~.transport.PdTransport`; tracing attaches an
+observer (:meth:`NixlWorker.observe`, :mod:`.observe`); fault injection wraps
+the transport (:meth:`NixlWorker.wrap_transport`, :mod:`.faults`). This module
+may not hold a part's logic; names other modules import from here stay
+importable from here (``__all__``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import threading
 import time
 import uuid
-from concurrent.futures import wait as wait_futures
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
-from kvbridge.backends.device.fence import Fence
-from kvbridge.backends.nixl import NixlTransport
-from kvbridge.connectors.api import BlockRef, KVCaches
+from kvbridge.backends.device.fence import Fence, record_fence
+from kvbridge.backends.nixl import NixlTransport, TransportCounters
+from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
+from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.hold_digests import HoldDigests
-from kvbridge.connectors.nixl.holds import MAX_DEFERRED_PER_AGENT, HoldSide
+from kvbridge.connectors.nixl.holds import MAX_DEFERRED_PER_AGENT, Holds
+from kvbridge.connectors.nixl.leases import LeaseTable
 from kvbridge.connectors.nixl.load_checks import LoadChecks
-from kvbridge.connectors.nixl.loads import LoadPath
-from kvbridge.connectors.nixl.pump import ProgressPump
+from kvbridge.connectors.nixl.loads import Loads
+from kvbridge.connectors.nixl.observe import ObservedTransport, WorkerObserver
+from kvbridge.connectors.nixl.pump import Pump
 from kvbridge.connectors.nixl.push import PushSender
 from kvbridge.connectors.nixl.push_consumer import PushRegisters
 from kvbridge.connectors.nixl.scheduler import NixlMetadata
+from kvbridge.connectors.nixl.sessions import Sessions
+from kvbridge.connectors.nixl.transport import PdTransport
 from kvbridge.connectors.nixl.worker_state import (
     LATENCY_BUCKETS_MS,
     TransferRecord,
-    WorkerState,
-    _locked,
+    WorkerContext,
     _PushJob,
     histogram_percentile,
     latency_key,
@@ -134,19 +143,71 @@ def keep_alive(tensors: list[Any], until: float) -> None:
 OFFERED_DIGESTS = (ALGORITHM, SLICE_ALGORITHM, TORCH_ALGORITHM, TORCH_SLICE_ALGORITHM)
 
 
-class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, PushSender,
-                 ProgressPump, WorkerState):
-    """One rank's NIXL worker: its parts (the bases) and the hooks the engine calls.
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run a hook under the worker's state lock (the idle pump shares the state)."""
+
+    @functools.wraps(method)
+    def wrapper(self: NixlWorker, *args: Any, **kwargs: Any) -> Any:
+        with self.pump.lock:
+            self.pump.touch()
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
+class NixlWorker(WorkerConnector):
+    """One rank's NIXL worker: a facade over its parts, routing the engine's hooks.
 
     Every hook that touches the state runs under the state lock (:func:`_locked`),
     as the idle pump does: the state is only ever touched by one thread at a time."""
 
+    def __init__(self, ctx: ConnectorContext) -> None:
+        super().__init__(ctx)
+        cx = self.cx = WorkerContext(ctx)
+        self.settings = cx.settings
+        self.rank = cx.rank
+        self.rank_index = cx.rank_index
+        #: records the push fence of a saved layer (so no WRITE precedes its kernels); a test may
+        #: stand in for it
+        self.record_fence: Callable[[Any], Fence] = record_fence
+        self.leases = LeaseTable(cx.settings.lease_s, cx.settings.early_grace_s)
+        self.sessions = Sessions(cx)
+        self.checks = LoadChecks(cx)
+        self.registers = PushRegisters(cx, self.checks)
+        self.loads = Loads(cx, self.sessions, self.checks, self.registers)
+        self.hold_digests = HoldDigests(cx)
+        self.holds = Holds(cx, self.leases, self.hold_digests)
+        self.push = PushSender(cx, self.leases, self.holds, self.hold_digests)
+        self.holds.attach(self.push)
+        self.pump = Pump(cx, self._progress, self._peer_may_wait, self.loads.reading)
+        self._kv_tensors: list[Any] = []
+        self._final_counters: TransportCounters | None = None
+
+    @property
+    def transport(self) -> PdTransport | None:
+        """This rank's transport (None before ``register_kv_caches``)."""
+        return self.cx.transport
+
+    @property
+    def memory(self) -> dict[int, LayerMemory]:
+        """This rank's KV memory per layer (empty before ``register_kv_caches``)."""
+        return self.cx.memory
+
+    @property
+    def handshake_deadline_s(self) -> float:
+        """Longest one handshake may take before its requests fail and it is abandoned."""
+        return self.sessions.handshake_deadline_s
+
     # ------------------------------------------------------------------ registration
 
     def register_kv_caches(self, caches: KVCaches) -> None:
-        name = f"kvb-{self.ctx.engine_id[:32]}-r{self.rank_index}-{uuid.uuid4().hex[:8]}"
-        transport = NixlTransport(name, lanes=self.settings.lanes)
-        self.transport = transport
+        cx = self.cx
+        name = f"kvb-{self.ctx.engine_id[:32]}-r{cx.rank_index}-{uuid.uuid4().hex[:8]}"
+        transport = NixlTransport(name, lanes=cx.settings.lanes)
+        cx.transport = transport
         tensors = []
         layer_addrs: dict[int, int] = {}
         num_blocks = set()
@@ -158,31 +219,28 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
                 tensors.append(tensor)
                 stride = caches.block_stride(layer)
                 layer_addrs[layer] = int(tensor.data_ptr())
-                self.memory[layer] = LayerMemory(int(tensor.data_ptr()), stride,
-                                                 caches.num_blocks[index])
+                cx.memory[layer] = LayerMemory(int(tensor.data_ptr()), stride,
+                                               caches.num_blocks[index])
                 num_blocks.add(caches.num_blocks[index])
             strides.append(stride)
         # One registration per backing storage: views that alias (vLLM's hybrid groups)
         # or share one allocation are registered once, not once per view.
         transport.register_regions(caches.backing_spans())
         self._kv_tensors = tensors  # kept alive past shutdown while a hold is promised
-        if self.settings.idle_progress_ms > 0:
-            self._pump = threading.Thread(target=self._pump_loop, daemon=True,
-                                          name=f"kvb-nixl-pump-r{self.rank_index}")
-            self._pump.start()
+        self.pump.start()
         mem_type, device_id = transport.memory_type  # announced: peers prep our lists with it
-        if self.settings.verify_policy.enabled:
+        if cx.settings.verify_policy.enabled:
             # XXH3 reads the KV through host pointers: only KV the host may read (not
             # GPU memory, not guarded host memory standing in for it)
-            self._digesters = self._make_digesters(
+            cx.digesters = self._make_digesters(
                 caches, tensors, mem_type == "DRAM" and all_host_readable(tensors))
-            self._digester = next(iter(self._digesters.values()), None)
+            cx.digester = next(iter(cx.digesters.values()), None)
         meta = AgentMetadata.build(self.ctx.engine_id, name, transport.agent_metadata(),
-                                   self.ctx.spec, self.rank, layer_addrs,
+                                   self.ctx.spec, cx.rank, layer_addrs,
                                    max(num_blocks) if num_blocks else 0, strides,
                                    mem_type=mem_type, device_id=device_id,
                                    digests=self._offered_digests())
-        self._agent_doc = encode_agent(meta)
+        cx.agent_doc = encode_agent(meta)
 
     def _make_digesters(self, caches: KVCaches, tensors: list[Any], host_memory: bool
                         ) -> dict[str, Digester]:
@@ -190,37 +248,55 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
         XXH3-64 when the KV is not in host memory), in preference order."""
         regions = [s.layer_ids for s in caches.shapes]
         block_bytes = {layer: caches.shapes[caches.region_index_of_layer(layer)]
-                       .block_bytes_per_layer for layer in self.memory}
+                       .block_bytes_per_layer for layer in self.cx.memory}
         out: dict[str, Digester] = {}
-        for alg in digest_algorithms(host_memory, self.settings.verify_algorithms):
+        for alg in digest_algorithms(host_memory, self.cx.settings.verify_algorithms):
             if alg == ALGORITHM:
                 out[alg] = BlockDigester(
                     {layer: LayerSpan(mem.base_addr, mem.block_stride, block_bytes[layer],
-                                      mem.num_blocks) for layer, mem in self.memory.items()},
+                                      mem.num_blocks) for layer, mem in self.cx.memory.items()},
                     regions, owner=tensors)
             else:  # torch-mix64-v1: on the tensors' own device (GPU memory included)
                 out[alg] = TorchBlockDigester(
                     {layer: TensorSpan(caches.layers[layer], mem.block_stride,
                                        block_bytes[layer], mem.num_blocks)
-                     for layer, mem in self.memory.items()}, regions)
-        if self.settings.verify_algorithms and not out:
+                     for layer, mem in self.cx.memory.items()}, regions)
+        if self.cx.settings.verify_algorithms and not out:
             logger.warning("nixl: engine=%s rank=%d: none of verify_algorithms %s can digest "
                            "this rank's KV (XXH3-64 needs host memory); it offers no digests",
-                           self.ctx.engine_id, self.rank_index,
-                           list(self.settings.verify_algorithms))
+                           self.cx.engine_id, self.cx.rank_index,
+                           list(self.cx.settings.verify_algorithms))
         return out
 
     def _offered_digests(self) -> tuple[str, ...]:
         """The algorithms this rank's handshake offers: its digesters' (preference order),
         each followed by its slice algorithm (the same digester computes it)."""
         out: list[str] = []
-        for alg in self._digesters:
+        for alg in self.cx.digesters:
             sliced = slice_algorithm_of(alg)
             out.extend(a for a in (alg, sliced) if a in OFFERED_DIGESTS)
         return tuple(out)
 
     def get_handshake_metadata(self) -> bytes | None:
-        return self._agent_doc
+        return self.cx.agent_doc
+
+    # ------------------------------------------------------------------ tools
+
+    @_locked
+    def observe(self, observer: WorkerObserver) -> None:
+        """Tell ``observer`` what this rank does from now on (tracing, fault injection):
+        the parts' events, and the transport's (wrapped in an
+        :class:`~.observe.ObservedTransport`). Call after ``register_kv_caches``."""
+        assert self.cx.transport is not None, "observe a registered worker"
+        self.cx.observer.attach(observer)
+        self.cx.transport = ObservedTransport(self.cx.transport, observer)
+
+    @_locked
+    def wrap_transport(self, wrap: Callable[[PdTransport], PdTransport]) -> None:
+        """Put ``wrap(transport)`` between the parts and the transport from now on (fault
+        injection, :mod:`.faults`). Call after ``register_kv_caches``."""
+        assert self.cx.transport is not None, "wrap a registered worker's transport"
+        self.cx.transport = wrap(self.cx.transport)
 
     # ------------------------------------------------------------------ hooks
 
@@ -231,26 +307,18 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
         now = time.monotonic()
         for hold in meta.holds:
             if hold.push:
-                self._push_jobs.setdefault(hold.request_id, _PushJob(hold.request_id,
-                                                                     hold.block_ids,
-                                                                     started_at=now))
-            if not hold.push:
-                self._take_hold_digests(hold.request_id, hold.block_ids)
-            for verdict in self._leases.hold(hold.request_id, now, hold.record):
-                self._answer(verdict)
-            for _at, sender, begin in self._early_begins.pop(hold.request_id, []):
-                self._early_begin_ids -= sum(len(g) for g in begin.digest_ids)
-                self._on_consumer_notif(sender, begin, now)
+                self.push.start(hold, now)
+            self.holds.start(hold, now)
+        self.cx.observer.loads_ordered(meta.loads)
         for order in meta.loads:
-            self._start_load(order, now)
+            self.loads.start(order, now)
         for release in meta.releases:
-            self._releases.append(release)
-            self._ensure_session(release.params, now)
+            self.loads.release(release, now)
         for params in meta.heartbeats:
-            self._heartbeat_params(params)
+            self.sessions.heartbeat(params, now)
         for rid in meta.cancels:
-            self._cancel_load(rid, now)
-        self._take_push_orders(meta.drops, meta.pushes, now)
+            self.loads.cancel(rid, now)
+        self.push.take_orders(meta.drops, meta.pushes, now)
         self._progress()
 
     def wait_for_layer_load(self, layer_id: int) -> None:
@@ -258,17 +326,7 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
 
     @_locked
     def save_kv_layer(self, layer_id: int, kv_layer: Any) -> None:
-        if not self._step_pushes:
-            return
-        fence: Fence | None = None
-        for push in self._step_pushes:
-            job = self._push_jobs.get(push.request_id)
-            if job is not None and push.final:
-                if fence is None:  # one fence for the layer, whatever the number of requests
-                    fence = self.record_fence(kv_layer)
-                job.fence(fence, frozenset((layer_id,)))
-                if self._release_fenced(job):
-                    self._post_push_writes(job)
+        self.push.fence_layer(layer_id, kv_layer, self.record_fence)
 
     @_locked
     def wait_for_save(self) -> None:
@@ -276,121 +334,150 @@ class NixlWorker(LoadPath, LoadChecks, PushRegisters, HoldSide, HoldDigests, Pus
 
         A fence over the whole step covers every layer of the step's final pushes
         (for engines that do not call ``save_kv_layer`` per layer)."""
-        fence: Fence | None = None
-        for push in self._step_pushes:
-            job = self._push_jobs.get(push.request_id)
-            if job is not None and push.final and self.memory:
-                if fence is None:
-                    fence = self.record_fence(self._kv_tensors[0] if self._kv_tensors
-                                              else None)
-                job.fence(fence, frozenset(self.memory))
-                if self._release_fenced(job):
-                    self._post_push_writes(job)
-        self._step_pushes = ()
+        self.push.fence_step(self._kv_tensors[0] if self._kv_tensors else None,
+                             self.record_fence)
 
     @_locked
     def get_finished(self, finished_request_ids: frozenset[str]) -> tuple[set[str], set[str]]:
         self._progress()
         done_sending: set[str] = set()
-        completed, expired = self._leases.take_finished()
+        completed, expired = self.leases.take_finished()
         for rid in completed + expired:
             done_sending.add(rid)
-            self._drop_push_job(rid)
-            self._hold_digests.pop(rid, None)
-            self._hold_slices.pop(rid, None)
-            for alg in self._hold_algs:
-                self._alg_digests.pop((rid, alg), None)
-        self._counters["finished_sending"] += len(done_sending)
-        done_recving, self._done_recving = self._done_recving, set()
-        # failures reported with *these* finished ids only: the pump may fail more
-        # loads before get_failed_recving runs, and those belong to the next report
-        # (reporting them now would finish them twice)
-        self._failed_reported = self._failed_recving & done_recving
-        self._failed_recving -= self._failed_reported
+            self.push.forget(rid)
+            self.hold_digests.forget(rid)
+        self.cx.stats.count("finished_sending", len(done_sending))
+        done_recving = self.loads.take_finished()
+        self.cx.observer.finished(done_sending, done_recving)
         return done_sending, done_recving
 
     @_locked
     def get_failed_recving(self) -> set[str]:
         """The failed ones among the loads the last :meth:`get_finished` reported."""
-        failed, self._failed_reported = self._failed_reported, set()
-        return failed
+        return self.loads.take_failed()
 
     @_locked
     def get_block_ids_with_load_errors(self) -> set[BlockRef]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.loads.take_load_errors()
 
     @_locked
     def get_stats(self) -> dict[str, int | float]:
         """This rank's cumulative counters (the engine keeps the latest snapshot)."""
-        stats = dict(self._counters)
+        stats = self.cx.stats.snapshot()
         stats.update(self._lease_counters())
         return stats
 
     @_locked
     def totals(self) -> dict[str, int | float]:
         """Cumulative counters of this rank (not reset by :meth:`get_stats`)."""
-        stats = dict(self._counters)
+        stats = self.cx.stats.snapshot()
         stats.update(self._lease_counters())
-        stats["held"] = len(self._leases.held())
-        stats["in_flight"] = len(self._recv)
-        stats["sessions"] = len(self._sessions)
-        if self.transport is not None:
-            c = self.transport.counters()
+        stats["held"] = len(self.leases.held())
+        stats["in_flight"] = self.loads.in_flight
+        stats["sessions"] = len(self.sessions.items())
+        if self.cx.transport is not None:
+            c = self.cx.transport.counters()
             stats.update({"nixl_registrations": c.registrations, "nixl_dlists": c.dlists,
                           "nixl_xfer_handles": c.xfer_handles, "nixl_peers": c.peers,
                           "nixl_zombies": c.zombies, "nixl_forced_releases": c.forced_releases})
         return stats
 
+    def _lease_counters(self) -> dict[str, int]:
+        lease = self.leases.stats
+        return {"lease_expiries": lease.expiries, "late_notifs": lease.late_notifs,
+                "unknown_notifs": lease.unknown_notifs, "holds_promised": lease.guarantees,
+                "holds_promise_refused": lease.guarantees_refused,
+                # begins, reads and releases not naming the sealed record, or from
+                # another consumer engine than the one that claimed the hold
+                "holds_refused": lease.refused}
+
     @_locked
     def records(self) -> list[TransferRecord]:
         """Finished loads/pushes of this rank (latency samples), oldest first."""
-        return list(self._records)
+        return self.cx.stats.records()
 
     @_locked
     def progress(self) -> None:
         """Progress outside an engine step (an idle engine loop may call it)."""
         self._progress()
 
+    # ------------------------------------------------------------------ the pump's step
+
+    def _progress(self) -> None:
+        """One step of every part, in order (under the state lock: a hook or the pump)."""
+        if self.cx.transport is None or self.pump.closed:
+            return
+        now = time.monotonic()
+        self.pump.touch()
+        self._drain_notifs(now)
+        for key, reason, handshake in self.sessions.settle(now):
+            self.loads.fail_key(key, reason, now, handshake=handshake)
+        if self.loads.progress(now):
+            # a READ just ended (often inside the post: shared memory copies at once);
+            # the producers' ``held`` answers arrived meanwhile: take them now, not a
+            # step later, so the load completes in this very call
+            now = time.monotonic()
+            self._drain_notifs(now)
+            self.loads.progress(now)
+        self.loads.send_releases(now)
+        self.push.progress(now)
+        self.holds.expire(now)
+        self.push.prune(now)
+        self.loads.prune(now)
+        self.sessions.heartbeats(now, self.loads.producer_rids_by_key)
+
+    def _peer_may_wait(self) -> bool:
+        """Outstanding work a peer may be waiting on (read without the lock: a
+        hint for the pump's interval only, never for the worker's state)."""
+        return (self.loads.busy or self.push.busy or self.sessions.busy
+                or bool(self.leases.held()))
+
+    def _drain_notifs(self, now: float) -> None:
+        assert self.cx.transport is not None
+        for sender, msgs in self.cx.transport.get_notifs().items():
+            for raw in msgs:
+                try:
+                    msg = messages.decode(raw)
+                except messages.NotifError as exc:
+                    self.cx.stats.count("bad_notifs")
+                    logger.warning("nixl: bad notification from %s: %s", sender, exc)
+                    continue
+                try:
+                    self._on_notif(sender, msg, now)
+                except Exception as exc:  # one peer's bad message must not stop the rank
+                    self.cx.stats.count("bad_notifs")
+                    logger.warning("nixl: notification %s from %s refused: %s",
+                                   type(msg).__name__, sender, exc)
+
+    def _on_notif(self, sender: str, msg: messages.Notif, now: float) -> None:
+        """Route a notification to the part it is for."""
+        self.cx.observer.notif_received(sender, msg)
+        if isinstance(msg, messages.Hello):
+            self.holds.on_hello(sender, msg, now)
+        elif isinstance(msg, messages.Ack | messages.Pushed):
+            self.loads.on_answer(sender, msg, now)  # bound to the session's producer agent
+        elif isinstance(msg, messages.Held):
+            self.loads.on_held(sender, msg)
+        else:
+            self.holds.on_consumer_notif(sender, msg, now)
+
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
-        if self._closed:
+        if not self.pump.stop():
             return
-        with self._state_lock:
-            self._closed = True
-        self._pump_stop.set()
-        if self._pump is not None:
-            self._pump.join(timeout=5)
-            self._pump = None
-        if self._executor is not None:
-            # bounded: a handshake still running past this gives up on the closed transport
-            running = [p.future for p in self._connecting.values()] + self._abandoned
-            running += list(self._revalidating.values())
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            wait_futures(running, timeout=self.handshake_deadline_s)
-            self._executor = None
-        transport = self.transport
+        self.sessions.stop_handshakes()
+        transport = self.cx.transport
         if transport is None:
             return
         now = time.monotonic()
-        for future in [p.future for p in self._connecting.values()] + self._abandoned:
-            with contextlib.suppress(Exception):  # failed or still running: nothing to close
-                future.result(timeout=0).close(transport)
-        self._connecting.clear()
-        self._abandoned.clear()
-        for recv in list(self._recv.values()):
-            self._fail(recv, "connector shut down", now)
-        for key in list(self._sessions):
-            self._sessions.pop(key).close(transport)
-        for rid in list(self._push_jobs):
-            self._drop_push_job(rid)
-        for agent in list(self._consumers):
-            self._forget_consumer(agent)
-        self._local_cache.clear()
+        self.loads.close(now)
+        self.sessions.close()
+        self.push.close()
+        self.holds.close()
         # a consumer may be reading under our promise (``held``): the memory must stay
         # as it is until the promise ran out, even though this worker is gone
-        keep_alive(self._kv_tensors, self._leases.guaranteed_until)
+        keep_alive(self._kv_tensors, self.leases.guaranteed_until)
         self._kv_tensors = []
         final = transport.close(strict=False)
         if final.live:

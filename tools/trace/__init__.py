@@ -1,21 +1,21 @@
 """The life of one request through the NIXL connector, as an ordered list of events.
 
 :class:`TraceRecorder` collects :class:`TraceEvent` records; :func:`instrument_engine`
-attaches it to an engine's NIXL workers by wrapping the real objects they call
-(the handshake client, the NIXL transport, the lease table, the notification
-handler), and a logging handler turns the connector's structured failure lines
-into events. Nothing is replaced: every wrapped call runs the real one and only
-observes arguments and results, so a traced request moves exactly the bytes an
+attaches it to an engine's NIXL workers as their observer (the worker's parts
+tell it of handshakes, transfers, notifications, failures and verification)
+and to their lease tables, and a logging handler turns the connector's
+structured failure lines into events. Nothing is replaced: an observer only
+looks at arguments and results, so a traced request moves exactly the bytes an
 untraced one moves.
 
 This module owns running one traced request (:class:`TraceOptions`,
 :func:`run_trace`) and the table of event kinds below. The records live in
 :mod:`kvbridge.tools.trace.events`, the wrappers that produce them in
-:mod:`kvbridge.tools.trace.instrument` (which lists the worker internals it
-wraps); every name they held when they were part of this file is still
+:mod:`kvbridge.tools.trace.instrument` (the observer it attaches to each
+worker); every name they held when they were part of this file is still
 importable from here. May not touch: the connector's internals (the request
 is driven through the engines' public calls; ``--inject-failure`` only installs
-the fault wrapper of :mod:`kvbridge.connectors.nixl.faults` around each consumer
+the faulty transport of :mod:`kvbridge.connectors.nixl.faults` in each consumer
 worker).
 
 Event kinds (``TraceEvent.kind``) and their ``detail`` fields:

@@ -1,15 +1,19 @@
-"""Tracing by observation: wrappers around the real objects an engine's NIXL worker calls.
+"""Tracing by observation: an observer on each NIXL worker, wrappers on the scheduler half.
 
-Owns: :func:`instrument_engine` (the scheduler half's hooks and every NIXL
-worker of an engine) and :func:`capture_connector_logs` (the connector's
+Owns: :func:`instrument_engine` (the scheduler half's hooks and an observer
+on every NIXL worker of an engine) and :func:`capture_connector_logs` (the connector's
 structured warning lines as ``log`` events). Each wrapper runs the real call
 and only records its arguments and result on a
 :class:`~kvbridge.tools.trace.events.TraceRecorder`, so a traced request moves
 exactly the bytes an untraced one moves.
 
-The wrapped names are the worker's internals (``_client``, ``transport``,
-``_leases``, ``_on_notif``, ``_fail``); :func:`instrument_engine` checks them and
-raises :class:`~kvbridge.tools.trace.events.TraceError` naming the one that is
+A NIXL worker is traced through its observer protocol
+(:class:`~kvbridge.connectors.nixl.observe.WorkerObserver`, attached with
+``NixlWorker.observe``: handshakes, transfers, notifications, failures,
+verification, finished requests) and its lease table's public calls;
+:func:`instrument_engine` checks the worker has them (``observe``,
+``transport``, ``leases``) and raises
+:class:`~kvbridge.tools.trace.events.TraceError` naming the one that is
 missing, so a refactor of the connector fails the trace test rather than
 silently tracing nothing. May not touch: the arguments or results of a wrapped
 call (observe only), fault injection, or running the request
@@ -27,8 +31,7 @@ from typing import Any
 
 from kvbridge.tools.trace.events import TraceError, TraceRecorder
 
-_WORKER_ATTRS = ("_client", "transport", "_leases", "_on_notif", "_fail", "get_finished",
-                 "_verify")
+_WORKER_ATTRS = ("observe", "transport", "leases")
 
 
 def _notif_fields(data: bytes) -> tuple[str, dict[str, Any]]:
@@ -64,7 +67,7 @@ def _msg_fields(msg: Any) -> tuple[str, dict[str, Any]]:
     return type(msg).__name__, fields
 
 
-def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[str, Any]:
+def _verify_detail(digesters: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[str, Any]:
     """Each checked block of a finished load: the producer's digest against the digest
     of the bytes that landed (taken again here: the trace pays for it, not the load)."""
     from kvbridge.layouts.digests import block_algorithm_of, unpack
@@ -90,8 +93,8 @@ def _verify_detail(worker: Any, recv: Any, bad: set[tuple[int, int]]) -> dict[st
             # for head slices and the whole regions of a slice ask)
             sliced = r in getattr(ask, "slices", ())  # head slices: the part from p
             alg = recv.digest_algorithms.get(p)
-            digester = worker._digesters.get(block_algorithm_of(alg) if alg else alg,
-                                             worker._digester)
+            digester = digesters.get(block_algorithm_of(alg) if alg else alg,
+                                     next(iter(digesters.values()), None))
             have = (digester.slice_digests(ask.slice_ranges[r], ids) if sliced
                     else digester.block_digests(r, ids))
             for block, expected, actual in zip(ids, want, have, strict=True):
@@ -171,115 +174,82 @@ def _instrument_scheduler(sched: Any, side: str, rec: TraceRecorder) -> None:
     _wrap(sched, "request_finished", finished)
 
 
+class _TraceObserver:
+    """A :class:`~kvbridge.connectors.nixl.observe.WorkerObserver` that records each
+    event of one worker rank on the recorder."""
+
+    def __init__(self, side: str, rank: int, rec: TraceRecorder) -> None:
+        self.side = side
+        self.rank = rank
+        self.rec = rec
+        self._pending: dict[int, Any] = {}  # transfers posted, not seen settled yet
+
+    def loads_ordered(self, orders: Any) -> None:
+        pass  # each load shows by its own events (its handshake, notifications, transfers)
+
+    def handshake(self, address: str, result: Any) -> None:
+        from kvbridge.handshake import encode_engine
+
+        meta = result.metadata
+        self.rec.add(self.side, self.rank, "handshake", None, address=address,
+                     engine_id=meta.engine_id, rtt_ms=round(result.rtt_s * 1e3, 3),
+                     metadata_bytes=len(encode_engine(meta)), ranks=len(meta.ranks),
+                     attempts=result.attempts, cached=result.cached,
+                     topology=meta.topology.describe())
+
+    def handshake_failed(self, address: str, error: Exception) -> None:
+        self.rec.add(self.side, self.rank, "failure", None, stage="handshake", address=address,
+                     reason=f"{type(error).__name__}: {error}")
+
+    def posted(self, xfer: Any) -> None:
+        kind, fields = _notif_fields(xfer.notif) if xfer.notif else ("", {})
+        self._pending[xfer.transfer_id] = xfer
+        self.rec.add(self.side, self.rank, "transfer", _rid(fields),
+                     op=str(getattr(xfer.op, "value", xfer.op)), peer=xfer.peer.name,
+                     bytes=xfer.nbytes, descriptors=xfer.num_descs, notif=kind or None)
+
+    def polled(self, xfer: Any, state: Any) -> None:
+        if xfer.transfer_id not in self._pending or getattr(state, "value", state) == "PENDING":
+            return
+        del self._pending[xfer.transfer_id]
+        kind, fields = _notif_fields(xfer.notif) if xfer.notif else ("", {})
+        end = xfer.finished_at if xfer.finished_at is not None else time.monotonic()
+        self.rec.add(self.side, self.rank, "transfer_done", _rid(fields),
+                     op=str(getattr(xfer.op, "value", xfer.op)), bytes=xfer.nbytes,
+                     descriptors=xfer.num_descs, ms=round((end - xfer.posted_at) * 1e3, 3),
+                     state=str(getattr(state, "value", state)), error=xfer.error)
+
+    def notif_sent(self, peer: Any, msg: bytes, error: str | None) -> None:
+        kind, fields = _notif_fields(msg)
+        if error is not None:
+            fields["error"] = error
+        self.rec.add(self.side, self.rank, "notif_sent", _rid(fields), type=kind,
+                     to=getattr(peer, "name", str(peer)), **fields)
+
+    def notif_received(self, sender: str, msg: Any) -> None:
+        kind, fields = _msg_fields(msg)
+        self.rec.add(self.side, self.rank, "notif_received", _rid(fields), type=kind,
+                     **{"from": sender}, **fields)
+
+    def failure(self, recv: Any, reason: str) -> None:
+        self.rec.add(self.side, self.rank, "failure", recv.request_id, stage="load",
+                     reason=reason, blocks=recv.num_blocks, state=recv.state.value)
+
+    def verified(self, recv: Any, bad: set[tuple[int, int]], digesters: Any) -> None:
+        if recv.digest_asks or recv.unverified:
+            self.rec.add(self.side, self.rank, "verify", recv.request_id,
+                         **_verify_detail(digesters, recv, bad))
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        for rid in sorted(sending):
+            self.rec.add(self.side, self.rank, "freed", rid)
+        for rid in sorted(recving):
+            self.rec.add(self.side, self.rank, "loaded", rid)
+
+
 def _instrument_worker(worker: Any, side: str, rank: int, rec: TraceRecorder) -> None:
-    from kvbridge.handshake import encode_engine
-
-    def fetch(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(address: str, *args: Any, **kwargs: Any) -> Any:
-            try:
-                result = original(address, *args, **kwargs)
-            except Exception as exc:
-                rec.add(side, rank, "failure", None, stage="handshake", address=address,
-                        reason=f"{type(exc).__name__}: {exc}")
-                raise
-            meta = result.metadata
-            rec.add(side, rank, "handshake", None, address=address,
-                    engine_id=meta.engine_id, rtt_ms=round(result.rtt_s * 1e3, 3),
-                    metadata_bytes=len(encode_engine(meta)), ranks=len(meta.ranks),
-                    attempts=result.attempts, cached=result.cached,
-                    topology=meta.topology.describe())
-            return result
-        return call
-
-    _wrap(worker._client, "fetch", fetch)
-    transport = worker.transport
-    posted: dict[int, Any] = {}
-
-    def post(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(op: Any, *args: Any, **kwargs: Any) -> Any:
-            xfer = original(op, *args, **kwargs)
-            kind, fields = _notif_fields(xfer.notif) if xfer.notif else ("", {})
-            posted[xfer.transfer_id] = xfer
-            rec.add(side, rank, "transfer", _rid(fields), op=str(getattr(op, "value", op)),
-                    peer=xfer.peer.name, bytes=xfer.nbytes, descriptors=xfer.num_descs,
-                    notif=kind or None)
-            return xfer
-        return call
-
-    def poll(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(xfer: Any) -> Any:
-            state = original(xfer)
-            if xfer.transfer_id in posted and getattr(state, "value", state) != "PENDING":
-                del posted[xfer.transfer_id]
-                kind, fields = _notif_fields(xfer.notif) if xfer.notif else ("", {})
-                end = xfer.finished_at if xfer.finished_at is not None else time.monotonic()
-                rec.add(side, rank, "transfer_done", _rid(fields),
-                        op=str(getattr(xfer.op, "value", xfer.op)), bytes=xfer.nbytes,
-                        descriptors=xfer.num_descs,
-                        ms=round((end - xfer.posted_at) * 1e3, 3),
-                        state=str(getattr(state, "value", state)), error=xfer.error)
-            return state
-        return call
-
-    def send_notif(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(peer: Any, msg: bytes) -> Any:
-            kind, fields = _notif_fields(msg)
-            try:
-                return original(peer, msg)
-            except Exception as exc:
-                fields["error"] = str(exc)
-                raise
-            finally:
-                rec.add(side, rank, "notif_sent", _rid(fields), type=kind,
-                        to=getattr(peer, "name", str(peer)), **fields)
-        return call
-
-    _wrap(transport, "post", post)
-    _wrap(transport, "poll", poll)
-    _wrap(transport, "send_notif", send_notif)
-
-    def on_notif(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(sender: str, msg: Any, now: float) -> Any:
-            kind, fields = _msg_fields(msg)
-            rec.add(side, rank, "notif_received", _rid(fields), type=kind,
-                    **{"from": sender}, **fields)
-            return original(sender, msg, now)
-        return call
-
-    _wrap(worker, "_on_notif", on_notif)
-
-    def fail(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(recv: Any, reason: str, now: float, **kwargs: Any) -> Any:
-            if recv.request_id in worker._recv:
-                rec.add(side, rank, "failure", recv.request_id, stage="load", reason=reason,
-                        blocks=recv.num_blocks, state=recv.state.value)
-            return original(recv, reason, now, **kwargs)
-        return call
-
-    _wrap(worker, "_fail", fail)
-
-    def verify(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(recv: Any) -> Any:
-            bad = original(recv)
-            if recv.digest_asks or recv.unverified:
-                rec.add(side, rank, "verify", recv.request_id, **_verify_detail(worker, recv, bad))
-            return bad
-        return call
-
-    _wrap(worker, "_verify", verify)
-
-    def finished(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            sending, recving = original(*args, **kwargs)
-            for rid in sorted(sending):
-                rec.add(side, rank, "freed", rid)
-            for rid in sorted(recving):
-                rec.add(side, rank, "loaded", rid)
-            return sending, recving
-        return call
-
-    _wrap(worker, "get_finished", finished)
-    leases = worker._leases
+    worker.observe(_TraceObserver(side, rank, rec))
+    leases = worker.leases
 
     def lease(action: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:

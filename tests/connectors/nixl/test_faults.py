@@ -385,8 +385,8 @@ def test_a_shut_down_producer_keeps_promised_memory_until_the_promise_ends() -> 
     assert isinstance(connector, nixl_worker.NixlWorker)
     refs = [weakref.ref(t) for t in engine.workers[0].caches.layers.values()]
     now = time.monotonic()
-    connector._leases.hold("held-req", now)
-    assert connector._leases.guarantee("held-req", now) == (0.3, "")
+    connector.leases.hold("held-req", now)
+    assert connector.leases.guarantee("held-req", now) == (0.3, "")
     engine.shutdown()
     del engine, connector
     gc.collect()
@@ -406,9 +406,9 @@ def test_a_load_failed_between_the_reporting_hooks_is_reported_once() -> None:
         worker = consumer.workers[0].connector
         assert worker is not None
         assert worker.get_finished(frozenset()) == (set(), set())
-        with worker._state_lock:  # what _fail does on the pump thread
-            worker._done_recving.add("r")
-            worker._failed_recving.add("r")
+        with worker.pump.lock:  # what a failed load does on the pump thread
+            worker.loads._done_recving.add("r")
+            worker.loads._failed_recving.add("r")
         assert worker.get_failed_recving() == set()
         out = worker.collect_output(frozenset())
         assert out.finished_recving == {"r"} and out.failed_recving == {"r"}

@@ -356,8 +356,8 @@ def test_a_bad_block_id_fails_its_request_only_and_keeps_the_session() -> None:
         # another load that does (the session's ``active`` gates its revalidation)
         worker = consumer.workers[0].connector
         assert worker is not None
-        (session,) = worker._sessions.values()
-        with worker._state_lock:
+        (session,) = worker.sessions.sessions.values()
+        with worker.pump.lock:
             session.active += 1  # stands for a load in flight
         params[again.request_id] = _prefill(producer, again).transfer_params
         consumer.add_request(replace(again, transfer_params=_with_bad_block(
@@ -428,7 +428,7 @@ def test_a_handshake_past_its_deadline_fails_its_loads_and_is_abandoned() -> Non
     worker = consumer.workers[0].connector
     assert worker is not None
     release = threading.Event()
-    real_fetch = worker._client.fetch
+    real_fetch = worker.sessions.client.fetch
     calls = iter(range(1000))
 
     def wedged_fetch(*args: Any, **kwargs: Any) -> Any:
@@ -436,7 +436,7 @@ def test_a_handshake_past_its_deadline_fails_its_loads_and_is_abandoned() -> Non
             release.wait(120)
         return real_fetch(*args, **kwargs)
 
-    worker._client.fetch = wedged_fetch  # type: ignore[method-assign]
+    worker.sessions.client.fetch = wedged_fetch  # type: ignore[method-assign]
     try:
         first, second = make_requests(2, prompt_tokens=48, max_tokens=2, seed=35,
                                       prefix="wedge")
@@ -451,7 +451,7 @@ def test_a_handshake_past_its_deadline_fails_its_loads_and_is_abandoned() -> Non
         _check_output(loaded, second)
         assert loaded.num_external_tokens > 0
         release.set()  # the abandoned handshake now completes: its session is closed
-        stepper.until(lambda: not worker._abandoned, 30, "abandoned handshake settled")
+        stepper.until(lambda: not worker.sessions.abandoned, 30, "abandoned handshake settled")
         assert worker.totals()["sessions"] == 1
     finally:
         release.set()

@@ -69,7 +69,7 @@ def test_push_writes_wait_for_the_layer_fences() -> None:
         router.submit(spec)
 
         def registered() -> bool:
-            return any(job.targets for w in workers for job in w._push_jobs.values())
+            return any(job.targets for w in workers for job in w.push.jobs.values())
 
         deadline = time.monotonic() + 60
         while not (fences and registered() and router.producer_results):
@@ -81,7 +81,7 @@ def test_push_writes_wait_for_the_layer_fences() -> None:
             time.sleep(0.002)
         assert posted_at == [] and all(w.transport.counters().posted == 0 for w in workers)
         assert not router.results, "consumer finished without the pushed KV"
-        jobs = [job for w in workers for job in w._push_jobs.values()]
+        jobs = [job for w in workers for job in w.push.jobs.values()]
         assert jobs and all(not job.layers_ready and job.fenced for job in jobs)
 
         for fence in fences:
@@ -107,13 +107,14 @@ def test_push_writes_wait_for_the_layer_fences() -> None:
 def test_fences_release_layers_in_order_of_completion(engine_calls_save_per_layer: bool
                                                       ) -> None:
     """The pure bookkeeping: only layers whose fence passed become ready."""
-    from kvbridge.connectors.nixl.worker import NixlWorker, _PushJob
+    from kvbridge.connectors.nixl.push import PushSender
+    from kvbridge.connectors.nixl.worker import _PushJob
 
     job = _PushJob("r")
     log: list[HeldFence] = []
     a, b = HeldFence(log), HeldFence(log)
     job.fenced = [(a, frozenset({0})), (b, frozenset({1, 2}))]
-    release = NixlWorker._release_fenced
+    release = PushSender._release_fenced
     assert release(None, job) is False and job.layers_ready == set()  # type: ignore[arg-type]
     b.release()
     assert release(None, job) is True and job.layers_ready == {1, 2}  # type: ignore[arg-type]
@@ -142,7 +143,7 @@ def test_a_consumer_cancel_while_the_fences_hold_ends_the_push_cancelled() -> No
         router.submit(spec)
 
         def targets() -> list[Any]:
-            return [t for w in workers for job in w._push_jobs.values()
+            return [t for w in workers for job in w.push.jobs.values()
                     for t in job.targets.values()]
 
         deadline = time.monotonic() + 60
@@ -166,7 +167,7 @@ def test_a_consumer_cancel_while_the_fences_hold_ends_the_push_cancelled() -> No
         for _ in range(50):  # the fences passed: a cancelled push still posts nothing
             router.poll()
             time.sleep(0.002)
-        assert not any(w._push_jobs for w in workers)
+        assert not any(w.push.jobs for w in workers)
         assert all(w.transport.counters().posted == 0 for w in workers)
         stats = [w.get_stats() for w in workers]
         assert sum(s["pushes_failed"] for s in stats) == len(seen)

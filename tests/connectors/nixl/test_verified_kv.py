@@ -76,10 +76,11 @@ def _corrupt_after_digest(producer: Engine, block_index: int, layer_pos: int,
     the ``layer_pos``-th layer of the region, in the producer's KV memory."""
     for worker in producer.workers:
         conn: Any = worker.connector
-        real = conn._take_hold_digests
+        real = conn.hold_digests.take
 
-        def take(request_id: str, block_ids: Any, _real: Any = real, _conn: Any = conn) -> None:
-            _real(request_id, block_ids)
+        def take(request_id: str, block_ids: Any, consumers: Any, _real: Any = real,
+                 _conn: Any = conn) -> None:
+            _real(request_id, block_ids, consumers)
             if request_id.startswith("tick") or len(block_ids[0]) <= block_index:
                 return
             block = block_ids[0][block_index]
@@ -89,7 +90,7 @@ def _corrupt_after_digest(producer: Engine, block_index: int, layer_pos: int,
             raw[block * _conn.memory[layer].block_stride + 5] ^= 0x40  # inside the block
             flipped.append((0, block))
 
-        conn._take_hold_digests = take
+        conn.hold_digests.take = take
 
 
 def worker_tensor(conn: Any, layer: int) -> Any:

@@ -76,7 +76,7 @@ def _offered(engine: Engine) -> tuple[str, ...]:
 def _asked(consumer: Engine) -> set[str | None]:
     """The algorithms the consumer's sessions ask their producer ranks for."""
     conn: Any = consumer.workers[0].connector
-    return {alg for s in conn._sessions.values() for alg in s.digest_algorithms.values()}
+    return {alg for s in conn.sessions.sessions.values() for alg in s.digest_algorithms.values()}
 
 
 def _flip_and_load(producer: Engine, consumer: Engine, spec: RequestSpec,
@@ -165,7 +165,7 @@ def test_pull_loads_with_a_gpu_side_are_verified_with_the_torch_digests(
         assert served["digests_served"] == loaded
         assert _asked(consumer) == {TORCH_ALGORITHM}
         if producer_algs is None:  # asked once, the host producer takes them as holds start
-            assert producer.workers[0].connector._hold_algs == {TORCH_ALGORITHM}  # type: ignore[union-attr]
+            assert producer.workers[0].connector.hold_digests.algorithms == {TORCH_ALGORITHM}  # type: ignore[union-attr]
     finally:
         consumer.shutdown()
         producer.shutdown()

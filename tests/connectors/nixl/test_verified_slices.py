@@ -69,7 +69,7 @@ def _pair(mode: TransferMode, producer_tp: int, consumer_tp: int, model: str = M
 def _slice_algorithm(consumer: Engine) -> str:
     """The slice algorithm the consumer's sessions asked for (one, whatever the rank)."""
     asked = {s.slice_check.algorithm for w in consumer.workers
-             for s in w.connector._sessions.values()  # type: ignore[union-attr]
+             for s in w.connector.sessions.sessions.values()  # type: ignore[union-attr]
              if s.slice_check is not None and s.slice_check.regions}
     assert len(asked) == 1, asked
     return asked.pop()
@@ -130,10 +130,10 @@ def _flip_after_hold_digests(producer: Engine, rank: int, block_index: int, offs
     slice digests): once taken, flip the byte at ``offset`` of the request's
     ``block_index``-th block in its first layer, in the producer's KV memory."""
     conn: Any = producer.workers[rank].connector
-    real = conn._take_hold_digests
+    real = conn.hold_digests.take
 
-    def take(request_id: str, block_ids: Any) -> None:
-        real(request_id, block_ids)
+    def take(request_id: str, block_ids: Any, consumers: Any) -> None:
+        real(request_id, block_ids, consumers)
         if not request_id.startswith("flip") or len(block_ids[0]) <= block_index:
             return
         block = block_ids[0][block_index]
@@ -142,7 +142,7 @@ def _flip_after_hold_digests(producer: Engine, rank: int, block_index: int, offs
         raw[block * conn.memory[layer].block_stride + offset] ^= 0x40
         flipped.append(block)
 
-    conn._take_hold_digests = take
+    conn.hold_digests.take = take
 
 
 def _prefill_then_load(producer: Engine, consumer: Engine, spec: RequestSpec,

@@ -22,10 +22,10 @@ class CorruptingNixlConnector(KVBridgeNixlConnector):
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
         worker: Any = self._worker
-        real = worker._take_hold_digests
+        real = worker.hold_digests.take
 
-        def take(request_id: str, block_ids: Any) -> None:
-            real(request_id, block_ids)
+        def take(request_id: str, block_ids: Any, consumers: Any) -> None:
+            real(request_id, block_ids, consumers)
             if len(block_ids[0]) <= BLOCK_INDEX:
                 return
             layer = worker.ctx.spec.rank_shapes(worker.rank)[0].layer_ids[0]
@@ -34,4 +34,4 @@ class CorruptingNixlConnector(KVBridgeNixlConnector):
             byte = ctypes.c_uint8.from_address(addr)
             byte.value ^= 0x40
 
-        worker._take_hold_digests = take
+        worker.hold_digests.take = take

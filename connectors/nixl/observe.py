@@ -1,0 +1,203 @@
+"""What a worker tells an observer (tracing): :class:`WorkerObserver`.
+
+The worker's parts call the observer at the points a trace shows: the loads a
+step orders, a handshake (or its failure), a notification received, a load's
+failure, a finished load's verification, the requests a step finished. Transfers posted, their
+completions and the notifications sent are seen by the transport the parts
+are given: :class:`ObservedTransport` wraps the real one (it is a
+:class:`~.transport.PdTransport` like any other) and tells the observer.
+
+An observer only looks: it must not change an argument nor raise. The worker
+tells every observer attached (``NixlWorker.observe``, in the order attached)
+through one :class:`Observers`; none is attached by default.
+
+Owns: the protocol, :class:`NullObserver` (a base that ignores every event),
+:class:`Observers` and the observing transport. May not hold any of the
+worker's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from kvbridge.backends.nixl import (
+    DRAM,
+    DescList,
+    PeerHandle,
+    Region,
+    Transfer,
+    TransportCounters,
+    XferOp,
+    XferState,
+)
+from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.nixl.scheduler import LoadOrder
+from kvbridge.connectors.nixl.state import RecvTransfer
+from kvbridge.connectors.nixl.transport import PdTransport
+from kvbridge.handshake import FetchResult
+from kvbridge.layouts.digests import Digester
+
+
+class WorkerObserver(Protocol):
+    """The events of one rank's NIXL worker, in the order they happen."""
+
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None: ...
+    def handshake(self, address: str, result: FetchResult) -> None: ...
+    def handshake_failed(self, address: str, error: Exception) -> None: ...
+    def posted(self, xfer: Transfer) -> None: ...
+    def polled(self, xfer: Transfer, state: XferState) -> None: ...
+    def notif_sent(self, peer: PeerHandle, msg: bytes, error: str | None) -> None: ...
+    def notif_received(self, sender: str, msg: messages.Notif) -> None: ...
+    def failure(self, recv: RecvTransfer, reason: str) -> None: ...
+    def verified(self, recv: RecvTransfer, bad: set[tuple[int, int]],
+                 digesters: Mapping[str, Digester]) -> None: ...
+    def finished(self, sending: set[str], recving: set[str]) -> None: ...
+
+
+class NullObserver:
+    """Ignores every event: a base for an observer of a few of them."""
+
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None:
+        pass
+
+    def handshake(self, address: str, result: FetchResult) -> None:
+        pass
+
+    def handshake_failed(self, address: str, error: Exception) -> None:
+        pass
+
+    def posted(self, xfer: Transfer) -> None:
+        pass
+
+    def polled(self, xfer: Transfer, state: XferState) -> None:
+        pass
+
+    def notif_sent(self, peer: PeerHandle, msg: bytes, error: str | None) -> None:
+        pass
+
+    def notif_received(self, sender: str, msg: messages.Notif) -> None:
+        pass
+
+    def failure(self, recv: RecvTransfer, reason: str) -> None:
+        pass
+
+    def verified(self, recv: RecvTransfer, bad: set[tuple[int, int]],
+                 digesters: Mapping[str, Digester]) -> None:
+        pass
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        pass
+
+
+class Observers:
+    """Every observer attached to one worker, each told of every event in turn."""
+
+    def __init__(self) -> None:
+        self._all: list[WorkerObserver] = []
+
+    def attach(self, observer: WorkerObserver) -> None:
+        self._all.append(observer)
+
+    def loads_ordered(self, orders: Sequence[LoadOrder]) -> None:
+        for observer in self._all:
+            observer.loads_ordered(orders)
+
+    def handshake(self, address: str, result: FetchResult) -> None:
+        for observer in self._all:
+            observer.handshake(address, result)
+
+    def handshake_failed(self, address: str, error: Exception) -> None:
+        for observer in self._all:
+            observer.handshake_failed(address, error)
+
+    def posted(self, xfer: Transfer) -> None:
+        for observer in self._all:
+            observer.posted(xfer)
+
+    def polled(self, xfer: Transfer, state: XferState) -> None:
+        for observer in self._all:
+            observer.polled(xfer, state)
+
+    def notif_sent(self, peer: PeerHandle, msg: bytes, error: str | None) -> None:
+        for observer in self._all:
+            observer.notif_sent(peer, msg, error)
+
+    def notif_received(self, sender: str, msg: messages.Notif) -> None:
+        for observer in self._all:
+            observer.notif_received(sender, msg)
+
+    def failure(self, recv: RecvTransfer, reason: str) -> None:
+        for observer in self._all:
+            observer.failure(recv, reason)
+
+    def verified(self, recv: RecvTransfer, bad: set[tuple[int, int]],
+                 digesters: Mapping[str, Digester]) -> None:
+        for observer in self._all:
+            observer.verified(recv, bad, digesters)
+
+    def finished(self, sending: set[str], recving: set[str]) -> None:
+        for observer in self._all:
+            observer.finished(sending, recving)
+
+
+class ObservedTransport:
+    """A :class:`~.transport.PdTransport` that runs every call on ``inner`` and tells
+    ``observer`` of the transfers posted and settled and the notifications sent."""
+
+    def __init__(self, inner: PdTransport, observer: WorkerObserver) -> None:
+        self.inner = inner
+        self.observer = observer
+
+    def register_regions(self, regions: Sequence[Any]) -> list[Region]:
+        return self.inner.register_regions(regions)
+
+    @property
+    def memory_type(self) -> tuple[str, int]:
+        return self.inner.memory_type
+
+    def agent_metadata(self) -> bytes:
+        return self.inner.agent_metadata()
+
+    def add_peer(self, peer_name: str, metadata: bytes) -> PeerHandle:
+        return self.inner.add_peer(peer_name, metadata)
+
+    def remove_peer(self, peer: PeerHandle) -> None:
+        self.inner.remove_peer(peer)
+
+    def prepare_local_descs(self, descs: Any) -> DescList:
+        return self.inner.prepare_local_descs(descs)
+
+    def prepare_remote(self, peer: PeerHandle, descs: Any, mem_type: str = DRAM) -> DescList:
+        return self.inner.prepare_remote(peer, descs, mem_type)
+
+    def release_dlist(self, dlist: DescList) -> None:
+        self.inner.release_dlist(dlist)
+
+    def post(self, op: XferOp | str, local: DescList, local_idx: Any, remote: DescList,
+             remote_idx: Any, notif: bytes = b"", deadline_s: float = 30.0) -> Transfer:
+        xfer = self.inner.post(op, local, local_idx, remote, remote_idx, notif, deadline_s)
+        self.observer.posted(xfer)
+        return xfer
+
+    def poll(self, xfer: Transfer) -> XferState:
+        state = self.inner.poll(xfer)
+        self.observer.polled(xfer, state)
+        return state
+
+    def send_notif(self, peer: PeerHandle, msg: bytes) -> None:
+        try:
+            self.inner.send_notif(peer, msg)
+        except Exception as exc:
+            self.observer.notif_sent(peer, msg, str(exc))
+            raise
+        self.observer.notif_sent(peer, msg, None)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        return self.inner.get_notifs()
+
+    def counters(self) -> TransportCounters:
+        return self.inner.counters()
+
+    def close(self, *, strict: bool = True) -> TransportCounters:
+        return self.inner.close(strict=strict)
