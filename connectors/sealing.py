@@ -4,7 +4,7 @@ Whoever can send a request to a consumer engine also chooses its transfer
 params. Without more, an API client could name another request's blocks (or
 its own blocks with another prompt) and decode on KV that is not this
 prompt's. So the producer *seals* the params it returns, and both ends check
-the seal before a byte moves:
+them:
 
 * ``prompt_chain``: kvbridge's chained block hash (:mod:`kvbridge.layouts.hashing`,
   the hashes the store keys and KV events use) over the prompt's first
@@ -22,9 +22,10 @@ the seal before a byte moves:
 * ``seal``: HMAC-SHA256 over the canonical record (:func:`canonical_record`:
   every field but the seal). The key is the cluster secret's when one is
   configured (``seal_key = "cluster"``): every member can check it. Without
-  one it is a per-engine key (``"engine"``): only the producer can, so the
-  consumer sends the record's digest (:func:`record_digest`) in its ``begin``
-  and the producer compares it with the record it sealed.
+  one it is a per-engine key (``"engine"``): only the producer can. Either
+  way the consumer names the record by its digest (:func:`record_digest`) in
+  every ``begin``, ``read`` and release, and the producer compares it with the
+  record it sealed.
 
 Refusals happen on the consumer's scheduler, before anything is allocated or
 read, and the request recomputes locally (:class:`ParamsCheck`); a producer's
@@ -39,7 +40,7 @@ so nothing seals them; the consumer's ``register`` carries its prompt chain
 instead, and the producer writes only when it equals the chain of the prompt
 it computed.
 
-Cost (measured with ``kvbridge bench seal``): see docs/verified-kv.md.
+Cost per request (``kvbridge bench auth``): docs/nixl.md, "Sealed, prompt-bound params".
 """
 
 from __future__ import annotations
