@@ -25,6 +25,7 @@ from kvbridge.connectors import (
     block_range,
     registry,
 )
+from kvbridge.connectors.params import TRANSFER_PARAMS_VERSION
 from kvbridge.layouts import ParallelTopology
 
 
@@ -43,7 +44,7 @@ def test_transfer_params_round_trip_through_json_and_msgpack() -> None:
     assert TransferParams.from_dict(json.loads(json.dumps(wire))) == params
     assert TransferParams.from_dict(msgpack.unpackb(msgpack.packb(wire))) == params
     assert TransferParams.from_json(params.to_json()) == params
-    assert wire["version"] == 1 and wire["block_ids"] == [[1, 2, 3], [4]]
+    assert wire["version"] == TRANSFER_PARAMS_VERSION and wire["block_ids"] == [[1, 2, 3], [4]]
 
 
 @pytest.mark.parametrize("field", ["mode", "producer_host", "producer_port", "block_ids",
@@ -59,8 +60,8 @@ def test_missing_field_is_named(field: str) -> None:
 
 def test_unknown_version_and_field_and_bad_types_are_named() -> None:
     wire = _params().to_dict()
-    with pytest.raises(TransferParamsError, match="unsupported version 2"):
-        TransferParams.from_dict({**wire, "version": 2})
+    with pytest.raises(TransferParamsError, match="unsupported version 3"):
+        TransferParams.from_dict({**wire, "version": 3})
     with pytest.raises(TransferParamsError, match="transfer_params.remote_block_ids"):
         TransferParams.from_dict({**wire, "remote_block_ids": [1]})
     with pytest.raises(TransferParamsError, match=r"block_ids\[0\]\[1\]"):

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from kvbridge.auth import HEADER_BYTES
+from kvbridge.connectors.params import TRANSFER_PARAMS_VERSION
 from kvbridge.engine.control import (
     ControlLimits,
     ProtocolError,
@@ -244,10 +245,11 @@ def test_error_replies_name_the_field_not_a_raw_exception(served: Served) -> Non
     reply = served.call({"op": "submit", "requests": [
         {"request_id": "first", "prompt": [1, 2], "max_tokens": 1},
         {"request_id": "second", "prompt": [1, 2], "max_tokens": 1, "transfer_params": {
-            "version": 1, "mode": "pull", "producer_engine_id": "p", "producer_host": "h",
+            "version": TRANSFER_PARAMS_VERSION, "mode": "pull", "producer_engine_id": "p",
+            "producer_host": "h",
             "producer_port": 1, "producer_request_id": "r", "block_ids": [[0], [1]],
             "producer_topology": {"tp_size": 1}, "num_tokens": 2}}]})
-    assert _error(reply).startswith("requests[1]."), reply
+    assert _error(reply).startswith("requests[1].transfer_params.block_ids"), reply
     token = served.call({"op": "submit", "requests": [
         {"request_id": "other", "prompt": [1, 2], "max_tokens": 1}]})["token"]
     assert served.call({"op": "abort", "request_id": "first", "token": token}) == {

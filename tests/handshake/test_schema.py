@@ -34,6 +34,7 @@ from kvbridge.handshake import (
     encode_reply,
     encode_request,
 )
+from kvbridge.handshake.codec import PROTOCOL_VERSION
 from kvbridge.handshake.example import example_rank
 from kvbridge.layouts import MemoryOrder, ParallelTopology, load_spec
 
@@ -121,7 +122,7 @@ def test_incompatible_header_error_names_the_field(make_store):
     remote = CompatHeader.from_spec(wider, TransferMode.PULL)
     store_doc = _doc(make_store)
     forged = _mutate_map(store_doc, lambda o: o.__setitem__(
-        "header", {"protocol_version": 1, "fingerprint": remote.fingerprint,
+        "header", {"protocol_version": PROTOCOL_VERSION, "fingerprint": remote.fingerprint,
                    **remote.compat_map()}))
     with pytest.raises(HandshakeError) as info:
         decode_engine(forged, expected=local.header)
@@ -133,7 +134,7 @@ def test_incompatible_header_error_names_the_field(make_store):
 
 
 @pytest.mark.parametrize(("edit", "field"), [
-    (lambda o: o.__setitem__("v", 2), "protocol_version"),
+    (lambda o: o.__setitem__("v", PROTOCOL_VERSION + 1), "protocol_version"),
     (lambda o: o.__setitem__("extra", 1), "extra"),
     (lambda o: o.pop("body"), "body"),
     (lambda o: o["header"].__setitem__("fingerprint", "0" * 16), "header.fingerprint"),
@@ -193,8 +194,8 @@ def test_protocol_version_is_checked_first_on_every_record():
             decode(msgpack.packb({"kind": "ping", "id": 1}))
         assert info.value.field == "protocol_version"
         with pytest.raises(HandshakeError) as info:
-            decode(msgpack.packb({"v": 2, "anything": "else"}))
-        assert info.value.field == "protocol_version" and "v2" in info.value.reason
+            decode(msgpack.packb({"v": PROTOCOL_VERSION + 1, "anything": "else"}))
+        assert info.value.field == "protocol_version" and f"v{PROTOCOL_VERSION + 1}" in info.value.reason
 
 
 def test_size_and_type_limits():
@@ -204,15 +205,15 @@ def test_size_and_type_limits():
     with pytest.raises(HandshakeError) as info:
         decode_request(b"\xc1")
     assert info.value.field == "message"
-    ext = msgpack.packb({"v": 1, "kind": "ping", "id": msgpack.ExtType(5, b"x")})
+    ext = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "ping", "id": msgpack.ExtType(5, b"x")})
     with pytest.raises(HandshakeError) as info:
         decode_request(ext)
     assert info.value.field == "id"
     with pytest.raises(HandshakeError) as info:
-        decode_request(msgpack.packb({"v": 1, "kind": "get", "id": 1, "known_generation": 3}))
+        decode_request(msgpack.packb({"v": PROTOCOL_VERSION, "kind": "get", "id": 1, "known_generation": 3}))
     assert info.value.field == "known_incarnation"
     with pytest.raises(HandshakeError) as info:
-        decode_reply(msgpack.packb({"v": 1, "kind": "status", "id": 1, "wall": float("nan"),
+        decode_reply(msgpack.packb({"v": PROTOCOL_VERSION, "kind": "status", "id": 1, "wall": float("nan"),
                                     "mono": 0.0, "engine_id": "e", "incarnation": "i",
                                     "generation": 1, "unchanged": False}))
     assert info.value.field == "wall"

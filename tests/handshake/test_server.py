@@ -23,6 +23,7 @@ from kvbridge.handshake import (
     decode_reply,
     encode_request,
 )
+from kvbridge.handshake.codec import PROTOCOL_VERSION
 from kvbridge.handshake.example import example_rank
 from kvbridge.layouts import ParallelTopology, load_spec
 
@@ -66,7 +67,7 @@ def test_errors_name_the_field_and_unregistered_ranks_are_retryable(make_store):
     assert isinstance(partial, ErrorReply) and partial.field == "ranks" and partial.retryable
     assert "pp0/pcp0/tp1" in partial.message
     assert isinstance(_ask(empty, MetadataRequest(6, tp_rank=0)), MetadataReply)
-    garbage = decode_reply(store.handle_request(msgpack.packb({"v": 1, "kind": "get",
+    garbage = decode_reply(store.handle_request(msgpack.packb({"v": PROTOCOL_VERSION, "kind": "get",
                                                                "id": 77, "pp": "x"})))
     assert isinstance(garbage, ErrorReply) and garbage.field == "pp" and garbage.request_id == 77
 
