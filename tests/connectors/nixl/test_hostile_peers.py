@@ -154,6 +154,9 @@ def test_plan_of_one_consumer_rank_equals_that_rank_of_the_whole_plan(
             assert getattr(alone, name).tolist() == getattr(expected, name).tolist(), name
 
 
+#: forged params reach the worker's own checks only without a cluster secret: with one,
+#: the consumer's scheduler refuses them before any I/O (test_sealed_params.py)
+@pytest.mark.plaintext
 def test_a_peer_claiming_two_to_the_forty_ranks_does_not_wedge_the_consumer() -> None:
     """The served consumer refuses the claim, and a load from a real producer asked
     for right after it still completes (before: the only handshake thread looped
@@ -220,6 +223,9 @@ def blocks_claim() -> Iterator[tuple[str, int]]:
         transport.close(strict=False)
 
 
+#: forged params reach the worker's own checks only without a cluster secret: with one,
+#: the consumer's scheduler refuses them before any I/O (test_sealed_params.py)
+@pytest.mark.plaintext
 def test_advertised_blocks_beyond_the_registration_allocate_nothing(blocks_claim) -> None:
     """Rows per advertised block are built only after NIXL accepted that the peer's
     registration covers them (before: 256 MiB of rows here, then NIXL refused)."""
@@ -318,6 +324,9 @@ def _with_bad_block(params: TransferParams) -> TransferParams:
     return replace(params, block_ids=tuple(tuple(group) for group in ids))
 
 
+#: forged params reach the worker's own checks only without a cluster secret: with one,
+#: the consumer's scheduler refuses them before any I/O (test_sealed_params.py)
+@pytest.mark.plaintext
 def test_a_bad_block_id_fails_its_request_only_and_keeps_the_session() -> None:
     producer = _producer()
     consumer = _consumer()
@@ -383,6 +392,9 @@ class _SilentSideChannel:
         self.sock.close(linger=0)
 
 
+#: forged params reach the worker's own checks only without a cluster secret: with one,
+#: the consumer's scheduler refuses them before any I/O (test_sealed_params.py)
+@pytest.mark.plaintext
 def test_a_silent_peer_delays_only_its_own_handshake() -> None:
     """While one producer's side channel never answers, a load from another producer
     handshakes and completes (before: it queued behind the silent one on the only

@@ -105,6 +105,9 @@ def test_params_past_the_request_are_refused_and_the_request_recomputes(
         _shutdown_clean(consumer)
 
 
+#: a forged id reaches the worker's own check only without a cluster secret: with one,
+#: the consumer's scheduler refuses the record before any I/O (test_sealed_params.py)
+@pytest.mark.plaintext
 def test_an_id_past_the_producers_announced_cache_fails_its_request_only(
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvbridge.connectors.nixl.worker")
