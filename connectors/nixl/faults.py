@@ -22,28 +22,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbridge.backends.nixl import (
-    DRAM,
-    DescList,
     PeerHandle,
-    Region,
-    Transfer,
-    TransportCounters,
-    XferOp,
-    XferState,
 )
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.observe import NullObserver
 from kvbridge.connectors.nixl.scheduler import LoadOrder
-from kvbridge.connectors.nixl.transport import PdTransport
+from kvbridge.connectors.nixl.transport import ForwardingTransport, PdTransport
 from kvbridge.connectors.nixl.worker import NixlWorker
 
 
-class FaultyTransport:
+class FaultyTransport(ForwardingTransport):
     """A :class:`~.transport.PdTransport` that loses the peer a doomed load's first
     message goes to (every other call runs on ``inner`` unchanged)."""
 
     def __init__(self, inner: PdTransport) -> None:
-        self.inner = inner
+        super().__init__(inner)
         #: producer request ids of doomed loads that sent nothing yet
         self.doomed: set[str] = set()
 
@@ -60,47 +53,6 @@ class FaultyTransport:
                 self.doomed.discard(rid)
                 self.inner.remove_peer(peer)  # the real NIXL call: the peer vanishes
         self.inner.send_notif(peer, msg)
-
-    def register_regions(self, regions: Sequence[Any]) -> list[Region]:
-        return self.inner.register_regions(regions)
-
-    @property
-    def memory_type(self) -> tuple[str, int]:
-        return self.inner.memory_type
-
-    def agent_metadata(self) -> bytes:
-        return self.inner.agent_metadata()
-
-    def add_peer(self, peer_name: str, metadata: bytes) -> PeerHandle:
-        return self.inner.add_peer(peer_name, metadata)
-
-    def remove_peer(self, peer: PeerHandle) -> None:
-        self.inner.remove_peer(peer)
-
-    def prepare_local_descs(self, descs: Any) -> DescList:
-        return self.inner.prepare_local_descs(descs)
-
-    def prepare_remote(self, peer: PeerHandle, descs: Any, mem_type: str = DRAM) -> DescList:
-        return self.inner.prepare_remote(peer, descs, mem_type)
-
-    def release_dlist(self, dlist: DescList) -> None:
-        self.inner.release_dlist(dlist)
-
-    def post(self, op: XferOp | str, local: DescList, local_idx: Any, remote: DescList,
-             remote_idx: Any, notif: bytes = b"", deadline_s: float = 30.0) -> Transfer:
-        return self.inner.post(op, local, local_idx, remote, remote_idx, notif, deadline_s)
-
-    def poll(self, xfer: Transfer) -> XferState:
-        return self.inner.poll(xfer)
-
-    def get_notifs(self) -> dict[str, list[bytes]]:
-        return self.inner.get_notifs()
-
-    def counters(self) -> TransportCounters:
-        return self.inner.counters()
-
-    def close(self, *, strict: bool = True) -> TransportCounters:
-        return self.inner.close(strict=strict)
 
 
 class LoadFault(NullObserver):

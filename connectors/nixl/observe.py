@@ -22,19 +22,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from kvbridge.backends.nixl import (
-    DRAM,
     DescList,
     PeerHandle,
-    Region,
     Transfer,
-    TransportCounters,
     XferOp,
     XferState,
 )
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.scheduler import LoadOrder
 from kvbridge.connectors.nixl.state import RecvTransfer
-from kvbridge.connectors.nixl.transport import PdTransport
+from kvbridge.connectors.nixl.transport import ForwardingTransport, PdTransport
 from kvbridge.handshake import FetchResult
 from kvbridge.layouts.digests import Digester
 
@@ -141,38 +138,13 @@ class Observers:
             observer.finished(sending, recving)
 
 
-class ObservedTransport:
+class ObservedTransport(ForwardingTransport):
     """A :class:`~.transport.PdTransport` that runs every call on ``inner`` and tells
     ``observer`` of the transfers posted and settled and the notifications sent."""
 
     def __init__(self, inner: PdTransport, observer: WorkerObserver) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.observer = observer
-
-    def register_regions(self, regions: Sequence[Any]) -> list[Region]:
-        return self.inner.register_regions(regions)
-
-    @property
-    def memory_type(self) -> tuple[str, int]:
-        return self.inner.memory_type
-
-    def agent_metadata(self) -> bytes:
-        return self.inner.agent_metadata()
-
-    def add_peer(self, peer_name: str, metadata: bytes) -> PeerHandle:
-        return self.inner.add_peer(peer_name, metadata)
-
-    def remove_peer(self, peer: PeerHandle) -> None:
-        self.inner.remove_peer(peer)
-
-    def prepare_local_descs(self, descs: Any) -> DescList:
-        return self.inner.prepare_local_descs(descs)
-
-    def prepare_remote(self, peer: PeerHandle, descs: Any, mem_type: str = DRAM) -> DescList:
-        return self.inner.prepare_remote(peer, descs, mem_type)
-
-    def release_dlist(self, dlist: DescList) -> None:
-        self.inner.release_dlist(dlist)
 
     def post(self, op: XferOp | str, local: DescList, local_idx: Any, remote: DescList,
              remote_idx: Any, notif: bytes = b"", deadline_s: float = 30.0) -> Transfer:
@@ -192,12 +164,3 @@ class ObservedTransport:
             self.observer.notif_sent(peer, msg, str(exc))
             raise
         self.observer.notif_sent(peer, msg, None)
-
-    def get_notifs(self) -> dict[str, list[bytes]]:
-        return self.inner.get_notifs()
-
-    def counters(self) -> TransportCounters:
-        return self.inner.counters()
-
-    def close(self, *, strict: bool = True) -> TransportCounters:
-        return self.inner.close(strict=strict)

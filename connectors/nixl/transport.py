@@ -10,7 +10,9 @@ The records it speaks in (descriptor lists, peer handles, transfers) are still
 NIXL's own (:mod:`kvbridge.backends.nixl.records`); they are plain records, not
 the NIXL API.
 
-Owns: the protocol only. May not hold logic or state.
+Owns: the protocol, and :class:`ForwardingTransport` (every member passed to
+an inner transport: a wrapper overrides only what it changes). May not hold
+logic or state beyond that.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvbridge.backends.nixl import (
+    DRAM,
     DescList,
     PeerHandle,
     Region,
@@ -55,3 +58,55 @@ class PdTransport(Protocol):
     # ---- accounting and end of life (the facade)
     def counters(self) -> TransportCounters: ...
     def close(self, *, strict: bool = ...) -> TransportCounters: ...
+
+
+class ForwardingTransport:
+    """A :class:`PdTransport` that runs every call on ``inner`` unchanged; the base of
+    the wrappers (fault injection, tracing), which override what they change."""
+
+    def __init__(self, inner: PdTransport) -> None:
+        self.inner = inner
+
+    def register_regions(self, regions: Sequence[Any]) -> list[Region]:
+        return self.inner.register_regions(regions)
+
+    @property
+    def memory_type(self) -> tuple[str, int]:
+        return self.inner.memory_type
+
+    def agent_metadata(self) -> bytes:
+        return self.inner.agent_metadata()
+
+    def add_peer(self, peer_name: str, metadata: bytes) -> PeerHandle:
+        return self.inner.add_peer(peer_name, metadata)
+
+    def remove_peer(self, peer: PeerHandle) -> None:
+        self.inner.remove_peer(peer)
+
+    def prepare_local_descs(self, descs: Any) -> DescList:
+        return self.inner.prepare_local_descs(descs)
+
+    def prepare_remote(self, peer: PeerHandle, descs: Any, mem_type: str = DRAM) -> DescList:
+        return self.inner.prepare_remote(peer, descs, mem_type)
+
+    def release_dlist(self, dlist: DescList) -> None:
+        self.inner.release_dlist(dlist)
+
+    def post(self, op: XferOp | str, local: DescList, local_idx: Any, remote: DescList,
+             remote_idx: Any, notif: bytes = b"", deadline_s: float = 30.0) -> Transfer:
+        return self.inner.post(op, local, local_idx, remote, remote_idx, notif, deadline_s)
+
+    def poll(self, xfer: Transfer) -> XferState:
+        return self.inner.poll(xfer)
+
+    def send_notif(self, peer: PeerHandle, msg: bytes) -> None:
+        self.inner.send_notif(peer, msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        return self.inner.get_notifs()
+
+    def counters(self) -> TransportCounters:
+        return self.inner.counters()
+
+    def close(self, *, strict: bool = True) -> TransportCounters:
+        return self.inner.close(strict=strict)
