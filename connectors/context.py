@@ -36,6 +36,10 @@ class ConnectorContext:
     append ``kvbridge.events`` records (``BlockStored`` ...) to it; the engine
     takes them once per step (scheduler: ``take_events``; worker: into its
     :class:`WorkerOutput`).
+    ``null_block_id`` is the block id the engine puts where a request holds no block
+    (vLLM's null block: the positions a sliding window dropped); such a position is
+    never read, written nor verified, and a producer cannot serve it. None: every
+    block id is a block.
     """
 
     spec: KVCacheSpec
@@ -46,6 +50,7 @@ class ConnectorContext:
     events: EventBuffer = field(default_factory=EventBuffer)
     rank: ParallelTopology | None = None
     worker_index: int | None = None
+    null_block_id: int | None = None
 
     @property
     def role(self) -> KVRole:

@@ -77,8 +77,10 @@ class PushSender:
 
     def start(self, hold: HoldOrder, now: float) -> None:
         """A push hold starts: its job (the blocks come with the push orders)."""
-        self._push_jobs.setdefault(hold.request_id, PushJob(hold.request_id, hold.block_ids,
-                                                            started_at=now))
+        job = self._push_jobs.setdefault(hold.request_id,
+                                         PushJob(hold.request_id, hold.block_ids,
+                                                 started_at=now))
+        job.release(hold.block_ids, self.cx.null_block_id)
 
     def fence_layer(self, layer_id: int, kv_layer: Any,
                     record_fence: Callable[[Any], Fence]) -> None:
@@ -300,6 +302,18 @@ class PushSender:
             for r, start in enumerate(reg.start):
                 theirs = job.block_ids[r] if r < len(job.block_ids) else ()
                 producer_ids.append(theirs[start:start + len(reg.block_ids[r])])
+            gone = sorted((r, i) for r, start in enumerate(reg.start)
+                          for i in range(start, start + len(reg.block_ids[r]))
+                          if (r, i) in job.released
+                          or (r < len(job.block_ids) and i < len(job.block_ids[r])
+                              and job.block_ids[r][i] == self.cx.null_block_id))
+            if gone:  # what the engine no longer holds is not ours to write
+                target.fail(f"producer no longer holds region {gone[0][0]} block index "
+                            f"{gone[0][1]} ({len(gone)} such): its engine released them as "
+                            "the request finished (out of its sliding window, inside the "
+                            "consumer's)", now)
+                self._finish_push_target(job, target, now)
+                continue
             which = np.flatnonzero(np.isin(target.local.layers,
                                            np.fromiter(layers, dtype=np.int64)))
             try:

@@ -299,19 +299,34 @@ class NixlScheduler(SchedulerConnector):
         producer: list[tuple[int, ...]] = []
         starts: list[int] = []
         error = None
+        null = self.ctx.null_block_id
         for r in range(len(self.ctx.spec.regions)):
             span = block_range(self.ctx.block_tokens(r), start_token, end_token)
-            starts.append(span.start)
             ids = block_ids[r] if r < len(block_ids) else ()
-            consumer.append(tuple(ids[span.start:span.stop]))
-            if len(consumer[-1]) != len(span):
-                error = f"region {r}: {len(span)} blocks to load but {len(consumer[-1])} allocated"
+            if len(ids) < span.stop:
+                error = error or f"region {r}: {len(span)} blocks to load but " \
+                                 f"{len(ids[span.start:span.stop])} allocated"
+            # positions the engine gave no block (a sliding window's prefix it will not
+            # attend) are not loaded: the load starts at the region's first real block
+            first = span.start
+            while null is not None and first < min(span.stop, len(ids)) and ids[first] == null:
+                first += 1
+            starts.append(first)
+            consumer.append(tuple(ids[first:span.stop]))
+            if null is not None and null in consumer[-1] and error is None:
+                error = (f"region {r}: no block allocated at block index "
+                         f"{first + consumer[-1].index(null)}, inside the blocks to load")
             if params.mode is TransferMode.PULL:
                 theirs = params.block_ids[r] if r < len(params.block_ids) else ()
-                producer.append(tuple(theirs[span.start:span.stop]))
-                if len(producer[-1]) != len(span) and error is None:
+                producer.append(tuple(theirs[first:span.stop]))
+                if len(theirs) < span.stop and error is None:
                     error = (f"region {r}: producer sent {len(theirs)} block ids, need block "
                              f"indices {span.start}..{span.stop - 1}")
+                elif null is not None and null in producer[-1] and error is None:
+                    error = (f"region {r}: the producer no longer holds block index "
+                             f"{first + producer[-1].index(null)} (its engine released it as "
+                             f"the request finished: out of the producer's sliding window, "
+                             f"inside this consumer's)")
         chain = b""
         if params.mode is TransferMode.PUSH and error is None:
             try:  # what the producer compares with its own prompt before writing

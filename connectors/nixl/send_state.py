@@ -207,6 +207,9 @@ class PushJob:
     alg_digests: dict[str, tuple[dict[int, int], ...]] = field(default_factory=dict)
     #: the producer's prompt chain (``sealing.prompt_chain``) a register must name
     chain: bytes = b""
+    #: (region, block index) the engine released when the request finished (a sliding
+    #: window's prefix): never written from then on
+    released: frozenset[tuple[int, int]] = frozenset()
     engine: str | None = None  # the consumer engine whose register came first
 
     @property
@@ -222,6 +225,13 @@ class PushJob:
         self.block_ids = block_ids
         if final and self.phase is PushPhase.PREFILLING:
             self.phase = PushPhase.FINAL
+
+    def release(self, held: tuple[tuple[int, ...], ...], null_block_id: int | None) -> None:
+        """The request finished and the engine holds ``held`` (per region): the positions
+        it names ``null_block_id`` at are gone, whatever the push orders named there."""
+        if null_block_id is not None:
+            self.released = frozenset((r, i) for r, ids in enumerate(held)
+                                      for i, block in enumerate(ids) if block == null_block_id)
 
     def drop(self) -> None:
         """Aborted (by the engine, or cancelled by a consumer before it was known)."""

@@ -213,6 +213,8 @@ class WorkerContext:
         self.rank: ParallelTopology = ctx.rank
         self.sizes = ctx.topology.sizes()
         self.rank_index = rank_index(ctx.rank)
+        #: the engine's "no block here" id (:class:`~kvbridge.connectors.ConnectorContext`)
+        self.null_block_id = ctx.null_block_id
         self.header = CompatHeader.from_spec(ctx.spec, WireMode(self.settings.mode.value))
         self.auth = self.settings.cluster_auth()
         self.stats = WorkerStats()

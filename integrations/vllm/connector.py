@@ -115,6 +115,12 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+#: vLLM's null block: the block pool's first block, never allocated, which a request's
+#: block table names where it holds no block (a sliding window's dropped positions:
+#: a consumer allocates them so for the prefix it will not attend, and a producer's
+#: table names them so once the request finished). Never moved nor verified.
+VLLM_NULL_BLOCK_ID = 0
+
 __all__ = [  # the classes vLLM loads by name, and what others import from here
     "CONNECTOR_KEY",
     "PARAMS_KEY",
@@ -233,7 +239,7 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
         self._worker: WorkerConnector | None = None
         if role == KVConnectorRole.SCHEDULER:
             ctx = ConnectorContext(spec, self._desc.topology, resolved.config, num_blocks,
-                                   resolved.extra)
+                                   resolved.extra, null_block_id=VLLM_NULL_BLOCK_ID)
             self._scheduler = resolved.plugin.create_scheduler(ctx)
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -241,7 +247,8 @@ class KVBridgeConnectorBase(WorkerSide, SupportsHMA):
             rank = self._desc.topology.with_rank(tp_rank=get_tp_group().rank_in_group,
                                                  pp_rank=get_pp_group().rank_in_group)
             ctx = ConnectorContext(spec, self._desc.topology, resolved.config, num_blocks,
-                                   resolved.extra, rank=rank, worker_index=rank_index(rank))
+                                   resolved.extra, rank=rank, worker_index=rank_index(rank),
+                                   null_block_id=VLLM_NULL_BLOCK_ID)
             self._worker = resolved.plugin.create_worker(ctx)
         self._block_tokens = [spec.regions[r].tokens_per_key(self._desc.topology.dcp_size)
                               for r in range(len(spec.regions))]

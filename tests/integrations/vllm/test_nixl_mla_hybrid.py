@@ -28,10 +28,13 @@ same tokens), so "equal to colocated" is not what vLLM itself delivers there.
 Why distributions and not only tokens: this model has near ties, which
 rounding on another CPU may flip; a run on wrong KV is apart at the first
 token by nats, not hundredths.
-Sliding-window groups move every block
-the producer still holds for the request (blocks the window already dropped
-are vLLM's null block on both sides): simpler than trimming to the consumer's
-window, and correct because the consumer's window never reads older blocks.
+Sliding-window groups move every block from the consumer's first real one: the
+leading positions its window will not attend are vLLM's null block on the consumer
+(never written nor verified: two of them once took two different blocks, and the
+digest of whichever landed first failed about one 150-token push in thirty on a
+loaded machine), and a block the producer's engine released as the request
+finished but the consumer still attends fails the load instead of moving the null
+block's bytes (``tests/connectors/nixl/test_null_blocks.py``).
 """
 
 from __future__ import annotations
