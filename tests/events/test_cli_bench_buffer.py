@@ -27,7 +27,7 @@ from kvbridge.events import (
     PublisherConfig,
     SubscriberConfig,
 )
-from kvbridge.events.bench import engine_like_batches, run_events_bench
+from kvbridge.tools.bench.events import engine_like_batches, run_events_bench
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 

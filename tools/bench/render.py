@@ -215,7 +215,7 @@ def format_details(report: dict[str, Any]) -> str | None:
     if name == "nixl-cost":
         return format_cost_detail(detail)
     if name == "mooncake":
-        from kvbridge.connectors.mooncake_store.bench import format_report
+        from kvbridge.tools.bench.mooncake import format_report
 
         return str(format_report(detail))
     return None

@@ -37,7 +37,7 @@ def test_demo_rejects_metadata_without_master(capsys: pytest.CaptureFixture[str]
 
 
 def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> None:
-    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
+    from kvbridge.tools.bench.mooncake import format_report, run_bench
 
     report = run_bench([(8, 64 << 10), (64, 16 << 10)], rounds=2,
                        master_address=mooncake_master.rpc_address,
@@ -61,7 +61,7 @@ def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> N
 
 
 def test_bench_with_layers_puts_one_object_per_layer(mooncake_master: MooncakeMaster) -> None:
-    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
+    from kvbridge.tools.bench.mooncake import format_report, run_bench
 
     report = run_bench([(8, 16 << 10)], rounds=1, layers=3, verify_modes=("full",),
                        master_address=mooncake_master.rpc_address,
@@ -77,7 +77,7 @@ def test_bench_with_layers_puts_one_object_per_layer(mooncake_master: MooncakeMa
 def test_bench_of_guarded_kv_runs_the_staged_path(mooncake_master: MooncakeMaster) -> None:
     """KV that refuses host access (as on a GPU) is put and got through staging; the raw
     side moves pinned host copies of the same bytes; both verified byte for byte."""
-    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
+    from kvbridge.tools.bench.mooncake import format_report, run_bench
 
     report = run_bench([(8, 16 << 10)], rounds=1, layers=2, verify_modes=("full",),
                        guard=True, master_address=mooncake_master.rpc_address,

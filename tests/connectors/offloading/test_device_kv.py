@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from kvbridge.connectors.offloading import copier as copier_module
-from kvbridge.connectors.offloading.bench import render, run_copy_bench
 from kvbridge.connectors.offloading.copier import (
     SlotCopier,
     gather_rows,
@@ -28,6 +27,7 @@ from kvbridge.engine.workload import make_requests
 from kvbridge.layouts import ParallelTopology
 from kvbridge.layouts.kv_memory import HostAccessError, guard_host_access
 from kvbridge.offload.cpu import SlotMemory
+from kvbridge.tools.bench.offload_copy import render, run_copy_bench
 from tests.conftest import assert_figures
 from tests.connectors.guarded_kv import guard_engine_kv
 from tests.connectors.offloading.test_engine import _again, _engine, _run

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.backends.nixl import NixlTransport, XferState, load_nixl_api, strided_descs
-from kvbridge.backends.nixl.bench import PeerProcess, pattern
+from kvbridge.tools.bench.nixl_peer import PeerProcess, pattern
 
 if TYPE_CHECKING:
     import torch
