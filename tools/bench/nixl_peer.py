@@ -12,7 +12,9 @@ arguments are plain strings and the socket end is inherited with ``pass_fds``.
 
 The benches that use it: :mod:`.nixl_cost` (``kvbridge bench nixl-cost``: the
 transport against raw NIXL, re-posting one handle and making one per transfer)
-and :mod:`.nixl_scale` (``kvbridge bench nixl-scale``).
+and :mod:`.nixl_scale` (``kvbridge bench nixl-scale``). Also here, for every raw
+NIXL side of a bench: :func:`wait_raw_transfer`, the poll of a posted handle
+until DONE, bounded by a deadline.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvbridge.backends.nixl import NixlTransport, NixlTransportError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PeerProcess", "pattern", "peer_main"]
+__all__ = ["PeerProcess", "pattern", "peer_main", "wait_raw_transfer"]
 
 _PEER_MAX_LIFETIME_S = 900.0
 
@@ -50,6 +52,20 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
     words = (nbytes + 7) // 8
     x = np.arange(words, dtype=np.int64) * 2654435761 + (seed * 1000003 + 12345)
     return x.view(np.uint8)[:nbytes].copy()
+
+
+def wait_raw_transfer(agent: Any, handle: Any, state: str, t_end: float,
+                      what: str = "transfer") -> None:
+    """Poll raw NIXL's ``handle`` (posted, ``state`` what ``transfer`` returned) until DONE.
+
+    Raises TimeoutError past ``t_end`` (``time.monotonic``) and RuntimeError on any
+    other end state; ``what`` names the transfer in both (e.g. "READ")."""
+    while state == "PROC":
+        if time.monotonic() > t_end:
+            raise TimeoutError(f"raw NIXL {what} past its deadline")
+        state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise RuntimeError(f"raw NIXL {what} state {state}")
 
 
 # ------------------------------------------------------------------ the peer

@@ -92,12 +92,7 @@ def memcpy_gbps(nbytes: int, repeats: int = 9) -> float:
     src = torch.ones(max(1, nbytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in, untimed
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / min(times) / GB
+    return nbytes / min(memcpy_seconds(src, dst, repeats)) / GB
 
 
 def size_label(nbytes: int) -> str:
