@@ -1,4 +1,4 @@
-"""Raw Mooncake batch put/get against :class:`MooncakeStoreClient` on the same bytes, same run.
+"""Raw Mooncake batch put/get against :class:`MooncakeStoreClient` on the same bytes (``kvbridge mooncake bench``).
 
 The comparison isolates what the client adds (validation, reachability
 check, worker-thread hand-off, result objects): both sides use the *same*

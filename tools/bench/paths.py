@@ -1,13 +1,13 @@
 """Each path of ``kvbridge bench``: run its benchmark, turn its report into rows.
 
-Owns: one ``bench_<path>`` function per entry of ``bench_suite.PATHS`` (and
+Owns: one ``bench_<path>`` function per entry of :data:`.suite.PATHS` (and
 the small raw baselines they time themselves: ``os.stat`` probes, the offload
 tier's async MISS verdict, Mooncake's ``batch_is_exist``). Each returns
-``{"rows": [...], "detail": ...}`` with rows of :func:`.bench_rows.row` and
-raises :class:`.bench_rows.Skipped` when its backend is not usable here.
+``{"rows": [...], "detail": ...}`` with rows of :func:`.rows.row` and
+raises :class:`.rows.Skipped` when its backend is not usable here.
 Backends are imported inside the functions, so importing this module stays
 cheap. May not touch: the suite's order and status bookkeeping
-(``bench_suite.run_suite``), the CLI, or the rendering of the rows.
+(:func:`.suite.run_suite`), the CLI, or the rendering of the rows.
 """
 
 from __future__ import annotations
