@@ -1,6 +1,6 @@
-"""Raw Mooncake batch put/get against :class:`MooncakeStoreClient` on the same bytes (``kvbridge mooncake bench``).
+"""``kvbridge mooncake bench``: raw Mooncake batch put/get against :class:`MooncakeStoreClient`.
 
-The comparison isolates what the client adds (validation, reachability
+Same bytes, same run. The comparison isolates what the client adds (validation, reachability
 check, worker-thread hand-off, result objects): both sides use the *same*
 ``MooncakeDistributedStore`` instance, the same registered source and
 destination tensors, keys of the same length, and alternate which goes first
