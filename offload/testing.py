@@ -1,4 +1,9 @@
-"""A content function and a small request simulator for tests, benchmarks and demos.
+"""A content function, a bench's temp store and a small request simulator for tests,
+benchmarks and demos.
+
+``bench_workdir`` lives here, not with the benches in ``kvbridge.tools.bench``,
+because the vLLM benches under ``integrations/`` use it too and may not import
+``tools``.
 
 ``RequestSimulator`` drives an ``OffloadManager`` the way an engine's scheduler
 and worker do, in one thread: lookup every step until the verdict is final,
@@ -10,18 +15,36 @@ the keys it computed and the keys whose promotion failed while it waited.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import shutil
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvbridge.offload.manager import OffloadManager
-from kvbridge.offload.types import OffloadKey
+from kvbridge.offload.types import OffloadError, OffloadKey
 
 
 def block_content(key: OffloadKey, nbytes: int) -> bytes:
     """Deterministic bytes of the block of ``key`` (differs per key)."""
     return hashlib.shake_128(b"kvbridge-block-content:" + key).digest(nbytes)
+
+
+@contextlib.contextmanager
+def bench_workdir(directory: str | None,
+                  prefix: str = "kvbridge-offload-bench-") -> Iterator[str]:
+    """A temp directory under ``directory`` (None: the system's), removed afterwards."""
+    if directory is not None and not os.path.isdir(directory):
+        raise OffloadError(directory, "no such directory (the bench's temp store goes "
+                                      "inside it)")
+    path = tempfile.mkdtemp(prefix=prefix, dir=directory)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

@@ -57,8 +57,8 @@ torch = require("torch")
 require("nixl_cu12._api", "NIXL")
 
 from kvbridge.backends.nixl import NixlTransport, NixlTransportError, XferState, block_descs  # noqa: E402
-from kvbridge.backends.nixl.bench import PeerProcess  # noqa: E402
-from kvbridge.backends.nixl.bench import pattern as np_pattern  # noqa: E402
+from kvbridge.tools.bench.nixl_peer import PeerProcess  # noqa: E402
+from kvbridge.tools.bench.nixl_peer import pattern as np_pattern  # noqa: E402
 
 NB, BB = 8, 2 * MIB
 SEED = 11

@@ -27,8 +27,6 @@ from kvbridge.backends.nixl import (  # noqa: E402
     expand_descs,
     strided_descs,
 )
-from kvbridge.backends.nixl.bench import PeerProcess  # noqa: E402
-from kvbridge.backends.nixl.bench import pattern as np_pattern  # noqa: E402
 from kvbridge.connectors.nixl.routing import (  # noqa: E402
     consumer_table,
     pair_indices,
@@ -36,6 +34,8 @@ from kvbridge.connectors.nixl.routing import (  # noqa: E402
     pull_indices,
 )
 from kvbridge.layouts import ParallelTopology, load_spec, plan_transfer, rank_memory  # noqa: E402
+from kvbridge.tools.bench.nixl_peer import PeerProcess  # noqa: E402
+from kvbridge.tools.bench.nixl_peer import pattern as np_pattern  # noqa: E402
 
 NB_PRODUCER, NB_CONSUMER = 24, 20
 SEED = 11

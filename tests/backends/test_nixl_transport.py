@@ -28,8 +28,8 @@ from kvbridge.backends.nixl import (  # noqa: E402
     block_descs,
     sub_block_descs,
 )
-from kvbridge.backends.nixl.bench import PeerProcess  # noqa: E402
-from kvbridge.backends.nixl.bench import pattern as np_pattern  # noqa: E402
+from kvbridge.tools.bench.nixl_peer import PeerProcess  # noqa: E402
+from kvbridge.tools.bench.nixl_peer import pattern as np_pattern  # noqa: E402
 
 NB, BB = 16, 64 << 10  # shared peer: 16 blocks of 64 KiB
 SEED = 5

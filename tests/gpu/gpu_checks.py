@@ -23,7 +23,7 @@ Checks (``--checks`` selects; default all, in this order):
   one request does (make, post, wait, release) and against one re-posted handle,
   VRAM to VRAM, READ and WRITE: GB/s, the one-descriptor fixed cost, kvbridge's
   excess in µs, NIXL's own make + release, a device copy of the same bytes; the
-  4k- and 32k-token requests of a 70B-class model (:mod:`kvbridge.backends.nixl.cost`).
+  4k- and 32k-token requests of a 70B-class model (:mod:`kvbridge.tools.bench.nixl_cost`).
 * ``connector``  -- the ``nixl`` connector end to end, pull and push, and pull at
   TP 1 -> 2 (head slices), producer and consumer reference engines in two
   processes with their KV caches on the GPU (the engine's ``device`` setting;
@@ -211,7 +211,7 @@ def run_transfers(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kvbridge.backends.nixl import NixlTransport, load_nixl_api, strided_descs
-    from kvbridge.backends.nixl.bench import PeerProcess, pattern
+    from kvbridge.tools.bench.nixl_peer import PeerProcess, pattern
 
     api = load_nixl_api()
     device = torch.device(args.device)
@@ -436,7 +436,7 @@ def check_cost(args: argparse.Namespace) -> dict[str, Any]:
     descriptor transfer, kvbridge's excess per transfer, NIXL's own make + release,
     and a device copy of the same bytes; the 4k- and 32k-token requests of a 70B-class
     model at TP 4 (``--quick``: small patterns)."""
-    from kvbridge.backends.nixl.cost import default_cost_patterns, run_nixl_cost_bench
+    from kvbridge.tools.bench.nixl_cost import default_cost_patterns, run_nixl_cost_bench
 
     device = args.device if args.device.startswith("cuda") else "cpu"
     report = run_nixl_cost_bench(default_cost_patterns(quick=args.quick), device=device,
@@ -474,7 +474,7 @@ def check_stores(args: argparse.Namespace) -> dict[str, Any]:
     slots (on the device's copy stream) against a plain pinned torch copy of the same
     bytes, each way, bytes verified; and the Mooncake store's staged puts and gets of
     device KV against raw Mooncake, where Mooncake's wheel loads (else: not run)."""
-    from kvbridge.connectors.offloading.bench import run_copy_bench
+    from kvbridge.tools.bench.offload_copy import run_copy_bench
 
     device = args.device if args.device.startswith("cuda") else "cpu"
     rows: list[dict[str, Any]] = []
@@ -497,7 +497,7 @@ def check_stores(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"case": "mooncake staged", "ok": None,
                      "not_run": f"Mooncake not importable here: {exc!r}"[:200]})
     else:
-        from kvbridge.connectors.mooncake_store.bench import run_bench
+        from kvbridge.tools.bench.mooncake import run_bench
 
         report = run_bench(((16, 1 << 20),) if args.quick else ((64, 2 << 20),),
                            rounds=max(2, args.iters), device=device,

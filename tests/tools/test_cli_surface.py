@@ -31,7 +31,7 @@ JSON_TESTS: dict[str, tuple[str, str]] = {
     "diff": ("handshake/test_cli.py", '"diff"'),
     "handshake serve-example": ("handshake/test_cli.py", '"serve-example"'),
     "doctor": ("tools/test_cmd_doctor.py", '"doctor", "--json"'),
-    "events tail": ("events/test_cli_bench_buffer.py", '"events", "tail"'),
+    "events tail": ("events/test_cli_buffer.py", '"events", "tail"'),
     "events bench": ("tools/test_cli_surface.py", '"events", "bench"'),
     "offload fsck": ("offload/test_fsck.py", '"offload", "fsck"'),
     "offload bench": ("offload/test_fsck.py", '"offload", "bench"'),

@@ -1,1 +1,10 @@
-"""`kvbridge bench`: the suite and its paths (kvbridge against the raw library)."""
+"""Every benchmark of kvbridge: the ``kvbridge bench`` suite and one module per subject.
+
+The suite is :mod:`.suite` (its paths in :mod:`.paths`, the one row shape and the
+shared figures in :mod:`.rows`, tables and the plot in :mod:`.render`); the
+measuring code is :mod:`.nixl`, :mod:`.nixl_cost`, :mod:`.nixl_scale` (with the
+peer process of :mod:`.nixl_peer`), :mod:`.mooncake`, :mod:`.mooncake_client`,
+:mod:`.offload`, :mod:`.offload_copy`, :mod:`.events`, :mod:`.auth` and
+:mod:`.digests`. Each measures kvbridge against the raw library doing the same
+bytes in the same run.
+"""

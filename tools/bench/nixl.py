@@ -55,6 +55,8 @@ from kvbridge.engine.harness import EngineProcess
 from kvbridge.engine.request import RequestResult, RequestSpec, RequestState
 from kvbridge.layouts import KVCacheSpec, ParallelTopology, RegionLayout, RegionSpec
 from kvbridge.layouts.digests import DigestMode
+from kvbridge.tools.bench.nixl_peer import wait_raw_transfer
+from kvbridge.tools.bench.rows import paired_ratio
 
 DEFAULT_PATTERNS = ((64, 2 << 20), (4096, 16 << 10))
 BLOCK_ORDERS = ("sorted", "vllm")
@@ -155,13 +157,7 @@ class _RawReader:
 
     def _read(self, lane: int, t_end: float) -> None:
         agent, handle = self.agents[lane], self.handles[lane]
-        state = agent.transfer(handle)
-        while state == "PROC":
-            if time.monotonic() > t_end:
-                raise TimeoutError("raw NIXL READ past its deadline")
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL READ state {state}")
+        wait_raw_transfer(agent, handle, agent.transfer(handle), t_end, "READ")
 
     def once(self, deadline_s: float = 60.0) -> None:
         t_end = time.monotonic() + deadline_s
@@ -317,8 +313,7 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
     med = {k: statistics.median(v) for k, v in times.items()}
     # the four ways of one iteration run back to back: the median of per-iteration
     # ratios is steadier than the ratio of medians on a noisy (shared, virtual) host
-    paired = statistics.median(r / k for r, k in zip(times["raw"], times["kvbridge"],
-                                                      strict=True))
+    paired = paired_ratio(times["raw"], times["kvbridge"])
     gbps = {k: total / v / 1e9 for k, v in med.items()}
     produced_s = float(producer_stats.get("digest_time_s", 0.0))
     produced_gbps = (float(producer_stats.get("digest_bytes", 0)) / produced_s / 1e9
@@ -345,11 +340,10 @@ def compare_bench(num_blocks: int, block_bytes: int, *, iters: int = 5,
             "kvbridge_verify_off_gbps": round(gbps["kvbridge_off"], 3),
             "kvbridge_verify_full_gbps": round(gbps["kvbridge_full"], 3),
             # paired like kvbridge_over_raw_paired: the median of per-iteration ratios
-            "verify_full_over_off": round(statistics.median(
-                o / f for o, f in zip(times["kvbridge_off"], times["kvbridge_full"],
-                                      strict=True)), 3),
-            "verify_sample_over_off": round(statistics.median(
-                o / f for o, f in zip(times["kvbridge_off"], times["kvbridge"], strict=True)), 3),
+            "verify_full_over_off": round(paired_ratio(times["kvbridge_off"],
+                                                       times["kvbridge_full"]), 3),
+            "verify_sample_over_off": round(paired_ratio(times["kvbridge_off"],
+                                                         times["kvbridge"]), 3),
             "blocks_verified": int(totals.get("blocks_verified", 0)),
             "consumer_digest_gbps": (round(totals["digest_bytes"] / totals["digest_time_s"] / 1e9,
                                            3) if totals.get("digest_time_s") else None),

@@ -47,8 +47,6 @@ from typing import Any
 import numpy as np
 
 from kvbridge.backends.nixl import NixlTransport, XferState, load_nixl_api, strided_descs
-from kvbridge.backends.nixl.bench import PeerProcess
-from kvbridge.backends.nixl.bench import pattern as np_pattern
 from kvbridge.connectors.nixl.routing import consumer_table, producer_table, pull_indices
 from kvbridge.handshake import AgentMetadata, decode_agent, encode_agent
 from kvbridge.layouts import (
@@ -59,6 +57,8 @@ from kvbridge.layouts import (
     plan_transfer,
     rank_memory,
 )
+from kvbridge.tools.bench.nixl_peer import PeerProcess
+from kvbridge.tools.bench.nixl_peer import pattern as np_pattern
 
 MIB = 1 << 20
 STEPS = ("register", "handshake_doc", "prepare_lists", "first_transfer")

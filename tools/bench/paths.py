@@ -1,13 +1,13 @@
 """Each path of ``kvbridge bench``: run its benchmark, turn its report into rows.
 
-Owns: one ``bench_<path>`` function per entry of ``bench_suite.PATHS`` (and
+Owns: one ``bench_<path>`` function per entry of :data:`.suite.PATHS` (and
 the small raw baselines they time themselves: ``os.stat`` probes, the offload
 tier's async MISS verdict, Mooncake's ``batch_is_exist``). Each returns
-``{"rows": [...], "detail": ...}`` with rows of :func:`.bench_rows.row` and
-raises :class:`.bench_rows.Skipped` when its backend is not usable here.
+``{"rows": [...], "detail": ...}`` with rows of :func:`.rows.row` and
+raises :class:`.rows.Skipped` when its backend is not usable here.
 Backends are imported inside the functions, so importing this module stays
 cheap. May not touch: the suite's order and status bookkeeping
-(``bench_suite.run_suite``), the CLI, or the rendering of the rows.
+(:func:`.suite.run_suite`), the CLI, or the rendering of the rows.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.tools.bench.rows import GB, Skipped, memcpy_gbps, row, size_label
+from kvbridge.tools.bench.rows import GB, Skipped, memcpy_gbps, percentiles, row, size_label
 
 
 def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
@@ -48,7 +48,7 @@ def bench_nixl(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
 def bench_nixl_cost(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
                     layers: int | None, tp: int | None = None,
                     device: str = "cpu") -> dict[str, Any]:
-    """The transport's cost per transfer (:mod:`kvbridge.backends.nixl.cost`): kvbridge
+    """The transport's cost per transfer (:mod:`kvbridge.tools.bench.nixl_cost`): kvbridge
     vs raw NIXL making and releasing a handle per transfer, READ and WRITE, plus the
     fixed cost: a one-descriptor transfer (µs rows). ``patterns`` (``--pattern``)
     replace the default block patterns; the request-sized ones (4k and 32k tokens at
@@ -59,13 +59,13 @@ def bench_nixl_cost(patterns: Sequence[tuple[int, int]], iters: int, quick: bool
         load_nixl_api()
     except Exception as exc:
         raise Skipped(f"NIXL cannot load: {exc}") from None
-    from kvbridge.backends.nixl.cost import (
+    from kvbridge.tools.bench.nixl_cost import (
         DEFAULT_TP,
         MODEL_LAYERS,
         CostPattern,
         default_cost_patterns,
     )
-    from kvbridge.backends.nixl.cost import run_nixl_cost_bench as run_cost
+    from kvbridge.tools.bench.nixl_cost import run_nixl_cost_bench as run_cost
 
     chosen = list(default_cost_patterns(layers or (1 if quick else MODEL_LAYERS),
                                         tp or DEFAULT_TP, quick=quick))
@@ -146,7 +146,7 @@ def bench_mooncake(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
     """``device`` cuda[:N]: the connector's KV on the GPU, put and got through its
     staging buffer, against raw Mooncake on pinned host copies of the same bytes."""
     _mooncake_available()
-    from kvbridge.connectors.mooncake_store.bench import run_bench
+    from kvbridge.tools.bench.mooncake import run_bench
 
     raw = run_bench(tuple(patterns), rounds=max(1, iters), master_address=master,
                     metadata_server=metadata, device=device)
@@ -165,7 +165,7 @@ def bench_mooncake(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
 
 def bench_offload(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
                   directory: str | None = None) -> dict[str, Any]:
-    from kvbridge.offload.bench import run_offload_bench, run_verify_bench
+    from kvbridge.tools.bench.offload import run_offload_bench, run_verify_bench
 
     rows, details = [], []
     for num_blocks, block_bytes in patterns:
@@ -196,7 +196,7 @@ def bench_offload(patterns: Sequence[tuple[int, int]], iters: int, quick: bool,
 
 
 def bench_events(num_events: int, batch_sizes: Sequence[int]) -> dict[str, Any]:
-    from kvbridge.events.bench import run_events_bench
+    from kvbridge.tools.bench.events import run_events_bench
 
     raw = run_events_bench(num_events, tuple(batch_sizes))
     rows = []
@@ -270,9 +270,7 @@ def _stat_probe_us(num_keys: int, iterations: int) -> dict[str, float]:
                 with contextlib.suppress(FileNotFoundError):
                     os.stat(p)
             samples.append((time.perf_counter_ns() - t0) / 1000 / num_keys)
-    samples.sort()
-    return {"median": statistics.median(samples),
-            "p99": samples[min(len(samples) - 1, int(len(samples) * 0.99))]}
+    return percentiles(samples)
 
 
 def bench_digests(patterns: Sequence[tuple[int, int]], iters: int,
@@ -314,13 +312,13 @@ def bench_digests(patterns: Sequence[tuple[int, int]], iters: int,
 
 def bench_lookup(quick: bool, master: str | None = None,
                  metadata: str | None = None) -> dict[str, Any]:
-    from kvbridge.offload.bench import _lookup_latency
+    from kvbridge.tools.bench.offload import lookup_latency
 
     keys, iterations = (16, 30) if quick else (64, 400)
     rows: list[dict[str, Any]] = []
     detail: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvb-lookup-") as root:
-        latency = _lookup_latency(os.path.join(root, "lat"), keys, iterations, True, 60.0)
+        latency = lookup_latency(os.path.join(root, "lat"), keys, iterations, True, 60.0)
     detail["offload_manager"] = latency
     stat = _stat_probe_us(keys, iterations)
     detail["os_stat_per_key_us"] = stat

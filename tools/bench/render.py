@@ -1,12 +1,12 @@
 """Rendering of a ``kvbridge bench`` report: the table, markdown, per-path details, a plot.
 
-Owns: how a report (``bench_suite.run_suite``'s dict, or one saved with
+Owns: how a report (:func:`.suite.run_suite`'s dict, or one saved with
 ``--json``) is shown: :func:`format_table`, :func:`format_markdown` (the
 README's table) and :func:`slim_report` (what it reads), each path's own
 detail table (:func:`format_details`) and :func:`plot` (matplotlib, imported
 when called). Pure: reads the report, returns text or writes the one image
 file asked for. May not touch: running a path, the report's contents, the
-exit code (``bench_suite.suite_ok``).
+exit code (:func:`.suite.suite_ok`).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def format_details(report: dict[str, Any]) -> str | None:
     if name == "nixl-cost":
         return format_cost_detail(detail)
     if name == "mooncake":
-        from kvbridge.connectors.mooncake_store.bench import format_report
+        from kvbridge.tools.bench.mooncake import format_report
 
         return str(format_report(detail))
     return None

@@ -1,17 +1,22 @@
-"""The one row shape of ``kvbridge bench`` and the sizes each path is measured at.
+"""The one row shape of ``kvbridge bench``, the sizes each path is measured at, and the
+arithmetic every bench shares.
 
 Owns: :func:`row` (every path's result rows, so the table, the JSON file and
 the plot treat them alike), ``--pattern`` parsing (:func:`parse_pattern`), the
 default and ``--quick`` patterns per path, :func:`memcpy_gbps` (the limit
 column of every row), :func:`size_label` and :class:`Skipped` (a path whose
-backend is missing). May not touch: any backend or path (nothing here imports
-NIXL, Mooncake or the offload store; torch only inside :func:`memcpy_gbps`),
-the CLI or the rendering.
+backend is missing); and the figures the bench modules compute alike:
+:func:`gbps`, :func:`paired_ratio` (the ratio of two ways timed back to back),
+:func:`memcpy_seconds` and :func:`percentiles`. May not touch: any backend or
+path (nothing here imports NIXL, Mooncake or the offload store; torch only
+inside :func:`memcpy_gbps`), the CLI or the rendering.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 GB = 1e9
@@ -87,12 +92,7 @@ def memcpy_gbps(nbytes: int, repeats: int = 9) -> float:
     src = torch.ones(max(1, nbytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in, untimed
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / min(times) / GB
+    return nbytes / min(memcpy_seconds(src, dst, repeats)) / GB
 
 
 def size_label(nbytes: int) -> str:
@@ -100,3 +100,35 @@ def size_label(nbytes: int) -> str:
         if nbytes >= factor and nbytes % factor == 0:
             return f"{nbytes // factor}{unit}"
     return f"{nbytes}B"
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """GB/s (10^9 bytes); infinite for a zero time (a timer too coarse for the size)."""
+    return nbytes / seconds / GB if seconds > 0 else float("inf")
+
+
+def paired_ratio(raw_s: Sequence[float], ours_s: Sequence[float]) -> float:
+    """Median over rounds of our throughput / raw throughput (= raw time / our time).
+
+    Both sides run back to back in a round, so slow drifts of machine load cancel.
+    """
+    return statistics.median(r / o for r, o in zip(raw_s, ours_s, strict=True) if o > 0)
+
+
+def memcpy_seconds(src: Any, dst: Any, rounds: int) -> list[float]:
+    """Times of ``dst.copy_(src)`` (at least 3): the local limit a bench reports beside it."""
+    times = []
+    for _ in range(max(3, rounds)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def percentiles(samples: Sequence[float], digits: int | None = None) -> dict[str, float]:
+    """``{"median", "p99", "max"}`` of ``samples`` (rounded to ``digits`` when given)."""
+    ordered = sorted(samples)
+    figures = {"median": statistics.median(ordered),
+               "p99": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+               "max": ordered[-1]}
+    return figures if digits is None else {k: round(v, digits) for k, v in figures.items()}

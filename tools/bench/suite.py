@@ -7,17 +7,17 @@ Paths (``PATHS``):
 * ``nixl-cost`` -- the NIXL transport's cost per transfer: kvbridge's ``post``/``wait``
   vs raw NIXL making, posting, waiting on and releasing a handle per transfer (and
   re-posting one handle), READ and WRITE, block patterns and a 4k-/32k-token request of a
-  70B-class model; GB/s and the fixed cost in µs (:mod:`kvbridge.backends.nixl.cost`).
+  70B-class model; GB/s and the fixed cost in µs (:mod:`kvbridge.tools.bench.nixl_cost`).
 * ``nixl-scale`` -- set-up at a real cache size (default 64 layers x 100,000 blocks):
   register, handshake document, both sides' lists, first transfer to a new peer, each
   timed with its peak memory, vs raw NIXL doing the same
   (:mod:`kvbridge.tools.bench.nixl_scale`).
 * ``mooncake`` -- the mooncake_store connector's put/get vs Mooncake's own
-  ``batch_put_from``/``batch_get_into`` (:mod:`kvbridge.connectors.mooncake_store.bench`).
+  ``batch_put_from``/``batch_get_into`` (:mod:`kvbridge.tools.bench.mooncake`).
 * ``offload``  -- the fs tier's store/load vs plain sequential file I/O
-  (:mod:`kvbridge.offload.bench`); limit: memcpy of the same bytes.
+  (:mod:`kvbridge.tools.bench.offload`); limit: memcpy of the same bytes.
 * ``events``   -- KV events through kvbridge's publisher/subscriber vs raw pyzmq PUB/SUB
-  of the same frames (:mod:`kvbridge.events.bench`); limit: memcpy of the payload bytes.
+  of the same frames (:mod:`kvbridge.tools.bench.events`); limit: memcpy of the payload bytes.
 * ``lookup``   -- scheduler-side lookup latency: the offload manager's lookup per key
   (fs tier idle and busy) vs a plain ``os.stat`` probe of as many block files; the
   async path's round trip (lookup -> probes on the worker pool -> MISS verdict) vs the

@@ -298,7 +298,7 @@ def _bench(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) <= 0 or args.events <= 0:
         print("kvbridge events bench: sizes and --events must be positive", file=sys.stderr)
         return EXIT_USAGE
-    from kvbridge.events.bench import run_events_bench
+    from kvbridge.tools.bench.events import run_events_bench
 
     with Progress("events bench", force=args.progress).ticking("publishing"):
         result = run_events_bench(args.events, sizes)

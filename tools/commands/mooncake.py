@@ -283,8 +283,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print("kvbridge mooncake bench: --master and --metadata go together", file=sys.stderr)
         return EXIT_USAGE
     from kvbridge.backends.mooncake import MooncakeError
-    from kvbridge.backends.mooncake.bench import run_mooncake_bench
     from kvbridge.backends.mooncake.master import MooncakeMasterError
+    from kvbridge.tools.bench.mooncake_client import format_report, run_mooncake_bench
 
     try:
         with Progress("mooncake bench", force=args.progress).ticking("raw store vs client"):
@@ -298,31 +298,5 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_bench(report))
+        print(format_report(report))
     return EXIT_OK if ok else EXIT_FAILURE
-
-
-def _size(nbytes: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor} {unit}"
-    return f"{nbytes} B"
-
-
-def format_bench(report: dict[str, Any]) -> str:
-    lines = [
-        f"Mooncake store, one process (blocks in the client's own segment), master "
-        f"{report['master']}, {report['rounds']} rounds; GB/s are medians, ratio = median of "
-        "per-round client/raw",
-        f"{'pattern':>16} {'op':>4} {'raw GB/s':>9} {'client GB/s':>12} {'ratio':>6} "
-        f"{'best ratio':>10} {'memcpy GB/s':>12} {'verified':>8}",
-    ]
-    for p in report["patterns"]:
-        name = f"{p['num_blocks']} x {_size(p['block_bytes'])}"
-        for op in ("put", "get"):
-            lines.append(
-                f"{name:>16} {op:>4} {p['raw'][op + '_gbps']:9.2f} {p['client'][op + '_gbps']:12.2f} "
-                f"{p['ratio'][op]:6.2f} {p['ratio'][op + '_best']:10.2f} {p['memcpy_gbps']:12.2f} "
-                f"{'yes' if p['verified'] else 'NO':>8}"
-            )
-    return "\n".join(lines)

@@ -240,8 +240,8 @@ def run_fsck(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvbridge.offload.bench import run_offload_bench, run_verify_bench
     from kvbridge.offload.types import OffloadError
+    from kvbridge.tools.bench.offload import run_offload_bench, run_verify_bench
 
     modes: tuple[str, ...] = ()
     if args.verify is not None:

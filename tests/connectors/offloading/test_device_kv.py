@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from kvbridge.connectors.offloading import copier as copier_module
-from kvbridge.connectors.offloading.bench import render, run_copy_bench
 from kvbridge.connectors.offloading.copier import (
     SlotCopier,
     gather_rows,
@@ -28,7 +27,6 @@ from kvbridge.engine.workload import make_requests
 from kvbridge.layouts import ParallelTopology
 from kvbridge.layouts.kv_memory import HostAccessError, guard_host_access
 from kvbridge.offload.cpu import SlotMemory
-from tests.conftest import assert_figures
 from tests.connectors.guarded_kv import guard_engine_kv
 from tests.connectors.offloading.test_engine import _again, _engine, _run
 
@@ -128,14 +126,6 @@ def test_slot_runs_cover_the_slots_in_order() -> None:
     assert slot_runs([]) == []
     assert slot_runs([4]) == [(0, 4, 1)]
     assert slot_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
-
-
-def test_copy_bench_runs_on_cpu_and_verifies() -> None:
-    row = run_copy_bench("cpu", num_blocks=8, block_bytes=64 << 10, layers=4, rounds=2)
-    assert row["verified"] is True and row["slots_pinned"] is False
-    assert_figures(row, ["store_gbps", "load_gbps", "plain_d2h_gbps", "plain_h2d_gbps",
-                         "store_ratio", "load_ratio"])
-    assert "offload copy store on cpu" in render(row)
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["index-kernels", "row-copies"])

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbridge.backends.nixl import NixlTransport, XferState, load_nixl_api, strided_descs
-from kvbridge.backends.nixl.bench import PeerProcess, pattern
+from kvbridge.tools.bench.nixl_peer import PeerProcess, pattern, wait_raw_transfer
+from kvbridge.tools.bench.rows import paired_ratio
 
 if TYPE_CHECKING:
     import torch
@@ -149,15 +150,6 @@ def check_memory(patterns: Sequence[CostPattern], device: str,
 # ------------------------------------------------------------------ the ways
 
 
-def _wait_raw(agent: Any, handle: Any, state: str, t_end: float) -> None:
-    while state == "PROC":
-        if time.monotonic() > t_end:
-            raise TimeoutError("raw NIXL transfer past its deadline")
-        state = agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise RuntimeError(f"raw NIXL transfer state {state}")
-
-
 class _Raw:
     """Raw NIXL on its own agent: the same lists as kvbridge's, prepared once."""
 
@@ -180,7 +172,7 @@ class _Raw:
         t_end = time.monotonic() + self.deadline_s
         handle = self.agent.make_prepped_xfer(op, self.ldl, li, self.rdl, ri, b"", ["UCX"])
         try:
-            _wait_raw(self.agent, handle, self.agent.transfer(handle), t_end)
+            wait_raw_transfer(self.agent, handle, self.agent.transfer(handle), t_end)
         finally:
             self.agent.release_xfer_handle(handle)
 
@@ -196,7 +188,7 @@ class _Raw:
         if handle is None:
             handle = self.reused[key] = self.agent.make_prepped_xfer(
                 op, self.ldl, li, self.rdl, ri, b"", ["UCX"])
-        _wait_raw(self.agent, handle, self.agent.transfer(handle),
+        wait_raw_transfer(self.agent, handle, self.agent.transfer(handle),
                   time.monotonic() + self.deadline_s)
 
     def close(self) -> None:
@@ -373,10 +365,9 @@ def _one(p: CostPattern, *, device: str, min_iters: int, min_time_s: float,
                                                times[f"kvbridge:{op}:1"], strict=True)), 2),
             # iterations run each way back to back: paired figures are steadier on a
             # shared host than the ratio or difference of two medians
-            "kvbridge_over_raw_per_request": round(statistics.median(
-                r / k for r, k in zip(req, kv, strict=True)), 3),
-            "kvbridge_over_raw_reused_handle": round(statistics.median(
-                r / k for r, k in zip(times[f"raw_reused_handle:{op}"], kv, strict=True)), 3),
+            "kvbridge_over_raw_per_request": round(paired_ratio(req, kv), 3),
+            "kvbridge_over_raw_reused_handle": round(
+                paired_ratio(times[f"raw_reused_handle:{op}"], kv), 3),
             "kvbridge_excess_us": round(statistics.median(
                 (k - r) * 1e6 for r, k in zip(req, kv, strict=True)), 2),
         }

@@ -114,7 +114,7 @@ def render(row: dict[str, Any]) -> str:
         for what, plain in (("store", "plain_d2h_gbps"), ("load", "plain_h2d_gbps")))
 
 
-if __name__ == "__main__":  # python -m kvbridge.connectors.offloading.bench [device]
+if __name__ == "__main__":  # python -m kvbridge.tools.bench.offload_copy [device]
     import sys
 
     print(render(run_copy_bench(sys.argv[1] if len(sys.argv) > 1 else "cpu")))

@@ -24,7 +24,7 @@ step batches them):
 
 End-to-end rates are events / (last receive - first send), both read from
 CLOCK_MONOTONIC, which Linux shares between processes. The receiver runs as
-``python -m kvbridge.events.bench --receive ...`` so that publisher and
+``python -m kvbridge.tools.bench.events --receive ...`` so that publisher and
 subscriber do not share a GIL.
 """
 
@@ -41,10 +41,10 @@ from typing import Any
 
 import zmq
 
-from .publisher import KVEventPublisher, PublisherConfig
-from .schema import BlockRemoved, BlockStored, KVEvent, Medium
-from .subscriber import KVEventSubscriber, ReceivedBatch, SubscriberConfig
-from .wire import EventWireFormat, decode_batch, encode_events, encode_seq
+from kvbridge.events.publisher import KVEventPublisher, PublisherConfig
+from kvbridge.events.schema import BlockRemoved, BlockStored, KVEvent, Medium
+from kvbridge.events.subscriber import KVEventSubscriber, ReceivedBatch, SubscriberConfig
+from kvbridge.events.wire import EventWireFormat, decode_batch, encode_events, encode_seq
 
 _TOPIC = "kv-bench"
 _BLOCK_SIZE = 16
@@ -85,7 +85,7 @@ def _start_receiver(mode: str, endpoint: str, replay: str | None, num_events: in
     cmd = [
         sys.executable,
         "-m",
-        "kvbridge.events.bench",
+        "kvbridge.tools.bench.events",
         "--receive",
         mode,
         "--endpoint",
@@ -335,7 +335,7 @@ def _receive_kvbridge(endpoint: str, replay: str, expect_events: int) -> dict[st
 
 
 def _receiver_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.events.bench")
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.tools.bench.events")
     parser.add_argument("--receive", choices=("raw", "codec", "kvbridge"), required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--replay")

@@ -1,8 +1,7 @@
-"""`kvbridge events tail`, the events bench, and the in-process EventBuffer."""
+"""`kvbridge events tail` and the in-process EventBuffer."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
 import time
@@ -27,7 +26,6 @@ from kvbridge.events import (
     PublisherConfig,
     SubscriberConfig,
 )
-from kvbridge.events.bench import engine_like_batches, run_events_bench
 from kvbridge.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 
@@ -109,33 +107,6 @@ def test_tail_refuses_an_endpoint_zmq_cannot_connect_to_naming_the_argument(
     assert info.value.field == "endpoint"
 
 
-def test_bench_reports_both_paths_and_their_ratio() -> None:
-    result = run_events_bench(num_events=640, batch_sizes=(16,), timeout_s=60.0)
-    row = result["results"]["16"]
-    assert row["batches"] == 40 and row["events"] == 640
-    assert row["raw"]["received_events"] == 640
-    assert row["kvbridge"]["received_events"] == 640
-    assert row["kvbridge"]["lost_batches"] == 0
-    assert row["encode_events_per_s"] > 0 and row["decode_events_per_s"] > 0
-    assert row["ratio"] == pytest.approx(
-        row["kvbridge"]["events_per_s"] / row["raw"]["events_per_s"]
-    )
-    # CPU per batch of both sides (sender + receiver process), and its ratio.
-    cpu = {side: row[side]["sender_cpu_us_per_batch"] + row[side]["receiver_cpu_us_per_batch"]
-           for side in ("raw", "kvbridge")}
-    assert cpu["raw"] > 0 and cpu["kvbridge"] > 0
-    assert row["cpu_ratio"] == pytest.approx(cpu["raw"] / cpu["kvbridge"])
-
-
-def test_engine_like_batches_shape() -> None:
-    batches = engine_like_batches(100, 16)
-    assert [len(b) for b in batches] == [16] * 6 + [4]
-    stored = [e for b in batches for e in b if isinstance(e, BlockStored)]
-    assert all(len(e.token_ids) == len(e.block_hashes) * e.block_size for e in stored)
-    # Stores chain: each run's parent is the previous run's last block.
-    assert all(b.parent_block_hash == a.block_hashes[-1] for a, b in itertools.pairwise(stored))
-
-
 def test_event_buffer_hands_out_every_event_once() -> None:
     buffer = EventBuffer()
     taken: list[object] = []
@@ -190,19 +161,3 @@ def test_worker_events_complete_when_every_rank_reported() -> None:
     assert agg.take_complete() == [b, a] and agg.num_pending == 0
     with pytest.raises(ValueError, match="worker_rank"):
         agg.add(2, [a])
-
-
-def test_bench_reports_the_codec_alone_between_raw_and_kvbridge() -> None:
-    """The codec run encodes every batch in the sender and decodes every payload in
-    the receiver (it counts the decoded events), with no publisher or subscriber."""
-    result = run_events_bench(num_events=320, batch_sizes=(16,), timeout_s=60.0)
-    row = result["results"]["16"]
-    codec = row["codec"]
-    assert codec["received_batches"] == 20 and codec["received_events"] == 320
-    assert codec["sender_cpu_us_per_batch"] > 0 and codec["receiver_cpu_us_per_batch"] > 0
-    assert row["codec_ratio"] == pytest.approx(
-        codec["events_per_s"] / row["raw"]["events_per_s"]
-    )
-    assert row["ratio_vs_codec"] == pytest.approx(
-        row["kvbridge"]["events_per_s"] / codec["events_per_s"]
-    )

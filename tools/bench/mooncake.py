@@ -52,7 +52,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbridge.backends.device.copy import host_buffer
-from kvbridge.backends.mooncake.bench import gbps, memcpy_seconds, paired_ratio
 from kvbridge.backends.mooncake.master import master_endpoint  # also applies env defaults
 from kvbridge.connectors.api import ConnectorContext, KVCaches
 from kvbridge.connectors.config import ConnectorConfig, KVRole
@@ -63,6 +62,7 @@ from kvbridge.events import BlockStored, Locality, Medium
 from kvbridge.layouts import KVCacheSpec, ParallelTopology, RegionLayout, RegionSpec
 from kvbridge.layouts.digests import DEFAULT_MODE, DigestMode
 from kvbridge.layouts.kv_memory import guard_host_access
+from kvbridge.tools.bench.rows import gbps, memcpy_seconds, paired_ratio, size_label
 
 logger = logging.getLogger(__name__)
 
@@ -312,12 +312,6 @@ def _rounds(producer: MooncakeStoreWorker, src: Any, raw_src: Any, raw_dst: Any,
     }
 
 
-def _size(nbytes: int) -> str:
-    if nbytes % MiB == 0:
-        return f"{nbytes // MiB}MiB"
-    return f"{nbytes // 1024}KiB" if nbytes % 1024 == 0 else f"{nbytes}B"
-
-
 def format_report(report: dict[str, Any]) -> str:
     """A plain-text table of :func:`run_bench`'s result."""
     lines = [f"kvbridge bench mooncake: connector vs raw Mooncake batch put/get, "
@@ -329,7 +323,7 @@ def format_report(report: dict[str, Any]) -> str:
                 else ""),
              f"{'pattern':>14} {'side':>10} {'put GB/s':>9} {'get GB/s':>9}"]
     for p in report["patterns"]:
-        pattern = f"{p['num_blocks']}x{_size(p['block_bytes'])}"
+        pattern = f"{p['num_blocks']}x{size_label(p['block_bytes'])}"
         if p.get("layers", 1) > 1:
             pattern += f"x{p['layers']}L"
         for name in ("raw", "connector"):

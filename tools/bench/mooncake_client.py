@@ -1,6 +1,6 @@
-"""Raw Mooncake batch put/get against :class:`MooncakeStoreClient` on the same bytes, same run.
+"""``kvbridge mooncake bench``: raw Mooncake batch put/get against :class:`MooncakeStoreClient`.
 
-The comparison isolates what the client adds (validation, reachability
+Same bytes, same run. The comparison isolates what the client adds (validation, reachability
 check, worker-thread hand-off, result objects): both sides use the *same*
 ``MooncakeDistributedStore`` instance, the same registered source and
 destination tensors, keys of the same length, and alternate which goes first
@@ -19,34 +19,12 @@ from typing import Any
 
 from kvbridge.backends.mooncake import MooncakeConfig, MooncakeStoreClient
 from kvbridge.backends.mooncake.master import master_endpoint
+from kvbridge.tools.bench.rows import gbps, memcpy_seconds, paired_ratio, size_label
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PATTERNS: tuple[tuple[int, int], ...] = ((64, 2 << 20), (4096, 16 << 10))
 MiB = 1 << 20
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """GB/s (10^9 bytes); infinite for a zero time (a timer too coarse for the size)."""
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def paired_ratio(raw_s: Sequence[float], ours_s: Sequence[float]) -> float:
-    """Median over rounds of our throughput / raw throughput (= raw time / our time).
-
-    Both sides run back to back in a round, so slow drifts of machine load cancel.
-    """
-    return statistics.median(r / o for r, o in zip(raw_s, ours_s, strict=True) if o > 0)
-
-
-def memcpy_seconds(src: Any, dst: Any, rounds: int) -> list[float]:
-    """Times of ``dst.copy_(src)`` (at least 3): the local limit a bench reports beside it."""
-    times = []
-    for _ in range(max(3, rounds)):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def run_mooncake_bench(
@@ -183,3 +161,23 @@ def _bench_pattern(
         "failed_rounds": failures,
         "verified": failures["raw"] == 0 and failures["client"] == 0,
     }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A plain-text table of :func:`run_mooncake_bench`'s result (``kvbridge mooncake bench``)."""
+    lines = [
+        f"Mooncake store, one process (blocks in the client's own segment), master "
+        f"{report['master']}, {report['rounds']} rounds; GB/s are medians, ratio = median of "
+        "per-round client/raw",
+        f"{'pattern':>16} {'op':>4} {'raw GB/s':>9} {'client GB/s':>12} {'ratio':>6} "
+        f"{'best ratio':>10} {'memcpy GB/s':>12} {'verified':>8}",
+    ]
+    for p in report["patterns"]:
+        name = f"{p['num_blocks']} x {size_label(p['block_bytes'])}"
+        for op in ("put", "get"):
+            lines.append(
+                f"{name:>16} {op:>4} {p['raw'][op + '_gbps']:9.2f} {p['client'][op + '_gbps']:12.2f} "
+                f"{p['ratio'][op]:6.2f} {p['ratio'][op + '_best']:10.2f} {p['memcpy_gbps']:12.2f} "
+                f"{'yes' if p['verified'] else 'NO':>8}"
+            )
+    return "\n".join(lines)

@@ -1,44 +1,14 @@
-"""The CLI-facing pieces: ``kvbridge demo --connector mooncake`` and the connector bench."""
+"""`kvbridge bench mooncake`'s measuring code: the mooncake_store connector's put/get against
+raw Mooncake batch calls on the same bytes, per verification mode, staged or not."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-import pytest
-
 from kvbridge.backends.mooncake.master import MooncakeMaster
-from kvbridge.tools.cli import main
+from kvbridge.tools.bench.mooncake import format_report, run_bench
 from tests.conftest import assert_figures
 
 
-def test_demo_through_the_store(mooncake_master: MooncakeMaster,
-                                capsys: pytest.CaptureFixture[str]) -> None:
-    """Two engine processes, the shared master given with --master/--metadata."""
-    rc = main(["demo", "--connector", "mooncake", "--master", mooncake_master.rpc_address,
-               "--metadata", mooncake_master.metadata_url, "--requests", "4",
-               "--model", "tiny-mla", "--producer", "tp=2", "--consumer", "tp=2",
-               "--kv-config", json.dumps({"global_segment_size": 16 << 20,
-                                          "local_buffer_size": 4 << 20}),
-               "--timeout", "120", "--json"])
-    summary: dict[str, Any] = json.loads(capsys.readouterr().out)
-    assert rc == 0, summary
-    assert summary["connector"] == "mooncake" and summary["requests"] == 4
-    assert summary["failed_requests"] == 0 and summary["mismatched_bytes"] == 0
-    assert summary["external_tokens"] > 0 and summary["verified_bytes"] > 0
-    assert summary["bytes"] > 0 and summary["put_bytes"] > 0 and summary["load_errors"] == 0
-    assert summary["idle_problems"] == {"producer": [], "consumer": []}
-
-
-def test_demo_rejects_metadata_without_master(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["demo", "--connector", "mooncake", "--metadata", "http://127.0.0.1:1/metadata"])
-    assert rc == 2
-    assert "--metadata needs --master" in capsys.readouterr().err
-
-
 def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> None:
-    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
-
     report = run_bench([(8, 64 << 10), (64, 16 << 10)], rounds=2,
                        master_address=mooncake_master.rpc_address,
                        metadata_server=mooncake_master.metadata_url)
@@ -61,8 +31,6 @@ def test_bench_reports_both_sides_verified(mooncake_master: MooncakeMaster) -> N
 
 
 def test_bench_with_layers_puts_one_object_per_layer(mooncake_master: MooncakeMaster) -> None:
-    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
-
     report = run_bench([(8, 16 << 10)], rounds=1, layers=3, verify_modes=("full",),
                        master_address=mooncake_master.rpc_address,
                        metadata_server=mooncake_master.metadata_url)
@@ -77,8 +45,6 @@ def test_bench_with_layers_puts_one_object_per_layer(mooncake_master: MooncakeMa
 def test_bench_of_guarded_kv_runs_the_staged_path(mooncake_master: MooncakeMaster) -> None:
     """KV that refuses host access (as on a GPU) is put and got through staging; the raw
     side moves pinned host copies of the same bytes; both verified byte for byte."""
-    from kvbridge.connectors.mooncake_store.bench import format_report, run_bench
-
     report = run_bench([(8, 16 << 10)], rounds=1, layers=2, verify_modes=("full",),
                        guard=True, master_address=mooncake_master.rpc_address,
                        metadata_server=mooncake_master.metadata_url)
