@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvbridge.auth import new_secret
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 from kvbridge.integrations.vllm.front_door import GATE
 from kvbridge.integrations.vllm.tiny_model import ensure_tiny_llama
@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     secret = work / "cluster.secret"
     new_secret(secret)
     model = str(ensure_tiny_llama(work / "model"))
-    producer_config = bench.kvbridge_nixl_config("kv_producer",
+    producer_config = configs.kvbridge_nixl_config("kv_producer",
                                                  extra={"auth_secret_file": str(secret)})
-    consumer_config = {**bench.kvbridge_nixl_config("kv_consumer",
+    consumer_config = {**configs.kvbridge_nixl_config("kv_consumer",
                                                     extra={"auth_secret_file": str(secret)}),
                        "kv_load_failure_policy": "recompute"}
-    specs = bench.pair_specs(model, "measure", producer_config, consumer_config)
+    specs = configs.pair_specs(model, "measure", producer_config, consumer_config)
     producer_spec, consumer_spec = (
         h.ServerSpec(s.name, s.model, s.port, max_model_len=2048, core=s.core,
                      kv_transfer_config=s.kv_transfer_config, extra_args=extra)

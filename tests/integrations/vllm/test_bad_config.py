@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 
 def test_unknown_connector_setting_fails_at_startup_naming_it(tiny_model: Path,
                                                               server_logs: Path) -> None:
-    config = bench.kvbridge_nixl_config("kv_consumer", extra={"mode": "sideways"})
+    config = configs.kvbridge_nixl_config("kv_consumer", extra={"mode": "sideways"})
     server = h.VllmServer(h.ServerSpec("bad-mode", str(tiny_model), h.free_port(), core=1,
                                        kv_transfer_config=config), server_logs / "bad-config")
     server.start()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.vllm
 
 def test_pull_pd_with_worker_processes_matches_colocated(tiny_model: Path,
                                                          server_logs: Path) -> None:
-    specs = bench.pair_specs(str(tiny_model), "multiproc",
-                             bench.kvbridge_nixl_config("kv_producer"),
-                             bench.kvbridge_nixl_config("kv_consumer"))
+    specs = configs.pair_specs(str(tiny_model), "multiproc",
+                             configs.kvbridge_nixl_config("kv_producer"),
+                             configs.kvbridge_nixl_config("kv_consumer"))
     prompts = [h.make_prompts(1, n, seed=4000 + n)[0] for n in (100, 64)]
     with h.server_group(server_logs / "multiproc") as group:
         producer, consumer = group.start(*(replace(s, in_process=False) for s in specs),

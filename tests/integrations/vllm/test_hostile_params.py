@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from kvbridge.auth import new_secret
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 from kvbridge.integrations.vllm.front_door import GATE
 
@@ -219,12 +219,12 @@ def deployment(tiny_model: Path, server_logs: Path,
     secret = tmp_path_factory.mktemp("hostile") / "cluster.secret"
     new_secret(secret)
     consumer_id, consumer_port = f"cons-{uuid.uuid4().hex[:8]}", h.free_port()
-    producer_config = bench.kvbridge_nixl_config("kv_producer",
+    producer_config = configs.kvbridge_nixl_config("kv_producer",
                                                  extra={"auth_secret_file": str(secret)})
-    consumer_config = {**bench.kvbridge_nixl_config(
+    consumer_config = {**configs.kvbridge_nixl_config(
         "kv_consumer", extra={"auth_secret_file": str(secret), "port": consumer_port}),
         "engine_id": consumer_id, "kv_load_failure_policy": "recompute"}
-    producer, consumer = bench.pair_specs(str(tiny_model), "hostile", producer_config,
+    producer, consumer = configs.pair_specs(str(tiny_model), "hostile", producer_config,
                                           consumer_config)
     # the consumer in vLLM's default deployment (engine core and worker in their own
     # processes): there a request nested a few hundred levels deep kills the engine

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +34,7 @@ def mooncake_pair(tiny_model: Path, server_logs: Path, mooncake_master) -> Itera
         return {"kv_connector": "KVBridgeMooncakeStoreConnector", "kv_role": role,
                 "kv_connector_extra_config": dict(extra)}
 
-    producer, consumer = bench.pair_specs(str(tiny_model), "mooncake", config("kv_producer"),
+    producer, consumer = configs.pair_specs(str(tiny_model), "mooncake", config("kv_producer"),
                                           config("kv_consumer"))
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "WARNING"}
     producer = h.ServerSpec(**{**producer.__dict__, "env": env})

@@ -14,7 +14,7 @@ import pytest
 
 from kvbridge.auth import ClusterAuth, Secret, new_secret
 from kvbridge.handshake import HandshakeClient, HandshakeError
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
@@ -26,9 +26,9 @@ def test_pd_with_a_cluster_secret_matches_colocated_and_refuses_strangers(
     new_secret(secret)
     side_port = h.free_port()
     producer_extra = {"auth_secret_file": str(secret), "port": side_port}
-    specs = bench.pair_specs(str(tiny_model), "auth",
-                             bench.kvbridge_nixl_config("kv_producer", extra=producer_extra),
-                             bench.kvbridge_nixl_config("kv_consumer",
+    specs = configs.pair_specs(str(tiny_model), "auth",
+                             configs.kvbridge_nixl_config("kv_producer", extra=producer_extra),
+                             configs.kvbridge_nixl_config("kv_consumer",
                                                         extra={"auth_secret_file": str(secret)}))
     prompts = [h.make_prompts(1, n, seed=5000 + n)[0] for n in (80, 48)]
     with h.server_group(server_logs / "auth") as group:

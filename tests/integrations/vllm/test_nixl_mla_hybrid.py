@@ -47,7 +47,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 from tests.integrations.conftest import require_vllm_env
 
@@ -90,7 +90,7 @@ def pairs(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
     ports = {"producer": h.free_port(), "consumer": h.free_port()}
 
     def push_config(role: str, who: str) -> dict[str, Any]:
-        cfg = bench.kvbridge_nixl_config(role, extra={"mode": "push", "port": ports[who]})
+        cfg = configs.kvbridge_nixl_config(role, extra={"mode": "push", "port": ports[who]})
         cfg["engine_id"] = ids[who]
         if role == "kv_consumer":  # a refused push is a failed load: recomputed, not a 500
             cfg["kv_load_failure_policy"] = "recompute"
@@ -100,8 +100,8 @@ def pairs(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
         return h.ServerSpec(f"{kind}-{name}", model, h.free_port(), core=core,
                             kv_transfer_config=cfg, **SERVER_OPTS[kind])
 
-    specs = [spec("pull-producer", 0, bench.kvbridge_nixl_config("kv_producer")),
-             spec("pull-consumer", 1, bench.kvbridge_nixl_config("kv_consumer")),
+    specs = [spec("pull-producer", 0, configs.kvbridge_nixl_config("kv_producer")),
+             spec("pull-consumer", 1, configs.kvbridge_nixl_config("kv_consumer")),
              spec("push-producer", 0, push_config("kv_producer", "producer")),
              spec("push-consumer", 1, push_config("kv_consumer", "consumer"))]
     if kind == "mla":  # the reference: vLLM's own NixlConnector (see the module docstring)
@@ -109,7 +109,7 @@ def pairs(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
                                  ("vllm-consumer", 1, "kv_consumer")):
             specs.append(h.ServerSpec(
                 f"{kind}-{name}", model, h.free_port(), core=core,
-                kv_transfer_config=bench.builtin_nixl_config(role),
+                kv_transfer_config=configs.builtin_nixl_config(role),
                 env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(h.free_port())}, **SERVER_OPTS[kind]))
     with h.server_group(server_logs / f"nixl-{kind}") as group:
         started = group.start(*specs, timeout_s=900)

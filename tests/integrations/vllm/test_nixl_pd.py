@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
+from kvbridge.tools.bench import vllm_pd
 
 pytestmark = pytest.mark.vllm
 
@@ -37,17 +38,17 @@ EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, server_logs: Path) -> Iterator[dict[str, bench.PairUnderTest]]:
+def servers(tiny_model: Path, server_logs: Path) -> Iterator[dict[str, vllm_pd.PairUnderTest]]:
     model = str(tiny_model)
-    builtin = bench.pair_specs(model, "vllm", bench.builtin_nixl_config("kv_producer"),
-                               bench.builtin_nixl_config("kv_consumer"),
+    builtin = configs.pair_specs(model, "vllm", configs.builtin_nixl_config("kv_producer"),
+                               configs.builtin_nixl_config("kv_consumer"),
                                builtin_side_channel=True)
-    kvb = bench.pair_specs(model, "kvbridge", bench.kvbridge_nixl_config("kv_producer"),
-                           bench.kvbridge_nixl_config("kv_consumer", module_path=True))
+    kvb = configs.pair_specs(model, "kvbridge", configs.kvbridge_nixl_config("kv_producer"),
+                           configs.kvbridge_nixl_config("kv_consumer", module_path=True))
     with h.server_group(server_logs / "nixl-pd") as group:
         started = group.start(*builtin, *kvb, timeout_s=600)
-        yield {"vllm": bench.PairUnderTest("vllm", started[0], started[1], "vllm:nixl"),
-               "kvbridge": bench.PairUnderTest("kvbridge", started[2], started[3],
+        yield {"vllm": vllm_pd.PairUnderTest("vllm", started[0], started[1], "vllm:nixl"),
+               "kvbridge": vllm_pd.PairUnderTest("kvbridge", started[2], started[3],
                                                "vllm:kvbridge")}
 
 
@@ -113,10 +114,10 @@ def test_other_prompts_params_are_refused_and_the_prompt_recomputed(servers) -> 
 
 
 def test_side_by_side_vllm_and_kvbridge_nixl(servers, server_logs: Path) -> None:
-    report = bench.run_side_by_side([servers["vllm"], servers["kvbridge"]], num_prompts=6,
+    report = vllm_pd.run_side_by_side([servers["vllm"], servers["kvbridge"]], num_prompts=6,
                                     prompt_tokens=256, max_tokens=4, seed=777)
     (server_logs / "side_by_side.json").write_text(json.dumps(report, indent=2))
-    print("\n" + bench.format_table(report))  # noqa: T201 (shown with -s; also in the JSON)
+    print("\n" + vllm_pd.format_table(report))  # noqa: T201 (shown with -s; also in the JSON)
     assert report["same_tokens"], "the two connectors produced different tokens"
     for name in ("vllm", "kvbridge"):
         row = report["connectors"][name]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
@@ -31,7 +31,7 @@ def push_pair(tiny_model: Path, server_logs: Path) -> Iterator[dict[str, object]
     ports = {"producer": h.free_port(), "consumer": h.free_port()}
 
     def config(role: str, who: str) -> dict[str, object]:
-        cfg = bench.kvbridge_nixl_config(role, extra={"mode": "push", "port": ports[who]})
+        cfg = configs.kvbridge_nixl_config(role, extra={"mode": "push", "port": ports[who]})
         cfg["engine_id"] = ids[who]
         if role == "kv_consumer":
             # a push the producer refuses (another prompt's) is a failed load here:
@@ -39,7 +39,7 @@ def push_pair(tiny_model: Path, server_logs: Path) -> Iterator[dict[str, object]
             cfg["kv_load_failure_policy"] = "recompute"
         return cfg
 
-    specs = bench.pair_specs(str(tiny_model), "push", config("kv_producer", "producer"),
+    specs = configs.pair_specs(str(tiny_model), "push", config("kv_producer", "producer"),
                              config("kv_consumer", "consumer"))
     with h.server_group(server_logs / "nixl-push") as group:
         producer, consumer = group.start(*specs, timeout_s=400)

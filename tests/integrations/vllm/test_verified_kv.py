@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.integrations.vllm import bench
+from kvbridge.integrations.vllm import configs
 from kvbridge.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
@@ -36,9 +36,9 @@ def servers(tiny_model: Path, server_logs: Path) -> Iterator[tuple[h.VllmServer,
                        "kv_connector_extra_config": {}}
     # vLLM fails a request whose load failed unless told to recompute (its default is
     # kv_load_failure_policy=fail: the request then ends with an error, nothing wrong served)
-    consumer_config = {**bench.kvbridge_nixl_config("kv_consumer", extra={"verify": "full"}),
+    consumer_config = {**configs.kvbridge_nixl_config("kv_consumer", extra={"verify": "full"}),
                        "kv_load_failure_policy": "recompute"}
-    producer, consumer = bench.pair_specs(model, "corrupt", producer_config, consumer_config)
+    producer, consumer = configs.pair_specs(model, "corrupt", producer_config, consumer_config)
     producer = h.ServerSpec(producer.name, producer.model, producer.port, core=0,
                             kv_transfer_config=producer_config,
                             # the fault module first, then whatever kvbridge the run imports
@@ -46,7 +46,7 @@ def servers(tiny_model: Path, server_logs: Path) -> Iterator[tuple[h.VllmServer,
                             env={"PYTHONPATH": os.pathsep.join(
                                 filter(None, (str(FAULTS), os.environ.get("PYTHONPATH"))))})
     unchecked = h.ServerSpec("unverified-consumer", model, h.free_port(), core=1,
-                             kv_transfer_config=bench.kvbridge_nixl_config(
+                             kv_transfer_config=configs.kvbridge_nixl_config(
                                  "kv_consumer", extra={"verify": "off"}))
     with h.server_group(server_logs / "verified-kv") as group:
         yield tuple(group.start(producer, consumer, unchecked, timeout_s=600))

@@ -30,7 +30,7 @@ On a 2-core machine the end-to-end numbers are dominated by CPU contention;
 each server is pinned to its own core (producers on core 0, consumers on
 core 1) and the report says so.
 
-Run: ``python -m kvbridge.integrations.vllm.bench --json`` inside the vLLM venv
+Run: ``python -m kvbridge.tools.bench.vllm_pd --json`` inside the vLLM venv
 (``make test-vllm`` sets it up); it builds the tiny model, starts four servers,
 and stops them all at the end.
 """
@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.integrations.vllm import harness as h
+from kvbridge.integrations.vllm.configs import builtin_nixl_config, kvbridge_nixl_config, pair_specs
 
 #: per-request samples; the histograms (sum/count deltas) behind the server-side ones
 MEASURES = ("pd_s", "prefill_s", "decode_s", "ttft_s", "read_s", "load_s", "xfer_bytes")
@@ -211,31 +212,6 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
-def builtin_nixl_config(role: str) -> dict[str, Any]:
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
-
-
-def kvbridge_nixl_config(role: str, *, module_path: bool = False,
-                         extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    config: dict[str, Any] = {"kv_connector": "KVBridgeNixlConnector", "kv_role": role,
-                              "kv_connector_extra_config": dict(extra or {})}
-    if module_path:
-        config["kv_connector_module_path"] = "kvbridge.integrations.vllm.connector"
-    return config
-
-
-def pair_specs(model: str, name: str, producer_config: Mapping[str, Any],
-               consumer_config: Mapping[str, Any],
-               builtin_side_channel: bool = False) -> tuple[h.ServerSpec, h.ServerSpec]:
-    """Producer pinned to core 0, consumer to core 1, fresh ports for everything."""
-    def env() -> dict[str, str]:
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(h.free_port())} if builtin_side_channel else {}
-    return (h.ServerSpec(f"{name}-producer", model, h.free_port(), core=0,
-                         kv_transfer_config=producer_config, env=env()),
-            h.ServerSpec(f"{name}-consumer", model, h.free_port(), core=1,
-                         kv_transfer_config=consumer_config, env=env()))
-
-
 def format_table(report: Mapping[str, Any]) -> str:
     lines = [f"{'connector':<10} {'pd ms':>9} {'prefill ms':>10} {'decode ms':>10} "
              f"{'ttft ms':>9} {'read ms':>9} {'load ms':>9} {'bytes':>9} {'n':>3}"]
@@ -264,7 +240,7 @@ def format_table(report: Mapping[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="vLLM's NixlConnector vs kvbridge's NIXL connector, in real vLLM on CPU.",
-        epilog="example: python -m kvbridge.integrations.vllm.bench --prompts 30 --json")
+        epilog="example: python -m kvbridge.tools.bench.vllm_pd --prompts 30 --json")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="tiny model directory (built if missing; default: a temp dir)")
     parser.add_argument("--prompts", type=int, default=30,
