@@ -16,7 +16,8 @@ and the manager is driven as vLLM's scheduler drives it:
   requests), the scheduler-thread time per ``lookup`` call (``lookup_us``) and in all
   of them (``lookup_sum_ms``: a tier that answers at once is asked fewer times, so
   its calls are fewer and each does more of the manager's work, a promotion's start
-  included; the sum compares what the scheduler spent);
+  included; the sum compares what the scheduler spent, and grows with the load's
+  duration: every request is asked again on each pass until its chunks are loaded);
 * load: from then until every chunk is a HIT in the CPU tier (one promotion job per
   request); every loaded byte is compared with what was stored;
 * time to first byte after a restart: a new manager (new engine id) over the same
