@@ -77,28 +77,39 @@ class LookupCache:
         #: called with each key enqueued for a probe (observers such as tests keep
         #: per-key histories; the cache itself forgets released keys)
         self.on_enqueue = on_enqueue
-        #: probes enqueued in all (every new entry is enqueued exactly once)
+        #: probes enqueued in all (every new entry is enqueued exactly once, unless the
+        #: caller knew it present: ``num_known_hits``)
         self.num_enqueued = 0
+        self.num_known_hits = 0
         #: second results for one entry (dropped; a bug if ever non-zero)
         self.invariant_violations = 0
         #: verdicts settled as a miss because their probe outlived the deadline
         self.probe_timeouts = 0
 
-    def lookup(self, request_id: RequestId, key: OffloadKey, now: float = 0.0) -> bool | None:
+    def lookup(self, request_id: RequestId, key: OffloadKey, now: float = 0.0,
+               known_present: bool = False) -> bool | None:
         """Cached verdict for ``key``; None while unknown (first call enqueues a probe).
 
         ``now``: the caller's monotonic clock, recorded for ``expire``.
+        ``known_present``: the caller saw this key stored or loaded itself; a new entry
+        then starts as a hit, with no probe (an existing entry keeps its verdict: a
+        ``mark_miss`` still sticks). ``num_known_hits`` counts them.
         """
         entry = self._entries.get(key)
         if entry is None:
             self._next_generation += 1
             entry = _Entry(generation=self._next_generation, enqueued_at=now)
             self._entries[key] = entry
-            self._queued.append((key, entry.generation))
-            self._unknown[key] = None
-            self.num_enqueued += 1
-            if self.on_enqueue is not None:
-                self.on_enqueue(key)
+            if known_present:
+                entry.result = True
+                entry.probe_outstanding = False
+                self.num_known_hits += 1
+            else:
+                self._queued.append((key, entry.generation))
+                self._unknown[key] = None
+                self.num_enqueued += 1
+                if self.on_enqueue is not None:
+                    self.on_enqueue(key)
         if request_id not in entry.refs:
             entry.refs.add(request_id)
             self._by_request.setdefault(request_id, set()).add(key)

@@ -299,8 +299,7 @@ class FsTier(Tier):
         #: go through it (None: a real directory inside the root). Judged once, here and
         #: when a store makes a removed one again, so a block's check is a list index.
         self._real_root = os.path.realpath(root)
-        self._fanout_refused: list[str | None] = [
-            self._judge_fanout(directory, None) for directory in self.mapper.all_directories()]
+        self._fanout_refused: list[str | None] = self._judge_fanouts([None] * 256)
         if not fanout_recheck_s >= 0:
             raise OffloadError("fanout_recheck_s", f"expected seconds >= 0, got "
                                f"{fanout_recheck_s!r}")
@@ -349,9 +348,36 @@ class FsTier(Tier):
         if now - self._fanouts_judged_at < self.fanout_recheck_s:
             return
         self._fanouts_judged_at = now
-        self._fanout_refused = [self._judge_fanout(directory, before) for directory, before
-                                in zip(self.mapper.all_directories(), self._fanout_refused,
-                                       strict=True)]
+        self._fanout_refused = self._judge_fanouts(self._fanout_refused)
+
+    def _judge_fanouts(self, before: list[str | None]) -> list[str | None]:
+        """Every fan-out directory's verdict (``_judge_fanout``), from one scan of the root.
+
+        A real directory (not a symlink: ``d_type`` from the scan, no ``lstat``) named
+        ``ab`` directly in the root resolves to the root's own resolved path + ``ab`` by
+        definition, so only the root is resolved again (one ``realpath``, which catches a
+        root swapped for a symlink): 256 ``lstat`` + ``realpath`` calls were half of a
+        restarted tier's time to its first loaded byte. A missing entry (made here), or
+        anything else (a symlink, a file) is judged alone, by ``_judge_fanout``."""
+        directories = self.mapper.all_directories()
+        real: set[str] = set()
+        try:
+            if os.path.realpath(self.root) == self._real_root:
+                with os.scandir(self.root) as scan:
+                    real = {entry.name for entry in scan
+                            if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False)}
+        except OSError:
+            real = set()   # judged one by one below, which names what is wrong
+        verdicts: list[str | None] = []
+        for index, (directory, was) in enumerate(zip(directories, before, strict=True)):
+            if f"{index:02x}" in real:
+                if was is not None:
+                    logger.warning("%s: fan-out directory %s is the store's own again",
+                                   self.name, directory)
+                verdicts.append(None)
+            else:
+                verdicts.append(self._judge_fanout(directory, was))
+        return verdicts
 
     def _judge_fanout(self, directory: str, before: str | None) -> str | None:
         """Make ``directory`` if it is missing; why blocks may not go through it, or None.

@@ -4,7 +4,9 @@ A :class:`TierRunner` composes one secondary tier (``kvbridge.offload.tier``) wi
 what every tier needs around it, and is what ``OffloadManager`` holds:
 
 * lookups go through the runner's ``LookupCache`` (probes batched, one batch per
-  ``step``; results applied in ``drain_results`` on the scheduler thread);
+  ``step``; results applied in ``drain_results`` on the scheduler thread); with
+  ``remember_present``, a key the runner's own jobs stored or loaded lately starts as
+  a hit with no probe (a bounded memory, scheduler thread only);
 * ``submit_load``/``submit_store`` run jobs on separate read and write pools, so
   reads (promotions, which a request waits for) are never queued behind writes
   (cascades, which nobody waits for). A job is cut into parts of at least the
@@ -53,6 +55,7 @@ import math
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -164,7 +167,8 @@ class TierRunner:
     def __init__(self, tier: Tier, *, read_threads: int = 2, write_threads: int = 1,
                  probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
                  load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 remember_present: int = 0) -> None:
         if read_threads <= 0 or write_threads <= 0:
             raise OffloadError("threads", "expected at least one read and one write thread")
         #: the tier whose calls this runner runs
@@ -179,6 +183,17 @@ class TierRunner:
         self.load_timeout_s = _positive_seconds("load_timeout_s", load_timeout_s)
         self.clock = clock
         self.cache = LookupCache()
+        if isinstance(remember_present, bool) or not isinstance(remember_present, int) \
+                or remember_present < 0:
+            raise OffloadError("remember_present", f"expected a count >= 0 of keys, got "
+                               f"{remember_present!r}")
+        #: keys this runner's own jobs stored or loaded, newest last, at most
+        #: ``remember_present`` (scheduler thread only): a lookup of one starts as a hit
+        #: without a probe. A copy removed behind the runner's back (another process,
+        #: ``fsck``) is then a failed load that flips the key to a miss, as a probe that
+        #: raced the removal would be; a failed load or a removal forgets the key.
+        self.remember_present = remember_present
+        self._present: OrderedDict[OffloadKey, None] = OrderedDict()
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
@@ -203,7 +218,17 @@ class TierRunner:
     # -- scheduler thread ---------------------------------------------------
     def lookup(self, request_id: RequestId, key: OffloadKey) -> bool | None:
         """Cached verdict (None: probe pending). Never blocks."""
-        return self.cache.lookup(request_id, key, self.clock())
+        return self.cache.lookup(request_id, key, self.clock(), key in self._present)
+
+    def _remember(self, keys: Sequence[OffloadKey]) -> None:
+        if not self.remember_present:
+            return
+        present = self._present
+        for key in keys:
+            present[key] = None
+            present.move_to_end(key)
+        while len(present) > self.remember_present:
+            present.popitem(last=False)
 
     def step(self) -> None:
         """Send this step's probe batch (at most one) to the prober; replace stuck threads."""
@@ -348,6 +373,10 @@ class TierRunner:
             kind, keys = self._job_keys.pop(done.job_id)
             ok_keys = tuple(k for i, k in enumerate(keys) if i not in done.failed)
             failed = tuple(k for i, k in enumerate(keys) if i in done.failed)
+            self._remember(ok_keys)
+            if failed and kind is JobKind.LOAD:
+                for key in failed:
+                    self._present.pop(key, None)
             if kind is JobKind.LOAD:
                 self.stats.loads_ok += len(ok_keys)
                 self.stats.digest_mismatches += done.mismatches
@@ -363,6 +392,7 @@ class TierRunner:
                     self._events.append(OffloadEvent(EventKind.STORED, ok_keys, self.name,
                                                      self.medium, self.locality))
             for deleted_key, reason in done.deleted:
+                self._present.pop(deleted_key, None)
                 if reason is Removal.QUARANTINE:
                     self.stats.files_quarantined += 1
                 else:
@@ -414,6 +444,7 @@ class TierRunner:
             out = asdict(self.stats)
         out.update(self.tier.counters.snapshot())
         out["probe_timeouts"] = self.cache.probe_timeouts
+        out["lookup_known_hits"] = self.cache.num_known_hits
         out["lookup_invariant_violations"] = self.cache.invariant_violations
         out["stuck_thread_replacements"] = (self._runner.pool.replacements
                                             + self._read_pool.replacements

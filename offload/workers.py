@@ -5,7 +5,8 @@ get) that can hang: an NFS server gone, a FIFO in place of a file, a stalled
 master. With a fixed pool of one probe thread and two read threads, one such
 call would hold every later lookup or load of *other* keys behind it.
 
-``StuckAwarePool`` keeps ``num_threads`` *healthy* threads: a thread whose
+``StuckAwarePool`` keeps up to ``num_threads`` *healthy* threads (started as jobs
+arrive and find no idle thread, then kept): a thread whose
 current job has run longer than ``stuck_after_s`` is considered stuck and no
 longer counts, and ``check`` (called on every ``submit`` and on every tier
 step) starts a replacement, up to ``max_extra_threads`` beyond
@@ -57,9 +58,8 @@ class StuckAwarePool:
         self._pending = 0
         #: replacement threads started because others were stuck (a counter for stats)
         self.replacements = 0
-        with self._lock:
-            for _ in range(num_threads):
-                self._start_thread_locked()
+        # threads start on demand (``submit``): a tier opened for one request (a restart's
+        # first load) does not first start every thread of its pools
 
     def _start_thread_locked(self) -> None:
         # forget threads that ended (a replaced thread exits when its stuck call returns):
@@ -78,6 +78,9 @@ class StuckAwarePool:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
             self._pending += 1
+            idle = sum(1 for t in self._started.values() if t is None)
+            if self._pending > idle and len(self._started) < self.num_threads:
+                self._start_thread_locked()
         self._jobs.put(fn)
         self.check()
 
@@ -90,7 +93,9 @@ class StuckAwarePool:
             stuck = sum(1 for t in self._started.values()
                         if t is not None and now - t >= self.stuck_after_s)
             healthy = len(self._started) - stuck
-            while (healthy < self.num_threads and self._pending
+            # only a stuck thread is replaced here; ``submit`` grows the pool up to
+            # ``num_threads`` as work arrives
+            while (stuck and healthy < self.num_threads and self._pending
                    and len(self._started) < self.num_threads + self.max_extra_threads):
                 logger.warning("%s: %d thread(s) stuck for over %.1f s; starting a "
                                "replacement", self.name, stuck, self.stuck_after_s)

@@ -136,8 +136,18 @@ class BounceArena:
         self._map = None
 
 
+#: up to this many bytes a copy is a plain slice assignment (under the GIL, but with no
+#: numpy wrappers: 0.3 us against 1.6 us at 16 KiB, 5.6 against 8.6 at 256 KiB)
+SMALL_COPY_BYTES = 256 << 10
+
+
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` through numpy (its copy loop runs without the GIL)."""
+    """``dst[:] = src``; above ``SMALL_COPY_BYTES`` through numpy (its copy loop runs
+    without the GIL, so the other I/O threads go on meanwhile)."""
+    if dst.nbytes <= SMALL_COPY_BYTES and dst.format == src.format == "B" \
+            and dst.ndim == src.ndim == 1:
+        dst[:] = src
+        return
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 

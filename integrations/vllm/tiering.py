@@ -73,7 +73,7 @@ from kvbridge.connectors.offloading.io_hook import installed_fs_io_factory
 from kvbridge.connectors.verify_config import parse_verify
 from kvbridge.integrations.vllm.bounce import BounceArena, GatedTier, JobBlocks, JobGate
 from kvbridge.layouts.digests import DigestMode
-from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, IO_ENGINES, FsTier
+from kvbridge.offload.fs import IO_ENGINES, FsTier
 from kvbridge.offload.runner import DEFAULT_LOAD_TIMEOUT_S, DEFAULT_PROBE_TIMEOUT_S, TierRunner
 from kvbridge.offload.tier import Tier
 from kvbridge.offload.types import EventKind
@@ -141,6 +141,20 @@ DEFAULT_BOUNCE_BYTES = 512 << 20
 #: a store nobody waits for, but it pins its primary slots until reported
 DEFAULT_STORE_TIMEOUT_S = 30.0
 MAX_THREADS = 64
+#: I/O threads of the fs tier inside vLLM: vLLM promotes and cascades one job per request
+#: and step, often of one chunk, so a job rarely fills more than one thread and the
+#: parallelism the disk sees is the number of jobs in flight; vLLM's own fs tier runs 16
+#: and 16. Threads start as jobs arrive (an idle tier holds none of them).
+FS_READ_THREADS = 16
+FS_WRITE_THREADS = 16
+#: keys the fs tier remembers having stored or loaded (a lookup of one is a hit at
+#: once, with no ``lstat`` on a probe thread and no RETRY step): ~12 MiB at most
+FS_REMEMBER_PRESENT = 1 << 16
+#: the fs tier cuts a job into parts of at least this many bytes of block files, one
+#: part per thread: a part's own Python work (a pool hand-off, its result) costs about
+#: as much as reading a small file, so a job of 8 chunks of 16 KiB runs whole on one
+#: thread, chunks of 128 KiB and up one per thread
+FS_PART_MIN_BYTES = 128 << 10
 
 
 def _seconds(where: str, value: object) -> float:
@@ -676,20 +690,26 @@ class KvbridgeFsTier(KvbridgeTier):
             raise ConfigError(f"{where}.io_engine", f"expected one of {', '.join(IO_ENGINES)}, "
                                                     f"got {io_engine!r}")
         make_io = installed_fs_io_factory()
-        return FsTier(root, block_bytes, fingerprint,
+        tier = FsTier(root, block_bytes, fingerprint,
                       use_o_direct=_flag(f"{where}.o_direct", own.get("o_direct", True)),
                       fsync=_flag(f"{where}.fsync", own.get("fsync", False)),
                       io=None if make_io is None else make_io(root, fingerprint),
                       quarantine_after=_count(f"{where}.quarantine_after",
                                               own.get("quarantine_after", 3), 1, 1 << 20),
                       verify=self.options.verify, io_engine=io_engine)
+        # batched reads (io_engine auto/uring) set their own load part size when the
+        # arena attaches, after this
+        tier.load_part_blocks = tier.store_part_blocks = max(
+            1, FS_PART_MIN_BYTES // (tier.header_bytes + block_bytes))
+        return tier
 
     def make_runner(self, tier: Tier) -> TierRunner:
         o = self.options
-        return TierRunner(tier, read_threads=o.read_threads or DEFAULT_READ_THREADS,
-                          write_threads=o.write_threads or DEFAULT_WRITE_THREADS,
+        return TierRunner(tier, read_threads=o.read_threads or FS_READ_THREADS,
+                          write_threads=o.write_threads or FS_WRITE_THREADS,
                           probe_timeout_s=o.probe_timeout_s or DEFAULT_PROBE_TIMEOUT_S,
-                          load_timeout_s=o.load_timeout_s or DEFAULT_LOAD_TIMEOUT_S)
+                          load_timeout_s=o.load_timeout_s or DEFAULT_LOAD_TIMEOUT_S,
+                          remember_present=FS_REMEMBER_PRESENT)
 
 
 class KvbridgeObjTier(KvbridgeTier):

@@ -22,7 +22,8 @@ def store_dir(tmp_path) -> str:
 
 
 #: keyword arguments of ``make_fs`` that go to the runner, not the tier
-RUNNER_KWARGS = ("read_threads", "write_threads", "probe_timeout_s", "load_timeout_s")
+RUNNER_KWARGS = ("read_threads", "write_threads", "probe_timeout_s", "load_timeout_s",
+                 "remember_present")
 
 
 @pytest.fixture

@@ -188,6 +188,36 @@ def test_deadlines_are_validated(tmp_path) -> None:
             TierRunner(fs, probe_timeout_s=bad)  # type: ignore[arg-type]
 
 
+def test_a_pool_starts_its_threads_as_jobs_arrive_and_keeps_them() -> None:
+    """No thread until a job comes (a restarted tier's first load does not wait for 16);
+    one more per job that finds every thread busy, never more than ``num_threads``."""
+    from kvbridge.offload.workers import StuckAwarePool
+
+    pool = StuckAwarePool("kvbridge-test-lazy", 3, stuck_after_s=60.0)
+    gates = [threading.Event() for _ in range(5)]
+    ran: list[int] = []
+    try:
+        assert pool.num_threads_alive == 0
+        pool.submit(lambda: ran.append(-1))
+        wait_for(lambda: ran == [-1], "the first job")
+        assert pool.num_threads_alive == 1
+        pool.submit(lambda: ran.append(-2))      # the idle thread takes it: no new one
+        wait_for(lambda: ran == [-1, -2], "the second job")
+        assert pool.num_threads_alive == 1
+        for i, gate in enumerate(gates):         # 5 blocking jobs: 3 threads, 2 wait
+            pool.submit(lambda i=i, gate=gate: (gate.wait(60), ran.append(i)))
+        wait_for(lambda: pool._pending == 2, "three jobs to start")
+        assert pool.num_threads_alive == 3
+        for gate in gates:
+            gate.set()
+        wait_for(lambda: sorted(ran) == [-2, -1, 0, 1, 2, 3, 4], "every job")
+        assert pool.num_threads_alive == 3
+    finally:
+        for gate in gates:
+            gate.set()
+        assert pool.close(10.0)
+
+
 def test_pool_replaces_a_stuck_thread_and_shrinks_back_when_it_returns() -> None:
     from kvbridge.offload.workers import StuckAwarePool
 

@@ -232,6 +232,34 @@ def test_provable_short_read_deletes_file_and_flips_verdict(make_fs) -> None:
     assert removed and removed[0].keys == (k(0),)
 
 
+def test_a_key_the_runner_stored_is_a_hit_without_a_probe_until_a_load_of_it_fails(
+        make_fs) -> None:
+    """remember_present: a key this runner stored starts as a hit (no probe, no RETRY);
+    its file removed behind the runner's back makes the load fail, the key a miss for
+    the request (no re-probe), and forgotten: a new request probes it afresh."""
+    tier = make_fs(remember_present=2)
+    keys = [k(0), k(1), k(2)]
+    store(tier, keys)
+    assert tier.lookup("r1", k(2)) is True and tier.lookup("r1", k(1)) is True
+    assert tier.lookup("r1", k(0)) is None           # the oldest of 3 was forgotten (bound 2)
+    assert [key for key, _ in tier.cache.take_batch()] == [k(0)]
+    assert tier.stats_snapshot()["lookup_known_hits"] == 2
+    os.remove(tier.tier.path(k(2)))                  # fsck or another process removed it
+    bufs = Buffers(1)
+    tier.submit_load(2, [k(2)], bufs.lists(1))
+    assert not finish(tier, 2).success
+    assert tier.lookup("r1", k(2)) is False          # mark_miss sticks, no re-probe
+    assert tier.cache.take_batch() == ()
+    tier.release_request("r1")
+    assert tier.lookup("r2", k(2)) is None           # forgotten: probed again
+    assert settle_lookup(tier, "r2", k(2)) is False
+    tier.submit_load(3, [k(1)], bufs.lists(1))       # a load that succeeds keeps it known
+    assert finish(tier, 3).success
+    assert bytes(bufs.block(0)) == block_content(k(1), BLOCK)
+    tier.release_request("r2")
+    assert tier.lookup("r3", k(1)) is True
+
+
 def test_failed_delete_does_not_hide_the_short_read(tmp_path) -> None:
     path = str(tmp_path / "blk")
     with open(path, "wb") as fh:
