@@ -147,7 +147,7 @@ BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
 HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
 #: I/O threads of the tier by default (reads: promotions, which a request waits for;
 #: writes: stores, which nobody waits for). A job runs one part per thread of its pool
-#: (``load_part_blocks``). Measured with ``python -m kvbridge.integrations.vllm.bench_fs``
+#: (``load_part_blocks``). Measured with ``python -m kvbridge.tools.bench.vllm_fs``
 #: (docs/offload.md): more read threads speed a promotion; 4 write threads stored jobs
 #: of 8 blocks of 256 KiB 1.3x faster than 2 on an O_DIRECT ext4 disk (block file
 #: creation, not bytes, bounds them; 2 MiB blocks: no difference).

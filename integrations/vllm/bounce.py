@@ -12,7 +12,7 @@ reported its job, i.e. once its I/O provably ended.
 
 The copies are the price of that promise (one memory copy per block and direction, on
 the I/O threads, never on the scheduler thread): the benchmark
-(:mod:`kvbridge.integrations.vllm.bench_tiering`) measures them beside vLLM's own fs tier.
+(:mod:`kvbridge.tools.bench.vllm_tiering`) measures them beside vLLM's own fs tier.
 
 Owns: the arena (:class:`BounceArena`, scheduler thread only), each job's gate
 (:class:`JobGate`: the one lock between an I/O thread's copy and the scheduler giving

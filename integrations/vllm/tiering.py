@@ -684,7 +684,7 @@ class KvbridgeFsTier(KvbridgeTier):
             raise ConfigError(f"{where}.root_dir", f"expected a directory path, got {root!r}")
         # one by one unless asked: vLLM promotes a request's chunks per step, often one or
         # a few, and the batched io_uring path loaded 2-5x slower than plain reads for
-        # such jobs in bench_tiering (256 KiB x 1, 16 KiB x 8 per job)
+        # such jobs in tools/bench/vllm_tiering (256 KiB x 1, 16 KiB x 8 per job)
         io_engine = own.get("io_engine", "python")
         if io_engine not in IO_ENGINES:
             raise ConfigError(f"{where}.io_engine", f"expected one of {', '.join(IO_ENGINES)}, "

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 
 def test_both_tiers_move_the_same_blocks_and_every_load_is_checked(tmp_path: Path) -> None:
     require_vllm_env()
-    from kvbridge.integrations.vllm.bench_fs import TIERS, run_fs_vs_vllm
+    from kvbridge.tools.bench.vllm_fs import TIERS, run_fs_vs_vllm
 
     report = run_fs_vs_vllm(str(tmp_path), num_blocks=12, block_bytes=64 << 10,
                             batch_blocks=4, rounds=2, num_layers=4)
@@ -40,7 +40,7 @@ def test_both_tiers_move_the_same_blocks_and_every_load_is_checked(tmp_path: Pat
 def test_cli_writes_json_and_validates_its_arguments(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     require_vllm_env()
-    from kvbridge.integrations.vllm.bench_fs import main
+    from kvbridge.tools.bench.vllm_fs import main
 
     out = tmp_path / "fs.json"
     assert main(["--pattern", "8x64KiB", "--rounds", "1", "--layers", "2", "--batch", "4",
@@ -64,7 +64,7 @@ def test_block_hashes_spread_vllms_files_as_real_ones_do() -> None:
     digits of its block hash: the bench's hashes must spread them (readable ones put
     every file in one warm directory, which flattered vLLM's stores)."""
     require_vllm_env()
-    from kvbridge.integrations.vllm.bench_fs import block_hash
+    from kvbridge.tools.bench.vllm_fs import block_hash
 
     hashes = [block_hash(b"vllm|0", i) for i in range(128)]
     assert all(len(h) == 32 for h in hashes) and len(set(hashes)) == 128

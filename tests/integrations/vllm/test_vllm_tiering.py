@@ -621,7 +621,7 @@ def test_the_benchmark_runs_both_tiers_and_checks_every_byte(tmp_path: Path) -> 
     """No timing is asserted: both tiers stored and loaded every chunk through vLLM's
     manager (byte for byte), and the ratios are the ratios of the report's own figures."""
     require_vllm_env()
-    from kvbridge.integrations.vllm.bench_tiering import TIERS, run_case
+    from kvbridge.tools.bench.vllm_tiering import TIERS, run_case
     from tests.conftest import assert_figures
 
     row = run_case(str(tmp_path), 16 << 10, 8, 4, rounds=2)

@@ -19,7 +19,7 @@ kvbridge also with verification off, so the report shows what the digests cost.
 
 Run inside the vLLM venv (``make test-vllm`` builds it)::
 
-    .venv-vllm/bin/python -m kvbridge.integrations.vllm.bench_fs --json
+    .venv-vllm/bin/python -m kvbridge.tools.bench.vllm_fs --json
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ from typing import Any
 import numpy as np
 
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
-from kvbridge.offload.bench import bench_workdir
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.runner import TierRunner
-from kvbridge.offload.testing import block_content
+from kvbridge.offload.testing import bench_workdir, block_content
 
 GB = 1e9
 #: the tiers compared: name -> kvbridge verify mode (None: vLLM's tier)
@@ -250,7 +249,7 @@ def _pattern(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvbridge.integrations.vllm.bench_fs",
+        prog="python -m kvbridge.tools.bench.vllm_fs",
         description="kvbridge's fs tier against vLLM's own fs secondary tier "
                     "(vllm.v1.kv_offload.tiering.fs), storing and loading the same blocks "
                     "in the same run; every load checked byte for byte. Needs vLLM "

@@ -27,7 +27,7 @@ and the manager is driven as vLLM's scheduler drives it:
 vLLM (GB/s; for times, vLLM's time over kvbridge's: > 1 means kvbridge is faster).
 Run inside the vLLM venv::
 
-    .venv-vllm/bin/python -m kvbridge.integrations.vllm.bench_tiering --quick
+    .venv-vllm/bin/python -m kvbridge.tools.bench.vllm_tiering --quick
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from kvbridge.offload.bench import bench_workdir
+from kvbridge.offload.testing import bench_workdir
 
 GB = 1e9
 MODULE = "kvbridge.integrations.vllm.tiering"
@@ -259,7 +259,7 @@ def run_case(directory: str, chunk_bytes: int, num_chunks: int, batch: int, roun
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvbridge.integrations.vllm.bench_tiering",
+        prog="python -m kvbridge.tools.bench.vllm_tiering",
         description="kvbridge's fs tier (KvbridgeFsTier, verify full) beside vLLM's own fs "
                     "tier, each a secondary tier of vLLM's TieringOffloadingManager, on the "
                     "same chunks and directory: store and load GB/s, lookup latency, time "
