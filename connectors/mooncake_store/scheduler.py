@@ -189,11 +189,15 @@ class MooncakeStoreScheduler(SchedulerConnector):
         if num_external_tokens == 0:
             return
         start = request.num_computed_tokens
+        null = self.ctx.null_block_id
         jobs = []
         for r, ids in enumerate(block_ids):
             t = self.tokens_per_key[r]
             for index in block_range(t, start, start + num_external_tokens):
-                jobs.append(LoadBlock(r, ids[index], request.block_hashes[r][index]))
+                # the engine gave no block where its sliding window will not attend: nothing
+                # to load there (two such gets would land in one block, and fail its digest)
+                if ids[index] != null:
+                    jobs.append(LoadBlock(r, ids[index], request.block_hashes[r][index]))
         self._loads[request.request_id] = tuple(jobs)
         self._stats["load_blocks"] += len(jobs)
 
@@ -207,8 +211,10 @@ class MooncakeStoreScheduler(SchedulerConnector):
                 for r, ids in enumerate(item.block_ids):
                     t = self.tokens_per_key[r]
                     hashes = request.block_hashes[r]
-                    for index in range(item.num_computed_tokens // t, min(end // t, len(hashes))):
-                        if (r, hashes[index]) in seen:
+                    for index in range(item.num_computed_tokens // t,
+                                       min(end // t, len(hashes), len(ids))):
+                        # the null block's bytes are no block's: never under a block's key
+                        if (r, hashes[index]) in seen or ids[index] == self.ctx.null_block_id:
                             continue
                         seen.add((r, hashes[index]))
                         saves.append(SaveBlock(r, ids[index], hashes[index],

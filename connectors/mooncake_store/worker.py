@@ -2,8 +2,9 @@
 
 A block of one layer is ``tensor[block_id]``, one contiguous slice: one store
 object (see :mod:`.keys`). Where the host can read the KV
-(:func:`kvbridge.layouts.kv_memory.host_readable`), every KV tensor of the rank
-is registered with the store client at ``register_kv_caches`` and each object
+(:func:`kvbridge.layouts.kv_memory.host_readable`), every backing storage of the
+rank's KV tensors is registered with the store client at ``register_kv_caches``
+(once: vLLM's hybrid groups alias one storage) and each object
 moves straight between the tensor and the store (zero-copy). KV the host cannot
 read (GPU memory, or KV guarded as such) is never registered: its puts and gets
 go through a bounded host staging buffer (:mod:`.staging`; pinned on a GPU,
@@ -176,8 +177,9 @@ class MooncakeStoreWorker(WorkerConnector):
         self.client = client
         try:
             if on_host:  # zero-copy: the store reads and writes the KV tensors themselves
-                buffers = [(int(t.data_ptr()), t.numel() * t.element_size())
-                           for t in caches.layers.values()]
+                # once per backing storage: vLLM's hybrid groups put layer i of every
+                # group on the same bytes, and a second registration is refused
+                buffers = caches.backing_spans()
                 self._kv_io = client
             else:  # the store may not touch the KV: everything goes through staging
                 kv_bytes = sum(t.numel() * t.element_size() for t in caches.layers.values())

@@ -7,8 +7,11 @@ Mapping (one manager per slot pool, see :mod:`.parts`)::
                                   in flight: "ask again next step")
     update_state_after_alloc   -> manager.prepare_load of the blocks to load; pins of
                                   counted blocks that are not loaded are dropped
+                                  (also of positions whose block id is the engine's
+                                  null block: counted, never copied into)
     build_connector_meta       -> manager.prepare_store of the blocks computed this
-                                  step, then manager.step() (finish tier jobs, probes)
+                                  step (never from the null block), then
+                                  manager.step() (finish tier jobs, probes)
     update_connector_output    -> complete_load / complete_store of this step's copies
                                   (the workers copy synchronously inside the step)
     request_finished           -> manager.request_finished (pins, lookup references)
@@ -291,14 +294,18 @@ class OffloadingScheduler(SchedulerConnector):
             mreq = _manager_request_id(rid, r)
             pool_parts = self.table.pool_region_parts(pool, r)
             t = self.ctx.block_tokens(r)
-            indices = block_range(t, start, start + num_external_tokens)
+            span = block_range(t, start, start + num_external_tokens)
             have = set(keys)
-            wanted = [p.key(request.block_hashes[r][i]) for i in indices for p in pool_parts]
+            wanted = [p.key(request.block_hashes[r][i]) for i in span for p in pool_parts]
             if not have.issuperset(wanted):
                 raise ContractError("num_external_tokens",
                                     f"request {rid}: {num_external_tokens} tokens from token "
                                     f"{start} include blocks the lookup did not report")
-            load_keys = wanted
+            # positions the engine gave no block (a sliding window's prefix it will not
+            # attend) are counted but never copied into: that block is no request's
+            null = self.ctx.null_block_id
+            indices = [i for i in span if block_ids[r][i] != null]
+            load_keys = [p.key(request.block_hashes[r][i]) for i in indices for p in pool_parts]
             loading = set(load_keys)
             unused = [k for k in keys if k not in loading]
             if unused:
@@ -336,10 +343,14 @@ class OffloadingScheduler(SchedulerConnector):
                     continue
                 for index in range(first, last):
                     self._remember_block(request, r, index)
+                # never a position the engine holds no block at: the null block's bytes
+                # are no block's, and stored under its key they would poison it
+                ids = item.block_ids[r]
+                indices = [i for i in range(first, min(last, len(ids)))
+                           if ids[i] != self.ctx.null_block_id]
                 for pool in sorted({p.pool for p in parts}):
                     pool_parts = [p for p in parts if p.pool == pool]
-                    where = {p.key(hashes[i]): (p, i) for i in range(first, last)
-                             for p in pool_parts}
+                    where = {p.key(hashes[i]): (p, i) for i in indices for p in pool_parts}
                     spec = self.managers[pool].prepare_store(rid, list(where))
                     if not spec.keys:
                         continue

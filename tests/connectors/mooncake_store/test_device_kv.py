@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from kvbridge.backends.mooncake import KeyStatus, McStatus, MooncakeStoreClient
-from kvbridge.connectors import ConfigError
+from kvbridge.connectors import (
+    ConfigError,
+    ConnectorConfig,
+    ConnectorContext,
+    KVCaches,
+    KVRole,
+)
+from kvbridge.connectors.mooncake_store.plugin import MooncakeStorePlugin
 from kvbridge.connectors.mooncake_store.settings import parse_settings
 from kvbridge.connectors.mooncake_store.staging import (
     StagedKV,
@@ -26,7 +33,9 @@ from kvbridge.connectors.mooncake_store.staging import (
     scatter_spans,
 )
 from kvbridge.connectors.mooncake_store.worker import MooncakeStoreWorker
+from kvbridge.engine.content import torch_dtype
 from kvbridge.engine.workload import check_outputs, make_requests
+from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.layouts.digests import TORCH_ALGORITHM
 from kvbridge.layouts.kv_memory import guard_host_access
 from tests.connectors.guarded_kv import guard_engine_kv, host_engine_kv, kv_pointers
@@ -100,6 +109,35 @@ def test_host_kv_keeps_the_zero_copy_path(
         assert "kv_staged" not in engine.stats()["worker_stats"]  # type: ignore[operator]
     finally:
         engine.shutdown()
+
+
+def test_kv_tensors_sharing_one_storage_register_it_once(
+        held_store: tuple[dict[str, Any], MooncakeStoreClient]) -> None:
+    """vLLM's hybrid allocator puts layer i of every KV cache group on the same bytes;
+    Mooncake refuses a second registration of an address (the engine failed to start)."""
+    spec = load_spec("tiny-hybrid")
+    rank = ParallelTopology()
+    shapes = spec.rank_shapes(rank)
+    num_blocks = tuple(8 for _ in shapes)
+    layers: dict[int, torch.Tensor] = {}
+    for index, shape in enumerate(shapes):
+        shared = torch.zeros(shape.tensor_shape(num_blocks[index]),
+                             dtype=torch_dtype(shape.region.dtype))
+        for layer in shape.layer_ids:  # every layer of a region on one storage
+            layers[layer] = shared.view(shared.shape)
+    caches = KVCaches(shapes, num_blocks, layers)
+    assert len(caches.backing_spans()) == len(shapes) < len(layers)
+    config = ConnectorConfig("mooncake_store", KVRole.BOTH, extra=held_store[0])
+    worker = MooncakeStorePlugin.create_worker(ConnectorContext(
+        spec=spec, topology=rank, config=config, num_blocks=num_blocks,
+        extra=parse_settings(held_store[0]), rank=rank, worker_index=0))
+    assert isinstance(worker, MooncakeStoreWorker)
+    try:
+        worker.register_kv_caches(caches)
+        kv = [ptr for ptr in worker._registered if ptr in kv_pointers([caches])]
+        assert sorted(kv) == sorted(ptr for ptr, _ in caches.backing_spans())
+    finally:
+        worker.shutdown()
 
 
 def test_a_block_larger_than_a_staging_round_is_refused_at_registration(
