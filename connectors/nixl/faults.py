@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.backends.nixl import (
+from kvbridge.backends.transfer import (
     PeerHandle,
 )
 from kvbridge.connectors.nixl import messages

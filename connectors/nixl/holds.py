@@ -29,7 +29,7 @@ import time
 from typing import Protocol
 
 from kvbridge.auth import AuthError, Label, is_sealed
-from kvbridge.backends.nixl import NixlTransportError
+from kvbridge.backends.transfer import TransportError
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.hold_digests import HoldDigests
 from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind
@@ -277,10 +277,10 @@ class Holds:
         self._unauthenticated.pop(sender, None)
         meta = decode_agent(agent)
         if meta.agent_name != sender:
-            raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")
+            raise TransportError(f"hello from {sender} names agent {meta.agent_name}")
         known = self._consumers.get(sender)
         if known is None and len(self._consumers) >= MAX_CONSUMER_PEERS:
-            raise NixlTransportError(f"hello from {sender}: already {MAX_CONSUMER_PEERS} "
+            raise TransportError(f"hello from {sender}: already {MAX_CONSUMER_PEERS} "
                                      f"consumer agents; refused")
         peer = self.cx.io.add_peer(sender, meta.agent_blob)
         if known is not None and known.peer == peer:
@@ -345,7 +345,7 @@ class Holds:
             return
         try:
             self.cx.io.send_notif(consumer.peer, messages.encode(msg))
-        except NixlTransportError as exc:
+        except TransportError as exc:
             self.cx.log.warning("nixl: cannot answer consumer %s: %s; dropping it", agent, exc)
             self._forget_consumer(agent)
 

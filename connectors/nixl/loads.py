@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvbridge.backends.nixl import NixlTransportError, PeerHandle, Transfer, XferOp, XferState
+from kvbridge.backends.transfer import PeerHandle, Transfer, TransportError, XferOp, XferState
 from kvbridge.connectors.api import BlockRef
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.load_checks import LoadChecks
@@ -340,7 +340,7 @@ class Loads:
                 recv.read_done(source, time.monotonic())  # seen done: at or after the fact
                 try:
                     self.cx.io.send_notif(peer, notif)
-                except NixlTransportError as exc:
+                except TransportError as exc:
                     self._fail(recv, f"read-done notification: {exc}", now)
                     self._drop_session(session_key(recv.params), now, reason=str(exc))
                     return False
@@ -366,8 +366,8 @@ class Loads:
         self.cx.stats.record(TransferRecord(
             recv.request_id, True, recv.nbytes, recv.num_descs, recv.duration_s or 0.0,
             recv.started_at, recv.num_runs,
-            tuple(x.nixl_xfer_s for x in recv.transfers
-                  if isinstance(x, Transfer) and x.nixl_xfer_s is not None)))
+            tuple(x.library_xfer_s for x in recv.transfers
+                  if isinstance(x, Transfer) and x.library_xfer_s is not None)))
         self._uncount(recv)
 
     def _fail(self, recv: RecvTransfer, reason: str, now: float, *,
@@ -440,7 +440,7 @@ class Loads:
                 try:
                     self.cx.io.send_notif(session.peers[p], messages.encode(msg))
                     self.cx.stats.count("releases_sent", 1)
-                except NixlTransportError as exc:
+                except TransportError as exc:
                     self.cx.log.warning("nixl: release of %s to producer rank %d failed: %s "
                                    "(its lease will expire)", rid, p, exc)
         self._releases = keep

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from kvbridge.backends.nixl import (
+from kvbridge.backends.transfer import (
     DescList,
     PeerHandle,
     Transfer,

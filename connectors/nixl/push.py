@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.backends.device.fence import Fence
-from kvbridge.backends.nixl import NixlTransportError, XferOp, XferState
+from kvbridge.backends.transfer import TransportError, XferOp, XferState
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.hold_digests import HoldDigests
 from kvbridge.connectors.nixl.holds import Holds
@@ -217,9 +217,9 @@ class PushSender:
             return
         consumer = self.holds.consumer(sender)
         if consumer is None:
-            raise NixlTransportError(f"register from {sender} before its hello")
+            raise TransportError(f"register from {sender} before its hello")
         if reg.consumer_rank != consumer.meta.rank_index:
-            raise NixlTransportError(f"register from {sender} names consumer rank "
+            raise TransportError(f"register from {sender} names consumer rank "
                                      f"{reg.consumer_rank}, its hello said "
                                      f"{consumer.meta.rank_index}")
         refused = self._refuse_register(job, reg, consumer.meta.engine_id)
@@ -305,7 +305,7 @@ class PushSender:
             try:
                 if any(len(p) != len(c) for p, c in zip(producer_ids, reg.block_ids,
                                                         strict=True)):
-                    raise NixlTransportError(f"consumer registered {[len(c) for c in reg.block_ids]}"
+                    raise TransportError(f"consumer registered {[len(c) for c in reg.block_ids]}"
                                              f" blocks; producer holds {[len(p) for p in producer_ids]}")
                 lidx, ridx, runs = pair_indices(target.local, which, producer_ids, "producer",
                                                 target.remote, which, reg.block_ids,

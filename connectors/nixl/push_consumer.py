@@ -14,7 +14,7 @@ nor a load's state (:mod:`.loads` fails a load whose cancel could not be sent).
 
 from __future__ import annotations
 
-from kvbridge.backends.nixl import NixlTransportError
+from kvbridge.backends.transfer import TransportError
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.load_checks import LoadChecks
 from kvbridge.connectors.nixl.session import PeerSession
@@ -51,6 +51,6 @@ class PushRegisters:
                 recv.start, recv.consumer_block_ids, cancel=True))
             try:
                 self.cx.io.send_notif(session.peers[p], msg)
-            except NixlTransportError as exc:
+            except TransportError as exc:
                 return str(exc)
         return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbridge.backends.nixl import DescList, NixlTransportError, PeerHandle
+from kvbridge.backends.transfer import DescList, PeerHandle, TransportError
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.routing import (
     DescTable,
@@ -124,7 +124,7 @@ def check_remote_coverage(transport: PdTransport, peer: PeerHandle,
                       for layer in chosen], dtype=np.uint64)
     try:
         dlist = transport.prepare_remote(peer, spans, mem_type)
-    except NixlTransportError as exc:
+    except TransportError as exc:
         first = memory[chosen[0]]
         raise HandshakeError(
             "regions.num_blocks",
@@ -142,7 +142,7 @@ def open_session(key: SessionKey, transport: PdTransport,
                  local_cache: dict[ParallelTopology, LocalLists]) -> PeerSession:
     """Handshake with the engine at ``key`` and prepare everything for transfers.
 
-    Raises HandshakeError / LayoutError / NixlTransportError; on error nothing
+    Raises HandshakeError / LayoutError / TransportError; on error nothing
     is left behind (peers added so far are removed).
     """
     _engine_id, host, port = key

@@ -26,7 +26,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from kvbridge.auth import Label
-from kvbridge.backends.nixl import NixlTransportError
+from kvbridge.backends.transfer import TransportError
 from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey, open_session
 from kvbridge.connectors.nixl.worker_state import WorkerContext, _Connecting, session_key
@@ -229,7 +229,7 @@ class Sessions:
             try:
                 self.cx.io.send_notif(session.peers[p], msg)
                 self.cx.stats.count("heartbeats_sent")
-            except NixlTransportError as exc:
+            except TransportError as exc:
                 self.cx.log.info("nixl: heartbeat to producer rank %d failed: %s", p, exc)
 
     def heartbeats(self, now: float,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvbridge.backends.nixl import (
+from kvbridge.backends.transfer import (
     DRAM,
     DescList,
     PeerHandle,

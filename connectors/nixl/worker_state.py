@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.backends.nixl import DescList, PeerHandle
+from kvbridge.backends.transfer import DescList, PeerHandle
 from kvbridge.connectors.api import ConnectorContext
 from kvbridge.connectors.nixl.observe import Observers
 from kvbridge.connectors.nixl.routing import DescTable
@@ -119,7 +119,7 @@ class TransferRecord:
     ``num_descs`` counts prepared descriptors (one per block and layer slice),
     ``num_runs`` the contiguous runs they merged into (:func:`pair_indices`):
     far fewer runs than descriptors means the blocks were laid out contiguously.
-    ``nixl_xfer_s``: NIXL's own telemetry of each READ of a pull load (post to
+    ``library_xfer_s``: NIXL's own telemetry of each READ of a pull load (post to
     completion, one per NIXL transfer; what vLLM's NixlConnector reports).
     """
 
@@ -130,7 +130,7 @@ class TransferRecord:
     duration_s: float
     started_at: float = 0.0
     num_runs: int = 0  # contiguous runs NIXL posted after merging descriptors
-    nixl_xfer_s: tuple[float, ...] = ()
+    library_xfer_s: tuple[float, ...] = ()
 
 
 class WorkerStats:
