@@ -29,7 +29,7 @@ from kvbridge.backends.nixl import (  # noqa: E402
 )
 from kvbridge.backends.nixl.bench import PeerProcess  # noqa: E402
 from kvbridge.backends.nixl.bench import pattern as np_pattern  # noqa: E402
-from kvbridge.connectors.nixl.routing import (  # noqa: E402
+from kvbridge.connectors.pd.routing import (  # noqa: E402
     consumer_table,
     pair_indices,
     producer_table,

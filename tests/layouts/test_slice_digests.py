@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.connectors.nixl.verify import slice_layers
+from kvbridge.connectors.pd.verify import slice_layers
 from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.layouts.digests import (
     SLICE_ALGORITHM,

@@ -26,7 +26,7 @@ import zmq
 
 from kvbridge.auth import resolve_auth
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode, TransferParams
-from kvbridge.connectors.nixl.worker import histogram_percentile
+from kvbridge.connectors.pd.worker import histogram_percentile
 from kvbridge.engine.core import EngineConfig
 from kvbridge.engine.harness import (
     ControlCalls,
