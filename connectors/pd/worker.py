@@ -40,8 +40,8 @@ is posted: the session and the other loads on it go on. A handshake that runs
 past :attr:`PdWorker.handshake_deadline_s` fails its requests and is abandoned.
 
 Where it lives: this module owns :class:`PdWorker` (the public class, a
-facade), registration (the transport, made by the adapter's factory, the registered regions, the digesters,
-the handshake record), the engine's hooks (each under the state lock, routed
+facade), registration (the transport its adapter's factory makes, the
+registered regions, the digesters, the handshake record), the engine's hooks (each under the state lock, routed
 to the parts) and the order of a progress step, and shutdown. The state lives
 in the parts, objects that own it and talk through explicit calls, each given
 the narrow :class:`~kvbridge.connectors.pd.worker_state.WorkerContext`:

@@ -11,7 +11,7 @@ checks, for each:
 3. re-encoding the decoded value gives the same bytes again.
 
 Formats covered: handshake documents (engine document, one rank's agent
-record, requests and replies), NIXL notifications (``connectors.nixl.messages``,
+record, requests and replies), NIXL notifications (``connectors.pd.messages``,
 every kind), the engine control protocol (``engine.control``: submit, results,
 abort, the ops without fields), connector metadata (``connectors.metadata_wire``),
 transfer params (JSON and msgpack of ``to_dict()``), KV events (both event wire

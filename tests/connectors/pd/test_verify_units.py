@@ -1,4 +1,4 @@
-"""The pure part of verified pull/push loads (``connectors.nixl.verify``) and the
+"""The pure part of verified pull/push loads (``connectors.pd.verify``) and the
 digest fields of the notifications."""
 
 from __future__ import annotations
