@@ -463,6 +463,11 @@ class MooncakeTeTransport:
             self._zombies[xfer.transfer_id] = self._pending.pop(xfer.transfer_id)
 
     def _finish(self, xfer: Transfer, state: XferState, now: float) -> None:
+        if state is XferState.DONE and xfer.notif:
+            try:
+                self.send_notif(xfer.peer, xfer.notif)
+            except MooncakeTeError as exc:  # the bytes moved, the peer will never know
+                state, xfer.error = XferState.FAILED, f"notification not sent: {exc}"
         xfer.state = state
         xfer.finished_at = now
         key = {XferState.DONE: "done", XferState.FAILED: "failed",
@@ -470,8 +475,6 @@ class MooncakeTeTransport:
         self._totals[key] += 1
         if state is XferState.DONE:
             self._totals["bytes_done"] += xfer.nbytes
-            if xfer.notif:
-                self.send_notif(xfer.peer, xfer.notif)
 
     def poll(self, xfer: Transfer) -> XferState:
         with self._lock:
