@@ -55,6 +55,9 @@ class Label(bytes, enum.Enum):
     CONTROL = b"control"
     EVENTS_REPLAY = b"events-replay"
     NIXL_HELLO = b"nixl-hello"
+    #: the same label under a transport-neutral name (an alias: one value on the wire,
+    #: which kept the name of the first PD transport)
+    PEER_HELLO = b"nixl-hello"
 
 
 class AuthError(Exception):

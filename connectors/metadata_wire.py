@@ -46,8 +46,17 @@ class MetadataWireError(KVBridgeError, ValueError):
     """Connector metadata cannot be encoded, or bytes are not valid encoded metadata."""
 
 
+#: Classes that moved keep the tag they had on the wire (a tag is part of the bytes two
+#: processes of one version exchange, and of the golden vectors): the PD core's metadata
+#: was the NIXL connector's before the core became transport-neutral.
+_MOVED_TAGS = {
+    "kvbridge.connectors.pd.scheduler:PdMetadata": "kvbridge.connectors.nixl.scheduler:NixlMetadata",
+}
+
+
 def _tag(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
+    tag = f"{cls.__module__}:{cls.__qualname__}"
+    return _MOVED_TAGS.get(tag, tag)
 
 
 def _known_classes() -> dict[str, type[ConnectorMetadata]]:

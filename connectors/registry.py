@@ -59,6 +59,7 @@ BUILTIN_CONNECTORS: Mapping[str, str] = MappingProxyType({
     "shared_storage": "kvbridge.connectors.shared_storage:SharedStoragePlugin",
     "nixl": "kvbridge.connectors.nixl:NixlPlugin",
     "mooncake_store": "kvbridge.connectors.mooncake_store:MooncakeStorePlugin",
+    "mooncake_te": "kvbridge.connectors.mooncake_te:MooncakeTePlugin",
     "offloading": "kvbridge.connectors.offloading:OffloadingPlugin",
     "multi": "kvbridge.connectors.multi:MultiPlugin",
 })

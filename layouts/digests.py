@@ -396,7 +396,7 @@ class BlockDigester:
         are cut does not matter, only the byte sequence: adjacent ranges are merged, so a
         layer whose single range is its whole block has its layer digest, and a slice of
         every layer of a region, each whole, is the block digest. NIXL slices (see
-        ``connectors.nixl.verify``) list the bytes a consumer rank reads from one
+        ``connectors.pd.verify``) list the bytes a consumer rank reads from one
         producer rank in ascending order of their offset in the *consumer's* block, the
         producer with its source offsets, the consumer with its destination offsets:
         both hash the same bytes in the same order when they arrived intact.

@@ -43,7 +43,7 @@ MAX_SPEC_FILE_BYTES = 1 << 20
 #: carry them: one list each, so this bounds what a peer makes anyone loop over.
 MAX_REGIONS = 64
 #: Blocks per layer a peer's handshake may announce: prepared descriptor lists are
-#: indexed with int32 rows (``connectors.nixl.routing``), so no cache can hold more.
+#: indexed with int32 rows (``connectors.pd.routing``), so no cache can hold more.
 MAX_NUM_BLOCKS = (1 << 31) - 1
 #: Largest block id transfer params may name (the last block of the largest cache):
 #: a larger one can index no cache, and is refused before any lookup or int64 packing.

@@ -371,6 +371,27 @@ def test_package_imports_point_downward_only() -> None:
     assert not problems, "\n".join(problems)
 
 
+#: Inside ``connectors``: the PD core imports no adapter of it and no transport library's
+#: adapter; it reaches a transport through ``connectors/pd/transport.py`` and speaks the
+#: records of ``backends/transfer.py`` (docs/architecture.md, the ``connectors/`` room).
+PD_CORE = "kvbridge.connectors.pd"
+PD_MAY_NOT_IMPORT = ("kvbridge.connectors.nixl", "kvbridge.connectors.mooncake_te",
+                     "kvbridge.connectors.mooncake_store", "kvbridge.backends.nixl",
+                     "kvbridge.backends.mooncake")
+
+
+def test_the_pd_core_imports_no_transport_adapter() -> None:
+    result = scan(ROOT)
+    core = [imp for imp in result.imports if imp.importer.startswith(PD_CORE + ".")
+            or imp.importer == PD_CORE]
+    assert any(imp.target == "kvbridge.backends.transfer" for imp in core)
+    problems = [f"{imp.where(ROOT)}: {imp.importer} imports {imp.target} ({imp.kind.value})"
+                for imp in core
+                if any(imp.target == bad or imp.target.startswith(bad + ".")
+                       for bad in PD_MAY_NOT_IMPORT)]
+    assert not problems, "\n".join(problems)
+
+
 def test_package_has_no_import_cycles() -> None:
     problems = cycles(scan(ROOT))
     assert not problems, "\n".join(problems)

@@ -98,7 +98,7 @@ def library_error_code(exc: BaseException) -> int | None:
     names = {cls.__name__ for cls in type(exc).__mro__}
     # backends and the engine harness: checked by name, so that a failed command
     # does not import NIXL or Mooncake just to classify its error
-    if names & {"NixlTransportError", "MooncakeError", "MooncakeMasterError",
+    if names & {"TransportError", "MooncakeError", "MooncakeMasterError",
                 "EngineProcessError"}:
         return EXIT_USAGE if "MooncakeConfigError" in names else EXIT_FAILURE
     return None

@@ -7,7 +7,7 @@ wrote it already): :data:`DONE`, which costs one method call.
 
 Which paths need it, and why:
 
-* **NIXL push** (``connectors/nixl/worker.py``): a WRITE is a zero-copy read
+* **NIXL push** (``connectors/pd/push.py``): a WRITE is a zero-copy read
   of device memory by UCX, outside every CUDA stream; posted early, it sends
   stale bytes. A fence per layer in ``save_kv_layer`` (and one over the step
   in ``wait_for_save``); a layer's WRITE is posted once its fence is

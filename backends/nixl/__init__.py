@@ -26,10 +26,10 @@ tensors as ``VRAM`` with their device id); descriptor lists are prepared once
 :meth:`prepare_remote` right after the handshake, with the *peer's* memory
 type); a transfer then only passes *indices* into those lists (:meth:`post`).
 Rows may be strided (one row for a layer's every block, see
-:mod:`.nixl_descs`). Once VRAM is registered, every thread that enters the
+:mod:`.descs`). Once VRAM is registered, every thread that enters the
 transport has the registered CUDA device made current first
 (:func:`set_cuda_device`, looked up in this module, where a test replaces it
-to record the calls; see :mod:`.nixl_memory`).
+to record the calls; see :mod:`.memory`).
 
 Invariants (checked by the tests through :meth:`counters`):
 
@@ -48,10 +48,11 @@ agent is created with ``NIXL_THREAD_SYNC_NONE`` (no listener thread).
 This file owns :class:`NixlTransport`: the agent, its lock and tables, and
 every NIXL call on them; it stays one class (one lock around one agent, whose
 invariants above span memory, lists, peers and transfers), which is why it is
-over 600 lines. Beside it, importable from here as before: :mod:`.nixl_records`
-(errors, memory types, records), :mod:`.nixl_memory` (memory of an item,
-registrations, the CUDA-binding lock), :mod:`.nixl_descs` (descriptor rows) and
-:mod:`.nixl_load` (which NIXL build). They call no agent; nothing else of
+over 600 lines. Beside it, importable from here as before: :mod:`.records`
+(its errors; the memory types and records of any transport, from
+:mod:`kvbridge.backends.transfer`), :mod:`.memory` (memory of an item,
+registrations, the CUDA-binding lock), :mod:`.descs` (descriptor rows) and
+:mod:`.load` (which NIXL build). They call no agent; nothing else of
 kvbridge is imported (dependency rule of ``backends``).
 """
 
@@ -104,6 +105,7 @@ from kvbridge.backends.nixl.records import (
     Region,
     Transfer,
     TransportCounters,
+    TransportError,
     XferOp,
     XferState,
 )
@@ -122,6 +124,7 @@ __all__ = [
     "Region",
     "Transfer",
     "TransportCounters",
+    "TransportError",
     "XferOp",
     "XferState",
     "block_descs",
@@ -152,7 +155,7 @@ class NixlTransport:
             enable_prog_thread=False,
             enable_listen_thread=False,
             backends=["UCX"],
-            capture_telemetry=True,  # per-transfer times (Transfer.nixl_xfer_s), as vLLM's
+            capture_telemetry=True,  # per-transfer times (Transfer.library_xfer_s), as vLLM's
         )
         self._api = api
         self._cuda_device: int | None = None  # set by the first VRAM registration
@@ -563,7 +566,7 @@ class NixlTransport:
             self._done += 1
             self._bytes_done += xfer.nbytes
             if xfer._handle is not None:
-                xfer.nixl_xfer_s = self._telemetry(xfer)
+                xfer.library_xfer_s = self._telemetry(xfer)
         elif state is XferState.FAILED:
             self._failed += 1
         else:

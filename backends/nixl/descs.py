@@ -15,7 +15,7 @@ lengths per group, so the lengths of posted indices cost no per-descriptor
 memory). Pure numpy: nothing here prepares a list or calls NIXL.
 
 May not touch: the NIXL agent, the transport's lock or tables. Imports only
-:mod:`.nixl_records` of kvbridge.
+:mod:`.records` of kvbridge.
 """
 
 from __future__ import annotations

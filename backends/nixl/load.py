@@ -8,7 +8,7 @@ before the first import, since UCX reads them when the first agent starts.
 
 May not touch: an agent (no agent is created here: the transport does that),
 registrations or transfers; torch only for its CUDA version. Imports only
-:mod:`kvbridge.backends` (the environment defaults) and :mod:`.nixl_records`.
+:mod:`kvbridge.backends` (the environment defaults) and :mod:`.records`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ thread. The transport calls it through ``kvbridge.backends.nixl.set_cuda_device`
 
 May not touch: the NIXL agent (no registration, no NIXL call is made here)
 or the transport's tables; torch only through the tensor's attributes
-and ``torch.cuda`` device calls. Imports only :mod:`.nixl_records` of kvbridge.
+and ``torch.cuda`` device calls. Imports only :mod:`.records` of kvbridge.
 """
 
 from __future__ import annotations

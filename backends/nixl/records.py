@@ -1,164 +1,40 @@
-"""The vocabulary of the NIXL transport: its errors, memory types, states and records.
+"""The NIXL transport's own errors; the records it speaks in are transport-neutral.
 
-Owns the typed values :class:`~kvbridge.backends.nixl.NixlTransport` hands out
-and takes back: :class:`Region`, :class:`PeerHandle`, :class:`DescList`,
-:class:`Transfer` (with its :class:`XferState` lifecycle) and
-:class:`TransportCounters`, plus the two error types and the memory type names
-(``DRAM``, ``VRAM``). Records only: no NIXL call, no lock, no state machine
-(the transport advances a :class:`Transfer`; this file only says what one is).
+:class:`NixlTransportError` is a :class:`~kvbridge.backends.transfer.TransportError`
+(so code above the transport catches the neutral one), and
+:class:`NixlUnavailableError` says NIXL cannot load. The records and memory type
+names (:mod:`kvbridge.backends.transfer`) are re-exported here, where the NIXL
+modules have always imported them from.
 
-May not touch: NIXL itself, torch, or any other module of kvbridge (it is the
-bottom of the ``nixl*`` modules: every one of them may import it, it imports
-none of them).
+May not touch: NIXL itself, torch, or any module of kvbridge but
+:mod:`kvbridge.backends.transfer` (the bottom of the ``nixl`` modules: every one
+of them may import it).
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-from typing import Any
+from kvbridge.backends.transfer import (
+    DRAM,
+    MEM_TYPES,
+    VRAM,
+    DescList,
+    PeerHandle,
+    Region,
+    Transfer,
+    TransportCounters,
+    TransportError,
+    XferOp,
+    XferState,
+)
 
-#: NIXL memory types kvbridge registers and prepares: host memory (pinned or not) and
-#: CUDA device memory.
-DRAM = "DRAM"
-VRAM = "VRAM"
-MEM_TYPES = (DRAM, VRAM)
+__all__ = ["DRAM", "MEM_TYPES", "VRAM", "DescList", "NixlTransportError",
+           "NixlUnavailableError", "PeerHandle", "Region", "Transfer", "TransportCounters",
+           "TransportError", "XferOp", "XferState"]
 
 
-class NixlTransportError(RuntimeError):
-    """A misuse of the transport (bad argument, unknown handle, closed transport)."""
+class NixlTransportError(TransportError):
+    """A misuse of the NIXL transport (bad argument, unknown handle, closed transport)."""
 
 
 class NixlUnavailableError(NixlTransportError):
     """NIXL cannot be imported or has no UCX backend on this machine."""
-
-
-class XferOp(str, enum.Enum):
-    """Direction of a transfer, seen from the initiator (the side that posts)."""
-
-    READ = "READ"  # remote -> local
-    WRITE = "WRITE"  # local -> remote
-
-
-class XferState(str, enum.Enum):
-    """Lifecycle of a :class:`Transfer`. Only PENDING is non-terminal."""
-
-    PENDING = "PENDING"
-    DONE = "DONE"
-    FAILED = "FAILED"
-    TIMED_OUT = "TIMED_OUT"
-
-    @property
-    def terminal(self) -> bool:
-        return self is not XferState.PENDING
-
-
-@dataclass(frozen=True)
-class Region:
-    """A registered memory region. ``region_id`` indexes :meth:`register_regions` order.
-
-    ``addr``/``nbytes`` span the item given (a tensor, or ``(addr, nbytes)``);
-    the NIXL registration behind it is the item's whole backing storage, shared
-    by every region on the same storage. ``mem_type`` is ``DRAM`` or ``VRAM``,
-    ``device_id`` the CUDA device (0 for host memory).
-    """
-
-    region_id: int
-    addr: int
-    nbytes: int
-    mem_type: str = DRAM
-    device_id: int = 0
-
-
-@dataclass(frozen=True)
-class PeerHandle:
-    """A remote agent added from its metadata.
-
-    ``generation`` increases every time a peer of the same name is (re-)added,
-    so lists prepared for an earlier incarnation are refused instead of
-    silently addressing a restarted process's memory.
-    """
-
-    name: str
-    generation: int
-
-
-@dataclass(frozen=True)
-class DescList:
-    """A prepared descriptor list; transfers refer to its rows by index.
-
-    ``peer`` is ``None`` for a local list. ``num_descs`` bounds valid indices.
-    """
-
-    list_id: int
-    num_descs: int
-    peer: PeerHandle | None
-
-
-@dataclass(frozen=True)
-class TransportCounters:
-    """Live-object counts for leak checks, plus lifetime totals."""
-
-    registrations: int
-    dlists: int
-    xfer_handles: int
-    peers: int
-    zombies: int
-    forced_releases: int
-    posted: int
-    done: int
-    failed: int
-    timed_out: int
-    bytes_done: int
-    #: transfers cut across lanes (``nixl_lanes``), each counted once in ``posted`` too
-    cut_transfers: int = 0
-
-    @property
-    def live(self) -> int:
-        """Sum of the live counts; zero after :meth:`NixlTransport.close`."""
-        return self.registrations + self.dlists + self.xfer_handles + self.peers
-
-
-@dataclass(eq=False)  # identity semantics: each post is a distinct transfer
-class Transfer:
-    """One posted transfer. Created by :meth:`NixlTransport.post`, advanced by ``poll``.
-
-    Telemetry: ``nbytes`` and ``num_descs`` are computed from the prepared
-    lists at post time; ``duration_s`` is post-to-terminal as observed by
-    ``poll`` (so its resolution is the caller's polling interval);
-    ``nixl_xfer_s`` is NIXL's own telemetry of a DONE transfer (``xferDuration``
-    of ``get_xfer_telemetry``: post to the completion NIXL saw, what vLLM's
-    NixlConnector reports), None when NIXL gave none.
-
-    ``quiesced`` is True once NIXL no longer touches this transfer's memory
-    (DONE, or an error reported by NIXL). A TIMED_OUT transfer becomes
-    quiesced later, when its zombie handle settles; until then its local
-    blocks (READ destination / WRITE source) must not be reused.
-    """
-
-    transfer_id: int
-    op: XferOp
-    peer: PeerHandle
-    nbytes: int
-    num_descs: int
-    notif: bytes
-    posted_at: float
-    deadline: float
-    state: XferState = XferState.PENDING
-    error: str | None = None
-    finished_at: float | None = None
-    quiesced: bool = False
-    nixl_xfer_s: float | None = None
-    _handle: Any = field(default=None, repr=False)
-    #: parts 1.. of a transfer cut across lanes (``nixl_lanes.LanePart``); part 0 is
-    #: ``_handle``, on the transport's own agent
-    _lane_parts: list[Any] = field(default_factory=list, repr=False)
-
-    @property
-    def duration_s(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at - self.posted_at
-
-    @property
-    def gbps(self) -> float | None:
-        d = self.duration_s
-        return None if not d else self.nbytes / d / 1e9

@@ -1,25 +1,25 @@
-"""The NIXL prefill/decode connector: pull and push over one NIXL agent per worker rank.
+"""The NIXL prefill/decode connector: the PD core over one NIXL agent per worker rank.
 
-Modules: :mod:`.settings` (extra config), :mod:`.messages` (notification
-records), :mod:`.routing` (pure index math), :mod:`.leases` (pure lease
-bookkeeping), :mod:`.state` (per-request receive state machine),
-:mod:`.session` (handshaken peers), :mod:`.verify` (pure digest planning and
-checks), :mod:`.transport` (what the connector needs of a transport, a
-protocol), :mod:`.observe` (the worker's observer protocol, for tracing),
-:mod:`.scheduler` and :mod:`.worker` (the two halves; the worker is a facade
-over its parts: :mod:`.worker_state` (their shared context), :mod:`.sessions`,
-:mod:`.loads`, :mod:`.load_checks`, :mod:`.push_consumer`, :mod:`.holds`,
-:mod:`.hold_digests`, :mod:`.push`, :mod:`.pump`), :mod:`.faults` (fault
-injection for tests, a transport wrapper), :mod:`.conformance` (its conformance
-cases), :mod:`.plugin` (the registered plugin).
+The protocol, its parts and its settings are transport-neutral and live in
+:mod:`kvbridge.connectors.pd`; this package is NIXL's adapter of it:
+:mod:`.plugin` (the registered plugin, the transport factory and
+:class:`NixlWorker`), :mod:`.faults` (fault injection for tests: a transport
+wrapper that removes NIXL peers), :mod:`.conformance` (its conformance cases).
+The names below are the ones users and tests have imported from here; the
+``Nixl*`` records are the core's under their old names.
 """
 
-from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind
-from kvbridge.connectors.nixl.plugin import NixlPlugin
-from kvbridge.connectors.nixl.scheduler import NixlMetadata, NixlScheduler
-from kvbridge.connectors.nixl.settings import NixlSettings
-from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
-from kvbridge.connectors.nixl.worker import NixlWorker, TransferRecord
+from kvbridge.connectors.nixl.plugin import NixlPlugin, NixlTransportFactory, NixlWorker
+from kvbridge.connectors.pd.leases import LeaseTable, Verdict, VerdictKind
+from kvbridge.connectors.pd.scheduler import PdMetadata, PdScheduler
+from kvbridge.connectors.pd.settings import PdSettings
+from kvbridge.connectors.pd.state import RecvState, RecvTransfer
+from kvbridge.connectors.pd.worker import TransferRecord
+
+#: the core's classes under the names they had when they were NIXL's
+NixlMetadata = PdMetadata
+NixlScheduler = PdScheduler
+NixlSettings = PdSettings
 
 __all__ = [
     "LeaseTable",
@@ -27,6 +27,7 @@ __all__ = [
     "NixlPlugin",
     "NixlScheduler",
     "NixlSettings",
+    "NixlTransportFactory",
     "NixlWorker",
     "RecvState",
     "RecvTransfer",

@@ -9,9 +9,9 @@ receives with their block ids as load errors.
 
 The production worker knows nothing of this: the fault is a
 :class:`FaultyTransport` the worker is given in place of its transport
-(:meth:`~kvbridge.connectors.nixl.worker.NixlWorker.wrap_transport`), installed
+(:meth:`~kvbridge.connectors.pd.worker.PdWorker.wrap_transport`), installed
 once, on first use; which loads are doomed it learns as an observer of the
-worker (:meth:`~kvbridge.connectors.nixl.worker.NixlWorker.observe`: the loads
+worker (:meth:`~kvbridge.connectors.pd.worker.PdWorker.observe`: the loads
 each step orders). This module owns only the fault's state; it may not change
 what the transport does for any other load.
 """
@@ -21,14 +21,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.backends.nixl import (
-    PeerHandle,
-)
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.observe import NullObserver
-from kvbridge.connectors.nixl.scheduler import LoadOrder
-from kvbridge.connectors.nixl.transport import ForwardingTransport, PdTransport
-from kvbridge.connectors.nixl.worker import NixlWorker
+from kvbridge.backends.transfer import PeerHandle
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.observe import NullObserver
+from kvbridge.connectors.pd.scheduler import LoadOrder
+from kvbridge.connectors.pd.transport import ForwardingTransport, PdTransport
+from kvbridge.connectors.pd.worker import PdWorker
 
 
 class FaultyTransport(ForwardingTransport):
@@ -59,7 +57,7 @@ class LoadFault(NullObserver):
     """Installed on ``worker``: the loads ordered in the step after :meth:`arm` lose
     their NIXL peer as they are posted."""
 
-    def __init__(self, worker: NixlWorker) -> None:
+    def __init__(self, worker: PdWorker) -> None:
         self.worker = worker
         self.armed = False
         self.transport: FaultyTransport | None = None
@@ -86,9 +84,9 @@ class LoadFault(NullObserver):
 
 def fail_next_loads(connector: Any) -> bool:
     """Make the loads ordered in ``connector``'s next step fail (a vanished peer), when it
-    is a registered :class:`NixlWorker` (installing the fault on it on first use); False
+    is a registered :class:`~kvbridge.connectors.pd.worker.PdWorker` (installing the fault on it on first use); False
     when it is not one (nothing done)."""
-    if not isinstance(connector, NixlWorker) or connector.transport is None:
+    if not isinstance(connector, PdWorker) or connector.transport is None:
         return False
     fault = getattr(connector, "_load_fault", None)
     if not isinstance(fault, LoadFault):

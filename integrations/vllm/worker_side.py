@@ -202,7 +202,7 @@ class WorkerSide(KVConnectorBase_V1):
             data["transfer_duration"].append(float(record.duration_s))
             data["bytes_transferred"].append(int(record.nbytes))
             data["num_descriptors"].append(int(record.num_descs))
-            data["nixl_xfer_duration"].extend(map(float, record.nixl_xfer_s))
+            data["nixl_xfer_duration"].extend(map(float, record.library_xfer_s))
         return KVBridgeStats.packed(data)
 
     @classmethod

@@ -107,7 +107,7 @@ def test_laned_read_lands_every_byte_and_leaves_nothing(side) -> None:
     for untouched in (4, 5):
         assert int(local[untouched * BB:(untouched + 1) * BB].count_nonzero()) == 0
     assert (x.nbytes, x.num_descs, x.quiesced) == (6 * BB, 6, True)
-    assert x.nixl_xfer_s is not None and 0 < x.nixl_xfer_s <= x.duration_s
+    assert x.library_xfer_s is not None and 0 < x.library_xfer_s <= x.duration_s
     c = t.counters()
     assert (c.cut_transfers, c.posted, c.done, c.xfer_handles, c.bytes_done) == (1, 1, 1, 0,
                                                                                 6 * BB)

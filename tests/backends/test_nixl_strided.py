@@ -27,7 +27,7 @@ from kvbridge.backends.nixl import (  # noqa: E402
     expand_descs,
     strided_descs,
 )
-from kvbridge.connectors.nixl.routing import (  # noqa: E402
+from kvbridge.connectors.pd.routing import (  # noqa: E402
     consumer_table,
     pair_indices,
     producer_table,

@@ -94,7 +94,7 @@ def test_read_blocks_permuted_byte_for_byte(side) -> None:
     assert (x.nbytes, x.num_descs) == (5 * BB, 5)
     assert x.duration_s is not None and x.duration_s > 0
     # NIXL's own telemetry of the READ (what vLLM's NixlConnector reports), within ours
-    assert x.nixl_xfer_s is not None and 0 < x.nixl_xfer_s <= x.duration_s
+    assert x.library_xfer_s is not None and 0 < x.library_xfer_s <= x.duration_s
     assert t.poll(x) is XferState.DONE  # terminal states are sticky
     c = t.counters()
     assert (c.xfer_handles, c.done, c.bytes_done) == (0, 1, 5 * BB)

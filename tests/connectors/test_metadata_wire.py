@@ -13,14 +13,14 @@ from kvbridge.connectors.metadata_wire import (
 )
 from kvbridge.connectors.mooncake_store.metadata import LoadBlock, SaveBlock, StoreMetadata
 from kvbridge.connectors.multi import MultiMetadata
-from kvbridge.connectors.nixl.scheduler import (
+from kvbridge.connectors.offloading.scheduler import OffloadMetadata
+from kvbridge.connectors.pd.scheduler import (
     HoldOrder,
     LoadOrder,
-    NixlMetadata,
+    PdMetadata,
     PushOrder,
     ReleaseOrder,
 )
-from kvbridge.connectors.offloading.scheduler import OffloadMetadata
 from kvbridge.connectors.shared_storage import StorageMetadata
 from kvbridge.events import BlockStored
 from kvbridge.layouts import ParallelTopology
@@ -33,9 +33,9 @@ def _params(rid: str = "r1") -> TransferParams:
                           consumer_request_id="c-" + rid, extra={"k": "x", "n": 1})
 
 
-def _nixl() -> NixlMetadata:
+def _nixl() -> PdMetadata:
     params = _params()
-    return NixlMetadata(
+    return PdMetadata(
         step_id=7,
         loads=(LoadOrder("c1", params, ((4, 5), (6,)), ((1, 2), (3,)), (0, 0)),
                LoadOrder("c2", params, ((),), ((),), (1,), error="refused")),
@@ -67,7 +67,7 @@ def _storage() -> StorageMetadata:
 
 CASES = {
     "base": ConnectorMetadata,
-    "nixl_empty": NixlMetadata,
+    "nixl_empty": PdMetadata,
     "nixl": _nixl,
     "mooncake_store": _store,
     "mooncake_store_empty": StoreMetadata,
@@ -93,7 +93,7 @@ def test_multi_round_trip_keeps_each_child_type() -> None:
     meta = MultiMetadata(children=(_nixl(), _offload(), ConnectorMetadata()), delayed={"r": 2})
     back = decode_metadata(encode_metadata(meta))
     assert isinstance(back, MultiMetadata)
-    assert [type(c) for c in back.children] == [NixlMetadata, OffloadMetadata, ConnectorMetadata]
+    assert [type(c) for c in back.children] == [PdMetadata, OffloadMetadata, ConnectorMetadata]
     assert back.children[:2] == meta.children[:2]
     assert back.delayed == {"r": 2}
 

@@ -22,7 +22,7 @@ from kvbridge.connectors.shared_storage import SharedStoragePlugin
 from kvbridge.tools.commands import doctor as cmd_doctor
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILTINS = {"shared_storage", "nixl", "mooncake_store", "offloading", "multi"}
+BUILTINS = {"shared_storage", "nixl", "mooncake_store", "mooncake_te", "offloading", "multi"}
 
 
 def _distribution(root: Path, name: str, version: str, entries: dict[str, str]) -> None:

@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import missing_backend, require
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILTINS = {"shared_storage", "nixl", "mooncake_store", "offloading", "multi"}
+BUILTINS = {"shared_storage", "nixl", "mooncake_store", "mooncake_te", "offloading", "multi"}
 
 _WHERE_FROM = """
 import importlib.metadata as md, json

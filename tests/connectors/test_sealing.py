@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvbridge.auth import Secret
 from kvbridge.connectors import TransferMode, TransferParams, TransferParamsError
-from kvbridge.connectors.nixl.leases import LeaseTable, VerdictKind
+from kvbridge.connectors.pd.leases import LeaseTable, VerdictKind
 from kvbridge.connectors.sealing import (
     CHAIN_TOKENS,
     MAX_CHAIN_LINKS,

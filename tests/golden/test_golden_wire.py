@@ -11,7 +11,7 @@ checks, for each:
 3. re-encoding the decoded value gives the same bytes again.
 
 Formats covered: handshake documents (engine document, one rank's agent
-record, requests and replies), NIXL notifications (``connectors.nixl.messages``,
+record, requests and replies), NIXL notifications (``connectors.pd.messages``,
 every kind), the engine control protocol (``engine.control``: submit, results,
 abort, the ops without fields), connector metadata (``connectors.metadata_wire``),
 transfer params (JSON and msgpack of ``to_dict()``), KV events (both event wire
@@ -60,15 +60,15 @@ from kvbridge.connectors.mooncake_store.records import (
 )
 from kvbridge.connectors.mooncake_store.records import key_digest as record_key_digest
 from kvbridge.connectors.multi import MultiMetadata
-from kvbridge.connectors.nixl import messages as notifs
-from kvbridge.connectors.nixl.scheduler import (
+from kvbridge.connectors.offloading.scheduler import OffloadMetadata
+from kvbridge.connectors.pd import messages as notifs
+from kvbridge.connectors.pd.scheduler import (
     HoldOrder,
     LoadOrder,
-    NixlMetadata,
+    PdMetadata,
     PushOrder,
     ReleaseOrder,
 )
-from kvbridge.connectors.offloading.scheduler import OffloadMetadata
 from kvbridge.connectors.shared_storage import StorageMetadata
 from kvbridge.engine import control
 from kvbridge.engine.request import RequestSpec
@@ -272,9 +272,9 @@ def _stored_event() -> BlockStored:
                        token_ids=tuple(range(4)), block_size=2, medium="CPU")
 
 
-def _nixl() -> NixlMetadata:
+def _nixl() -> PdMetadata:
     params = _params_pull()
-    return NixlMetadata(
+    return PdMetadata(
         step_id=7,
         loads=(LoadOrder("c1", params, ((4, 5), (6,)), ((1, 2), (3,)), (0, 0)),
                LoadOrder("c2", params, ((),), ((),), (1,), error="refused")),

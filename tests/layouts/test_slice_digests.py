@@ -3,7 +3,7 @@
 pinned by golden vectors (``tests/golden/vectors/slice_digests.txt`` and
 ``slice_digests_torch_mix64.txt``), both the bare definition over given ranges and
 the ranges a NIXL consumer rank reads from one producer rank at another TP
-(``connectors.nixl.verify.slice_layers``); the torch digests equal the numpy
+(``connectors.pd.verify.slice_layers``); the torch digests equal the numpy
 reference of the definition over the concatenated bytes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.connectors.nixl.verify import slice_layers
+from kvbridge.connectors.pd.verify import slice_layers
 from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.layouts.digests import (
     SLICE_ALGORITHM,

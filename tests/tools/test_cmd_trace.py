@@ -69,7 +69,7 @@ def test_injected_failure_names_its_cause(nixl: None,
     assert failures[0]["request_id"] == report["request_id"]
     # the connector's structured failure line, captured from its logger
     logs = [e["detail"]["message"] for e in report["events"] if e["kind"] == "log"]
-    assert any("nixl load failed" in m and report["request_id"] in m for m in logs)
+    assert any("pd load failed" in m and report["request_id"] in m for m in logs)
     result = [e for e in report["events"] if e["kind"] == "result" and e["side"] == "consumer"]
     assert result[0]["detail"]["recomputed_tokens"] > 0  # recomputed, not hung
     assert "freed" in _kinds(report)  # the producer still let go of its blocks
@@ -114,10 +114,10 @@ def test_recorder_and_log_capture_are_bounded_and_ordered() -> None:
     assert [e.kind for e in recorder.snapshot()] == ["freed", "transfer"]
     assert recorder.snapshot()[1].detail == {"bytes": 10, "request_id": "clash-is-fine"}
     with capture_connector_logs(recorder):
-        logging.getLogger("kvbridge.connectors.nixl.worker").warning("nixl load failed: %s", 7)
-    logging.getLogger("kvbridge.connectors.nixl.worker").warning("after: not captured")
+        logging.getLogger("kvbridge.connectors.pd.worker").warning("pd load failed: %s", 7)
+    logging.getLogger("kvbridge.connectors.pd.worker").warning("after: not captured")
     logs = recorder.of_kind("log")
-    assert [e.detail["message"] for e in logs] == ["nixl load failed: 7"]
+    assert [e.detail["message"] for e in logs] == ["pd load failed: 7"]
 
 
 def test_trace_shows_each_checked_blocks_digests(nixl: None,

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.backends.nixl import NixlTransport, XferState, load_nixl_api, strided_descs
-from kvbridge.connectors.nixl.routing import consumer_table, producer_table, pull_indices
+from kvbridge.connectors.pd.routing import consumer_table, producer_table, pull_indices
 from kvbridge.handshake import AgentMetadata, decode_agent, encode_agent
 from kvbridge.layouts import (
     KVCacheSpec,

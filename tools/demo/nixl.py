@@ -1,7 +1,9 @@
 """The NIXL demo runner: a producer and a consumer engine in separate processes, routed.
 
 Used by ``kvbridge demo --connector nixl`` (the default, what ``make demo``
-runs) and by the NIXL connector's multi-process tests. The producer engine
+runs), by ``--connector mooncake_te`` (:mod:`.mooncake_te`: the same PD core over
+another transport, ``DemoOptions.connector``) and by the NIXL connector's
+multi-process tests. The producer engine
 either runs here as a child process, or is a ``kvbridge serve`` on another
 machine (``--producer-addr HOST:PORT``: its handshake side channel; the
 control socket is on PORT+1 unless ``--producer-control-port`` says otherwise).
@@ -26,7 +28,7 @@ import zmq
 
 from kvbridge.auth import resolve_auth
 from kvbridge.connectors import ConnectorConfig, KVRole, TransferMode, TransferParams
-from kvbridge.connectors.nixl.worker import histogram_percentile
+from kvbridge.connectors.pd.worker import histogram_percentile
 from kvbridge.engine.core import EngineConfig
 from kvbridge.engine.harness import (
     ControlCalls,
@@ -67,6 +69,8 @@ class DemoOptions:
     verify: bool = True
     #: the engines' KV device (``cpu``, ``cuda``, ``cuda:N``): EngineConfig.device
     device: str = "cpu"
+    #: the PD connector the engines use: this runner serves every adapter of the PD core
+    connector: str = CONNECTOR
 
 
 class _Engine(Protocol):
@@ -127,7 +131,7 @@ def engine_config(opts: DemoOptions, role: KVRole, topology: ParallelTopology,
     return EngineConfig(spec=load_spec(opts.model), topology=topology,
                         num_blocks=opts.num_blocks, max_num_batched_tokens=4096,
                         max_num_seqs=64,
-                        connector=ConnectorConfig(CONNECTOR, role, extra=settings),
+                        connector=ConnectorConfig(opts.connector, role, extra=settings),
                         verify_loads=opts.verify, remote_kv_timeout_s=opts.timeout_s,
                         device=opts.device)
 
@@ -323,7 +327,7 @@ def summarize(opts: DemoOptions, results: list[RequestResult], wrong: list[str],
                 "sessions_dropped", "heartbeats_sent", "releases_sent", "loads_done_on_promise",
                 "promises_contradicted", "holds_promised")
     return {
-        "connector": CONNECTOR,
+        "connector": opts.connector,
         "mode": opts.mode.value,
         "model": opts.model,
         "producer": (opts.producer.describe() if not opts.producer_addr

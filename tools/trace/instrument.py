@@ -8,8 +8,8 @@ and only records its arguments and result on a
 exactly the bytes an untraced one moves.
 
 A NIXL worker is traced through its observer protocol
-(:class:`~kvbridge.connectors.nixl.observe.WorkerObserver`, attached with
-``NixlWorker.observe``: handshakes, transfers, notifications, failures,
+(:class:`~kvbridge.connectors.pd.observe.WorkerObserver`, attached with
+``PdWorker.observe``: handshakes, transfers, notifications, failures,
 verification, finished requests) and its lease table's public calls;
 :func:`instrument_engine` checks the worker has them (``observe``,
 ``transport``, ``leases``) and raises
@@ -35,7 +35,7 @@ _WORKER_ATTRS = ("observe", "transport", "leases")
 
 
 def _notif_fields(data: bytes) -> tuple[str, dict[str, Any]]:
-    from kvbridge.connectors.nixl import messages
+    from kvbridge.connectors.pd import messages
 
     try:
         msg = messages.decode(data)
@@ -175,7 +175,7 @@ def _instrument_scheduler(sched: Any, side: str, rec: TraceRecorder) -> None:
 
 
 class _TraceObserver:
-    """A :class:`~kvbridge.connectors.nixl.observe.WorkerObserver` that records each
+    """A :class:`~kvbridge.connectors.pd.observe.WorkerObserver` that records each
     event of one worker rank on the recorder."""
 
     def __init__(self, side: str, rank: int, rec: TraceRecorder) -> None:
@@ -296,7 +296,7 @@ class _LogCapture(logging.Handler):
 
 @contextmanager
 def capture_connector_logs(recorder: TraceRecorder,
-                           logger_name: str = "kvbridge.connectors.nixl") -> Iterator[None]:
+                           logger_name: str = "kvbridge.connectors.pd") -> Iterator[None]:
     handler = _LogCapture(recorder)
     log = logging.getLogger(logger_name)
     previous = log.level

@@ -39,7 +39,7 @@ class LoadFailures(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if message.startswith("nixl load failed"):
+        if message.startswith("pd load failed"):
             self.reasons.append(message)
 
 
@@ -94,7 +94,7 @@ def main() -> int:
             "handshake_timeout_s": 1.0, "revalidate_s": 0.5})))
     specs = make_requests(4, prompt_tokens=48, max_tokens=2, seed=21, prefix="netns")
     failures = LoadFailures()
-    logging.getLogger("kvbridge.connectors.nixl.worker").addHandler(failures)
+    logging.getLogger("kvbridge.connectors.pd.worker").addHandler(failures)
     try:
         for index, spec in enumerate(specs):
             if index == 1:

@@ -122,7 +122,7 @@ def member_hello(agent_doc: bytes) -> Any:
     there is one (``make test-auth``): a hostile *member*, so the checks behind the seal
     are what a test exercises in both modes."""
     from kvbridge.auth import Label, resolve_auth
-    from kvbridge.connectors.nixl import messages
+    from kvbridge.connectors.pd import messages
 
     auth = resolve_auth()
     sealed = agent_doc if auth is None else auth.seal_request(Label.NIXL_HELLO, agent_doc)[0]

@@ -19,8 +19,8 @@ import torch
 from kvbridge.auth import ClusterAuth, Label, Secret, new_secret
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors.errors import ConfigError
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.settings import NixlSettings
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.settings import PdSettings
 from kvbridge.engine.workload import make_requests
 from kvbridge.handshake import AgentMetadata, HandshakeClient, HandshakeError, encode_agent
 from kvbridge.layouts import ParallelTopology, load_spec
@@ -88,14 +88,14 @@ def test_the_secret_settings_are_checked_at_the_edge(tmp_path: Path) -> None:
     short = tmp_path / "short"
     short.write_text("too short\n")
     with pytest.raises(ConfigError, match="auth_secret_file.*at least 16"):
-        NixlSettings.parse({"auth_secret_file": str(short)}).cluster_auth()
+        PdSettings.parse({"auth_secret_file": str(short)}).cluster_auth()
     with pytest.raises(ConfigError, match="insecure_no_auth"):
-        NixlSettings.parse({"insecure_no_auth": "yes"})
+        PdSettings.parse({"insecure_no_auth": "yes"})
     with pytest.raises(ConfigError, match="unknown setting"):
-        NixlSettings.parse({"auth_secret": "a value is never a setting"})
+        PdSettings.parse({"auth_secret": "a value is never a setting"})
     good = tmp_path / "good"
     new_secret(good)
-    settings = NixlSettings.parse({"auth_secret_file": str(good), "insecure_no_auth": True})
+    settings = PdSettings.parse({"auth_secret_file": str(good), "insecure_no_auth": True})
     found = settings.cluster_auth()
     assert found is not None and found.secret.same_as(Secret.from_file(good))
     assert settings.serves_strangers

@@ -182,7 +182,7 @@ def test_peer_killed_mid_transfer_then_restarted(no_thread_leak: None,
             # worker): the READ's disconnect or the load's own 3 s deadline
             stepper.until(lambda: rid in stepper.failed, 60, "failure reported")
             reasons = [r.getMessage().rsplit(" reason=", 1)[-1] for r in caplog.records
-                       if r.getMessage().startswith("nixl load failed")
+                       if r.getMessage().startswith("pd load failed")
                        and f" request={rid} " in r.getMessage()]
             assert len(reasons) == 1 and reasons[0].startswith(
                 ("READ FAILED", "READ TIMED_OUT", "deadline passed")), reasons
@@ -377,12 +377,12 @@ def test_a_shut_down_producer_keeps_promised_memory_until_the_promise_ends() -> 
     import gc
     import weakref
 
-    from kvbridge.connectors.nixl import worker as nixl_worker
+    from kvbridge.connectors.pd import worker as nixl_worker
 
     engine = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PULL,
                                 lease_s=0.3))
     connector = engine.workers[0].connector
-    assert isinstance(connector, nixl_worker.NixlWorker)
+    assert isinstance(connector, nixl_worker.PdWorker)
     refs = [weakref.ref(t) for t in engine.workers[0].caches.layers.values()]
     now = time.monotonic()
     connector.leases.hold("held-req", now)

@@ -22,8 +22,8 @@ import torch
 from kvbridge.auth import Label, resolve_auth
 from kvbridge.backends.nixl import NixlTransport
 from kvbridge.connectors import KVRole, TransferMode
-from kvbridge.connectors.nixl import messages
 from kvbridge.connectors.params import TransferParams
+from kvbridge.connectors.pd import messages
 from kvbridge.engine.harness import EngineProcess
 from kvbridge.engine.request import RequestResult, RequestSpec
 from kvbridge.engine.workload import make_requests

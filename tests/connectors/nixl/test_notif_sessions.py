@@ -19,9 +19,9 @@ import torch
 
 from kvbridge.auth import ClusterAuth, Label, Secret, resolve_auth
 from kvbridge.backends.nixl import NixlTransport
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.worker import MAX_DEFERRED_PER_AGENT
 from kvbridge.connectors.params import TransferParams
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.worker import MAX_DEFERRED_PER_AGENT
 from kvbridge.engine.harness import EngineProcess
 from kvbridge.engine.request import RequestSpec
 from kvbridge.engine.workload import make_requests

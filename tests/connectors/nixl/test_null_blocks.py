@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from kvbridge.connectors import ConnectorConfig, ConnectorContext, ConnectorRequest, KVRole
 from kvbridge.connectors.nixl.plugin import NixlPlugin
-from kvbridge.connectors.nixl.scheduler import NixlMetadata, NixlScheduler
-from kvbridge.connectors.nixl.send_state import PushJob
 from kvbridge.connectors.params import TransferMode, TransferParams
+from kvbridge.connectors.pd.scheduler import PdMetadata, PdScheduler
+from kvbridge.connectors.pd.send_state import PushJob
 from kvbridge.connectors.step import SchedulerStep
 from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec
 
@@ -26,7 +26,7 @@ MODEL = "tiny-hybrid"
 NULL = 0
 
 
-def _scheduler(role: KVRole, mode: TransferMode, engine: str) -> NixlScheduler:
+def _scheduler(role: KVRole, mode: TransferMode, engine: str) -> PdScheduler:
     spec = load_spec(MODEL)
     extra = {"mode": mode.value}
     config = ConnectorConfig("nixl", role, extra=extra, engine_id=engine)
@@ -34,20 +34,20 @@ def _scheduler(role: KVRole, mode: TransferMode, engine: str) -> NixlScheduler:
                            num_blocks=tuple(64 for _ in spec.regions),
                            extra=NixlPlugin.parse_extra(extra), null_block_id=NULL)
     sched = NixlPlugin.create_scheduler(ctx)
-    assert isinstance(sched, NixlScheduler)
+    assert isinstance(sched, PdScheduler)
     return sched
 
 
-def _request(rid: str, prompt: tuple[int, ...], sched: NixlScheduler, **kw: object
+def _request(rid: str, prompt: tuple[int, ...], sched: PdScheduler, **kw: object
              ) -> ConnectorRequest:
     hashes = tuple(tuple(hash_blocks(prompt, sched.ctx.block_tokens(r)))
                    for r in range(len(sched.ctx.spec.regions)))
     return ConnectorRequest(rid, prompt, len(prompt), hashes, **kw)  # type: ignore[arg-type]
 
 
-def _step(sched: NixlScheduler) -> NixlMetadata:
+def _step(sched: PdScheduler) -> PdMetadata:
     meta = sched.build_connector_meta(SchedulerStep(step_id=1, scheduled=()))
-    assert isinstance(meta, NixlMetadata)
+    assert isinstance(meta, PdMetadata)
     return meta
 
 
@@ -55,7 +55,7 @@ def _blocks(n: int, base: int, nulls: int) -> tuple[int, ...]:
     return tuple(NULL if i < nulls else base + i for i in range(n))
 
 
-def _pulled(producer_nulls: int, consumer_nulls: int) -> NixlMetadata:
+def _pulled(producer_nulls: int, consumer_nulls: int) -> PdMetadata:
     """A 150-token prompt prefilled on a producer whose block table names ``producer_nulls``
     null blocks in region 0, loaded by a consumer with ``consumer_nulls`` there."""
     prompt = tuple(range(7, 157))

@@ -17,8 +17,8 @@ from dataclasses import replace
 import pytest
 
 from kvbridge.connectors import TransferParamsError
-from kvbridge.connectors.nixl.scheduler import REFUSAL_COUNTERS
 from kvbridge.connectors.params import TransferParams, normalize_block_ids
+from kvbridge.connectors.pd.scheduler import REFUSAL_COUNTERS
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.integrations.vllm.request_view import PARAMS_KEY, parse_transfer_params
 from kvbridge.layouts import load_spec
@@ -65,7 +65,7 @@ ROWS = [
 
 def test_params_past_the_request_are_refused_and_the_request_recomputes(
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvbridge.connectors.nixl.scheduler")
+    caplog.set_level(logging.WARNING, logger="kvbridge.connectors.pd.scheduler")
     producer = _producer()
     consumer = _consumer()
     stepper = Stepper(consumer)
@@ -110,7 +110,7 @@ def test_params_past_the_request_are_refused_and_the_request_recomputes(
 @pytest.mark.plaintext
 def test_an_id_past_the_producers_announced_cache_fails_its_request_only(
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvbridge.connectors.nixl.worker")
+    caplog.set_level(logging.WARNING, logger="kvbridge.connectors.pd.worker")
     producer = _producer()
     consumer = _consumer()
     stepper = Stepper(consumer)

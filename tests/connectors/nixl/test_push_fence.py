@@ -107,8 +107,8 @@ def test_push_writes_wait_for_the_layer_fences() -> None:
 def test_fences_release_layers_in_order_of_completion(engine_calls_save_per_layer: bool
                                                       ) -> None:
     """The pure bookkeeping: only layers whose fence passed become ready."""
-    from kvbridge.connectors.nixl.push import PushSender
-    from kvbridge.connectors.nixl.worker import _PushJob
+    from kvbridge.connectors.pd.push import PushSender
+    from kvbridge.connectors.pd.worker import _PushJob
 
     job = _PushJob("r")
     log: list[HeldFence] = []
@@ -129,7 +129,7 @@ def test_a_consumer_cancel_while_the_fences_hold_ends_the_push_cancelled() -> No
     flight), answers ``pushed`` not ok, and the request is forgotten (its lease got
     every answer): nothing is posted once the fences pass."""
     require("nixl_cu12", "NIXL (nixl-cu12)")
-    from kvbridge.connectors.nixl.send_state import SendState
+    from kvbridge.connectors.pd.send_state import SendState
 
     producer = Engine(nixl_config("tiny-gqa", KVRole.PRODUCER, ParallelTopology(), PUSH))
     consumer = Engine(nixl_config("tiny-gqa", KVRole.CONSUMER, ParallelTopology(), PUSH))

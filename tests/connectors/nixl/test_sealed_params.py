@@ -21,8 +21,8 @@ import pytest
 
 from kvbridge.auth import new_secret
 from kvbridge.connectors import KVRole
-from kvbridge.connectors.nixl.scheduler import REFUSAL_COUNTERS
 from kvbridge.connectors.params import TransferParams
+from kvbridge.connectors.pd.scheduler import REFUSAL_COUNTERS
 from kvbridge.connectors.sealing import prompt_chain
 from kvbridge.engine.harness import EngineProcess
 from kvbridge.engine.request import RequestSpec

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.connectors.nixl.verify import (
+from kvbridge.connectors.pd.verify import (
     DigestAsk,
     answered_slice_algorithm,
     check_slices,

@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 
 from kvbridge.connectors import ConfigError, TransferMode, TransferParams
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.leases import LeaseTable, VerdictKind
-from kvbridge.connectors.nixl.routing import (
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.leases import LeaseTable, VerdictKind
+from kvbridge.connectors.pd.routing import (
     consumer_table,
     expected_notifs,
     notify_targets,
     producer_table,
     pull_indices,
 )
-from kvbridge.connectors.nixl.settings import NixlSettings
-from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
-from kvbridge.connectors.nixl.worker import LATENCY_BUCKETS_MS, histogram_percentile, latency_key
+from kvbridge.connectors.pd.settings import PdSettings
+from kvbridge.connectors.pd.state import RecvState, RecvTransfer
+from kvbridge.connectors.pd.worker import LATENCY_BUCKETS_MS, histogram_percentile, latency_key
 from kvbridge.layouts import (
     LayerMemory,
     LayoutError,
@@ -219,7 +219,7 @@ def test_remote_block_ids_are_bounds_checked_before_posting() -> None:
 
 
 def test_descriptor_leaving_its_block_is_refused() -> None:
-    from kvbridge.connectors.nixl.routing import build_table
+    from kvbridge.connectors.pd.routing import build_table
 
     one = np.array([0], dtype=np.int64)
     with pytest.raises(LayoutError):
@@ -305,13 +305,13 @@ def test_recv_transfer_finishes_on_a_promise_only_if_the_read_ended_inside_it() 
 
 
 def test_settings_parse_and_refuse() -> None:
-    s = NixlSettings.parse({"mode": "push", "lease_s": 5, "port": 7000})
+    s = PdSettings.parse({"mode": "push", "lease_s": 5, "port": 7000})
     assert s.mode is TransferMode.PUSH and s.lease_s == 5.0 and s.heartbeat_interval_s == 5 / 3
-    assert NixlSettings.parse({"idle_progress_ms": 0, "busy_progress_ms": 0.5,
+    assert PdSettings.parse({"idle_progress_ms": 0, "busy_progress_ms": 0.5,
                                "read_progress_ms": 0.1}) \
-        == NixlSettings(idle_progress_ms=0.0, busy_progress_ms=0.5, read_progress_ms=0.1)
-    assert NixlSettings().lanes == 2 and NixlSettings.parse({"lanes": 1}).lanes == 1
-    assert NixlSettings.parse({"lanes": 16}).lanes == 16
+        == PdSettings(idle_progress_ms=0.0, busy_progress_ms=0.5, read_progress_ms=0.1)
+    assert PdSettings().lanes == 2 and PdSettings.parse({"lanes": 1}).lanes == 1
+    assert PdSettings.parse({"lanes": 16}).lanes == 16
     for bad, field in [({"mode": "both"}, "mode"), ({"lease_s": 0}, "lease_s"),
                        ({"lanes": 0}, "lanes"), ({"lanes": 17}, "lanes"),
                        ({"lanes": True}, "lanes"), ({"lanes": 2.0}, "lanes"),
@@ -320,7 +320,7 @@ def test_settings_parse_and_refuse() -> None:
                        ({"read_progress_ms": 0}, "read_progress_ms"),
                        ({"idle_progress_ms": -1}, "idle_progress_ms")]:
         with pytest.raises(ConfigError) as info:
-            NixlSettings.parse(bad)
+            PdSettings.parse(bad)
         assert info.value.field == f"kv_connector_extra_config.{field}"
 
 

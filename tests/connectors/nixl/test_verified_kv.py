@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvbridge.connectors import KVRole, TransferMode
-from kvbridge.connectors.nixl.settings import NixlSettings
+from kvbridge.connectors.pd.settings import PdSettings
 from kvbridge.engine.core import Engine
 from kvbridge.engine.request import RequestSpec, RequestState
 from kvbridge.engine.workload import InProcessRouter, check_outputs, make_requests
@@ -99,8 +99,8 @@ def worker_tensor(conn: Any, layer: int) -> Any:
 
 def test_clean_loads_are_verified_block_by_block_in_full_mode() -> None:
     # the default samples (measured: full costs 30-50 % of a host-memory READ)
-    assert NixlSettings().verify is DigestMode.SAMPLE
-    assert NixlSettings().verify_sample == 1 / 16
+    assert PdSettings().verify is DigestMode.SAMPLE
+    assert PdSettings().verify_sample == 1 / 16
     producer, consumer = _pair()
     try:
         router = InProcessRouter(producer, consumer, PULL)
@@ -202,7 +202,7 @@ def test_head_slices_from_an_older_producer_are_counted_unverified_or_refused(
     are counted unverified; with ``verify_allow_unverified: false`` they fail and the
     engine recomputes them. (A current producer's slices are verified:
     ``test_verified_slices.py``.)"""
-    from kvbridge.connectors.nixl import worker as worker_module
+    from kvbridge.connectors.pd import worker as worker_module
 
     for allow in (True, False):
         with monkeypatch.context() as patch:  # only the producer's handshake record
@@ -241,7 +241,7 @@ def test_push_loads_are_verified_and_a_byte_flipped_before_the_write_fails_its_b
     the WRITEs, and sends them in ``pushed``. A byte flipped between the two (the real
     digest taking, wrapped) reaches the consumer with the real WRITE: that block fails,
     the rest is verified, the output is right."""
-    from kvbridge.connectors.nixl import push as push_module  # takes push digests
+    from kvbridge.connectors.pd import push as push_module  # takes push digests
 
     producer = Engine(nixl_config(MODEL, KVRole.PRODUCER, ParallelTopology(), PUSH))
     consumer = Engine(nixl_config(MODEL, KVRole.CONSUMER, ParallelTopology(), PUSH,

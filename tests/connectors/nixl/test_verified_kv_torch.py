@@ -21,7 +21,7 @@ import torch
 from kvbridge.backends.nixl import VRAM, NixlTransport
 from kvbridge.connectors import KVRole, TransferMode
 from kvbridge.connectors.errors import ConfigError
-from kvbridge.connectors.nixl.settings import NixlSettings
+from kvbridge.connectors.pd.settings import PdSettings
 from kvbridge.engine.core import Engine
 from kvbridge.engine.request import RequestSpec, RequestState
 from kvbridge.engine.workload import InProcessRouter, check_outputs, make_requests
@@ -138,12 +138,12 @@ def test_a_host_rank_offers_both_algorithms_and_a_setting_narrows_it() -> None:
     finally:
         consumer.shutdown()
         producer.shutdown()
-    assert NixlSettings.parse({"verify_algorithms": [TORCH_ALGORITHM, ALGORITHM]}) \
+    assert PdSettings.parse({"verify_algorithms": [TORCH_ALGORITHM, ALGORITHM]}) \
         .verify_algorithms == (TORCH_ALGORITHM, ALGORITHM)
     for bad in (["md5"], [], "xxh3-64", [1], [SLICE_ALGORITHM], [ALGORITHM, SLICE_ALGORITHM],
                 [TORCH_SLICE_ALGORITHM]):
         with pytest.raises(ConfigError, match="verify_algorithms"):
-            NixlSettings.parse({"verify_algorithms": bad})
+            PdSettings.parse({"verify_algorithms": bad})
 
 
 @pytest.mark.parametrize("producer_algs, consumer_algs", [
@@ -218,7 +218,7 @@ def test_push_with_the_torch_digests_is_verified_and_a_flipped_byte_fails_its_bl
     those digests once every layer is final (a GPU producer: its only ones; a host
     producer: besides its XXH3-64 ones) and sends them in ``pushed``. A byte flipped
     right after the torch digests were taken reaches the consumer with the WRITE."""
-    from kvbridge.connectors.nixl import push as push_module  # takes push digests
+    from kvbridge.connectors.pd import push as push_module  # takes push digests
 
     producer, consumer = _pair(PUSH, producer_algs, TORCH_ONLY)
     try:

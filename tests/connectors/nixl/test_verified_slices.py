@@ -223,7 +223,7 @@ def test_push_head_slices_are_verified_and_a_byte_flipped_before_the_write_fails
     layer is final, before it posts that rank's WRITEs, and sends them in ``pushed``. A
     byte flipped right after (in consumer rank 1's heads) reaches rank 1 with the real
     WRITE: that block fails there, every other block of both ranks is verified."""
-    from kvbridge.connectors.nixl import push as push_module  # takes push digests
+    from kvbridge.connectors.pd import push as push_module  # takes push digests
 
     producer, consumer = _pair(PUSH, 1, 2, algs=algs)
     try:

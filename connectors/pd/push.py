@@ -29,17 +29,17 @@ from typing import Any
 import numpy as np
 
 from kvbridge.backends.device.fence import Fence
-from kvbridge.backends.nixl import NixlTransportError, XferOp, XferState
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.hold_digests import HoldDigests
-from kvbridge.connectors.nixl.holds import Holds
-from kvbridge.connectors.nixl.leases import LeaseTable
-from kvbridge.connectors.nixl.routing import build_table, pair_indices
-from kvbridge.connectors.nixl.scheduler import HoldOrder, PushOrder
-from kvbridge.connectors.nixl.send_state import PushJob, SendState, SendTransfer
-from kvbridge.connectors.nixl.session import check_remote_coverage
-from kvbridge.connectors.nixl.verify import answer_ask, take_hold_digests, take_slice_digests
-from kvbridge.connectors.nixl.worker_state import (
+from kvbridge.backends.transfer import TransportError, XferOp, XferState
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.hold_digests import HoldDigests
+from kvbridge.connectors.pd.holds import Holds
+from kvbridge.connectors.pd.leases import LeaseTable
+from kvbridge.connectors.pd.routing import build_table, pair_indices
+from kvbridge.connectors.pd.scheduler import HoldOrder, PushOrder
+from kvbridge.connectors.pd.send_state import PushJob, SendState, SendTransfer
+from kvbridge.connectors.pd.session import check_remote_coverage
+from kvbridge.connectors.pd.verify import answer_ask, take_hold_digests, take_slice_digests
+from kvbridge.connectors.pd.worker_state import (
     MAX_EARLY_REGISTERS,
     TransferRecord,
     WorkerContext,
@@ -219,15 +219,15 @@ class PushSender:
             return
         consumer = self.holds.consumer(sender)
         if consumer is None:
-            raise NixlTransportError(f"register from {sender} before its hello")
+            raise TransportError(f"register from {sender} before its hello")
         if reg.consumer_rank != consumer.meta.rank_index:
-            raise NixlTransportError(f"register from {sender} names consumer rank "
+            raise TransportError(f"register from {sender} names consumer rank "
                                      f"{reg.consumer_rank}, its hello said "
                                      f"{consumer.meta.rank_index}")
         refused = self._refuse_register(job, reg, consumer.meta.engine_id)
         if refused:
             self.cx.stats.count("registers_refused")
-            self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: register of consumer "
+            self.cx.log.warning("pd: producer engine=%s rank=%d request=%s: register of consumer "
                            "%s rank %d refused: %s", self.cx.engine_id, self.cx.rank_index,
                            rid, consumer.meta.engine_id, reg.consumer_rank, refused)
             self.holds.send_to(sender, messages.Pushed(rid, self.cx.rank_index, False,
@@ -283,7 +283,7 @@ class PushSender:
                                                                  job.block_ids)
                         self.cx.count_digests(started, job.block_ids)
             except LayoutError as exc:
-                self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
+                self.cx.log.warning("pd: producer engine=%s rank=%d request=%s: no digests: %s",
                                self.cx.engine_id, self.cx.rank_index, job.request_id, exc)
                 job.digests = ()
         for target in job.targets.values():
@@ -319,7 +319,7 @@ class PushSender:
             try:
                 if any(len(p) != len(c) for p, c in zip(producer_ids, reg.block_ids,
                                                         strict=True)):
-                    raise NixlTransportError(f"consumer registered {[len(c) for c in reg.block_ids]}"
+                    raise TransportError(f"consumer registered {[len(c) for c in reg.block_ids]}"
                                              f" blocks; producer holds {[len(p) for p in producer_ids]}")
                 lidx, ridx, runs = pair_indices(target.local, which, producer_ids, "producer",
                                                 target.remote, which, reg.block_ids,
@@ -379,7 +379,7 @@ class PushSender:
         if ok:
             self.cx.stats.count_transfer(nbytes, ndescs, now - job.started_at, target.runs)
         else:
-            self.cx.log.warning("nixl push failed: engine=%s rank=%d request=%s consumer_rank=%d "
+            self.cx.log.warning("pd push failed: engine=%s rank=%d request=%s consumer_rank=%d "
                            "blocks=%d reason=%s", self.cx.engine_id, self.cx.rank_index,
                            job.request_id, target.consumer_rank,
                            sum(len(g) for g in target.register.block_ids), reason)
@@ -444,7 +444,7 @@ class PushSender:
             held = self._push_alg_digests(job, SLICE_ALGORITHMS[reg.algorithm])
             target.slice_digests = take_slice_digests(slicer, plan, ids, held)
         except LayoutError as exc:
-            self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: no slice digests: %s",
+            self.cx.log.warning("pd: producer engine=%s rank=%d request=%s: no slice digests: %s",
                            self.cx.engine_id, self.cx.rank_index, job.request_id, exc)
             return
         self.cx.count_slices(started, plan, ids, "slice_digests_at_hold")

@@ -4,7 +4,7 @@ Pull: for each source producer rank, send ``begin`` (answered by ``held``: a
 promise to keep the blocks ``lease_s`` longer, or none), post the READ, then
 send the ``read`` notification once the READ is done here; the producer acks
 it. The load is DONE when, for each source, the ack came ``ok`` or the READ
-ended inside that source's promise (see :class:`~kvbridge.connectors.nixl.state.RecvTransfer`).
+ended inside that source's promise (see :class:`~kvbridge.connectors.pd.state.RecvTransfer`).
 A finished load's blocks are checked (:mod:`.load_checks`) before it counts
 as done. Push loads share the completion here (``_complete``, ``_fail``) and
 post their ``register`` through :mod:`.push_consumer`.
@@ -22,23 +22,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvbridge.backends.nixl import NixlTransportError, PeerHandle, Transfer, XferOp, XferState
+from kvbridge.backends.transfer import PeerHandle, Transfer, TransportError, XferOp, XferState
 from kvbridge.connectors.api import BlockRef
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.load_checks import LoadChecks
-from kvbridge.connectors.nixl.push_consumer import PushRegisters
-from kvbridge.connectors.nixl.routing import pull_indices
-from kvbridge.connectors.nixl.scheduler import LoadOrder, ReleaseOrder
-from kvbridge.connectors.nixl.session import PeerSession, SessionKey
-from kvbridge.connectors.nixl.sessions import Sessions, dropped_reason
-from kvbridge.connectors.nixl.state import RecvState, RecvTransfer
-from kvbridge.connectors.nixl.worker_state import (
+from kvbridge.connectors.params import TransferMode
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.load_checks import LoadChecks
+from kvbridge.connectors.pd.push_consumer import PushRegisters
+from kvbridge.connectors.pd.routing import pull_indices
+from kvbridge.connectors.pd.scheduler import LoadOrder, ReleaseOrder
+from kvbridge.connectors.pd.session import PeerSession, SessionKey
+from kvbridge.connectors.pd.sessions import Sessions, dropped_reason
+from kvbridge.connectors.pd.state import RecvState, RecvTransfer
+from kvbridge.connectors.pd.worker_state import (
     MAX_SAMPLES,
     TransferRecord,
     WorkerContext,
     session_key,
 )
-from kvbridge.connectors.params import TransferMode
 from kvbridge.layouts import LayoutError
 
 #: A consumer trusts a producer's ``held`` promise of ``lease_s`` only up to
@@ -270,7 +270,7 @@ class Loads:
             transfers.append(xfer)
             # The ReadDone goes as a standalone notification once the READ is
             # DONE here (its bytes are then in our memory), not attached to the
-            # READ: NIXL delivers an attached one only after a flush that waits
+            # READ: a transport may deliver an attached one only after a flush that waits
             # on the peer's progress (measured +0.3-0.5 ms per READ on one host).
             recv.read_notifs[xfer.transfer_id] = (p, peer, notif)
             recv.nbytes += xfer.nbytes
@@ -340,7 +340,7 @@ class Loads:
                 recv.read_done(source, time.monotonic())  # seen done: at or after the fact
                 try:
                     self.cx.io.send_notif(peer, notif)
-                except NixlTransportError as exc:
+                except TransportError as exc:
                     self._fail(recv, f"read-done notification: {exc}", now)
                     self._drop_session(session_key(recv.params), now, reason=str(exc))
                     return False
@@ -366,8 +366,8 @@ class Loads:
         self.cx.stats.record(TransferRecord(
             recv.request_id, True, recv.nbytes, recv.num_descs, recv.duration_s or 0.0,
             recv.started_at, recv.num_runs,
-            tuple(x.nixl_xfer_s for x in recv.transfers
-                  if isinstance(x, Transfer) and x.nixl_xfer_s is not None)))
+            tuple(x.library_xfer_s for x in recv.transfers
+                  if isinstance(x, Transfer) and x.library_xfer_s is not None)))
         self._uncount(recv)
 
     def _fail(self, recv: RecvTransfer, reason: str, now: float, *,
@@ -397,7 +397,7 @@ class Loads:
                                     now - recv.started_at, recv.started_at, recv.num_runs))
         params = recv.params
         self.cx.log.warning(
-            "nixl load failed: engine=%s rank=%d request=%s producer_engine=%s "
+            "pd load failed: engine=%s rank=%d request=%s producer_engine=%s "
             "producer_request=%s mode=%s blocks=%d state=%s reason=%s",
             self.cx.engine_id, self.cx.rank_index, recv.request_id, params.producer_engine_id,
             params.producer_request_id, params.mode.value, recv.num_blocks,
@@ -440,8 +440,8 @@ class Loads:
                 try:
                     self.cx.io.send_notif(session.peers[p], messages.encode(msg))
                     self.cx.stats.count("releases_sent", 1)
-                except NixlTransportError as exc:
-                    self.cx.log.warning("nixl: release of %s to producer rank %d failed: %s "
+                except TransportError as exc:
+                    self.cx.log.warning("pd: release of %s to producer rank %d failed: %s "
                                    "(its lease will expire)", rid, p, exc)
         self._releases = keep
 
@@ -469,7 +469,7 @@ class Loads:
             # cannot happen while the producer keeps its promises (and clocks run at
             # about the same rate): say so loudly, the request already finished
             self.cx.stats.count("promises_contradicted", 1)
-            self.cx.log.error("nixl: producer engine=%s rank=%d answered %r for request %s (%s), "
+            self.cx.log.error("pd: producer engine=%s rank=%d answered %r for request %s (%s), "
                          "which finished on its promise to hold the blocks",
                          engine_id, msg.producer_rank, msg.reason, promised[0],
                          msg.request_id)

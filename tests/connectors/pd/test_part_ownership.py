@@ -1,6 +1,6 @@
-"""No attribute of the NIXL worker is written from two parts: each part owns its state.
+"""No attribute of the PD worker is written from two parts: each part owns its state.
 
-The worker is a facade over parts (:mod:`kvbridge.connectors.nixl.worker`'s
+The worker is a facade over parts (:mod:`kvbridge.connectors.pd.worker`'s
 docstring lists them); each part is an object that owns the attributes its
 ``__init__`` creates. This test reads the parts' modules with :mod:`ast`
 (nothing is imported) and finds every write of an attribute: ``self.x = ``,
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-NIXL = Path(__file__).resolve().parents[3] / "connectors" / "nixl"
+PD = Path(__file__).resolve().parents[3] / "connectors" / "pd"
 
 #: the modules that hold the worker's parts (a module building the worker's state
 #: must be listed: see test_every_module_with_worker_state_is_scanned)
@@ -41,7 +41,7 @@ PART_MODULES = ("worker.py", "worker_state.py", "sessions.py", "loads.py", "load
 
 #: (class, attribute through which it writes) allowed: the facade fills the context it
 #: creates (the transport, memory and digesters at registration, an observer)
-FACADE_WRITES = {("NixlWorker", "cx")}
+FACADE_WRITES = {("PdWorker", "cx")}
 
 #: methods that change the container they are called on
 MUTATORS = frozenset({"add", "append", "clear", "discard", "extend", "insert", "pop",
@@ -177,8 +177,8 @@ def multi_writers(directory: Path, modules: tuple[str, ...]) -> tuple[int, int]:
 
 
 def test_no_attribute_of_the_worker_is_written_from_two_parts() -> None:
-    assert problems(NIXL) == []
-    assert multi_writers(NIXL, PART_MODULES)[0] == 0
+    assert problems(PD) == []
+    assert multi_writers(PD, PART_MODULES)[0] == 0
 
 
 def test_the_check_finds_a_part_writing_another_parts_state(tmp_path: Path) -> None:
@@ -215,6 +215,6 @@ def test_the_check_finds_a_part_writing_another_parts_state(tmp_path: Path) -> N
 
 def test_every_module_with_worker_state_is_scanned() -> None:
     """A module that builds on the worker's context is a part: it must be scanned."""
-    uses_context = {p.name for p in NIXL.glob("*.py")
+    uses_context = {p.name for p in PD.glob("*.py")
                     if "WorkerContext" in p.read_text() and p.name != "observe.py"}
     assert uses_context <= set(PART_MODULES), uses_context - set(PART_MODULES)

@@ -1,6 +1,6 @@
-"""Notification records exchanged between NIXL agents (the data-path control messages).
+"""Notification records exchanged between transport agents (the data-path control messages).
 
-NIXL delivers an opaque byte string with a transfer (after its data) or on its
+The transport delivers an opaque byte string with a transfer (after its data) or on its
 own (``send_notif``). kvbridge puts one small msgpack map in it: ``{"v": 1,
 "t": kind, ...}``. Decoding is strict (known kind, exact keys, types and
 ranges checked) and raises :class:`NotifError` naming the field; a peer can
@@ -9,7 +9,7 @@ send nothing but plain msgpack scalars, lists, maps and bytes (never pickle).
 Kinds (``C`` = consumer rank, ``P`` = producer rank):
 
 * ``hello`` C->P: the consumer rank's encoded ``AgentMetadata`` (so the
-  producer can add it as a NIXL peer to answer, and in push mode write to it),
+  producer can add it as a transport peer to answer, and in push mode write to it),
   sealed when a cluster secret is configured (:mod:`kvbridge.auth`; a producer
   with one ignores any other hello, so only a member becomes its peer).
 * ``read`` C->P (pull): the notification of a READ (or a standalone "I will not
@@ -24,7 +24,7 @@ Kinds (``C`` = consumer rank, ``P`` = producer rank):
   With a slice algorithm (``alg = "xxh3-64-slices"`` or
   ``"torch-mix64-v1-slices"``) every asked digest is a slice digest: over the
   bytes this consumer rank reads of the block from this producer rank
-  (``connectors.nixl.verify``); ``held`` and ``pushed`` answer in the same algorithm.
+  (``connectors.pd.verify``); ``held`` and ``pushed`` answer in the same algorithm.
 * ``held`` P->C (pull): the answer to ``begin``. ``ok=True`` promises that the
   blocks stay held (not freed, not reused) for at least ``lease_s`` seconds
   after the producer got the ``begin``, whatever else happens short of the

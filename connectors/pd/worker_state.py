@@ -1,4 +1,4 @@
-"""What every part of a :class:`~kvbridge.connectors.nixl.worker.NixlWorker` shares: its context.
+"""What every part of a :class:`~kvbridge.connectors.pd.worker.PdWorker` shares: its context.
 
 The worker is composed of parts that own their state (:mod:`.loads`,
 :mod:`.load_checks`, :mod:`.push_consumer`, :mod:`.holds`, :mod:`.hold_digests`,
@@ -6,7 +6,7 @@ The worker is composed of parts that own their state (:mod:`.loads`,
 :class:`WorkerContext` (who the rank is, its settings, the transport, its KV
 memory and digesters, the counters, the log, the observer) and the parts it
 calls, passed in. No part writes another's attributes: a part asks another
-through its methods (``tests/connectors/nixl/test_part_ownership.py`` checks it).
+through its methods (``tests/connectors/pd/test_part_ownership.py`` checks it).
 
 This module owns the context, the counters and transfer records
 (:class:`WorkerStats`, the one sink every part counts into) and the small
@@ -22,16 +22,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.backends.nixl import DescList, PeerHandle
+from kvbridge.backends.transfer import DescList, PeerHandle
 from kvbridge.connectors.api import ConnectorContext
-from kvbridge.connectors.nixl.observe import Observers
-from kvbridge.connectors.nixl.routing import DescTable
-from kvbridge.connectors.nixl.send_state import PushJob
-from kvbridge.connectors.nixl.session import PeerSession, SessionKey
-from kvbridge.connectors.nixl.settings import NixlSettings
-from kvbridge.connectors.nixl.transport import PdTransport
-from kvbridge.connectors.nixl.verify import SlicePlan, slice_bytes
 from kvbridge.connectors.params import TransferParams
+from kvbridge.connectors.pd.observe import Observers
+from kvbridge.connectors.pd.routing import DescTable
+from kvbridge.connectors.pd.send_state import PushJob
+from kvbridge.connectors.pd.session import PeerSession, SessionKey
+from kvbridge.connectors.pd.settings import PdSettings
+from kvbridge.connectors.pd.transport import PdTransport
+from kvbridge.connectors.pd.verify import SlicePlan, slice_bytes
 from kvbridge.handshake import AgentMetadata, CompatHeader
 from kvbridge.handshake import TransferMode as WireMode
 from kvbridge.layouts import LayerMemory, ParallelTopology
@@ -39,12 +39,12 @@ from kvbridge.layouts.digests import SLICE_ALGORITHMS, Digester, slice_algorithm
 from kvbridge.layouts.plan import rank_index
 
 #: One logger for every part of the worker, named as when it was one module: tools
-#: and tests listen on it (``tools/trace/__init__.py``, ``tests/connectors/nixl/netns_driver.py``).
-logger = logging.getLogger("kvbridge.connectors.nixl.worker")
+#: and tests listen on it (``tools/trace/__init__.py``, the network-namespace driver).
+logger = logging.getLogger("kvbridge.connectors.pd.worker")
 
 #: Transfer latency samples kept per rank (for percentiles in the demo and bench).
 MAX_SAMPLES = 100_000
-#: consumer agents a producer rank keeps as NIXL peers at once (a hello past it is refused)
+#: consumer agents a producer rank keeps as transport peers at once (a hello past it is refused)
 MAX_CONSUMER_PEERS = 1024
 #: push registrations kept for requests this rank does not hold yet
 MAX_EARLY_REGISTERS = 4096
@@ -119,8 +119,8 @@ class TransferRecord:
     ``num_descs`` counts prepared descriptors (one per block and layer slice),
     ``num_runs`` the contiguous runs they merged into (:func:`pair_indices`):
     far fewer runs than descriptors means the blocks were laid out contiguously.
-    ``nixl_xfer_s``: NIXL's own telemetry of each READ of a pull load (post to
-    completion, one per NIXL transfer; what vLLM's NixlConnector reports).
+    ``library_xfer_s``: the transport library's own telemetry of each READ of a pull
+    load (post to completion, one per transfer), where the library gives one.
     """
 
     request_id: str
@@ -129,8 +129,8 @@ class TransferRecord:
     num_descs: int
     duration_s: float
     started_at: float = 0.0
-    num_runs: int = 0  # contiguous runs NIXL posted after merging descriptors
-    nixl_xfer_s: tuple[float, ...] = ()
+    num_runs: int = 0  # contiguous runs the transport posted after merging descriptors
+    library_xfer_s: tuple[float, ...] = ()
 
 
 class WorkerStats:
@@ -199,7 +199,7 @@ class WorkerContext:
     """What every part of one rank's worker may use: who it is, its settings, the
     transport, its KV memory and digesters, the counters, the observer.
 
-    The facade (:class:`~kvbridge.connectors.nixl.worker.NixlWorker`) fills it (the
+    The facade (:class:`~kvbridge.connectors.pd.worker.PdWorker`) fills it (the
     transport, memory and digesters at ``register_kv_caches``) and is the only
     writer of its fields; a part reads them."""
 
@@ -208,8 +208,8 @@ class WorkerContext:
         self.ctx = ctx
         self.engine_id = ctx.engine_id
         self.spec = ctx.spec
-        self.settings: NixlSettings = ctx.extra if isinstance(ctx.extra, NixlSettings) \
-            else NixlSettings()
+        self.settings: PdSettings = ctx.extra if isinstance(ctx.extra, PdSettings) \
+            else PdSettings()
         self.rank: ParallelTopology = ctx.rank
         self.sizes = ctx.topology.sizes()
         self.rank_index = rank_index(ctx.rank)

@@ -2,7 +2,7 @@
 
 SGLang-style: each request's transfer is an object whose :meth:`RecvTransfer.poll`
 says where it stands, so the worker loop is "poll everything, act on the
-states", and a test can drive the machine without NIXL::
+states", and a test can drive the machine without a transport::
 
     BOOTSTRAPPING --(peer session ready; pull: READs posted)--> TRANSFERRING
     BOOTSTRAPPING --(push: block ids registered)-------------> WAITING
@@ -26,12 +26,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvbridge.connectors.nixl.verify import DigestAsk
 from kvbridge.connectors.params import TransferParams
+from kvbridge.connectors.pd.verify import DigestAsk
 
 
 class RecvState(str, enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # waiting for the handshake / NIXL peer
+    BOOTSTRAPPING = "bootstrapping"  # waiting for the handshake / transport peer
     TRANSFERRING = "transferring"  # READs posted, not all done
     WAITING = "waiting"  # waiting for the producer's acks (pull) or writes (push)
     DONE = "done"
@@ -76,7 +76,7 @@ class RecvTransfer:
     finished_at: float | None = None
     nbytes: int = 0
     num_descs: int = 0
-    num_runs: int = 0  # contiguous runs NIXL posts after merging (<= num_descs)
+    num_runs: int = 0  # contiguous runs the transport posts after merging (<= num_descs)
     counted_active: bool = False  # counted in its session's ``active`` (set by the worker)
     #: pull, verifying: producer rank -> the digests asked of it in the ``begin``
     digest_asks: dict[int, DigestAsk] = field(default_factory=dict)

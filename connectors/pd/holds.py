@@ -4,7 +4,7 @@ A consumer agent becomes a peer with its ``hello`` (authenticated when a
 cluster secret is set); until then its messages wait, bounded
 (``MAX_DEFERRED_PER_AGENT``, ``MAX_DEFERRED_AGENTS``), and are rejected when no
 hello comes within ``early_grace_s``. From a peer: ``begin`` is answered with
-``held`` (a promise from the :class:`~kvbridge.connectors.nixl.leases.LeaseTable`,
+``held`` (a promise from the :class:`~kvbridge.connectors.pd.leases.LeaseTable`,
 with the digests asked, :mod:`.hold_digests`), ``read`` with an ``ack``,
 heartbeats renew leases, and ``register`` goes to :mod:`.push`. A message that
 names another consumer rank than its hello, or a wrong count of notifying
@@ -29,28 +29,28 @@ import time
 from typing import Protocol
 
 from kvbridge.auth import AuthError, Label, is_sealed
-from kvbridge.backends.nixl import NixlTransportError
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.hold_digests import HoldDigests
-from kvbridge.connectors.nixl.leases import LeaseTable, Verdict, VerdictKind
-from kvbridge.connectors.nixl.routing import expected_notifs, notify_targets
-from kvbridge.connectors.nixl.scheduler import HoldOrder
-from kvbridge.connectors.nixl.worker_state import (
+from kvbridge.backends.transfer import TransportError
+from kvbridge.connectors.params import TransferMode
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.hold_digests import HoldDigests
+from kvbridge.connectors.pd.leases import LeaseTable, Verdict, VerdictKind
+from kvbridge.connectors.pd.routing import expected_notifs, notify_targets
+from kvbridge.connectors.pd.scheduler import HoldOrder
+from kvbridge.connectors.pd.worker_state import (
     MAX_CONSUMER_PEERS,
     MAX_EARLY_REGISTERS,
     WorkerContext,
     _ConsumerPeer,
     _PushLists,
 )
-from kvbridge.connectors.params import TransferMode
 from kvbridge.handshake import decode_agent
 from kvbridge.layouts import ParallelTopology
 from kvbridge.layouts.digests import SLICE_ALGORITHMS
 from kvbridge.layouts.plan import plan_transfer
 
-#: NIXL may deliver a consumer rank's READ notification before its hello, so a
+#: A transport may deliver a consumer rank's READ notification before its hello, so a
 #: producer keeps what an agent it does not know yet sends, without acting on
-#: it, for ``NixlSettings.early_grace_s`` and up to these bounds (per agent, and
+#: it, for ``PdSettings.early_grace_s`` and up to these bounds (per agent, and
 #: agents at once); what does not fit, and what its hello never follows, is
 #: rejected (``notifs_rejected``)
 MAX_DEFERRED_PER_AGENT = 64
@@ -114,7 +114,7 @@ class Holds:
             self.on_consumer_notif(sender, begin, now)
 
     def close(self) -> None:
-        """Shutdown: every consumer peer is forgotten (its NIXL peer removed)."""
+        """Shutdown: every consumer peer is forgotten (its transport peer removed)."""
         for agent in list(self._consumers):
             self._forget_consumer(agent)
 
@@ -246,7 +246,7 @@ class Holds:
         if len(self._rejected_senders) >= MAX_LOGGED_SENDERS:
             self._rejected_senders.pop(next(iter(self._rejected_senders)))
         self._rejected_senders[sender] = None
-        self.cx.log.warning("nixl: producer engine=%s rank=%d: rejecting notifications of agent %s "
+        self.cx.log.warning("pd: producer engine=%s rank=%d: rejecting notifications of agent %s "
                        "(%s; logged once per agent, counted in notifs_rejected)",
                        self.cx.engine_id, self.cx.rank_index, sender[:128], reason)
 
@@ -266,7 +266,7 @@ class Holds:
         agent = msg.agent
         if self.cx.auth is not None:  # only a member becomes a peer (and may then be answered)
             try:
-                agent = self.cx.auth.open_request(Label.NIXL_HELLO, agent).body
+                agent = self.cx.auth.open_request(Label.PEER_HELLO, agent).body
             except AuthError as exc:
                 self._refuse_hello(sender, f"its hello does not authenticate: {exc.reason}")
                 return
@@ -277,10 +277,10 @@ class Holds:
         self._unauthenticated.pop(sender, None)
         meta = decode_agent(agent)
         if meta.agent_name != sender:
-            raise NixlTransportError(f"hello from {sender} names agent {meta.agent_name}")
+            raise TransportError(f"hello from {sender} names agent {meta.agent_name}")
         known = self._consumers.get(sender)
         if known is None and len(self._consumers) >= MAX_CONSUMER_PEERS:
-            raise NixlTransportError(f"hello from {sender}: already {MAX_CONSUMER_PEERS} "
+            raise TransportError(f"hello from {sender}: already {MAX_CONSUMER_PEERS} "
                                      f"consumer agents; refused")
         peer = self.cx.io.add_peer(sender, meta.agent_blob)
         if known is not None and known.peer == peer:
@@ -305,7 +305,7 @@ class Holds:
                 self.on_consumer_notif(sender, waiting, now)
             except Exception as exc:  # as in the worker's dispatch: one message, not the rank
                 self.cx.stats.count("bad_notifs")
-                self.cx.log.warning("nixl: notification %s from %s refused: %s",
+                self.cx.log.warning("pd: notification %s from %s refused: %s",
                                type(waiting).__name__, sender, exc)
 
     def answer(self, verdict: Verdict) -> None:
@@ -320,14 +320,14 @@ class Holds:
             ack = messages.Ack(verdict.request_id, self.cx.rank_index, False,
                                f"lease {verdict.kind.value} on producer rank {self.cx.rank_index}")
             log = self.cx.log.warning if verdict.kind is VerdictKind.LATE else self.cx.log.info
-            log("nixl: producer engine=%s rank=%d request=%s: %s notification from "
+            log("pd: producer engine=%s rank=%d request=%s: %s notification from "
                            "consumer rank %d (%s)", self.cx.engine_id, self.cx.rank_index,
                            verdict.request_id, verdict.kind.value, verdict.consumer_rank,
                            verdict.peer)
         self.send_to(verdict.peer, ack)
 
     def _log_refusal(self, request_id: str, who: str, consumer_rank: int, reason: str) -> None:
-        self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: consumer %s rank %d "
+        self.cx.log.warning("pd: producer engine=%s rank=%d request=%s: consumer %s rank %d "
                        "refused (%s); counted in holds_refused", self.cx.engine_id,
                        self.cx.rank_index, request_id[:64], who[:128], consumer_rank, reason)
 
@@ -340,13 +340,13 @@ class Holds:
             if pending is not None and len(pending) < MAX_DEFERRED_PER_AGENT:
                 pending.append((time.monotonic(), msg))
             else:
-                self.cx.log.info("nixl: no hello from %s; dropping the answer %s",
+                self.cx.log.info("pd: no hello from %s; dropping the answer %s",
                             agent[:128], type(msg).__name__)
             return
         try:
             self.cx.io.send_notif(consumer.peer, messages.encode(msg))
-        except NixlTransportError as exc:
-            self.cx.log.warning("nixl: cannot answer consumer %s: %s; dropping it", agent, exc)
+        except TransportError as exc:
+            self.cx.log.warning("pd: cannot answer consumer %s: %s; dropping it", agent, exc)
             self._forget_consumer(agent)
 
     def _forget_consumer(self, agent: str) -> None:

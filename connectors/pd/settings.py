@@ -1,4 +1,4 @@
-"""The NIXL connector's settings (``kv_connector_extra_config``), parsed once at the edge."""
+"""The PD connector's settings (``kv_connector_extra_config``), parsed once at the edge."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.auth import ClusterAuth, SecretError, insecure_from_env, resolve_secret
-from kvbridge.backends.nixl.lanes import DEFAULT_LANES, MAX_LANES
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.params import TransferMode
 from kvbridge.connectors.verify_config import VERIFY_KEYS, VerifySettings, parse_verify
 from kvbridge.layouts.digests import ALGORITHMS, SLICE_ALGORITHMS
 
+#: agents a rank may move one transfer's parts over (``lanes``); an adapter with fewer
+#: refuses more when it makes its transport
+DEFAULT_LANES = 2
+MAX_LANES = 16
+
 
 @dataclass(frozen=True)
-class NixlSettings(VerifySettings):
-    """Validated extra config of the ``nixl`` connector.
+class PdSettings(VerifySettings):
+    """Validated extra config of a PD connector (every transport adapter shares them).
 
     ``lease_s``: how long a producer holds a finished request's blocks without
     hearing from a consumer (heartbeats renew it; default 30 s).
@@ -34,16 +38,14 @@ class NixlSettings(VerifySettings):
     under a lease, loads, pushes); a producer answers a consumer's ``begin`` and
     acks its read within about this much (one idle progress costs ~7 us, so
     0.2 ms is ~4% of a core). ``read_progress_ms``: the interval while a READ
-    of this rank is in flight (consumer): without a NIXL progress thread the
-    READ moves, and its completion is seen, only when the rank progresses, so
-    this bounds the READ's time (NIXL's telemetry of a 512 KiB READ here: 1.06
-    ms at 0.2 ms, 0.46-0.58 ms at 0.05 ms); it lasts only as long as the READ.
-    ``lanes``: how many NIXL agents of a rank move the parts of one large
-    host-memory READ or WRITE at once (``backends.nixl.lanes``: parts of at
-    least 1 MiB; default 2; 1: one agent). On one host UCX copies over CMA in
-    the posting thread, one core's copy per agent: raw NIXL 64 x 2 MiB READ 6.3
-    GB/s with one, 11.1 GB/s (0.95 of a torch copy) with two, 9.7 with three on
-    the 2-core hosts measured.
+    of this rank is in flight (consumer): with a transport that has no progress
+    thread the READ moves, and its completion is seen, only when the rank
+    progresses, so this bounds the READ's time; it lasts only as long as the
+    READ (the adapter's page says what it measured).
+    ``lanes``: how many agents of a rank move the parts of one large
+    host-memory READ or WRITE at once (default 2; 1: one agent), for a
+    transport that has them; one without refuses more than 1. Its adapter's
+    page says what lanes gain there.
     ``verify``: how a consumer checks the blocks it read (pull) or was written
     (push) against the producer's digests (``layouts.digests``): ``sample``
     (default: ``verify_sample``, 1/16, of each request's blocks, chosen
@@ -53,7 +55,7 @@ class NixlSettings(VerifySettings):
     at heterogeneous TP) is still served, counted as ``blocks_unverified``;
     False fails it instead. (Fields of :class:`VerifySettings`.)
     ``auth_secret_file``: a file holding the cluster secret (:mod:`kvbridge.auth`)
-    that seals the side channel and the ``hello`` of every NIXL peer; default
+    that seals the side channel and the ``hello`` of every transport peer; default
     the environment (``KVBRIDGE_SECRET_FILE`` or ``KVBRIDGE_SECRET``). The value
     itself is not a setting: engines log their config. Without a secret the side
     channel listens on loopback only, unless ``insecure_no_auth`` (or
@@ -110,12 +112,13 @@ class NixlSettings(VerifySettings):
         return self.insecure_no_auth or insecure_from_env()
 
     @classmethod
-    def parse(cls, extra: Mapping[str, Any]) -> NixlSettings:
+    def parse(cls, extra: Mapping[str, Any], connector: str = "pd") -> PdSettings:
+        """``extra`` checked key by key; ``connector`` names the connector in errors."""
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config.{unknown[0]}",
-                              f"unknown setting of connector 'nixl'; expected one of "
+                              f"unknown setting of connector {connector!r}; expected one of "
                               f"{sorted(known)}")
         values: dict[str, Any] = {}
         for key, value in extra.items():

@@ -1,16 +1,18 @@
-"""What the PD connector needs from a transport: :class:`PdTransport`.
+"""What the PD connector needs from a transport: :class:`PdTransport`, and how it gets one.
 
 The worker's parts (loads, holds, push, sessions) are typed against this
-protocol, not against :class:`~kvbridge.backends.nixl.NixlTransport`: these
-fourteen members are the whole of what they ask of the transport, so a second
-transport is an object with these members, and a wrapper (fault injection,
-:mod:`.faults`; tracing, :mod:`.observe`) is one too.
+protocol, not against any transport library: these fourteen members are the
+whole of what they ask of a transport, so an adapter is an object with these
+members, and a wrapper (fault injection, tracing, :mod:`.observe`) is one too.
+The worker facade makes its rank's transport with a :class:`TransportFactory`
+that the adapter's plugin hands it.
 
-The records it speaks in (descriptor lists, peer handles, transfers) are still
-NIXL's own (:mod:`kvbridge.backends.nixl.records`); they are plain records, not
-the NIXL API.
+The records it speaks in (descriptor lists, peer handles, transfers) are the
+transport-neutral ones of :mod:`kvbridge.backends.transfer`; an adapter raises
+a :class:`~kvbridge.backends.transfer.TransportError` (a subclass of it) for
+any call it refuses.
 
-Owns: the protocol, and :class:`ForwardingTransport` (every member passed to
+Owns: the protocols, and :class:`ForwardingTransport` (every member passed to
 an inner transport: a wrapper overrides only what it changes). May not hold
 logic or state beyond that.
 """
@@ -18,9 +20,9 @@ logic or state beyond that.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvbridge.backends.nixl import (
+from kvbridge.backends.transfer import (
     DRAM,
     DescList,
     PeerHandle,
@@ -30,6 +32,9 @@ from kvbridge.backends.nixl import (
     XferOp,
     XferState,
 )
+
+if TYPE_CHECKING:
+    from kvbridge.connectors.pd.settings import PdSettings
 
 
 class PdTransport(Protocol):
@@ -58,6 +63,20 @@ class PdTransport(Protocol):
     # ---- accounting and end of life (the facade)
     def counters(self) -> TransportCounters: ...
     def close(self, *, strict: bool = ...) -> TransportCounters: ...
+
+
+class TransportFactory(Protocol):
+    """Makes one rank's transport: what an adapter gives the PD worker."""
+
+    #: the adapter's name (its connector's name): the prefix of the transport's live counts in
+    #: :meth:`PdWorker.totals <kvbridge.connectors.pd.worker.PdWorker.totals>`
+    @property
+    def name(self) -> str: ...
+
+    def __call__(self, agent_name: str, settings: PdSettings) -> PdTransport:
+        """A transport for one rank, under ``agent_name`` (unique per process and
+        rank; peers see it in the handshake), set up from the connector's settings."""
+        ...
 
 
 class ForwardingTransport:

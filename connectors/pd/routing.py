@@ -1,12 +1,12 @@
-"""Pure index math of the NIXL connector: who notifies whom, and prepared-list rows.
+"""Pure index math of the PD connector: who notifies whom, and prepared-list rows.
 
 Descriptor lists are prepared **once** per (local rank, plan) and per remote
 rank, never per request. A list is the plan's descriptors times every block:
 row ``base_row[j] + block_id`` is descriptor ``j`` of the block ``block_id``
 (``base_row[j] = sum of num_blocks of the descriptors before j``). A request
 then becomes two int32 index arrays, built with numpy from its block ids.
-The list is prepared in NIXL's strided form (:meth:`DescTable.strided`): one
-row per descriptor ``j``, whatever the number of blocks, which NIXL indexes
+The list is prepared in the strided form (:meth:`DescTable.strided`): one
+row per descriptor ``j``, whatever the number of blocks, which the transport indexes
 exactly as the per-block rows above (:attr:`DescTable.rows`, kept for checks).
 
 Notification targets: every producer rank that holds a request's blocks must
@@ -76,7 +76,7 @@ class DescTable:
         return int(self.num_blocks.sum())
 
     def strided(self, device_id: int = 0) -> npt.NDArray[np.uint64]:
-        """The list in NIXL's strided form: row ``j`` is ``(starts[j], lengths[j],
+        """The list in strided form: row ``j`` is ``(starts[j], lengths[j],
         device_id, strides[j], num_blocks[j])``; its ``k``-th descriptor is block ``k``."""
         out = np.empty((self.num_descs, 5), dtype=np.uint64)
         out[:, 0] = self.starts
@@ -191,13 +191,13 @@ def pair_indices(local: DescTable, local_which: IntArray,
     ``r`` on each side (block ``i`` of one side pairs with block ``i`` of the
     other); every id is bounds-checked before anything is built.
 
-    The pairs are put in an order NIXL can merge. NIXL merges consecutive
-    descriptors of a transfer into one when they are contiguous on *both*
+    The pairs are put in an order a transport can merge: consecutive
+    descriptors of a transfer become one when they are contiguous on *both*
     sides; with whole-block descriptors that is block ``(a, b)`` followed by
     ``(a + 1, b + 1)``. A request's blocks rarely ascend on both sides (vLLM
     frees a request's blocks tail first, so reused blocks run downwards), and
-    unmerged small descriptors are slow: measured with 4096 x 16 KiB over UCX on
-    one host, ~2.5 GB/s unmerged against ~5.2 GB/s merged. Sorting each region's
+    unmerged small descriptors are slow: measured with 4096 x 16 KiB over one
+    transport on one host, ~2.5 GB/s unmerged against ~5.2 GB/s merged. Sorting each region's
     block pairs by ``(a - b, a)`` puts every mergeable chain in ascending order
     and side by side, whatever order the request had them in (descending on both
     sides, interleaved); pairs that cannot merge (one side ascending while the
@@ -206,7 +206,7 @@ def pair_indices(local: DescTable, local_which: IntArray,
 
     Returns ``(local rows, remote rows, runs)``; ``runs`` counts the contiguous
     runs of whole-block descriptors plus every other descriptor: the number of
-    descriptors NIXL actually moves (at most; neighbouring descriptors of one
+    descriptors the transport actually moves (at most; neighbouring descriptors of one
     block are already coalesced by the planner).
     """
     lparts: list[npt.NDArray[np.int32]] = []

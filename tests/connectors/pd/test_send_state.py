@@ -1,4 +1,4 @@
-"""The producer's push machines (``send_state``), driven without NIXL.
+"""The producer's push machines (``send_state``), driven without a transport.
 
 Every legal path of a consumer rank's :class:`SendTransfer` through the
 machine, every illegal event in every state, and random event sequences
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.backends.device.fence import DONE
-from kvbridge.backends.nixl import PeerHandle
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.send_state import (
+from kvbridge.backends.transfer import PeerHandle
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.send_state import (
     TRANSITIONS,
     PushJob,
     PushPhase,

@@ -2,7 +2,7 @@
 
 A consumer rank opens a :class:`PeerSession` per producer engine address: the
 handshake (bounded, retried, refusing an incompatible fingerprint, e.g. push
-against pull), the transfer plan for this rank, NIXL peers for every producer
+against pull), the transfer plan for this rank, transport peers for every producer
 rank it reads from or notifies, a ``hello`` to each (our own agent metadata, so
 they can answer and, in push mode, write to us), and the remote descriptor
 lists prepared right away, so the first request posts indices only.
@@ -10,7 +10,7 @@ lists prepared right away, so the first request posts indices only.
 A session is built off the engine thread (:func:`open_session` runs on one of
 the worker's handshake threads, bounded by the worker's handshake deadline) and
 is immutable once READY; nothing proportional to a peer's advertised block count
-is built before NIXL accepted that its registration covers those blocks
+is built before the transport accepted that its registration covers those blocks
 (:func:`check_remote_coverage`); a failure
 anywhere drops it as a whole (:meth:`PeerSession.close`) and the next request
 to that address handshakes again.
@@ -26,17 +26,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbridge.backends.nixl import DescList, NixlTransportError, PeerHandle
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.routing import (
+from kvbridge.backends.transfer import DescList, PeerHandle, TransportError
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.routing import (
     DescTable,
     consumer_table,
     expected_notifs,
     notify_targets,
     producer_table,
 )
-from kvbridge.connectors.nixl.transport import PdTransport
-from kvbridge.connectors.nixl.verify import SliceCheck
+from kvbridge.connectors.pd.transport import PdTransport
+from kvbridge.connectors.pd.verify import SliceCheck
 from kvbridge.handshake import (
     CompatHeader,
     EngineMetadata,
@@ -69,7 +69,7 @@ class PeerSession:
     rank_plan: RankPlan
     targets: tuple[int, ...]  # producer ranks this rank notifies
     expected: dict[int, int]  # producer rank -> how many consumer ranks notify it
-    peers: dict[int, PeerHandle]  # producer rank -> NIXL peer
+    peers: dict[int, PeerHandle]  # producer rank -> transport peer
     remote_tables: dict[int, DescTable] = field(default_factory=dict)
     remote_lists: dict[int, DescList] = field(default_factory=dict)
     local: LocalLists | None = None
@@ -77,7 +77,7 @@ class PeerSession:
     validated_at: float = 0.0
     active: int = 0  # requests currently using it
     #: producer rank -> regions whose blocks are checked against its digests, or why none
-    #: (worked out once per session: see ``connectors.nixl.verify``)
+    #: (worked out once per session: see ``connectors.pd.verify``)
     digest_regions: dict[int, tuple[frozenset[int], str]] = field(default_factory=dict)
     #: the regions checked with slice digests (head slices at another TP), worked out once
     slice_check: SliceCheck | None = None
@@ -93,7 +93,7 @@ class PeerSession:
         return format_address(self.key[1], self.key[2])
 
     def close(self, transport: PdTransport) -> None:
-        """Drop the NIXL peers (failing their pending transfers) and their lists."""
+        """Drop the transport peers (failing their pending transfers) and their lists."""
         for peer in self.peers.values():
             transport.remove_peer(peer)  # releases the peer's remote lists too
         self.peers.clear()
@@ -103,11 +103,11 @@ class PeerSession:
 def check_remote_coverage(transport: PdTransport, peer: PeerHandle,
                           memory: Mapping[int, LayerMemory], layers: Iterable[int],
                           who: str, mem_type: str = "DRAM", device_id: int = 0) -> None:
-    """Refuse a peer whose NIXL registration does not cover the blocks it advertises.
+    """Refuse a peer whose transport registration does not cover the blocks it advertises.
 
     A peer's handshake says how many blocks each layer tensor holds; the rows of a
     prepared list are one per descriptor *per block*, so they are built only after
-    NIXL accepted one descriptor per layer spanning every advertised block (what
+    The transport accepted one descriptor per layer spanning every advertised block (what
     the peer's registration, carried in its agent blob, really covers). Costs one
     row per layer: nothing here grows with a claimed ``num_blocks``. ``mem_type`` and
     ``device_id`` are the peer's (its handshake document's), as for its real lists.
@@ -124,12 +124,12 @@ def check_remote_coverage(transport: PdTransport, peer: PeerHandle,
                       for layer in chosen], dtype=np.uint64)
     try:
         dlist = transport.prepare_remote(peer, spans, mem_type)
-    except NixlTransportError as exc:
+    except TransportError as exc:
         first = memory[chosen[0]]
         raise HandshakeError(
             "regions.num_blocks",
             f"{who} advertises {first.num_blocks} blocks of {first.block_stride} bytes per "
-            f"layer (layers {chosen[:8]}), but its NIXL registration does not cover that "
+            f"layer (layers {chosen[:8]}), but its transport registration does not cover that "
             f"memory; refusing it before preparing any per-block descriptor ({exc})"
         ) from None
     transport.release_dlist(dlist)
@@ -142,7 +142,7 @@ def open_session(key: SessionKey, transport: PdTransport,
                  local_cache: dict[ParallelTopology, LocalLists]) -> PeerSession:
     """Handshake with the engine at ``key`` and prepare everything for transfers.
 
-    Raises HandshakeError / LayoutError / NixlTransportError; on error nothing
+    Raises HandshakeError / LayoutError / TransportError; on error nothing
     is left behind (peers added so far are removed).
     """
     _engine_id, host, port = key

@@ -26,18 +26,18 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from kvbridge.auth import Label
-from kvbridge.backends.nixl import NixlTransportError
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.session import LocalLists, PeerSession, SessionKey, open_session
-from kvbridge.connectors.nixl.worker_state import WorkerContext, _Connecting, session_key
+from kvbridge.backends.transfer import TransportError
 from kvbridge.connectors.params import TransferParams
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.session import LocalLists, PeerSession, SessionKey, open_session
+from kvbridge.connectors.pd.worker_state import WorkerContext, _Connecting, session_key
 from kvbridge.handshake import CompatHeader, FetchResult, HandshakeClient
 from kvbridge.layouts import ParallelTopology
 
 #: Handshake threads per rank: a peer that is slow to answer delays only its own
 #: handshake, not those of other producers.
 HANDSHAKE_THREADS = 4
-#: Allowance (s) for NIXL's local steps of a handshake (loading the peer's metadata,
+#: Allowance (s) for the transport's local steps of a handshake (loading the peer's metadata,
 #: preparing lists) on top of the side channel's timeouts and backoff.
 HANDSHAKE_SLACK_S = 5.0
 
@@ -85,7 +85,7 @@ class Sessions:
     @property
     def handshake_deadline_s(self) -> float:
         """Longest one handshake may take before its requests fail and it is abandoned:
-        every attempt's timeout, the backoff between them, and NIXL's local steps."""
+        every attempt's timeout, the backoff between them, and the transport's local steps."""
         s = self.cx.settings
         return (s.handshake_timeout_s * (s.handshake_retries + 1)
                 + self.client.max_backoff_s * s.handshake_retries + HANDSHAKE_SLACK_S)
@@ -124,7 +124,7 @@ class Sessions:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=HANDSHAKE_THREADS,
-                thread_name_prefix=f"kvb-nixl-hs-r{self.cx.rank_index}")
+                thread_name_prefix=f"kvb-pd-hs-r{self.cx.rank_index}")
         return self._executor
 
     def settle(self, now: float) -> list[tuple[SessionKey, str, bool]]:
@@ -167,7 +167,7 @@ class Sessions:
             try:
                 fresh = check.result().metadata
             except Exception as exc:
-                self.cx.log.warning("nixl: revalidating %s:%s failed (%s); dropping the "
+                self.cx.log.warning("pd: revalidating %s:%s failed (%s); dropping the "
                                     "session", key[1], key[2], exc)
                 reason = f"revalidation failed: {exc}"
                 if self.drop(key, reason):
@@ -177,7 +177,7 @@ class Sessions:
                     or fresh.generation != current.metadata.generation):
                 self.cx.stats.count("peer_restarts")
                 self.cx.log.warning(
-                    "nixl: peer %s at %s:%s changed (incarnation %s gen %d -> %s gen %d); "
+                    "pd: peer %s at %s:%s changed (incarnation %s gen %d -> %s gen %d); "
                     "re-handshaking", key[0], key[1], key[2], current.metadata.incarnation,
                     current.metadata.generation, fresh.incarnation, fresh.generation)
                 if self.drop(key, "peer restarted"):
@@ -211,7 +211,7 @@ class Sessions:
         """What our ``hello`` carries: our agent record, sealed afresh with the secret."""
         if self.cx.auth is None:
             return self.cx.agent_doc
-        return self.cx.auth.seal_request(Label.NIXL_HELLO, self.cx.agent_doc)[0]
+        return self.cx.auth.seal_request(Label.PEER_HELLO, self.cx.agent_doc)[0]
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -229,8 +229,8 @@ class Sessions:
             try:
                 self.cx.io.send_notif(session.peers[p], msg)
                 self.cx.stats.count("heartbeats_sent")
-            except NixlTransportError as exc:
-                self.cx.log.info("nixl: heartbeat to producer rank %d failed: %s", p, exc)
+            except TransportError as exc:
+                self.cx.log.info("pd: heartbeat to producer rank %d failed: %s", p, exc)
 
     def heartbeats(self, now: float,
                    rids_by_key: Callable[[], Mapping[SessionKey, Sequence[str]]]) -> None:

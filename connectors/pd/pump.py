@@ -1,8 +1,8 @@
 """The progress pump: the lock every hook takes, and the thread that progresses an idle rank.
 
-The facade's ``_progress`` (:class:`~kvbridge.connectors.nixl.worker.NixlWorker`)
-drains NIXL notifications (which also progresses the UCX worker, as the passive
-side of a READ must) and dispatches them, settles handshakes, posts and polls
+The facade's ``_progress`` (:class:`~kvbridge.connectors.pd.worker.PdWorker`)
+drains the transport's notifications (which also progresses a transport that has
+no thread of its own, as the passive side of a READ must) and dispatches them, settles handshakes, posts and polls
 loads, sends releases, progresses pushes, expires leases and deferred messages,
 and sends heartbeats, calling each part in that order. Every hook runs it (or
 touches the state) under :attr:`Pump.lock`; the idle pump thread runs the same
@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvbridge.connectors.nixl.worker_state import WorkerContext
+from kvbridge.connectors.pd.worker_state import WorkerContext
 
 
 class Pump:
@@ -45,7 +45,7 @@ class Pump:
     def start(self) -> None:
         if self.cx.settings.idle_progress_ms > 0:
             self._thread = threading.Thread(target=self._loop, daemon=True,
-                                            name=f"kvb-nixl-pump-r{self.cx.rank_index}")
+                                            name=f"kvb-pd-pump-r{self.cx.rank_index}")
             self._thread.start()
 
     def stop(self) -> bool:
@@ -64,7 +64,7 @@ class Pump:
         """Progress while the engine is idle (no hook call for ``idle_progress_ms``).
 
         An idle engine does not step, yet a peer may be reading from this rank
-        (the passive side must progress its UCX worker) or waiting for an ack.
+        (the passive side of a transport without a thread must progress it) or waiting for an ack.
         The pump runs the same step as the hooks, under the same lock, so the
         worker's state is only ever touched by one thread at a time.
 
@@ -92,5 +92,5 @@ class Pump:
                 try:
                     self._step()
                 except Exception:  # never kill the pump; the next hook reports properly
-                    self.cx.log.exception("nixl: idle progress failed on rank %d",
+                    self.cx.log.exception("pd: idle progress failed on rank %d",
                                           self.cx.rank_index)

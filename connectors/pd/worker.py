@@ -1,19 +1,20 @@
-"""Worker half of the NIXL connector: one NIXL agent per rank; pull and push data paths.
+"""Worker half of the PD connector: one transport agent per rank; pull and push data paths.
 
-Registration happens once (:meth:`NixlWorker.register_kv_caches`: every layer
+Registration happens once (:meth:`PdWorker.register_kv_caches`: every layer
 tensor is one registered region). Descriptor lists are prepared once per plan
 (local) and per remote rank (right after the handshake, see
-:mod:`~kvbridge.connectors.nixl.session`); a request only builds index arrays.
+:mod:`~kvbridge.connectors.pd.session`); a request only builds index arrays.
 
-Every engine step the worker *progresses*: it drains NIXL notifications (which
-also progresses the UCX worker, as the passive side of a READ must), settles
+Every engine step the worker *progresses*: it drains the transport's notifications (which
+also progresses a transport without a thread of its own, as the passive side of a
+READ must), settles
 handshakes run on its handshake threads (each bounded by a deadline), posts what became postable,
 polls transfers, enforces deadlines and leases, and sends heartbeats. A rank
 never blocks on the network inside a hook.
 
 Consumer rank, pull: for each source producer rank, send ``begin`` (the
 producer answers ``held``: a promise to keep the blocks ``lease_s`` longer, or
-no promise), READ (block pairs ordered so NIXL merges contiguous runs), then
+no promise), READ (block pairs ordered so a transport can merge contiguous runs), then
 send a ``read`` notification once the READ is done here; the producer answers
 each ``read`` with an ``ack`` (``ok=False`` when its lease had expired: the
 bytes may be stale). The request is DONE when, for every source, the ack came
@@ -24,7 +25,7 @@ ids with every producer rank it notifies, DONE when every source sent
 
 Producer rank: holds finished requests under a :class:`LeaseTable`; pull
 completes when every expected consumer rank notified (promises given to
-``begin`` are kept: by the lease, and past :meth:`NixlWorker.shutdown` by
+``begin`` are kept: by the lease, and past :meth:`PdWorker.shutdown` by
 keeping the KV memory alive until they end); push writes a layer's
 blocks to every registered consumer rank as the layer completes in the
 prompt's last step (or everything at once when the registration comes later),
@@ -36,14 +37,14 @@ errors, drop the remote session (re-handshaken on next use), and log one line
 each with the engine ids, request id and block count. A request whose own data
 is bad (a block id outside the registered blocks) fails alone, before anything
 is posted: the session and the other loads on it go on. A handshake that runs
-past :attr:`NixlWorker.handshake_deadline_s` fails its requests and is abandoned.
+past :attr:`PdWorker.handshake_deadline_s` fails its requests and is abandoned.
 
-Where it lives: this module owns :class:`NixlWorker` (the public class, a
-facade), registration (the NIXL agent, the registered regions, the digesters,
-the handshake record), the engine's hooks (each under the state lock, routed
+Where it lives: this module owns :class:`PdWorker` (the public class, a
+facade), registration (the transport its adapter's factory makes, the
+registered regions, the digesters, the handshake record), the engine's hooks (each under the state lock, routed
 to the parts) and the order of a progress step, and shutdown. The state lives
 in the parts, objects that own it and talk through explicit calls, each given
-the narrow :class:`~kvbridge.connectors.nixl.worker_state.WorkerContext`:
+the narrow :class:`~kvbridge.connectors.pd.worker_state.WorkerContext`:
 :mod:`.sessions` (the consumer's sessions), :mod:`.loads` (the consumer's
 loads), :mod:`.load_checks` (verification of landed blocks),
 :mod:`.push_consumer` (a push load's registers), :mod:`.holds` (the producer's
@@ -51,8 +52,8 @@ lease/hold side), :mod:`.hold_digests` (the producer's digests), :mod:`.push`
 (the producer side of push), the :class:`~.leases.LeaseTable`, and
 :mod:`.pump` (the state lock and the idle thread). The parts speak to the
 transport through :class:`~.transport.PdTransport`; tracing attaches an
-observer (:meth:`NixlWorker.observe`, :mod:`.observe`); fault injection wraps
-the transport (:meth:`NixlWorker.wrap_transport`, :mod:`.faults`). This module
+observer (:meth:`PdWorker.observe`, :mod:`.observe`); fault injection wraps
+the transport (:meth:`PdWorker.wrap_transport`, :mod:`.faults`). This module
 may not hold a part's logic; names other modules import from here stay
 importable from here (``__all__``).
 """
@@ -67,22 +68,22 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from kvbridge.backends.device.fence import Fence, record_fence
-from kvbridge.backends.nixl import NixlTransport, TransportCounters
+from kvbridge.backends.transfer import TransportCounters
 from kvbridge.connectors.api import BlockRef, ConnectorContext, KVCaches, WorkerConnector
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.hold_digests import HoldDigests
-from kvbridge.connectors.nixl.holds import MAX_DEFERRED_PER_AGENT, Holds
-from kvbridge.connectors.nixl.leases import LeaseTable
-from kvbridge.connectors.nixl.load_checks import LoadChecks
-from kvbridge.connectors.nixl.loads import Loads
-from kvbridge.connectors.nixl.observe import ObservedTransport, WorkerObserver
-from kvbridge.connectors.nixl.pump import Pump
-from kvbridge.connectors.nixl.push import PushSender
-from kvbridge.connectors.nixl.push_consumer import PushRegisters
-from kvbridge.connectors.nixl.scheduler import NixlMetadata
-from kvbridge.connectors.nixl.sessions import Sessions
-from kvbridge.connectors.nixl.transport import PdTransport
-from kvbridge.connectors.nixl.worker_state import (
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.hold_digests import HoldDigests
+from kvbridge.connectors.pd.holds import MAX_DEFERRED_PER_AGENT, Holds
+from kvbridge.connectors.pd.leases import LeaseTable
+from kvbridge.connectors.pd.load_checks import LoadChecks
+from kvbridge.connectors.pd.loads import Loads
+from kvbridge.connectors.pd.observe import ObservedTransport, WorkerObserver
+from kvbridge.connectors.pd.pump import Pump
+from kvbridge.connectors.pd.push import PushSender
+from kvbridge.connectors.pd.push_consumer import PushRegisters
+from kvbridge.connectors.pd.scheduler import PdMetadata
+from kvbridge.connectors.pd.sessions import Sessions
+from kvbridge.connectors.pd.transport import PdTransport, TransportFactory
+from kvbridge.connectors.pd.worker_state import (
     LATENCY_BUCKETS_MS,
     TransferRecord,
     WorkerContext,
@@ -113,7 +114,7 @@ __all__ = [
     "LATENCY_BUCKETS_MS",
     "MAX_DEFERRED_PER_AGENT",
     "OFFERED_DIGESTS",
-    "NixlWorker",
+    "PdWorker",
     "TransferRecord",
     "_PushJob",
     "histogram_percentile",
@@ -122,7 +123,7 @@ __all__ = [
 ]
 
 #: KV memory of shut-down workers that promised a hold which has not run out yet:
-#: ``(until, tensors)``, dropped lazily once ``until`` passed (see ``NixlWorker.shutdown``).
+#: ``(until, tensors)``, dropped lazily once ``until`` passed (see ``PdWorker.shutdown``).
 _KEPT_ALIVE: list[tuple[float, list[Any]]] = []
 _KEPT_LOCK = threading.Lock()
 
@@ -150,7 +151,7 @@ def _locked(method: _F) -> _F:
     """Run a hook under the worker's state lock (the idle pump shares the state)."""
 
     @functools.wraps(method)
-    def wrapper(self: NixlWorker, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: PdWorker, *args: Any, **kwargs: Any) -> Any:
         with self.pump.lock:
             self.pump.touch()
             return method(self, *args, **kwargs)
@@ -158,14 +159,16 @@ def _locked(method: _F) -> _F:
     return cast(_F, wrapper)
 
 
-class NixlWorker(WorkerConnector):
-    """One rank's NIXL worker: a facade over its parts, routing the engine's hooks.
+class PdWorker(WorkerConnector):
+    """One rank's PD worker: a facade over its parts, routing the engine's hooks.
 
     Every hook that touches the state runs under the state lock (:func:`_locked`),
     as the idle pump does: the state is only ever touched by one thread at a time."""
 
-    def __init__(self, ctx: ConnectorContext) -> None:
+    def __init__(self, ctx: ConnectorContext, transport_factory: TransportFactory) -> None:
         super().__init__(ctx)
+        #: makes this rank's transport at registration (the adapter's choice)
+        self.transport_factory = transport_factory
         cx = self.cx = WorkerContext(ctx)
         self.settings = cx.settings
         self.rank = cx.rank
@@ -206,7 +209,7 @@ class NixlWorker(WorkerConnector):
     def register_kv_caches(self, caches: KVCaches) -> None:
         cx = self.cx
         name = f"kvb-{self.ctx.engine_id[:32]}-r{cx.rank_index}-{uuid.uuid4().hex[:8]}"
-        transport = NixlTransport(name, lanes=cx.settings.lanes)
+        transport = self.transport_factory(name, cx.settings)
         cx.transport = transport
         tensors = []
         layer_addrs: dict[int, int] = {}
@@ -262,7 +265,7 @@ class NixlWorker(WorkerConnector):
                                        block_bytes[layer], mem.num_blocks)
                      for layer, mem in self.cx.memory.items()}, regions)
         if self.cx.settings.verify_algorithms and not out:
-            logger.warning("nixl: engine=%s rank=%d: none of verify_algorithms %s can digest "
+            logger.warning("pd: engine=%s rank=%d: none of verify_algorithms %s can digest "
                            "this rank's KV (XXH3-64 needs host memory); it offers no digests",
                            self.cx.engine_id, self.cx.rank_index,
                            list(self.cx.settings.verify_algorithms))
@@ -303,7 +306,7 @@ class NixlWorker(WorkerConnector):
     @_locked
     def start_load_kv(self) -> None:
         meta = self.connector_metadata
-        assert isinstance(meta, NixlMetadata)
+        assert isinstance(meta, PdMetadata)
         now = time.monotonic()
         for hold in meta.holds:
             if hold.push:
@@ -377,9 +380,11 @@ class NixlWorker(WorkerConnector):
         stats["sessions"] = len(self.sessions.items())
         if self.cx.transport is not None:
             c = self.cx.transport.counters()
-            stats.update({"nixl_registrations": c.registrations, "nixl_dlists": c.dlists,
-                          "nixl_xfer_handles": c.xfer_handles, "nixl_peers": c.peers,
-                          "nixl_zombies": c.zombies, "nixl_forced_releases": c.forced_releases})
+            kind = self.transport_factory.name
+            stats.update({f"{kind}_registrations": c.registrations, f"{kind}_dlists": c.dlists,
+                          f"{kind}_xfer_handles": c.xfer_handles, f"{kind}_peers": c.peers,
+                          f"{kind}_zombies": c.zombies,
+                          f"{kind}_forced_releases": c.forced_releases})
         return stats
 
     def _lease_counters(self) -> dict[str, int]:
@@ -440,13 +445,13 @@ class NixlWorker(WorkerConnector):
                     msg = messages.decode(raw)
                 except messages.NotifError as exc:
                     self.cx.stats.count("bad_notifs")
-                    logger.warning("nixl: bad notification from %s: %s", sender, exc)
+                    logger.warning("pd: bad notification from %s: %s", sender, exc)
                     continue
                 try:
                     self._on_notif(sender, msg, now)
                 except Exception as exc:  # one peer's bad message must not stop the rank
                     self.cx.stats.count("bad_notifs")
-                    logger.warning("nixl: notification %s from %s refused: %s",
+                    logger.warning("pd: notification %s from %s refused: %s",
                                    type(msg).__name__, sender, exc)
 
     def _on_notif(self, sender: str, msg: messages.Notif, now: float) -> None:
@@ -481,6 +486,6 @@ class NixlWorker(WorkerConnector):
         self._kv_tensors = []
         final = transport.close(strict=False)
         if final.live:
-            logger.error("nixl worker %s rank %d leaked at shutdown: %s", self.ctx.engine_id,
+            logger.error("pd worker %s rank %d leaked at shutdown: %s", self.ctx.engine_id,
                          self.rank_index, final)
         self._final_counters = final

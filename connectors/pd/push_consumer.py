@@ -14,12 +14,12 @@ nor a load's state (:mod:`.loads` fails a load whose cancel could not be sent).
 
 from __future__ import annotations
 
-from kvbridge.backends.nixl import NixlTransportError
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.load_checks import LoadChecks
-from kvbridge.connectors.nixl.session import PeerSession
-from kvbridge.connectors.nixl.state import RecvTransfer
-from kvbridge.connectors.nixl.worker_state import WorkerContext
+from kvbridge.backends.transfer import TransportError
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.load_checks import LoadChecks
+from kvbridge.connectors.pd.session import PeerSession
+from kvbridge.connectors.pd.state import RecvTransfer
+from kvbridge.connectors.pd.worker_state import WorkerContext
 
 
 class PushRegisters:
@@ -51,6 +51,6 @@ class PushRegisters:
                 recv.start, recv.consumer_block_ids, cancel=True))
             try:
                 self.cx.io.send_notif(session.peers[p], msg)
-            except NixlTransportError as exc:
+            except TransportError as exc:
                 return str(exc)
         return None

@@ -1,4 +1,4 @@
-"""The pure part of verified pull/push loads (``connectors.nixl.verify``) and the
+"""The pure part of verified pull/push loads (``connectors.pd.verify``) and the
 digest fields of the notifications."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.verify import (
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.verify import (
     MAX_ASK_BLOCKS,
     answer_ask,
     check_answer,
@@ -145,17 +145,17 @@ def test_digest_fields_are_both_or_neither_and_bounded() -> None:
 def test_verify_settings_are_parsed_once_the_same_for_every_connector() -> None:
     from kvbridge.connectors.errors import ConfigError
     from kvbridge.connectors.mooncake_store.settings import parse_settings as mooncake
-    from kvbridge.connectors.nixl.settings import NixlSettings
     from kvbridge.connectors.offloading.settings import parse_settings as offloading
+    from kvbridge.connectors.pd.settings import PdSettings
 
-    nixl = NixlSettings.parse({"verify": "full", "verify_sample": 0.5,
+    nixl = PdSettings.parse({"verify": "full", "verify_sample": 0.5,
                                "verify_allow_unverified": False}).verify_policy
     assert nixl == VerifyPolicy(DigestMode.FULL, 0.5, False)
-    assert NixlSettings.parse({}).verify_policy == VerifyPolicy()
+    assert PdSettings.parse({}).verify_policy == VerifyPolicy()
     base = {"master_address": "127.0.0.1:1", "metadata_server": "http://127.0.0.1:2/metadata"}
     assert mooncake({**base, "verify": "off"}).verify_policy.mode is DigestMode.OFF
     assert offloading({"verify": "full"}).verify == VerifyPolicy(DigestMode.FULL)
-    for parse, extra in ((NixlSettings.parse, {}), (offloading, {})):
+    for parse, extra in ((PdSettings.parse, {}), (offloading, {})):
         for key, value in (("verify", "all"), ("verify_sample", 0), ("verify_sample", True),
                            ("verify_allow_unverified", "yes")):
             with pytest.raises(ConfigError) as err:

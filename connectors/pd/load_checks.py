@@ -9,7 +9,7 @@ Blocks that cannot be checked are counted unverified (and fail the load when
 :mod:`.verify`; this module applies them to a load.
 
 Owns: ``_unverified_logged``, the digest fields of a
-:class:`~kvbridge.connectors.nixl.state.RecvTransfer`, the sessions'
+:class:`~kvbridge.connectors.pd.state.RecvTransfer`, the sessions'
 ``digest_regions`` / ``digest_algorithms`` / ``slice_check`` caches, the
 ``blocks_verified`` / ``digest_mismatches`` / ``blocks_unverified`` counters.
 May not touch: a load's state machine (it answers :meth:`LoadChecks.verify` and
@@ -21,10 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.session import PeerSession
-from kvbridge.connectors.nixl.state import RecvTransfer
-from kvbridge.connectors.nixl.verify import (
+from kvbridge.connectors.params import TransferMode
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.session import PeerSession
+from kvbridge.connectors.pd.state import RecvTransfer
+from kvbridge.connectors.pd.verify import (
     MAX_ASK_BLOCKS,
     DigestAsk,
     SliceCheck,
@@ -37,8 +38,7 @@ from kvbridge.connectors.nixl.verify import (
     slice_bytes,
     whole_block_regions,
 )
-from kvbridge.connectors.nixl.worker_state import WorkerContext
-from kvbridge.connectors.params import TransferMode
+from kvbridge.connectors.pd.worker_state import WorkerContext
 from kvbridge.handshake import AgentMetadata
 from kvbridge.layouts.digests import SLICE_ALGORITHMS, block_algorithm_of, pick_algorithm
 
@@ -52,7 +52,7 @@ class LoadChecks:
 
     def begin_for(self, recv: RecvTransfer, session: PeerSession, p: int) -> messages.Begin:
         """The ``begin`` of a pull READ from producer rank ``p``, asking for the digests
-        of the blocks this rank will check (see ``connectors.nixl.verify``), naming the sealed
+        of the blocks this rank will check (see ``connectors.pd.verify``), naming the sealed
         record it loads."""
         rid = recv.params.producer_request_id
         ask = self.ask_for(recv, session, p)
@@ -151,7 +151,7 @@ class LoadChecks:
         self.cx.stats.count("blocks_unverified", num_blocks)
         if why not in self._unverified_logged and len(self._unverified_logged) < 64:
             self._unverified_logged.add(why)
-            self.cx.log.warning("nixl: engine=%s rank=%d: loads from producer engine %s are not "
+            self.cx.log.warning("pd: engine=%s rank=%d: loads from producer engine %s are not "
                            "verified: %s (counted in blocks_unverified; logged once)",
                            self.cx.engine_id, self.cx.rank_index,
                            recv.params.producer_engine_id, why)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.verify import (
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.verify import (
     MAX_ASK_BLOCKS,
     SlicePlan,
     answer_ask,
@@ -30,7 +30,7 @@ from kvbridge.connectors.nixl.verify import (
     take_hold_digests,
     take_slice_digests,
 )
-from kvbridge.connectors.nixl.worker_state import (
+from kvbridge.connectors.pd.worker_state import (
     MAX_CONSUMER_PEERS,
     WorkerContext,
     _ConsumerPeer,
@@ -95,7 +95,7 @@ class HoldDigests:
                     self.cx.digesters[alg], block_ids)
                 self.cx.count_digests(started, block_ids)
         except LayoutError as exc:  # a block id outside the tensors: no digests, said why
-            self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: no digests: %s",
+            self.cx.log.warning("pd: producer engine=%s rank=%d request=%s: no digests: %s",
                            self.cx.engine_id, self.cx.rank_index, request_id, exc)
             return
         self._take_hold_slices(request_id, block_ids, consumers)
@@ -180,7 +180,7 @@ class HoldDigests:
                 started = time.perf_counter()
                 taken[key] = take_slice_digests(slicer, plan, block_ids, held)
             except LayoutError as exc:
-                self.cx.log.warning("nixl: producer engine=%s rank=%d request=%s: no slice "
+                self.cx.log.warning("pd: producer engine=%s rank=%d request=%s: no slice "
                                "digests: %s", self.cx.engine_id, self.cx.rank_index,
                                request_id, exc)
                 return

@@ -1,4 +1,4 @@
-"""Scheduler half of the NIXL connector: decides who loads, holds, pushes; serves the handshake.
+"""Scheduler half of the PD connector: decides who loads, holds, pushes; serves the handshake.
 
 Consumer (``kv_consumer``): a request that carries ``TransferParams`` asks for
 ``min(params.num_tokens, request tokens) - computed`` tokens, loaded
@@ -19,7 +19,7 @@ In push mode every scheduled step of such a request is a :class:`PushOrder`
 (the workers write each layer as it completes in the prompt's last step).
 
 The engine's handshake side channel (one ZMQ ROUTER for all ranks) is started
-in :meth:`NixlScheduler.set_handshake_metadata`, when the ranks' NIXL agent
+in :meth:`PdScheduler.set_handshake_metadata`, when the ranks' transport agent
 metadata is known, and stopped in :meth:`shutdown`.
 """
 
@@ -41,8 +41,8 @@ from kvbridge.connectors.api import (
     block_range,
 )
 from kvbridge.connectors.errors import TransferParamsError
-from kvbridge.connectors.nixl.settings import NixlSettings
 from kvbridge.connectors.params import TransferMode, TransferParams
+from kvbridge.connectors.pd.settings import PdSettings
 from kvbridge.connectors.sealing import (
     ParamsCheck,
     Sealer,
@@ -140,7 +140,7 @@ class PushOrder:
 
 
 @dataclass
-class NixlMetadata(ConnectorMetadata):
+class PdMetadata(ConnectorMetadata):
     """The per-step orders (read-only for the workers).
 
     ``cancels``: consumer requests finished (aborted) while loading; push loads
@@ -167,10 +167,10 @@ class _SchedState:
     drops: list[str] = field(default_factory=list)
 
 
-class NixlScheduler(SchedulerConnector):
+class PdScheduler(SchedulerConnector):
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
-        settings = ctx.extra if isinstance(ctx.extra, NixlSettings) else NixlSettings()
+        settings = ctx.extra if isinstance(ctx.extra, PdSettings) else PdSettings()
         self.settings = settings
         self.header = CompatHeader.from_spec(ctx.spec, WireMode(settings.mode.value))
         self._pending = _SchedState()
@@ -204,7 +204,7 @@ class NixlScheduler(SchedulerConnector):
                                  insecure_no_auth=self.settings.serves_strangers)
         server.start()
         self._store, self._server = store, server
-        logger.info("nixl: engine %s (%s, %s) side channel on %s (%s)", self.ctx.engine_id,
+        logger.info("pd: engine %s (%s, %s) side channel on %s (%s)", self.ctx.engine_id,
                     self.ctx.role.value, self.settings.mode.value, server.address,
                     f"cluster secret {auth.secret.fingerprint}" if auth else
                     "no cluster secret: unauthenticated")
@@ -226,7 +226,7 @@ class NixlScheduler(SchedulerConnector):
                 params.spec_fingerprint is not None
                 and params.spec_fingerprint != self.ctx.spec.fingerprint()):
             self._stats["refused_params"] += 1
-            logger.warning("nixl: request %s: transfer params of mode %s / fingerprint %s do "
+            logger.warning("pd: request %s: transfer params of mode %s / fingerprint %s do "
                            "not pair with this engine (%s / %s); recomputing",
                            request.request_id, params.mode.value, params.spec_fingerprint,
                            self.settings.mode.value, self.ctx.spec.fingerprint())
@@ -267,7 +267,7 @@ class NixlScheduler(SchedulerConnector):
         self._stats["refused_params"] += 1
         self._stats[_refusal_counter(exc.field)] += 1
         self.last_refused_field = exc.field
-        logger.warning("nixl: request %s: refused transfer params (%s: %s); recomputing",
+        logger.warning("pd: request %s: refused transfer params (%s: %s); recomputing",
                        request.request_id, exc.field, exc.reason)
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest,
@@ -346,7 +346,7 @@ class NixlScheduler(SchedulerConnector):
 
     # ------------------------------------------------------------------ both
 
-    def build_connector_meta(self, step: SchedulerStep) -> NixlMetadata:
+    def build_connector_meta(self, step: SchedulerStep) -> PdMetadata:
         pushes = []
         if self.ctx.role.is_producer and self.settings.mode is TransferMode.PUSH:
             for item in step.scheduled:
@@ -367,7 +367,7 @@ class NixlScheduler(SchedulerConnector):
         if self._waiting and now - self._last_heartbeat >= self.settings.heartbeat_interval_s:
             heartbeats = tuple(self._waiting.values())
             self._last_heartbeat = now
-        meta = NixlMetadata(step.step_id, tuple(self._pending.loads),
+        meta = PdMetadata(step.step_id, tuple(self._pending.loads),
                             tuple(self._pending.releases), tuple(self._pending.holds),
                             tuple(pushes), heartbeats, tuple(self._pending.cancels),
                             tuple(self._pending.drops))

@@ -2,7 +2,7 @@
 
 The mirror of :mod:`.state` (the consumer's ``RecvTransfer``): every state change
 of a push on the producer side is a method here, so the worker acts on states
-and a test drives both machines without NIXL. A push is two machines.
+and a test drives both machines without a transport. A push is two machines.
 
 The request, :class:`PushJob` (one per request this rank pushes; created by its
 hold or its first push order)::
@@ -31,7 +31,7 @@ the request's hold or push order)::
     FENCED, WRITING --(a WRITE refused, failed or timed out)------------> FAILED
 
 CANCELLING exists because a WRITE in flight still reads this rank's blocks and
-lands in the consumer's: the answer waits until NIXL settled every one of them.
+lands in the consumer's: the answer waits until the transport settled every one of them.
 PUSHED, CANCELLED and FAILED are terminal, reached once, and every event there
 raises (the worker answers the consumer rank once, as the transfer gets there;
 a PUSHED transfer of a rank it holds nothing for is not answered, only counted
@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.backends.device.fence import Fence
-from kvbridge.connectors.nixl import messages
+from kvbridge.connectors.pd import messages
 
 if TYPE_CHECKING:
-    from kvbridge.backends.nixl import DescList, PeerHandle, Transfer
-    from kvbridge.connectors.nixl.routing import DescTable
+    from kvbridge.backends.transfer import DescList, PeerHandle, Transfer
+    from kvbridge.connectors.pd.routing import DescTable
 
 
 class SendStateError(RuntimeError):
@@ -108,7 +108,7 @@ class SendTransfer:
 
     ``layers_needed`` are the layers this producer rank writes to that consumer
     rank (its prepared lists, empty when it reads nothing of this rank);
-    ``layers_written`` those whose WRITEs were posted; ``transfers`` the NIXL
+    ``layers_written`` those whose WRITEs were posted; ``transfers`` the transport
     WRITEs posted, in order.
     """
 
@@ -122,7 +122,7 @@ class SendTransfer:
     layers_needed: frozenset[int] = frozenset()
     layers_written: set[int] = field(default_factory=set)
     transfers: list[Transfer] = field(default_factory=list)
-    runs: int = 0  # contiguous runs posted (what NIXL moves after merging)
+    runs: int = 0  # contiguous runs posted (what the transport moves after merging)
     #: slice digests per region of the blocks registered (``xxh3-64-slices`` asked)
     slice_digests: tuple[dict[int, int], ...] | None = None
     state: SendState = SendState.FENCED
@@ -144,7 +144,7 @@ class SendTransfer:
         self.state = nxt
 
     def posted(self, layers: set[int] | frozenset[int], runs: int) -> None:
-        """The WRITEs of ``layers`` (``runs`` contiguous runs) are handed to NIXL now; the
+        """The WRITEs of ``layers`` (``runs`` contiguous runs) are handed to the transport now; the
         caller appends the transfer to ``transfers`` (none when the layers had no rows).
         Counted before the post, so a refused post fails a WRITING transfer."""
         self._move(SendEvent.POSTED)

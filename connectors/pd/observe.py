@@ -8,7 +8,7 @@ are given: :class:`ObservedTransport` wraps the real one (it is a
 :class:`~.transport.PdTransport` like any other) and tells the observer.
 
 An observer only looks: it must not change an argument nor raise. The worker
-tells every observer attached (``NixlWorker.observe``, in the order attached)
+tells every observer attached (``PdWorker.observe``, in the order attached)
 through one :class:`Observers`; none is attached by default.
 
 Owns: the protocol, :class:`NullObserver` (a base that ignores every event),
@@ -21,23 +21,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from kvbridge.backends.nixl import (
+from kvbridge.backends.transfer import (
     DescList,
     PeerHandle,
     Transfer,
     XferOp,
     XferState,
 )
-from kvbridge.connectors.nixl import messages
-from kvbridge.connectors.nixl.scheduler import LoadOrder
-from kvbridge.connectors.nixl.state import RecvTransfer
-from kvbridge.connectors.nixl.transport import ForwardingTransport, PdTransport
+from kvbridge.connectors.pd import messages
+from kvbridge.connectors.pd.scheduler import LoadOrder
+from kvbridge.connectors.pd.state import RecvTransfer
+from kvbridge.connectors.pd.transport import ForwardingTransport, PdTransport
 from kvbridge.handshake import FetchResult
 from kvbridge.layouts.digests import Digester
 
 
 class WorkerObserver(Protocol):
-    """The events of one rank's NIXL worker, in the order they happen."""
+    """The events of one rank's PD worker, in the order they happen."""
 
     def loads_ordered(self, orders: Sequence[LoadOrder]) -> None: ...
     def handshake(self, address: str, result: FetchResult) -> None: ...
