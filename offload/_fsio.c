@@ -3,7 +3,8 @@
  * read_files(items) reads every item's file into its buffers with the GIL released,
  * so a load's Python work is per job part, not per block. An item is
  * (path: bytes, direct: bool, buffers: tuple of writable buffers): the file is opened
- * O_RDONLY | O_NOFOLLOW | O_NONBLOCK (| O_DIRECT), checked with fstat to be a regular
+ * O_RDONLY | O_NOFOLLOW | O_NONBLOCK (| O_DIRECT when asked and every buffer's address
+ * and length are page aligned), checked with fstat to be a regular
  * file of exactly the buffers' total size, read with preadv from offset 0 until full,
  * and closed. The result is one int per item: 0 when the file was read in full, else
  * a positive errno, or -1 when the file is not a regular file of the expected size (the
@@ -19,6 +20,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -34,6 +36,7 @@
 #define MAX_ITEMS 4096
 #define MAX_BUFFERS 64
 #define NOT_A_BLOCK_FILE (-1)
+#define DIRECT_ALIGN 4096
 
 typedef struct {
     char path[PATH_MAX];
@@ -44,8 +47,18 @@ typedef struct {
     int status;
 } item_t;
 
+/* O_DIRECT needs page-aligned buffer addresses and lengths: checked here, so the caller
+ * asks for it per tier and a buffer that does not allow it is read buffered */
+static int direct_allowed(const item_t *item) {
+    for (int i = 0; i < item->num_buffers; i++)
+        if (((uintptr_t)item->buffers[i].buf | (uintptr_t)item->buffers[i].len) % DIRECT_ALIGN)
+            return 0;
+    return 1;
+}
+
 static int read_one(item_t *item) {
-    int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (item->direct ? O_DIRECT : 0);
+    int direct = item->direct && direct_allowed(item);
+    int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0);
     int fd = open(item->path, flags);
     if (fd < 0)
         return errno;
@@ -193,6 +206,7 @@ fail:
 static PyMethodDef methods[] = {
     {"read_files", read_files, METH_O,
      "read_files(items) -> list[int]: read each (path, direct, buffers) item's file "
+     "(O_DIRECT when direct and the buffers are page aligned) "
      "into its buffers without the GIL; per item 0 (read in full), an errno, or -1 "
      "(not a regular file of exactly the buffers' size)."},
     {NULL, NULL, 0, NULL},

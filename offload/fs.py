@@ -462,8 +462,10 @@ class FsTier(Tier):
         chunk = chunk_blocks(self.header_bytes + self.block_bytes)
         #: block position -> its header, where a batched read already brought the file in
         landed: dict[int, bytes] = {}
+        #: block position -> its path, where a fast read already made it
+        paths: dict[int, str] = {}
         if reader is None and type(self.io) is FsIO and fs_fast.available():
-            landed = self._read_fast(keys, buffers)
+            landed = self._read_fast(keys, buffers, paths)
         ahead: Chunk | None = None   # the next chunk's read, in flight while this one is checked
         try:
             for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
@@ -474,7 +476,7 @@ class FsTier(Tier):
                              if i + chunk < len(keys) else None)
                     landed = current.finish()
                 try:
-                    path = self.block_path(key)
+                    path = paths.get(i) or self.block_path(key)
                 except FanoutRefusedError as exc:
                     self.counters.count("fanout_refused")
                     corrupt[i] = exc      # this block's directory, not the store: go on
@@ -517,12 +519,13 @@ class FsTier(Tier):
         if corrupt:
             raise BatchIOError(len(keys), corrupt[min(corrupt)], skipped=corrupt)
 
-    def _read_fast(self, keys: Sequence[OffloadKey], buffers: BlockBuffers
-                   ) -> dict[int, bytes]:
+    def _read_fast(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                   paths: dict[int, str]) -> dict[int, bytes]:
         """Read the blocks' files through the C extension (GIL released, one call per
         ``FAST_SCRATCH_BYTES`` of headers); block position -> its header, for the files
-        read in full. The others (errors, odd files, refused directories) are left to the
-        plain read, which names what is wrong and applies the deletion policy."""
+        read in full (``paths`` gets each path it made). The others (errors, odd files,
+        refused directories) are left to the plain read, which names what is wrong and
+        applies the deletion policy."""
         hb = self.header_bytes
         per_call = max(1, min(fs_fast.max_items(), FAST_SCRATCH_BYTES // hb))
         scratch = self._scratch(min(per_call, len(keys)) * hb)
@@ -538,9 +541,10 @@ class FsTier(Tier):
                     path = self.block_path(keys[i])
                 except FanoutRefusedError:
                     continue
+                paths[i] = path
                 slot = scratch.view[len(items) * hb:(len(items) + 1) * hb]
-                items.append((os.fsencode(path), self.o_direct and direct_ok(views),
-                              (slot, *views)))
+                # O_DIRECT where the tier uses it and the buffers allow it (checked in C)
+                items.append((os.fsencode(path), self.o_direct, (slot, *views)))
                 positions.append(i)
             if not items:
                 continue

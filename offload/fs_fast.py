@@ -48,7 +48,13 @@ def _load() -> None:
     try:
         from kvbridge.offload import _fsio  # type: ignore[attr-defined]
     except ImportError as exc:
-        _why_not = f"the C extension kvbridge.offload._fsio is not built ({exc})"
+        import importlib.util
+
+        if importlib.util.find_spec("kvbridge.offload._fsio") is None:
+            _why_not = ("the C extension kvbridge.offload._fsio is not built (no C compiler "
+                        "or Python headers when kvbridge was installed)")
+        else:
+            _why_not = f"the C extension kvbridge.offload._fsio does not load ({exc})"
         return
     _module = _fsio
 
@@ -86,7 +92,8 @@ def max_buffers() -> int:
     return int(_module.MAX_BUFFERS) if _module is not None else 0
 
 
-#: one file to read: its path, whether O_DIRECT, its buffers (header first), in file order
+#: one file to read: its path, whether O_DIRECT (used only where every buffer's address and
+#: length are page aligned), its buffers (header first), in file order
 Item = tuple[bytes, bool, tuple[memoryview, ...]]
 
 
