@@ -54,6 +54,14 @@ ENOENT) never count. A successful load clears the count, and so does a store
 that writes a new file (the failures were the old file's). The counts live in
 memory, bounded (``QUARANTINE_TRACKED`` keys, oldest forgotten first).
 
+Reads without the GIL (:mod:`kvbridge.offload.fs_fast`): where a load does not batch
+(below) and the tier's I/O is the real ``FsIO``, a job part's files are opened, checked
+and read into the destination by one call of the optional C extension with the GIL
+released (``fast_read_calls``); a file it does not read in full is read again the
+plain way (``fast_read_fallbacks``), so the outcome is the same; headers and digests
+are checked after, as for any read. Without the extension every block is read the
+plain way (logged once).
+
 Batched reads (``io_engine``): with O_DIRECT and the primary tier's memory
 attached, a load opens its files (checking each is a regular file of exactly
 header + block bytes) and reads them all with one io_uring submission through
