@@ -26,8 +26,8 @@ and the manager is driven as vLLM's scheduler drives it:
 ``os.sync`` (untimed) before each timed phase. Medians over rounds; ratio = kvbridge /
 vLLM (GB/s; for times, vLLM's time over kvbridge's: > 1 means kvbridge is faster).
 
-Before the first case both tiers' managers are built once (what they import lazily gets
-imported) and the heap is frozen (``vllm.utils.gc_utils.freeze_gc_heap``), as vLLM's
+Before the first case a small case of both tiers runs untimed (what their first
+store, load and restart import or build lazily) and the heap is frozen (``vllm.utils.gc_utils.freeze_gc_heap``), as vLLM's
 ``EngineCore`` does after its start-up: else a full garbage collection walks the
 ~600,000 objects of vLLM's and torch's imports, 0.3-0.6 s on a 2-core machine with the
 GIL held, on whichever thread allocates, and lands in one tier's timed window by chance
@@ -265,14 +265,14 @@ def run_case(directory: str, chunk_bytes: int, num_chunks: int, batch: int, roun
 
 
 def settle_heap(directory: str) -> None:
-    """Build (and close) a manager of each tier, then freeze the heap, as vLLM's engine
-    freezes its own after start-up (see the module docstring)."""
+    """Run a small case of both tiers (untimed: what their first store, load and restart
+    import or build lazily), then freeze the heap, as vLLM's engine freezes its own
+    after start-up (see the module docstring)."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    for name, tier in TIERS.items():
-        where = os.path.join(directory, f"settle-{name}")
-        os.makedirs(where, exist_ok=True)
-        _Driver(dict(tier, root_dir=where), 16 << 10, 8, 60.0).close()
+    where = os.path.join(directory, "settle")
+    os.makedirs(where, exist_ok=True)
+    run_case(where, 16 << 10, 8, 4, rounds=1)
     freeze_gc_heap()
 
 
