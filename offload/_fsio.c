@@ -33,7 +33,7 @@
 #define O_NOFOLLOW 0
 #endif
 
-#define MAX_ITEMS 4096
+#define MAX_ITEMS 1024
 #define MAX_BUFFERS 64
 #define NOT_A_BLOCK_FILE (-1)
 #define DIRECT_ALIGN 4096
