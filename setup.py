@@ -8,6 +8,9 @@ reads its files the plain way (logged once; ``kvbridge doctor`` says which).
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvbridge.offload._fsio", sources=["offload/_fsio.c"],
-                             extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
-                             optional=True)])
+# The repository root is the package, so a wheel carries this file as kvbridge/setup.py:
+# importing it must do nothing (setuptools' build backend runs it as __main__).
+if __name__ == "__main__":
+    setup(ext_modules=[Extension("kvbridge.offload._fsio", sources=["offload/_fsio.c"],
+                                 extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE"],
+                                 optional=True)])
