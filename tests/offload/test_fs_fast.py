@@ -176,3 +176,14 @@ def test_extension_bounds(tmp_path: object) -> None:
     missing = os.fsencode(os.path.join(str(tmp_path), "none"))
     assert fs_fast.read_files([(os.fsencode(path), False, (memoryview(small),)),
                                (missing, False, (memoryview(small),))]) == [-1, 2]
+
+
+def test_the_environment_switch_turns_the_extension_off() -> None:
+    import subprocess
+    import sys
+
+    code = "from kvbridge.offload import fs_fast; print(fs_fast.available(), fs_fast.active_path())"
+    env = dict(os.environ, **{fs_fast.ENV_SWITCH: "0"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.startswith("False python (one call per block: turned off (KVBRIDGE_FS_FAST=0))")
