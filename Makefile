@@ -14,7 +14,8 @@ export MC_LOG_LEVEL ?= WARNING
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml .ci/setup.sh
+# setup.py and the C source: a change rebuilds the fs tier's extension (pip install -e)
+$(STAMP): pyproject.toml setup.py offload/_fsio.c .ci/setup.sh
 	bash .ci/setup.sh
 
 demo: $(STAMP)
@@ -67,7 +68,7 @@ VLLM_TESTS ?= tests/integrations
 .PHONY: setup-vllm test-vllm
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml integrations/vllm/setup.sh
+$(VLLM_STAMP): pyproject.toml setup.py offload/_fsio.c integrations/vllm/setup.sh
 	bash integrations/vllm/setup.sh
 
 test-vllm: $(VLLM_STAMP)

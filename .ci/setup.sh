@@ -13,14 +13,20 @@ for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1 libcurl.so.4; do
     if ! ldconfig -p 2>/dev/null | grep -q "$lib"; then need_apt+=("$lib"); fi
 done
 command -v ip >/dev/null 2>&1 || need_apt+=(ip)
+# a C compiler and Python's headers build the fs tier's optional C extension
+# (offload/_fsio.c: GIL-free block reads); without them the install goes on and the tier
+# reads in Python, slower (`kvbridge doctor` says which)
+command -v cc >/dev/null 2>&1 || need_apt+=(cc)
+"$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || need_apt+=(Python.h)
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup: installing Debian packages for: ${need_apt[*]}"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-            libibverbs1 librdmacm1 libnuma1 libcurl4 iproute2 >/dev/null
+            libibverbs1 librdmacm1 libnuma1 libcurl4 iproute2 gcc python3-dev >/dev/null
     else
-        echo "setup: missing system libraries (${need_apt[*]}); install libibverbs1 librdmacm1 libnuma1 libcurl4 iproute2" >&2
+        echo "setup: missing system libraries (${need_apt[*]}); install libibverbs1 librdmacm1 libnuma1 libcurl4 iproute2 gcc python3-dev" >&2
     fi
 fi
 

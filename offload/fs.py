@@ -54,6 +54,14 @@ ENOENT) never count. A successful load clears the count, and so does a store
 that writes a new file (the failures were the old file's). The counts live in
 memory, bounded (``QUARANTINE_TRACKED`` keys, oldest forgotten first).
 
+Reads without the GIL (:mod:`kvbridge.offload.fs_fast`): where a load does not batch
+(below) and the tier's I/O is the real ``FsIO``, a job part's files are opened, checked
+and read into the destination by one call of the optional C extension with the GIL
+released (``fast_read_calls``); a file it does not read in full is read again the
+plain way (``fast_read_fallbacks``), so the outcome is the same; headers and digests
+are checked after, as for any read. Without the extension every block is read the
+plain way (logged once).
+
 Batched reads (``io_engine``): with O_DIRECT and the primary tier's memory
 attached, a load opens its files (checking each is a regular file of exactly
 header + block bytes) and reads them all with one io_uring submission through
@@ -87,6 +95,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvbridge.layouts.digests import VerifyPolicy
+from kvbridge.offload import fs_fast
 from kvbridge.offload.blockdigest import (
     DEFAULT_VERIFY,
     DigestMismatchError,
@@ -116,6 +125,7 @@ from kvbridge.offload.fs_io import (
     LoadOutcome,
     block_header_bytes,
     buffer_address,
+    byte_views,
     check_block_header,
     describe_mode,
     direct_ok,
@@ -157,6 +167,9 @@ DEFAULT_WRITE_THREADS = 4
 DEFAULT_FANOUT_RECHECK_S = 10.0
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
+#: header bytes a fast read (:mod:`kvbridge.offload.fs_fast`) lands per call at most (a
+#: thread's scratch: bounds what it allocates whatever the job's size)
+FAST_SCRATCH_BYTES = 4 << 20
 #: load errors that say nothing about the file itself: never counted towards quarantine.
 #: EINVAL is a configuration fault (O_DIRECT on a file system or buffer that refuses it):
 #: counting it would quarantine, one by one, every good block of a misconfigured store.
@@ -311,6 +324,7 @@ class FsTier(Tier):
         #: the engine asked for (``batched``: what loads use now)
         self.io_engine = io_engine
         self._readers: Readers | None = None
+        fs_fast.log_fallback_once()
 
     @property
     def batched(self) -> bool:
@@ -456,6 +470,10 @@ class FsTier(Tier):
         chunk = chunk_blocks(self.header_bytes + self.block_bytes)
         #: block position -> its header, where a batched read already brought the file in
         landed: dict[int, bytes] = {}
+        #: block position -> its path, where a fast read already made it
+        paths: dict[int, str] = {}
+        if reader is None and type(self.io) is FsIO and fs_fast.available():
+            landed = self._read_fast(keys, buffers, paths)
         ahead: Chunk | None = None   # the next chunk's read, in flight while this one is checked
         try:
             for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
@@ -466,7 +484,7 @@ class FsTier(Tier):
                              if i + chunk < len(keys) else None)
                     landed = current.finish()
                 try:
-                    path = self.block_path(key)
+                    path = paths.get(i) or self.block_path(key)
                 except FanoutRefusedError as exc:
                     self.counters.count("fanout_refused")
                     corrupt[i] = exc      # this block's directory, not the store: go on
@@ -508,6 +526,55 @@ class FsTier(Tier):
                 ahead.finish()   # its reads land in this batch's buffers: never leave them
         if corrupt:
             raise BatchIOError(len(keys), corrupt[min(corrupt)], skipped=corrupt)
+
+    def _read_fast(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                   paths: dict[int, str]) -> dict[int, bytes]:
+        """Read the blocks' files through the C extension (GIL released, one call per
+        ``FAST_SCRATCH_BYTES`` of headers); block position -> its header, for the files
+        read in full (``paths`` gets each path it made). The others (errors, odd files,
+        refused directories) are left to the plain read, which names what is wrong and
+        applies the deletion policy."""
+        hb = self.header_bytes
+        per_call = max(1, min(fs_fast.max_items(), FAST_SCRATCH_BYTES // hb))
+        scratch = self._scratch(min(per_call, len(keys)) * hb)
+        landed: dict[int, bytes] = {}
+        for start in range(0, len(keys), per_call):
+            positions: list[int] = []
+            items: list[fs_fast.Item] = []
+            for i in range(start, min(start + per_call, len(keys))):
+                views = byte_views(buffers[i])
+                if len(views) + 1 > fs_fast.max_buffers():
+                    continue
+                try:
+                    path = self.block_path(keys[i])
+                except FanoutRefusedError:
+                    continue
+                paths[i] = path
+                slot = scratch.view[len(items) * hb:(len(items) + 1) * hb]
+                # O_DIRECT where the tier uses it and the buffers allow it (checked in C)
+                items.append((os.fsencode(path), self.o_direct, (slot, *views)))
+                positions.append(i)
+            if not items:
+                continue
+            statuses = fs_fast.read_files(items)
+            self.counters.count("fast_read_calls")
+            for n, (i, status) in enumerate(zip(positions, statuses, strict=True)):
+                if status == fs_fast.READ_OK:
+                    # a copy: the scratch is read into again by the next call
+                    landed[i] = bytes(scratch.view[n * hb:(n + 1) * hb])
+                else:
+                    self.counters.count("fast_read_fallbacks")
+        return landed
+
+    def _scratch(self, nbytes: int) -> HeaderBuffer:
+        """This thread's page-aligned header scratch for fast reads, at least ``nbytes``
+        (bounded by ``FAST_SCRATCH_BYTES`` or one header), kept for the thread's life."""
+        scratch: HeaderBuffer | None = getattr(self._headers, "scratch", None)
+        if scratch is None or len(scratch.view) < nbytes:
+            if scratch is not None:
+                scratch.close()
+            scratch = self._headers.scratch = HeaderBuffer(nbytes)
+        return scratch
 
     def _check(self, key: OffloadKey, path: str, views: Sequence[memoryview],
                header: BlockHeader) -> LayerDigests | None:

@@ -98,12 +98,17 @@ def module_files(root: Path, package: str = PACKAGE) -> dict[str, Path]:
 
     The same folders as the wheel's package list (tests/test_packaging.py): every
     folder with an ``__init__.py`` under ``root`` except hidden ones and tests/.
+    A C extension's source (``offload/_fsio.c``) is the module it builds: a leaf that
+    imports nothing of kvbridge. ``setup.py`` at the root is the build script, which
+    the wheel leaves out (setup.py's build_py), not a module.
     """
     modules: dict[str, Path] = {}
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
         relative = path.relative_to(root)
         folders = relative.parts[:-1]
         if folders[:1] == ("tests",) or any(p.startswith(".") for p in relative.parts):
+            continue
+        if relative == Path("setup.py"):
             continue
         if not all((root.joinpath(*folders[:i]) / "__init__.py").is_file()
                    for i in range(len(folders) + 1)):
@@ -226,6 +231,8 @@ def scan(root: Path, package: str = PACKAGE) -> Scan:
     imports: list[Import] = []
     errors: list[str] = []
     for module, path in modules.items():
+        if path.suffix == ".c":
+            continue   # an extension module: no Python imports
         collector = _Collector(module, path, modules, package, str(path.relative_to(root)))
         collector.visit(ast.parse(path.read_text(), filename=str(path)))
         imports += collector.imports

@@ -62,5 +62,9 @@ import importlib
 for name in ("torch", "vllm", "transformers", "tokenizers", "nixl._api", "kvbridge"):
     mod = importlib.import_module(name)
     print(f"setup-vllm: {name} {getattr(mod, '__version__', 'ok')}")
+# the fs tier's optional C extension: built by the install above where a C compiler and
+# Python's headers exist; else its loads read in Python, slower
+from kvbridge.offload import fs_fast
+print(f"setup-vllm: fs tier loads: {fs_fast.active_path()}")
 PY
 touch "$VENV/.kvbridge-vllm-setup"

@@ -232,3 +232,17 @@ def test_doctor_mooncake_flags_are_checked_before_anything_runs(
                  "--mooncake-metadata", "http://127.0.0.1:x/metadata"]) == 2
     err = capsys.readouterr().err
     assert "needs --mooncake-master" in err and "HOST:PORT" in err and "http://HOST:PORT" in err
+
+
+def test_doctor_names_the_fs_tiers_read_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.offload import fs_fast
+
+    if fs_fast.available():
+        assert "c-extension" in cmd_doctor.check_fs_reads()
+    monkeypatch.setattr(fs_fast, "_module", None)
+    monkeypatch.setattr(fs_fast, "_why_not", "no C compiler at install time")
+    check = cmd_doctor._timed("fs-reads", False, cmd_doctor.check_fs_reads,
+                              cmd_doctor._FIXES["fs-reads"])
+    assert not check.ok and not check.required
+    assert "python (one call per block: no C compiler at install time)" in check.detail
+    assert "gcc" in check.fix

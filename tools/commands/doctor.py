@@ -114,6 +114,9 @@ _FIXES = {
                        "`kvbridge mooncake master --metadata-only --host ADDR --http-port P` beside it, or firewall "
                        "the port. Clients' transfer-engine ports also listen on every interface: "
                        "firewall them on shared networks",
+    "fs-reads": "install a C compiler and Python's headers (apt-get install gcc python3-dev) "
+                "and reinstall kvbridge (pip install -e .): the fs tier then loads without "
+                "per-block Python work (it works without, slower)",
     "auth": "make a secret once (`kvbridge auth new-secret --out FILE`, mode 0600), copy it to "
             "every host and set KVBRIDGE_SECRET_FILE=FILE (or the connector's "
             "auth_secret_file); `kvbridge auth show` compares fingerprints",
@@ -156,6 +159,16 @@ def check_auth() -> str:
                            "strangers on any address they are given")
     return ("no cluster secret: engines serve loopback only, unauthenticated (a "
             "non-loopback bind is refused)")
+
+
+def check_fs_reads() -> str:
+    """Which path the fs tier's loads take: the C extension (GIL-free batch reads) or
+    one Python call per block; fails (not required) when the extension is missing."""
+    from kvbridge.offload import fs_fast
+
+    if not fs_fast.available():
+        raise RuntimeError(f"fs tier loads: {fs_fast.active_path()}")
+    return f"fs tier loads: {fs_fast.active_path()}"
 
 
 def check_torch() -> str:
@@ -411,6 +424,7 @@ def run_checks(timeout_s: float, mooncake_master: str | None = None,
                _FIXES["mooncake"]),
         _timed("rdma", False, check_rdma, _FIXES["rdma"]),
         _timed("auth", False, check_auth, _FIXES["auth"]),
+        _timed("fs-reads", False, check_fs_reads, _FIXES["fs-reads"]),
     ]
     build = (nixl_build(str(nixl_found["build_module"]),
                         _int_or_none(nixl_found.get("torch_cuda_major")))
