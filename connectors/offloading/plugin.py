@@ -134,7 +134,7 @@ def multi_cases() -> tuple[ConformanceCase, ...]:
                  "extra": {"cpu_blocks": 32, "fs_dir": str(fs_dir), "fs_o_direct": False}}]})
 
         def break_loads(engine: Any, step: Any) -> None:
-            from kvbridge.connectors.nixl.faults import fail_next_loads
+            from kvbridge.connectors.pd.faults import fail_next_loads
 
             for worker in engine.workers:
                 for child in getattr(worker.connector, "children", ()):

@@ -15,7 +15,7 @@ This module owns running one traced request (:class:`TraceOptions`,
 worker); every name they held when they were part of this file is still
 importable from here. May not touch: the connector's internals (the request
 is driven through the engines' public calls; ``--inject-failure`` only installs
-the faulty transport of :mod:`kvbridge.connectors.nixl.faults` in each consumer
+the faulty transport of :mod:`kvbridge.connectors.pd.faults` in each consumer
 worker).
 
 Event kinds (``TraceEvent.kind``) and their ``detail`` fields:
@@ -168,7 +168,7 @@ def run_trace(opts: TraceOptions, recorder: TraceRecorder | None = None,
             _plan_events(rec, spec, producer_sizes, consumer_sizes)
             if opts.inject_failure:
                 for holder in consumer.workers:
-                    from kvbridge.connectors.nixl.faults import fail_next_loads
+                    from kvbridge.connectors.pd.faults import fail_next_loads
 
                     if not fail_next_loads(holder.connector):
                         raise TraceError("this NIXL worker has no fault injection")

@@ -1,10 +1,10 @@
-"""Fault injection for the NIXL worker (tests, conformance, the trace demo): failed loads.
+"""Fault injection for the PD worker (tests, conformance, the trace demo): failed loads.
 
 :func:`fail_next_loads` makes the loads a consumer rank is ordered in its next
 step fail the way a vanished producer makes them fail: as such a load's first
-message goes out, the NIXL peer it goes to is removed (the real
-``remove_remote_agent``) and the real send fails, so the real NIXL path fails
-the load, and the engine sees those requests, and only those, as failed
+message goes out, the transport's peer it goes to is removed (the real
+``remove_peer`` of the adapter) and the real send fails, so the adapter's own path
+fails the load, and the engine sees those requests, and only those, as failed
 receives with their block ids as load errors.
 
 The production worker knows nothing of this: the fault is a
@@ -49,13 +49,13 @@ class FaultyTransport(ForwardingTransport):
                 rid = None
             if rid in self.doomed:
                 self.doomed.discard(rid)
-                self.inner.remove_peer(peer)  # the real NIXL call: the peer vanishes
+                self.inner.remove_peer(peer)  # the adapter's real call: the peer vanishes
         self.inner.send_notif(peer, msg)
 
 
 class LoadFault(NullObserver):
     """Installed on ``worker``: the loads ordered in the step after :meth:`arm` lose
-    their NIXL peer as they are posted."""
+    their transport peer as they are posted."""
 
     def __init__(self, worker: PdWorker) -> None:
         self.worker = worker
@@ -84,8 +84,8 @@ class LoadFault(NullObserver):
 
 def fail_next_loads(connector: Any) -> bool:
     """Make the loads ordered in ``connector``'s next step fail (a vanished peer), when it
-    is a registered :class:`~kvbridge.connectors.pd.worker.PdWorker` (installing the fault on it on first use); False
-    when it is not one (nothing done)."""
+    is a registered :class:`~kvbridge.connectors.pd.worker.PdWorker` (installing the fault
+    on it on first use); False when it is not one (nothing done)."""
     if not isinstance(connector, PdWorker) or connector.transport is None:
         return False
     fault = getattr(connector, "_load_fault", None)
