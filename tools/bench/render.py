@@ -11,6 +11,7 @@ exit code (:func:`.suite.suite_ok`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvbridge.tools.bench.rows import size_label
@@ -265,3 +266,13 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_json(payload: Any, dest: str) -> None:
+    """A bench's ``--json [FILE]``: the report to ``dest``, or to stdout for ``-``."""
+    text = json.dumps(payload, indent=2)
+    if dest == "-":
+        print(text)  # noqa: T201 (the report is the command's output)
+        return
+    with open(dest, "w") as fh:
+        fh.write(text + "\n")

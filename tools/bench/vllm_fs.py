@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -42,6 +41,7 @@ from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import bench_workdir, block_content
+from kvbridge.tools.bench.render import write_json
 
 GB = 1e9
 #: the tiers compared: name -> kvbridge verify mode (None: vLLM's tier)
@@ -285,12 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                                       num_layers=args.layers,
                                       progress=lambda m: print("  " + m, file=sys.stderr)))
     if args.json is not None:
-        text = json.dumps({"fs_vs_vllm": reports}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as fh:
-                fh.write(text + "\n")
+        write_json({"fs_vs_vllm": reports}, args.json)
     if args.json != "-":
         print(f"{'case':>12} {'op':>5} {'vLLM':>7} {'kvbridge':>9} {'ratio':>6} "
               f"{'verify off':>10} {'ratio':>6}   (GB/s; ratio = kvbridge / vLLM)")

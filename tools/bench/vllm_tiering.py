@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -51,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbridge.offload.testing import bench_workdir
+from kvbridge.tools.bench.render import write_json
 
 GB = 1e9
 MODULE = "kvbridge.integrations.vllm.tiering"
@@ -316,12 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_case(case_dir, chunk_bytes, num_chunks, batch, rounds,
                                      progress=lambda m: print("  " + m, file=sys.stderr)))
     if args.json is not None:
-        text = json.dumps({"tiering_vs_vllm_fs": rows}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as fh:
-                fh.write(text + "\n")
+        write_json({"tiering_vs_vllm_fs": rows}, args.json)
     if args.json != "-":
         print(f"{'chunk':>8} {'job':>3} {'metric':>16} {'vLLM fs':>9} {'kvbridge':>9} "
               f"{'ratio':>6}   (ratio > 1: kvbridge better)")
