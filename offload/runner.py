@@ -14,7 +14,12 @@ what every tier needs around it, and is what ``OffloadManager`` holds:
   (fs, one file per block: one request's promotion uses every read thread); the
   parts' results make one record for the job (a failure stops its own part only:
   blocks of the other parts still load, and the engine uses the prefix before the
-  first failure);
+  first failure). With ``hold_jobs``, jobs too small to cut wait for the next
+  ``step`` (or ``flush_jobs``), which hands them to at most one drainer per thread:
+  each drainer takes the burst's jobs one at a time until none is left, so a burst of
+  hundreds of one-chunk jobs (vLLM submits one per request, all in one step) costs a
+  pool hand-off per thread, not per job, and a job stuck in the kernel holds up only
+  its own drainer (the others take the rest);
 * ``get_finished_jobs`` (scheduler thread) reports each job once and, for a failed
   load, flips exactly the failed keys to a miss with ``mark_miss``: the runner
   corrects its own cache from its own jobs; the manager has no failure callback.
@@ -55,7 +60,7 @@ import math
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -99,6 +104,17 @@ class _Done:
     digests: tuple[LayerDigests | None, ...] = ()
     #: keys whose bytes did not match their stored digests
     mismatches: int = 0
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A job run whole on one thread (too small to cut), waiting for its pool or a drainer."""
+
+    kind: JobKind
+    job_id: int
+    keys: tuple[OffloadKey, ...]
+    buffers: BlockBuffers
+    digests: Sequence[LayerDigests | None] | None
 
 
 class _Gather:
@@ -168,7 +184,7 @@ class TierRunner:
                  probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
                  load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
-                 remember_present: int = 0) -> None:
+                 remember_present: int = 0, hold_jobs: bool = False) -> None:
         if read_threads <= 0 or write_threads <= 0:
             raise OffloadError("threads", "expected at least one read and one write thread")
         #: the tier whose calls this runner runs
@@ -194,6 +210,9 @@ class TierRunner:
         #: raced the removal would be; a failed load or a removal forgets the key.
         self.remember_present = remember_present
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
+        #: small jobs wait for the next ``step``/``flush_jobs`` (see the module docstring)
+        self.hold_jobs = hold_jobs
+        self._held: list[_Held] = []
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
@@ -231,7 +250,9 @@ class TierRunner:
             present.popitem(last=False)
 
     def step(self) -> None:
-        """Send this step's probe batch (at most one) to the prober; replace stuck threads."""
+        """Start held jobs; send this step's probe batch (at most one) to the prober;
+        replace stuck threads."""
+        self.flush_jobs()
         batch = self.cache.take_batch()
         if batch:
             self._runner.submit(batch)
@@ -282,8 +303,11 @@ class TierRunner:
                           self.tier.load_part_blocks if kind is JobKind.LOAD
                           else self.tier.store_part_blocks)
         if len(parts) == 1:
-            pool.submit(lambda: self._finish(self._run_job(kind, job_id, frozen, buffers,
-                                                           digests)))
+            held = _Held(kind, job_id, frozen, buffers, digests)
+            if self.hold_jobs:
+                self._held.append(held)
+            else:
+                pool.submit(functools.partial(self._run_held, held))
             return
         gather = _Gather(job_id, kind, len(parts), len(frozen), self._finish)
         for start, end in parts:
@@ -292,6 +316,32 @@ class TierRunner:
             part_digests = None if digests is None else digests[start:end]
             pool.submit(functools.partial(self._run_part, gather, start, job_id, kind,
                                           part_keys, part_buffers, part_digests))
+
+    def flush_jobs(self) -> None:
+        """Hand the held jobs to their pools: per pool, at most one drainer per thread,
+        each taking the next held job until none is left (scheduler thread)."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        for kind, pool in ((JobKind.LOAD, self._read_pool), (JobKind.STORE, self._write_pool)):
+            burst = deque(h for h in held if h.kind is kind)
+            for _ in range(min(pool.num_threads, len(burst))):
+                pool.submit(functools.partial(self._drain_burst, burst))
+
+    def _drain_burst(self, burst: deque[_Held]) -> None:
+        """Worker thread: run the burst's jobs, one at a time, until another drainer or
+        this one took the last (``popleft`` is atomic)."""
+        while True:
+            try:
+                held = burst.popleft()
+            except IndexError:
+                return
+            self._run_held(held)
+
+    def _run_held(self, held: _Held) -> None:
+        """Worker thread: one whole job, posted when it ends."""
+        self._finish(self._run_job(held.kind, held.job_id, held.keys, held.buffers,
+                                   held.digests))
 
     def _run_part(self, gather: _Gather, start: int, job_id: int, kind: JobKind,
                   keys: tuple[OffloadKey, ...], buffers: BlockBuffers,
@@ -460,6 +510,8 @@ class TierRunner:
         """
         if self._closed:
             return
+        # held jobs start now: the pools finish what they were given before they close
+        self.flush_jobs()
         self._closed = True
         wait = self.load_timeout_s if timeout_s is None else timeout_s
         self._runner.close(min(wait, self.probe_timeout_s))

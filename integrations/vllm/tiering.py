@@ -403,7 +403,9 @@ class KvbridgeTier(SecondaryTierManager):
                                  req_context.req_id)
 
     def on_schedule_end(self, context: Any) -> None:
-        """Send this step's probe batch; apply finished probes (expired ones: misses)."""
+        """Start the jobs vLLM submitted this step (it submits promotions just before
+        this, cascades during the step: one burst, see ``TierRunner.flush_jobs``); send
+        this step's probe batch; apply finished probes (expired ones: misses)."""
         runner = self.runner
         if runner is None:
             return
@@ -411,7 +413,7 @@ class KvbridgeTier(SecondaryTierManager):
             runner.step()
             self._drain_probes(runner)
         except Exception:
-            logger.exception("%s: probe step failed", self.tier_type)
+            logger.exception("%s: step failed", self.tier_type)
 
     def _drain_probes(self, runner: TierRunner) -> None:
         before = runner.cache.probe_timeouts
@@ -502,6 +504,9 @@ class KvbridgeTier(SecondaryTierManager):
         runner = self.runner
         if runner is None:
             return
+        # jobs submitted outside a step end (none in vLLM 0.32/0.33) start here at the
+        # latest, one poll later
+        runner.flush_jobs()
         # vLLM polls jobs before the step's first lookup: verdicts that arrived since
         # the last step's end answer this step's lookups (not the next one's)
         self._drain_probes(runner)
@@ -709,7 +714,7 @@ class KvbridgeFsTier(KvbridgeTier):
                           write_threads=o.write_threads or FS_WRITE_THREADS,
                           probe_timeout_s=o.probe_timeout_s or DEFAULT_PROBE_TIMEOUT_S,
                           load_timeout_s=o.load_timeout_s or DEFAULT_LOAD_TIMEOUT_S,
-                          remember_present=FS_REMEMBER_PRESENT)
+                          remember_present=FS_REMEMBER_PRESENT, hold_jobs=True)
 
 
 class KvbridgeObjTier(KvbridgeTier):
@@ -750,7 +755,7 @@ class KvbridgeObjTier(KvbridgeTier):
         return TierRunner(tier, read_threads=o.read_threads or OBJ_READ,
                           write_threads=o.write_threads or OBJ_WRITE,
                           probe_timeout_s=o.probe_timeout_s or probe_s,
-                          load_timeout_s=o.load_timeout_s or load_s)
+                          load_timeout_s=o.load_timeout_s or load_s, hold_jobs=True)
 
     def close_resources(self) -> None:
         client, self._client = self._client, None
