@@ -480,6 +480,33 @@ def test_stores_same_outcome_on_both_paths(tmp_path: object, monkeypatch: pytest
     assert fast_counts["store_existing"] == (NSTORE if scenario == "existing" else 0)
 
 
+def test_digests_that_do_not_fit_the_layout_stop_the_store_there_on_both_paths(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing after the refused block is written on either path: the extension's call
+    holds only the blocks before it."""
+    if not fs_fast.available():
+        missing_backend(f"fs tier C extension: {fs_fast.active_path()}")
+    results = []
+    for path in ("c-extension", "python"):
+        with monkeypatch.context() as patch:
+            if path == "python":
+                patch.setattr(fs_fast, "_module", None)
+            tier = FsTier(os.path.join(str(tmp_path), path), BLOCK, FP, num_layers=LAYERS,
+                          verify=VerifyPolicy(DigestMode.FULL))
+            src = Slots(NSTORE)
+            for i, key in enumerate(KEYS):
+                src.view[i * BLOCK:(i + 1) * BLOCK] = block_content(key, BLOCK)
+            digests: list[object] = [None] * NSTORE
+            digests[2] = (1, 2)                              # 2 layer digests for 4 layers
+            with pytest.raises(BatchIOError) as info:
+                tier.store(KEYS, src.lists(NSTORE), digests)  # type: ignore[arg-type]
+            results.append((info.value.num_succeeded, info.value.cause.errno,
+                            [_entry(tier, i) for i in range(NSTORE)],
+                            tier.counters.extra.get("fast_write_calls", 0)))
+    assert results[0][:3] == results[1][:3] == (2, errno.EINVAL, ["block"] * 2 + ["absent"] * 4)
+    assert results[0][3] == 1 and results[1][3] == 0
+
+
 def test_store_errors_are_named_as_on_the_plain_path(tmp_path: object) -> None:
     """The errno a failed store reports is the plain store's (it did the block again)."""
     if not fs_fast.available():
