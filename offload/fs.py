@@ -174,8 +174,9 @@ DEFAULT_WRITE_THREADS = 4
 DEFAULT_FANOUT_RECHECK_S = 10.0
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
-#: header bytes a fast read (:mod:`kvbridge.offload.fs_fast`) lands per call at most (a
-#: thread's scratch: bounds what it allocates whatever the job's size)
+#: header bytes a fast read lands, or a fast write takes, per call at most
+#: (:mod:`kvbridge.offload.fs_fast`; a thread's scratch: bounds what it allocates
+#: whatever the job's size)
 FAST_SCRATCH_BYTES = 4 << 20
 #: load errors that say nothing about the file itself: never counted towards quarantine.
 #: EINVAL is a configuration fault (O_DIRECT on a file system or buffer that refuses it):
