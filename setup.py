@@ -1,9 +1,9 @@
 """The optional C extension of the fs tier (everything else is in pyproject.toml).
 
-``kvbridge.offload._fsio`` reads a load's block files without the GIL
-(:mod:`kvbridge.offload.fs_fast`). It is optional: where no C compiler or Python
+``kvbridge.offload._fsio`` reads a load's and writes a store's block files without the
+GIL (:mod:`kvbridge.offload.fs_fast`). It is optional: where no C compiler or Python
 headers exist, the build of it fails, setuptools goes on without it, and the fs tier
-reads its files the plain way (logged once; ``kvbridge doctor`` says which).
+reads and writes its files the plain way (logged once; ``kvbridge doctor`` says which).
 """
 
 from setuptools import Extension, setup

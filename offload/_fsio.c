@@ -1,4 +1,4 @@
-/* GIL-free batch reads of the fs tier's block files (kvbridge.offload.fs_fast).
+/* GIL-free batch reads and writes of the fs tier's block files (kvbridge.offload.fs_fast).
  *
  * read_files(items) reads every item's file into its buffers with the GIL released,
  * so a load's Python work is per job part, not per block. An item is
@@ -10,6 +10,19 @@
  * a positive errno, or -1 when the file is not a regular file of the expected size (the
  * caller reads that one the plain way, which names what is wrong with it and applies
  * the deletion policy). Nothing is ever deleted here.
+ *
+ * write_files(items) stores every item's block file with the GIL released, so a store's
+ * Python work is per job part, not per system call. An item is (path: bytes, temp path:
+ * bytes, direct: bool, fsync: bool, buffers: tuple of buffers, header first): the final
+ * path is looked at with lstat (a regular file there: EXISTED, nothing written; anything
+ * else there: NOT_A_BLOCK_FILE, left to the caller, which removes it or names it); the
+ * temp file is made O_CREAT | O_EXCL | O_NOFOLLOW (| O_DIRECT as for reads), written
+ * with pwritev until every byte is in (no progress: EIO), fsynced when asked, closed (a
+ * close error is a failure: the data may be lost) and renamed over the final path, so a
+ * reader sees no file or a complete one. On any error the temp file (only one this call
+ * made) is unlinked. The result is one int per item: 0 (written), EXISTED, a positive
+ * errno, or NOT_A_BLOCK_FILE; the caller stores every item that is not 0 or EXISTED
+ * again the plain way, which names the fault and applies the policy.
  *
  * Every count is bounded before anything is allocated: items (MAX_ITEMS), buffers per
  * item (MAX_BUFFERS), path bytes (PATH_MAX).
@@ -36,6 +49,8 @@
 #define MAX_ITEMS 1024
 #define MAX_BUFFERS 64
 #define NOT_A_BLOCK_FILE (-1)
+/* a write's final path already holds a regular file (a stored block: success) */
+#define EXISTED (-2)
 #define DIRECT_ALIGN 4096
 
 typedef struct {
@@ -47,17 +62,48 @@ typedef struct {
     int status;
 } item_t;
 
+typedef struct {
+    char path[PATH_MAX];
+    char temp[PATH_MAX];
+    int direct;
+    int fsync;
+    int num_buffers;
+    Py_ssize_t total;
+    Py_buffer buffers[MAX_BUFFERS];
+    int status;
+} witem_t;
+
 /* O_DIRECT needs page-aligned buffer addresses and lengths: checked here, so the caller
- * asks for it per tier and a buffer that does not allow it is read buffered */
-static int direct_allowed(const item_t *item) {
-    for (int i = 0; i < item->num_buffers; i++)
-        if (((uintptr_t)item->buffers[i].buf | (uintptr_t)item->buffers[i].len) % DIRECT_ALIGN)
+ * asks for it per tier and a buffer that does not allow it is read or written buffered */
+static int direct_allowed(const Py_buffer *buffers, int num_buffers) {
+    for (int i = 0; i < num_buffers; i++)
+        if (((uintptr_t)buffers[i].buf | (uintptr_t)buffers[i].len) % DIRECT_ALIGN)
             return 0;
     return 1;
 }
 
+static void to_iovec(const Py_buffer *buffers, int num_buffers, struct iovec *iov) {
+    for (int i = 0; i < num_buffers; i++) {
+        iov[i].iov_base = buffers[i].buf;
+        iov[i].iov_len = (size_t)buffers[i].len;
+    }
+}
+
+/* past n bytes moved: drop the iovecs done, trim the first one left */
+static void advance_iovec(struct iovec **rest, int *rest_count, size_t n) {
+    while (*rest_count > 0 && n >= (*rest)->iov_len) {
+        n -= (*rest)->iov_len;
+        (*rest)++;
+        (*rest_count)--;
+    }
+    if (*rest_count > 0 && n > 0) {
+        (*rest)->iov_base = (char *)(*rest)->iov_base + n;
+        (*rest)->iov_len -= n;
+    }
+}
+
 static int read_one(item_t *item) {
-    int direct = item->direct && direct_allowed(item);
+    int direct = item->direct && direct_allowed(item->buffers, item->num_buffers);
     int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0);
     int fd = open(item->path, flags);
     if (fd < 0)
@@ -73,10 +119,7 @@ static int read_one(item_t *item) {
         return NOT_A_BLOCK_FILE;
     }
     struct iovec iov[MAX_BUFFERS];
-    for (int i = 0; i < item->num_buffers; i++) {
-        iov[i].iov_base = item->buffers[i].buf;
-        iov[i].iov_len = (size_t)item->buffers[i].len;
-    }
+    to_iovec(item->buffers, item->num_buffers, iov);
     struct iovec *rest = iov;
     int rest_count = item->num_buffers;
     off_t done = 0;
@@ -94,19 +137,49 @@ static int read_one(item_t *item) {
             break;
         }
         done += n;
-        while (rest_count > 0 && (size_t)n >= rest->iov_len) {
-            n -= (ssize_t)rest->iov_len;
-            rest++;
-            rest_count--;
-        }
-        if (rest_count > 0 && n > 0) {
-            rest->iov_base = (char *)rest->iov_base + n;
-            rest->iov_len -= (size_t)n;
-        }
+        advance_iovec(&rest, &rest_count, (size_t)n);
     }
     if (close(fd) != 0 && status == 0)
         status = errno;   /* a close error: the plain read decides what it means */
     return status;
+}
+
+/* a path argument into dst (NUL-terminated); 0, or -1 with an exception set */
+static int copy_path(PyObject *path, char *dst, const char *fn) {
+    char *raw;
+    Py_ssize_t raw_len;
+    if (PyBytes_AsStringAndSize(path, &raw, &raw_len) != 0)
+        return -1;
+    if (raw_len <= 0 || raw_len >= PATH_MAX || memchr(raw, 0, (size_t)raw_len) != NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: a path is empty, too long or holds a NUL byte",
+                     fn);
+        return -1;
+    }
+    memcpy(dst, raw, (size_t)raw_len);
+    dst[raw_len] = 0;
+    return 0;
+}
+
+/* a tuple of 1 to MAX_BUFFERS buffers into out (*num_buffers counts the ones held, to be
+ * released by the caller even on failure); 0, or -1 with an exception set */
+static int get_buffers(PyObject *buffers, int flags, Py_buffer *out, int *num_buffers,
+                       Py_ssize_t *total, const char *fn) {
+    if (!PyTuple_Check(buffers) || PyTuple_GET_SIZE(buffers) < 1
+            || PyTuple_GET_SIZE(buffers) > MAX_BUFFERS) {
+        PyErr_Format(PyExc_ValueError, "%s: buffers are a tuple of 1 to %d", fn, MAX_BUFFERS);
+        return -1;
+    }
+    for (Py_ssize_t b = 0; b < PyTuple_GET_SIZE(buffers); b++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(buffers, b), &out[b], flags) != 0)
+            return -1;
+        (*num_buffers)++;
+        if (out[b].len > PY_SSIZE_T_MAX - *total) {
+            PyErr_Format(PyExc_OverflowError, "%s: buffers too large", fn);
+            return -1;
+        }
+        *total += out[b].len;
+    }
+    return 0;
 }
 
 static void release_items(item_t *items, Py_ssize_t count) {
@@ -143,37 +216,14 @@ static PyObject *read_files(PyObject *self, PyObject *arg) {
         path = PyTuple_GET_ITEM(tuple, 0);
         direct = PyTuple_GET_ITEM(tuple, 1);
         buffers = PyTuple_GET_ITEM(tuple, 2);
-        char *raw;
-        Py_ssize_t raw_len;
-        if (PyBytes_AsStringAndSize(path, &raw, &raw_len) != 0)
+        if (copy_path(path, item->path, "read_files") != 0)
             goto fail;
-        if (raw_len <= 0 || raw_len >= PATH_MAX || memchr(raw, 0, (size_t)raw_len) != NULL) {
-            PyErr_SetString(PyExc_ValueError, "read_files: a path is empty, too long or "
-                            "holds a NUL byte");
-            goto fail;
-        }
-        memcpy(item->path, raw, (size_t)raw_len);
-        item->path[raw_len] = 0;
         item->direct = PyObject_IsTrue(direct);
         if (item->direct < 0)
             goto fail;
-        if (!PyTuple_Check(buffers) || PyTuple_GET_SIZE(buffers) < 1
-                || PyTuple_GET_SIZE(buffers) > MAX_BUFFERS) {
-            PyErr_Format(PyExc_ValueError, "read_files: buffers are a tuple of 1 to %d",
-                         MAX_BUFFERS);
+        if (get_buffers(buffers, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS, item->buffers,
+                        &item->num_buffers, &item->total, "read_files") != 0)
             goto fail;
-        }
-        for (Py_ssize_t b = 0; b < PyTuple_GET_SIZE(buffers); b++) {
-            if (PyObject_GetBuffer(PyTuple_GET_ITEM(buffers, b), &item->buffers[b],
-                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
-                goto fail;
-            item->num_buffers++;
-            if (item->buffers[b].len > PY_SSIZE_T_MAX - item->total) {
-                PyErr_SetString(PyExc_OverflowError, "read_files: buffers too large");
-                goto fail;
-            }
-            item->total += item->buffers[b].len;
-        }
     }
     Py_DECREF(seq);
     seq = NULL;
@@ -182,15 +232,12 @@ static PyObject *read_files(PyObject *self, PyObject *arg) {
         items[i].status = read_one(&items[i]);
     Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(count);
-    if (out != NULL) {
-        for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *status = PyLong_FromLong(items[i].status);
-            if (status == NULL) {
-                Py_CLEAR(out);
-                break;
-            }
+    for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
+        PyObject *status = PyLong_FromLong(items[i].status);
+        if (status == NULL)
+            Py_CLEAR(out);
+        else
             PyList_SET_ITEM(out, i, status);
-        }
     }
     release_items(items, count);
     PyMem_Free(items);
@@ -203,17 +250,153 @@ fail:
     return NULL;
 }
 
+/* the temp file of a failed write: unlink it, report err */
+static int abandon(const witem_t *item, int err) {
+    unlink(item->temp);
+    return err;
+}
+
+static int write_one(witem_t *item) {
+    struct stat st;
+    if (lstat(item->path, &st) == 0)
+        return S_ISREG(st.st_mode) ? EXISTED : NOT_A_BLOCK_FILE;
+    if (errno != ENOENT)
+        return errno;
+    int direct = item->direct && direct_allowed(item->buffers, item->num_buffers);
+    int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | (direct ? O_DIRECT : 0);
+    int fd = open(item->temp, flags, 0644);
+    if (fd < 0)
+        return errno;   /* not made by this call (O_EXCL): never unlinked here */
+    struct iovec iov[MAX_BUFFERS];
+    to_iovec(item->buffers, item->num_buffers, iov);
+    struct iovec *rest = iov;
+    int rest_count = item->num_buffers;
+    off_t done = 0;
+    int status = 0;
+    while (done < (off_t)item->total) {
+        ssize_t n = pwritev(fd, rest, rest_count, done);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            status = errno;
+            break;
+        }
+        if (n == 0) {
+            status = EIO;   /* no progress: the plain write names it */
+            break;
+        }
+        done += n;
+        advance_iovec(&rest, &rest_count, (size_t)n);
+    }
+    if (status == 0 && item->fsync) {
+        while (fsync(fd) != 0) {
+            if (errno != EINTR) {
+                status = errno;
+                break;
+            }
+        }
+    }
+    /* a close error on a written file may mean lost data: a failed store */
+    if (close(fd) != 0 && status == 0)
+        status = errno;
+    if (status != 0)
+        return abandon(item, status);
+    if (rename(item->temp, item->path) != 0)
+        return abandon(item, errno);
+    return 0;
+}
+
+static void release_witems(witem_t *items, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        for (int b = 0; b < items[i].num_buffers; b++)
+            PyBuffer_Release(&items[i].buffers[b]);
+}
+
+static PyObject *write_files(PyObject *self, PyObject *arg) {
+    (void)self;
+    PyObject *seq = PySequence_Fast(arg, "write_files expects a list of items");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count > MAX_ITEMS) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "write_files: %zd items, at most %d", count,
+                            MAX_ITEMS);
+    }
+    witem_t *items = PyMem_Calloc(count ? (size_t)count : 1, sizeof(witem_t));
+    if (items == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t filled = 0;
+    for (; filled < count; filled++) {
+        witem_t *item = &items[filled];
+        PyObject *tuple = PySequence_Fast_GET_ITEM(seq, filled);
+        if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 5) {
+            PyErr_SetString(PyExc_TypeError, "write_files: an item is (path, temp path, "
+                            "direct, fsync, buffers)");
+            goto fail;
+        }
+        if (copy_path(PyTuple_GET_ITEM(tuple, 0), item->path, "write_files") != 0
+                || copy_path(PyTuple_GET_ITEM(tuple, 1), item->temp, "write_files") != 0)
+            goto fail;
+        if (strcmp(item->path, item->temp) == 0) {
+            /* a failed write unlinks its temp path: never the block's own */
+            PyErr_SetString(PyExc_ValueError, "write_files: the temp path is the path");
+            goto fail;
+        }
+        item->direct = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 2));
+        if (item->direct < 0)
+            goto fail;
+        item->fsync = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 3));
+        if (item->fsync < 0)
+            goto fail;
+        if (get_buffers(PyTuple_GET_ITEM(tuple, 4), PyBUF_C_CONTIGUOUS, item->buffers,
+                        &item->num_buffers, &item->total, "write_files") != 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    seq = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        items[i].status = write_one(&items[i]);
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(count);
+    for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
+        PyObject *status = PyLong_FromLong(items[i].status);
+        if (status == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, status);
+    }
+    release_witems(items, count);
+    PyMem_Free(items);
+    return out;
+fail:
+    /* the item being filled holds num_buffers buffers too */
+    release_witems(items, filled + 1);
+    PyMem_Free(items);
+    Py_XDECREF(seq);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"read_files", read_files, METH_O,
      "read_files(items) -> list[int]: read each (path, direct, buffers) item's file "
      "(O_DIRECT when direct and the buffers are page aligned) "
      "into its buffers without the GIL; per item 0 (read in full), an errno, or -1 "
      "(not a regular file of exactly the buffers' size)."},
+    {"write_files", write_files, METH_O,
+     "write_files(items) -> list[int]: store each (path, temp path, direct, fsync, buffers) "
+     "item's block file (temp file, then renamed over path; O_DIRECT when direct and the "
+     "buffers are page aligned) without the GIL; per item 0 (written), EXISTED (a regular "
+     "file is there: nothing written), an errno (temp file removed), or NOT_A_BLOCK_FILE "
+     "(something else is there: nothing written)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fsio", "GIL-free batch reads of the fs tier's block files.",
+    PyModuleDef_HEAD_INIT, "_fsio", "GIL-free batch reads and writes of the fs tier's block files.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
@@ -223,7 +406,8 @@ PyMODINIT_FUNC PyInit__fsio(void) {
         return NULL;
     if (PyModule_AddIntConstant(m, "MAX_ITEMS", MAX_ITEMS) != 0
             || PyModule_AddIntConstant(m, "MAX_BUFFERS", MAX_BUFFERS) != 0
-            || PyModule_AddIntConstant(m, "NOT_A_BLOCK_FILE", NOT_A_BLOCK_FILE) != 0) {
+            || PyModule_AddIntConstant(m, "NOT_A_BLOCK_FILE", NOT_A_BLOCK_FILE) != 0
+            || PyModule_AddIntConstant(m, "EXISTED", EXISTED) != 0) {
         Py_DECREF(m);
         return NULL;
     }

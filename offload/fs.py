@@ -54,13 +54,18 @@ ENOENT) never count. A successful load clears the count, and so does a store
 that writes a new file (the failures were the old file's). The counts live in
 memory, bounded (``QUARANTINE_TRACKED`` keys, oldest forgotten first).
 
-Reads without the GIL (:mod:`kvbridge.offload.fs_fast`): where a load does not batch
-(below) and the tier's I/O is the real ``FsIO``, a job part's files are opened, checked
-and read into the destination by one call of the optional C extension with the GIL
-released (``fast_read_calls``); a file it does not read in full is read again the
-plain way (``fast_read_fallbacks``), so the outcome is the same; headers and digests
-are checked after, as for any read. Without the extension every block is read the
-plain way (logged once).
+Reads and writes without the GIL (:mod:`kvbridge.offload.fs_fast`): where a load does
+not batch (below) and the tier's I/O is the real ``FsIO``, a job part's files are
+opened, checked and read into the destination by one call of the optional C extension
+with the GIL released (``fast_read_calls``); a file it does not read in full is read
+again the plain way (``fast_read_fallbacks``), so the outcome is the same; headers and
+digests are checked after, as for any read. A store with the real ``FsIO`` builds every
+header of its part first (digests as for a plain store), then one call of the
+extension per ``FAST_SCRATCH_BYTES`` of headers stores the files (temp file, write,
+optional fsync, close, rename; ``fast_write_calls``); a block it does not write or find
+stored (an error, anything but a regular file in its place) is stored again the plain
+way (``fast_write_fallbacks``), which names the fault and applies the policy. Without
+the extension every block is read and written the plain way (logged once).
 
 Batched reads (``io_engine``): with O_DIRECT and the primary tier's memory
 attached, a load opens its files (checking each is a regular file of exactly
@@ -75,9 +80,10 @@ does not depend on the engine. A load job is split into parts of at least
 (the default) probes the backend once when the primary tier attaches and falls
 back to plain reads, logged once; ``python`` never batches; ``uring`` fails
 the attach when it cannot. A custom ``FsIO`` (a fault injector) wraps the plain
-calls, so a tier given one reads the plain way. Stores are always plain: the cost of a small block's
-store is creating and renaming its file, which one submission does not save
-(measured in docs/offload.md).
+calls, so a tier given one reads the plain way. Stores never batch through io_uring: the
+cost of a small block's store is creating and renaming its file, which one submission
+does not save (measured in docs/offload.md); the extension above saves the Python
+calls around it.
 """
 
 from __future__ import annotations
@@ -134,6 +140,7 @@ from kvbridge.offload.fs_io import (
     probe_o_direct,
     remove_entry,
     store_block,
+    temp_path_for,
 )
 from kvbridge.offload.tier import BlockBuffers, Tier
 from kvbridge.offload.types import (
@@ -167,8 +174,9 @@ DEFAULT_WRITE_THREADS = 4
 DEFAULT_FANOUT_RECHECK_S = 10.0
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
-#: header bytes a fast read (:mod:`kvbridge.offload.fs_fast`) lands per call at most (a
-#: thread's scratch: bounds what it allocates whatever the job's size)
+#: header bytes a fast read lands, or a fast write takes, per call at most
+#: (:mod:`kvbridge.offload.fs_fast`; a thread's scratch: bounds what it allocates
+#: whatever the job's size)
 FAST_SCRATCH_BYTES = 4 << 20
 #: load errors that say nothing about the file itself: never counted towards quarantine.
 #: EINVAL is a configuration fault (O_DIRECT on a file system or buffer that refuses it):
@@ -567,8 +575,9 @@ class FsTier(Tier):
         return landed
 
     def _scratch(self, nbytes: int) -> HeaderBuffer:
-        """This thread's page-aligned header scratch for fast reads, at least ``nbytes``
-        (bounded by ``FAST_SCRATCH_BYTES`` or one header), kept for the thread's life."""
+        """This thread's page-aligned header scratch for fast reads and writes, at least
+        ``nbytes`` (bounded by ``FAST_SCRATCH_BYTES`` or one header), kept for the
+        thread's life."""
         scratch: HeaderBuffer | None = getattr(self._headers, "scratch", None)
         if scratch is None or len(scratch.view) < nbytes:
             if scratch is not None:
@@ -636,7 +645,13 @@ class FsTier(Tier):
         self._recheck_fanouts()
         #: blocks refused for their fan-out directory: they fail alone, the batch goes on
         refused: dict[int, OSError] = {}
+        #: block positions the extension stored (or found stored): done
+        stored_fast: set[int] = set()
+        if type(self.io) is FsIO and fs_fast.available():
+            stored_fast = self._write_fast(keys, buffers, digests)
         for i, (key, views) in enumerate(zip(keys, buffers, strict=True)):
+            if i in stored_fast:
+                continue
             try:
                 path = self.block_path(key)
             except FanoutRefusedError as exc:
@@ -679,6 +694,67 @@ class FsTier(Tier):
                 raise BatchIOError(i, exc, skipped=refused) from exc
         if refused:
             raise BatchIOError(len(keys), refused[min(refused)], skipped=refused)
+
+    def _write_fast(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
+                    digests: Sequence[LayerDigests | None]) -> set[int]:
+        """Store the blocks' files through the C extension (GIL released, one call per
+        ``FAST_SCRATCH_BYTES`` of headers, each built here first into this thread's
+        scratch); the positions it wrote or found stored. The others (errors, anything
+        but a regular file in a block's place, refused directories, odd buffers) are
+        left to the plain store, which names what is wrong and applies the policy.
+
+        Headers are built up to the first block whose digests do not fit the layout,
+        which the plain store refuses, failing the batch there as it would without the
+        extension. A block the plain store fails stops the batch, but later blocks of
+        the same call are already stored: complete files, as a later store would write."""
+        hb = self.header_bytes
+        per_call = max(1, min(fs_fast.max_items(), FAST_SCRATCH_BYTES // hb))
+        scratch = self._scratch(min(per_call, len(keys)) * hb)
+        done: set[int] = set()
+        for start in range(0, len(keys), per_call):
+            positions: list[int] = []
+            items: list[fs_fast.WriteItem] = []
+            valid = True
+            for i in range(start, min(start + per_call, len(keys))):
+                views = byte_views(buffers[i])
+                if len(views) + 1 > fs_fast.max_buffers() \
+                        or sum(len(v) for v in views) != self.block_bytes:
+                    continue
+                try:
+                    path = self.block_path(keys[i])
+                except FanoutRefusedError:
+                    continue
+                layers = digests[i]
+                if layers is None and self.verify.enabled:
+                    layers = layer_digests(views, self.num_layers)
+                if layers is not None and len(layers) != self.num_layers:
+                    valid = False
+                    break
+                slot = scratch.view[len(items) * hb:(len(items) + 1) * hb]
+                slot[:] = encode_block_header(self.block_bytes,
+                                              self.mapper.key_hash_bytes(keys[i]),
+                                              self.num_layers, layers)
+                # O_DIRECT where the tier uses it and the buffers allow it (checked in C)
+                items.append((os.fsencode(path), os.fsencode(temp_path_for(path)),
+                              self.o_direct, self.fsync, (slot, *views)))
+                positions.append(i)
+            if items:
+                statuses = fs_fast.write_files(items)
+                self.counters.count("fast_write_calls")
+                for i, status in zip(positions, statuses, strict=True):
+                    if status == fs_fast.EXISTED:
+                        self.counters.count("store_existing")
+                    elif status != fs_fast.WRITTEN:
+                        self.counters.count("fast_write_fallbacks")
+                        continue
+                    elif self._failures:
+                        # a new file: the failed loads of the one it replaces are not its own
+                        with self._failures_lock:
+                            self._failures.pop(keys[i], None)
+                    done.add(i)
+            if not valid:
+                break
+        return done
 
     def _header(self) -> HeaderBuffer:
         """This thread's header buffer, kept for the thread's life: an mmap and munmap

@@ -1,21 +1,32 @@
-"""GIL-free reads of a load's block files: one call per job part, not per block.
+"""GIL-free reads and writes of a job part's block files: one call per part, not per block.
 
-Why: under vLLM's tiering the fs tier's loads were bound by per-block Python work
-under the GIL on its I/O threads (an open, fstat, readv and close per block, each a
-Python call that takes the GIL again), not by the disk. The optional C extension
-``kvbridge.offload._fsio`` (``offload/_fsio.c``, built by ``pip install``) reads a whole
-part's files (open with ``O_NOFOLLOW | O_NONBLOCK`` and ``O_DIRECT`` where the tier uses
-it, ``fstat``, ``preadv`` into the destination slices, close) with the GIL released and
-answers per file. Only the happy case is read there: a file that is not a regular file
-of exactly header + block bytes, or any error, is read again the plain way
-(:func:`kvbridge.offload.fs_io.load_block`), which names what is wrong and applies the
-deletion policy, so a load's outcome never depends on the path. Headers and digests are
-checked in Python after the read, as before.
+Why: under vLLM's tiering the fs tier's loads and stores were bound by per-block Python
+work under the GIL on its I/O threads (an open, fstat, readv and close per block to
+load; an lstat, open, writev, close and rename per block to store; each a Python call
+that takes the GIL again), not by the disk. The optional C extension
+``kvbridge.offload._fsio`` (``offload/_fsio.c``, built by ``pip install``) does a whole
+part's files with the GIL released and answers per file:
 
-Where the extension is missing (no C compiler at install time) the tier reads one by
-one in Python, logged once; :func:`active_path` says which path loads take
-(``kvbridge doctor`` and the tier's stats print it). ``KVBRIDGE_FS_FAST=0`` turns the
-extension off (tests of the fallback, or to rule it out).
+* :func:`read_files`: open with ``O_NOFOLLOW | O_NONBLOCK`` and ``O_DIRECT`` where the
+  tier uses it, ``fstat``, ``preadv`` into the destination slices, close. Headers and
+  digests are checked in Python after the read, as before.
+* :func:`write_files`: ``lstat`` the block's path (a regular file there: already
+  stored, nothing written), make a temp file beside it (``O_CREAT | O_EXCL |
+  O_NOFOLLOW``, ``O_DIRECT`` as for reads), ``pwritev`` the header the tier built and
+  the block's bytes, ``fsync`` when the tier does, close, rename over the path; on any
+  error the temp file is removed. Digests and headers are made in Python before.
+
+Only the happy case is done there: a file that is not a regular file of exactly header
++ block bytes, anything but a regular file in a block's place, or any error, is read or
+stored again the plain way (:func:`kvbridge.offload.fs_io.load_block`,
+:func:`~kvbridge.offload.fs_io.store_block`), which names what is wrong and applies the
+policy (deletions, a removed fan-out directory made again), so the outcome of a load or
+a store never depends on the path.
+
+Where the extension is missing (no C compiler at install time) the tier reads and
+writes one by one in Python, logged once; :func:`active_path` says which path loads and
+stores take (``kvbridge doctor`` prints it). ``KVBRIDGE_FS_FAST=0`` turns the extension
+off (tests of the fallback, or to rule it out).
 
 Owns: the extension's import and the shape of one batch call.
 May not touch: the tier's policy (deletions, quarantine, digests: :mod:`kvbridge.offload.fs`).
@@ -34,6 +45,11 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "KVBRIDGE_FS_FAST"
 #: per-file status: read in full
 READ_OK = 0
+#: per-file status of a write: written (renamed into place)
+WRITTEN = 0
+#: per-file status of a write: a regular file was already there (a stored block:
+#: success, nothing written)
+EXISTED = -2
 
 _module: ModuleType | None = None
 _why_not: str | None = None
@@ -63,23 +79,25 @@ _load()
 
 
 def available() -> bool:
-    """Whether loads may read through the extension (it is built and not turned off)."""
+    """Whether loads and stores may go through the extension (it is built and not turned
+    off)."""
     return _module is not None
 
 
 def active_path() -> str:
-    """Which path the fs tier's loads take, in words (doctor, stats, logs)."""
+    """Which path the fs tier's loads and stores take, in words (doctor, logs)."""
     if _module is not None:
-        return "c-extension (GIL-free batch reads)"
+        return "c-extension (GIL-free batch reads and writes)"
     return f"python (one call per block: {_why_not})"
 
 
 def log_fallback_once() -> None:
-    """Say once per process that loads read one by one in Python, and why."""
+    """Say once per process that loads and stores go one by one in Python, and why."""
     global _logged
     if _module is None and not _logged:
         _logged = True
-        logger.info("fs tier loads read block files one by one in Python: %s", _why_not)
+        logger.info("fs tier loads and stores go through block files one by one in Python: "
+                    "%s", _why_not)
 
 
 def max_items() -> int:
@@ -104,3 +122,19 @@ def read_files(items: Sequence[Item]) -> list[int]:
     assert _module is not None, "read_files without the extension"
     read: Callable[[Sequence[Item]], list[int]] = _module.read_files
     return read(items)
+
+
+#: one block file to store: its path, its temp path (made beside it, renamed over it;
+#: removed on any error), whether O_DIRECT (used only where every buffer's address and
+#: length are page aligned), whether to fsync, its buffers (header first), in file order
+WriteItem = tuple[bytes, bytes, bool, bool, tuple[memoryview, ...]]
+
+
+def write_files(items: Sequence[WriteItem]) -> list[int]:
+    """Per item :data:`WRITTEN`, :data:`EXISTED` (a regular file is at the path: nothing
+    written), a positive errno (nothing at the path is changed, the temp file is removed),
+    or another negative status (something not a regular file is at the path: nothing
+    written). Requires :func:`available`. Buffers must be contiguous."""
+    assert _module is not None, "write_files without the extension"
+    write: Callable[[Sequence[WriteItem]], list[int]] = _module.write_files
+    return write(items)

@@ -115,8 +115,8 @@ _FIXES = {
                        "the port. Clients' transfer-engine ports also listen on every interface: "
                        "firewall them on shared networks",
     "fs-reads": "install a C compiler and Python's headers (apt-get install gcc python3-dev) "
-                "and reinstall kvbridge (pip install -e .): the fs tier then loads without "
-                "per-block Python work (it works without, slower)",
+                "and reinstall kvbridge (pip install -e .): the fs tier then loads and stores "
+                "without per-block Python work (it works without, slower)",
     "auth": "make a secret once (`kvbridge auth new-secret --out FILE`, mode 0600), copy it to "
             "every host and set KVBRIDGE_SECRET_FILE=FILE (or the connector's "
             "auth_secret_file); `kvbridge auth show` compares fingerprints",
@@ -162,13 +162,13 @@ def check_auth() -> str:
 
 
 def check_fs_reads() -> str:
-    """Which path the fs tier's loads take: the C extension (GIL-free batch reads) or
+    """Which path the fs tier's loads and stores take: the C extension (GIL-free batch I/O) or
     one Python call per block; fails (not required) when the extension is missing."""
     from kvbridge.offload import fs_fast
 
     if not fs_fast.available():
-        raise RuntimeError(f"fs tier loads: {fs_fast.active_path()}")
-    return f"fs tier loads: {fs_fast.active_path()}"
+        raise RuntimeError(f"fs tier loads and stores: {fs_fast.active_path()}")
+    return f"fs tier loads and stores: {fs_fast.active_path()}"
 
 
 def check_torch() -> str:
