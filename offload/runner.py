@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass
 
 from kvbridge.offload.async_lookup import LookupCache, ProbeRunner
 from kvbridge.offload.blockdigest import DigestMismatchError, LayerDigests
-from kvbridge.offload.tier import BlockBuffers, Tier
+from kvbridge.offload.tier import BlockBuffers, Tier, join_buffers
 from kvbridge.offload.types import (
     BatchIOError,
     EventKind,
@@ -325,18 +325,83 @@ class TierRunner:
         held, self._held = self._held, []
         for kind, pool in ((JobKind.LOAD, self._read_pool), (JobKind.STORE, self._write_pool)):
             burst = deque(h for h in held if h.kind is kind)
-            for _ in range(min(pool.num_threads, len(burst))):
-                pool.submit(functools.partial(self._drain_burst, burst))
+            drainers = min(pool.num_threads, len(burst))
+            # loads the tier lets share a call: up to its block budget, and no more jobs
+            # per call than leaves every drainer some (a short burst keeps its parallelism)
+            budget = self.tier.merge_load_blocks if kind is JobKind.LOAD else 1
+            most = -(-len(burst) // drainers) if drainers else 1
+            for _ in range(drainers):
+                pool.submit(functools.partial(self._drain_burst, burst, budget, most))
 
-    def _drain_burst(self, burst: deque[_Held]) -> None:
-        """Worker thread: run the burst's jobs, one at a time, until another drainer or
-        this one took the last (``popleft`` is atomic)."""
+    def _drain_burst(self, burst: deque[_Held], budget: int = 1, most: int = 1) -> None:
+        """Worker thread: run the burst's jobs until another drainer or this one took the
+        last (``popleft`` is atomic). With ``budget`` > 1, loads of up to ``budget`` blocks
+        in all (at most ``most`` jobs) share one tier call (``_run_joined``)."""
         while True:
-            try:
-                held = burst.popleft()
-            except IndexError:
+            group: list[_Held] = []
+            blocks = 0
+            while len(group) < most:
+                try:
+                    held = burst.popleft()
+                except IndexError:
+                    break
+                if group and blocks + len(held.keys) > budget:
+                    burst.appendleft(held)   # the next call's (or another drainer's)
+                    break
+                group.append(held)
+                blocks += len(held.keys)
+                if len(group) == 1 and budget <= 1:
+                    break
+            if not group:
                 return
-            self._run_held(held)
+            if len(group) == 1:
+                self._run_held(group[0])
+            else:
+                self._run_joined(group)
+
+    def _run_joined(self, group: list[_Held]) -> None:
+        """Worker thread: several load jobs in one tier call; each job gets the record it
+        would have had alone. Jobs after a failure that stopped the call (inside an
+        earlier job) were never reached: they are loaded in the next call, not failed,
+        unless the failure may still write their buffers (a fence: they fail with it)."""
+        while group:
+            keys = tuple(k for h in group for k in h.keys)
+            loaded: list[LayerDigests | None] = []
+            try:
+                self.tier.load(keys, join_buffers([h.buffers for h in group]), loaded)
+                failure: BatchIOError | None = None
+            except BatchIOError as exc:
+                failure = exc
+            except BaseException as exc:  # a bug in a tier must still finish the jobs
+                logger.exception("%s load jobs %s failed: %s", self.name,
+                                 [h.job_id for h in group], exc)
+                for h in group:
+                    self._finish(_Done(h.job_id, JobKind.LOAD, False,
+                                       frozenset(range(len(h.keys)))))
+                return
+            stop = len(keys) if failure is None else failure.num_succeeded
+            skipped = {} if failure is None else failure.skipped
+            digests = iter(loaded)
+            start = 0
+            rest: list[_Held] = []
+            for n, h in enumerate(group):
+                end = start + len(h.keys)
+                if failure is not None and stop < start and failure.fence is None:
+                    rest = group[n:]     # never reached: the next call's
+                    break
+                own_skipped = {i - start: c for i, c in skipped.items() if start <= i < end}
+                reached = min(max(stop - start, 0), len(h.keys))
+                ok = [next(digests) for i in range(reached) if i not in own_skipped]
+                if failure is None or (reached == len(h.keys) and not own_skipped):
+                    self._finish(_Done(h.job_id, JobKind.LOAD, True, digests=tuple(ok)))
+                else:
+                    cause = failure.cause if reached < len(h.keys) else \
+                        own_skipped[min(own_skipped)]
+                    own = BatchIOError(reached, cause, failure.fence, own_skipped)
+                    self._finish(self._failed(JobKind.LOAD, h.job_id, h.keys, own, ok, 0,
+                                              len(h.keys)))
+                start = end
+            group = rest
 
     def _run_held(self, held: _Held) -> None:
         """Worker thread: one whole job, posted when it ends."""
@@ -370,26 +435,32 @@ class TierRunner:
                                 [None] * len(keys) if digests is None else digests)
             return _Done(job_id, kind, True, digests=tuple(loaded))
         except BatchIOError as exc:
-            stop = exc.num_succeeded
-            causes: dict[int, BaseException] = dict(exc.skipped)
-            if stop < len(keys):
-                causes[stop] = exc.cause
-            deleted = tuple((keys[i], cause.removal) for i, cause in sorted(causes.items())
-                            if isinstance(cause, StoredCopyError) and cause.deleted)
-            # one line per failed block: tier, job, block position, and the cause (its
-            # path / key / layer for a digest mismatch)
-            for i, cause in sorted(exc.skipped.items()):
-                logger.warning("%s %s job %d: block %d of %d failed (the batch went on): %s",
-                               self.name, kind.value, job_id, offset + i, total, cause)
-            if stop < len(keys):
-                logger.warning("%s %s job %d failed at block %d of %d: %s", self.name,
-                               kind.value, job_id, offset + stop, total, exc.cause)
-            failed = frozenset(exc.skipped) | frozenset(range(stop, len(keys)))
-            return _Done(job_id, kind, False, failed, deleted, exc.fence, tuple(loaded),
-                         sum(isinstance(c, DigestMismatchError) for c in causes.values()))
+            return self._failed(kind, job_id, keys, exc, loaded, offset, total)
         except BaseException as exc:  # a bug in a tier must still finish the job
             logger.exception("%s %s job %d failed: %s", self.name, kind.value, job_id, exc)
             return _Done(job_id, kind, False, frozenset(range(len(keys))))
+
+    def _failed(self, kind: JobKind, job_id: int, keys: tuple[OffloadKey, ...],
+                exc: BatchIOError, loaded: Sequence[LayerDigests | None], offset: int,
+                total: int) -> _Done:
+        """The record of a batch that raised ``exc`` (positions: the batch's own)."""
+        stop = exc.num_succeeded
+        causes: dict[int, BaseException] = dict(exc.skipped)
+        if stop < len(keys):
+            causes[stop] = exc.cause
+        deleted = tuple((keys[i], cause.removal) for i, cause in sorted(causes.items())
+                        if isinstance(cause, StoredCopyError) and cause.deleted)
+        # one line per failed block: tier, job, block position, and the cause (its
+        # path / key / layer for a digest mismatch)
+        for i, cause in sorted(exc.skipped.items()):
+            logger.warning("%s %s job %d: block %d of %d failed (the batch went on): %s",
+                           self.name, kind.value, job_id, offset + i, total, cause)
+        if stop < len(keys):
+            logger.warning("%s %s job %d failed at block %d of %d: %s", self.name,
+                           kind.value, job_id, offset + stop, total, exc.cause)
+        failed = frozenset(exc.skipped) | frozenset(range(stop, len(keys)))
+        return _Done(job_id, kind, False, failed, deleted, exc.fence, tuple(loaded),
+                     sum(isinstance(c, DigestMismatchError) for c in causes.values()))
 
     def wait_for_finished(self, timeout_s: float) -> bool:
         """Block until a job or probe may have finished since the last ``get_finished_jobs``

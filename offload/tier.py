@@ -95,6 +95,16 @@ class IOCounters:
                     "extra": dict(self.extra)}
 
 
+def join_buffers(parts: Sequence[BlockBuffers]) -> BlockBuffers:
+    """The buffers of several jobs as one call's: a buffer type with a ``join`` class
+    method (one that carries more than views) joins itself; plain lists are concatenated."""
+    join = getattr(type(parts[0]), "join", None) if parts else None
+    if join is not None:
+        joined: BlockBuffers = join(parts)
+        return joined
+    return [views for part in parts for views in part]
+
+
 class Tier(abc.ABC):
     """A secondary tier's I/O: ``probe``, ``load`` and ``store`` (see the module docstring).
 
@@ -109,6 +119,10 @@ class Tier(abc.ABC):
     load_part_blocks: int = WHOLE_JOB
     #: a store job is cut into parts of at least this many blocks (``WHOLE_JOB``: none)
     store_part_blocks: int = WHOLE_JOB
+    #: small load jobs held by the runner (``hold_jobs``) may share one ``load`` call up
+    #: to this many blocks (1: a call per job); the tier's ``load`` must then keep each
+    #: block's outcome its own, as ``BatchIOError.skipped`` allows
+    merge_load_blocks: int = 1
 
     def __init__(self, name: str, block_bytes: int, *, verify: VerifyPolicy = DEFAULT_VERIFY,
                  num_layers: int = 1) -> None:

@@ -23,6 +23,7 @@ May not touch: vLLM (nothing here imports it), the wrapped tier's own state.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import mmap
 import threading
@@ -153,16 +154,29 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
 
 class JobBlocks(Sequence[Sequence[memoryview]]):
     """A job's buffers as the tier runner sees them: per key, its arena slot (what the
-    I/O reads into or writes from); beside it vLLM's slot and the job's gate. Slicing
-    (the runner cuts a job into parts) keeps the pairing."""
+    I/O reads into or writes from); beside it vLLM's slot and its job's gate. Slicing
+    (the runner cuts a job into parts) keeps the pairing; ``join`` puts the blocks of
+    several jobs in one call (the runner merges small loads), each keeping its gate."""
 
     def __init__(self, gate: JobGate, arena: Sequence[memoryview],
-                 primary: Sequence[memoryview]) -> None:
-        if len(arena) != len(primary):
+                 primary: Sequence[memoryview],
+                 gates: Sequence[JobGate] | None = None) -> None:
+        if len(arena) != len(primary) or (gates is not None and len(gates) != len(arena)):
             raise OffloadError("buffers", f"{len(arena)} arena slots for {len(primary)} blocks")
+        #: the first block's gate (every block's, unless ``join`` made this)
         self.gate = gate
         self.arena = list(arena)
         self.primary = list(primary)
+        #: per block, its job's gate
+        self.gates = list(gates) if gates is not None else [gate] * len(self.arena)
+
+    @classmethod
+    def join(cls, jobs: Sequence[JobBlocks]) -> JobBlocks:
+        if not jobs:
+            raise OffloadError("buffers", "no jobs to join")
+        return cls(jobs[0].gate, [v for job in jobs for v in job.arena],
+                   [v for job in jobs for v in job.primary],
+                   [g for job in jobs for g in job.gates])
 
     def __len__(self) -> int:
         return len(self.arena)
@@ -175,7 +189,9 @@ class JobBlocks(Sequence[Sequence[memoryview]]):
 
     def __getitem__(self, index: int | slice) -> Sequence[memoryview] | JobBlocks:
         if isinstance(index, slice):
-            return JobBlocks(self.gate, self.arena[index], self.primary[index])
+            gates = self.gates[index]
+            return JobBlocks(gates[0] if gates else self.gate, self.arena[index],
+                             self.primary[index], gates)
         return [self.arena[index]]
 
 
@@ -214,6 +230,14 @@ class GatedTier(Tier):
     def store_part_blocks(self, value: int) -> None:
         self.inner.store_part_blocks = value
 
+    @property
+    def merge_load_blocks(self) -> int:
+        return self.inner.merge_load_blocks
+
+    @merge_load_blocks.setter
+    def merge_load_blocks(self, value: int) -> None:
+        self.inner.merge_load_blocks = value
+
     def attach_primary(self, buffer: memoryview) -> None:
         """``buffer`` is the arena (the only memory the inner tier's I/O touches)."""
         self.inner.attach_primary(buffer)
@@ -229,26 +253,50 @@ class GatedTier(Tier):
 
     def load(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
              digests_out: list[LayerDigests | None]) -> None:
+        """Read into the arena; copy what loaded into vLLM's slots, job by job under each
+        job's gate. A job given up before its copy fails (its blocks are ``skipped`` with
+        a TimeoutError: the other jobs of a joined call are unaffected); ``digests_out``
+        gets the digests of exactly the blocks that reached vLLM's slots."""
         blocks = self._blocks(buffers)
         failure: BatchIOError | None = None
+        landed: list[LayerDigests | None] = []
         try:
-            self.inner.load(keys, [[v] for v in blocks.arena], digests_out)
+            self.inner.load(keys, [[v] for v in blocks.arena], landed)
             loaded: Sequence[int] = range(len(keys))
         except BatchIOError as exc:
             failure = exc
             loaded = [i for i in range(min(exc.num_succeeded, len(keys)))
                       if i not in exc.skipped]
-        if loaded:
-            if not blocks.gate.enter_copy():
-                raise BatchIOError(0, TimeoutError("given up at its deadline before its "
-                                                   "bytes were copied"), fence=None)
-            try:
-                for i in loaded:
-                    copy_bytes(blocks.primary[i], blocks.arena[i])
-            finally:
-                blocks.gate.leave_copy()
+        given_up: dict[int, OSError] = {}
+        gates = blocks.gates
+        run_start = 0
+        while run_start < len(loaded):   # runs of loaded blocks of one gate (one job)
+            gate = gates[loaded[run_start]]
+            run_end = run_start
+            while run_end < len(loaded) and gates[loaded[run_end]] is gate:
+                run_end += 1
+            run = loaded[run_start:run_end]
+            if gate.enter_copy():
+                try:
+                    for i in run:
+                        copy_bytes(blocks.primary[i], blocks.arena[i])
+                finally:
+                    gate.leave_copy()
+            else:
+                for i in run:
+                    given_up[i] = TimeoutError(errno.ETIMEDOUT, "given up at its deadline "
+                                               "before its bytes were copied")
+            run_start = run_end
+        digests_out.extend(d for i, d in zip(loaded, landed, strict=True) if i not in given_up)
+        if not given_up:
+            if failure is not None:
+                raise failure
+            return
+        skipped = dict(failure.skipped) if failure is not None else {}
+        skipped.update(given_up)
         if failure is not None:
-            raise failure
+            raise BatchIOError(failure.num_succeeded, failure.cause, failure.fence, skipped)
+        raise BatchIOError(len(keys), given_up[min(given_up)], None, skipped)
 
     def store(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
               digests: Sequence[LayerDigests | None]) -> None:

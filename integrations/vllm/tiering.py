@@ -153,7 +153,9 @@ FS_REMEMBER_PRESENT = 1 << 16
 #: the fs tier cuts a job into parts of at least this many bytes of block files, one
 #: part per thread: a part's own Python work (a pool hand-off, its result) costs about
 #: as much as reading a small file, so a job of 8 chunks of 16 KiB runs whole on one
-#: thread, chunks of 128 KiB and up one per thread
+#: thread, chunks of 128 KiB and up one per thread. For the same reason a step's burst
+#: of smaller jobs (one chunk of 16 KiB per request) shares load calls up to this size
+#: (``Tier.merge_load_blocks``)
 FS_PART_MIN_BYTES = 128 << 10
 
 
@@ -704,7 +706,7 @@ class KvbridgeFsTier(KvbridgeTier):
                       verify=self.options.verify, io_engine=io_engine)
         # batched reads (io_engine auto/uring) set their own load part size when the
         # arena attaches, after this
-        tier.load_part_blocks = tier.store_part_blocks = max(
+        tier.load_part_blocks = tier.store_part_blocks = tier.merge_load_blocks = max(
             1, FS_PART_MIN_BYTES // (tier.header_bytes + block_bytes))
         return tier
 

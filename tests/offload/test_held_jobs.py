@@ -167,3 +167,46 @@ def test_shutdown_runs_what_was_held(tmp_path) -> None:
     check = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False)
     assert check.probe(keys) == [True] * 5
     check.close()
+
+
+class CountingFsTier(FsTier):
+    """The real fs tier; records how many keys each ``load`` call carried."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.calls: list[int] = []
+
+    def load(self, keys, buffers, digests_out) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(len(keys))
+        super().load(keys, buffers, digests_out)
+
+
+def test_small_loads_share_a_call_and_each_job_keeps_its_own_outcome(tmp_path) -> None:
+    tier = CountingFsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False)
+    tier.merge_load_blocks = 4
+    run = TierRunner(tier, read_threads=1, write_threads=1, hold_jobs=True)
+    try:
+        keys = [k(i) for i in range(8)]
+        stored = [key for i, key in enumerate(keys) if i != 1]     # k(1): never stored
+        store_blocks(run, stored, Slots(len(stored)))
+        corrupt = tier.block_path(keys[5])                         # k(5): its bytes changed
+        with open(corrupt, "r+b") as fh:
+            fh.seek(tier.header_bytes + 100)
+            fh.write(b"\xff" * 8)
+        dst = Slots(len(keys))
+        for i, key in enumerate(keys):
+            run.submit_load(i, [key], [[dst[i]]])
+        results = collect(run, len(keys))
+        # one drainer: [0 1 2 3] stops at the missing k(1); 2 and 3 were never reached
+        # and go again in their own call, not failed; [4 5 6 7] goes on past k(5)
+        assert tier.calls == [4, 2, 4]
+        assert {i for i, r in results.items() if not r.success} == {1, 5}
+        for i in (0, 2, 3, 4, 6, 7):
+            assert results[i].successful_keys == (keys[i],)
+            assert bytes(dst[i]) == block_content(keys[i], BLOCK), f"block {i} differs"
+            assert len(results[i].digests) == 1 and results[i].digests[0] is not None
+        assert results[1].successful_keys == () and results[5].successful_keys == ()
+        assert run.stats.digest_mismatches == 1 and run.stats.load_jobs_failed == 2
+        assert run.stats.files_deleted == 1        # the corrupt copy, removed
+    finally:
+        run.shutdown()

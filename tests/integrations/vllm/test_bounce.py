@@ -76,8 +76,36 @@ def test_a_load_given_up_never_writes_the_slot(tmp_path: Path) -> None:
     assert gate.abandon() and gate.abandoned
     with pytest.raises(BatchIOError) as info:
         tier.load(keys, blocks(gate, arena, slots, primary, range(2)), [])
-    assert info.value.num_succeeded == 0
+    failed = set(info.value.skipped) | set(range(info.value.num_succeeded, 2))
+    assert failed == {0, 1}
+    assert all(isinstance(c, TimeoutError) for c in info.value.skipped.values())
     assert bytes(primary) == b"\x5a" * len(primary)
+
+
+def test_a_joined_load_copies_each_job_under_its_own_gate(tmp_path: Path) -> None:
+    """Three one-block jobs in one call (the runner joins small loads): the job given up
+    fails alone and its slot is never written; the others land with their digests."""
+    tier, arena, primary, keys = make(tmp_path, 3)
+    for i in range(3):
+        primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
+    slots = arena.take(3)
+    assert slots is not None
+    tier.store(keys, blocks(JobGate(), arena, slots, primary, range(3)), [None] * 3)
+    primary[:] = b"\x5a" * len(primary)
+    gates = [JobGate(), JobGate(), JobGate()]
+    assert gates[1].abandon()
+    joined = JobBlocks.join([blocks(gates[i], arena, [slots[i]], primary, range(i, i + 1))
+                             for i in range(3)])
+    assert joined.gates == gates and len(joined[1:]) == 2 and joined[1:].gate is gates[1]
+    digests: list[object] = []
+    with pytest.raises(BatchIOError) as info:
+        tier.load(keys, joined, digests)
+    assert info.value.num_succeeded == 3 and set(info.value.skipped) == {1}
+    assert isinstance(info.value.skipped[1], TimeoutError)
+    assert bytes(primary[0:BLOCK]) == content(0)
+    assert bytes(primary[BLOCK:2 * BLOCK]) == b"\x5a" * BLOCK
+    assert bytes(primary[2 * BLOCK:]) == content(2)
+    assert len(digests) == 2 and all(d is not None for d in digests)
     assert bytes(arena.view(slots[0])) == content(0)   # the read landed in the arena only
 
 
