@@ -14,8 +14,9 @@ what every tier needs around it, and is what ``OffloadManager`` holds:
   (fs, one file per block: one request's promotion uses every read thread); the
   parts' results make one record for the job (a failure stops its own part only:
   blocks of the other parts still load, and the engine uses the prefix before the
-  first failure). With ``hold_jobs``, jobs too small to cut wait for the next
-  ``step`` (or ``flush_jobs``), which hands them to at most one drainer per thread:
+  first failure). With ``hold_below_bytes``, jobs too small to cut and smaller than
+  that wait for the next ``step`` (or ``flush_jobs``), which hands them to at most one
+  drainer per thread:
   each drainer takes the burst's jobs one at a time until none is left, so a burst of
   hundreds of one-chunk jobs (vLLM submits one per request, all in one step) costs a
   pool hand-off per thread, not per job, and a job stuck in the kernel holds up only
@@ -184,7 +185,7 @@ class TierRunner:
                  probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
                  load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
-                 remember_present: int = 0, hold_jobs: bool = False) -> None:
+                 remember_present: int = 0, hold_below_bytes: int = 0) -> None:
         if read_threads <= 0 or write_threads <= 0:
             raise OffloadError("threads", "expected at least one read and one write thread")
         #: the tier whose calls this runner runs
@@ -210,8 +211,10 @@ class TierRunner:
         #: raced the removal would be; a failed load or a removal forgets the key.
         self.remember_present = remember_present
         self._present: OrderedDict[OffloadKey, None] = OrderedDict()
-        #: small jobs wait for the next ``step``/``flush_jobs`` (see the module docstring)
-        self.hold_jobs = hold_jobs
+        #: jobs of fewer bytes wait for the next ``step``/``flush_jobs`` (see the module
+        #: docstring; 0: none waits). Larger ones start at once: their I/O outweighs a
+        #: pool hand-off, and a store held to the step's end would start later for nothing
+        self.hold_below_bytes = hold_below_bytes
         self._held: list[_Held] = []
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
@@ -304,7 +307,7 @@ class TierRunner:
                           else self.tier.store_part_blocks)
         if len(parts) == 1:
             held = _Held(kind, job_id, frozen, buffers, digests)
-            if self.hold_jobs:
+            if len(frozen) * self.block_bytes < self.hold_below_bytes:
                 self._held.append(held)
             else:
                 pool.submit(functools.partial(self._run_held, held))

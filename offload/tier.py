@@ -119,7 +119,7 @@ class Tier(abc.ABC):
     load_part_blocks: int = WHOLE_JOB
     #: a store job is cut into parts of at least this many blocks (``WHOLE_JOB``: none)
     store_part_blocks: int = WHOLE_JOB
-    #: small load jobs held by the runner (``hold_jobs``) may share one ``load`` call up
+    #: small load jobs held by the runner (``hold_below_bytes``) may share one ``load`` call up
     #: to this many blocks (1: a call per job); the tier's ``load`` must then keep each
     #: block's outcome its own, as ``BatchIOError.skipped`` allows
     merge_load_blocks: int = 1

@@ -1,7 +1,7 @@
 """A runner that holds small jobs until its step, then drains them on one task per thread.
 
 vLLM submits one job per request and step, often of one chunk, hundreds in one step;
-``TierRunner(hold_jobs=True)`` hands such a burst to at most one drainer per pool
+``TierRunner(hold_below_bytes=...)`` hands such a burst to at most one drainer per pool
 thread instead of one pool hand-off per job. These tests pin what must not change with
 it: every job is run and reported once with its own outcome, nothing runs before the
 step, a job stuck in the kernel holds up only itself, and a shutdown runs what was held.
@@ -23,6 +23,8 @@ from kvbridge.offload.types import JobResult
 
 BLOCK = 4096
 FP = "4e1d4e1d4e1d4e1d"
+#: jobs of one block are held; jobs of 2 blocks and more start at once
+HOLD = 2 * BLOCK
 
 
 def k(i: int) -> bytes:
@@ -72,7 +74,7 @@ def collect(runner: TierRunner, count: int, timeout_s: float = 30.0) -> dict[int
 def runner(tmp_path) -> Iterator[tuple[TierRunner, HeldReadIO, FsTier]]:
     io = HeldReadIO()
     tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io)
-    run = TierRunner(tier, read_threads=3, write_threads=2, hold_jobs=True,
+    run = TierRunner(tier, read_threads=3, write_threads=2, hold_below_bytes=HOLD,
                      load_timeout_s=5.0)
     yield run, io, tier
     io.gate.set()
@@ -112,6 +114,23 @@ def test_held_jobs_start_at_the_step_and_each_is_reported_once_with_its_bytes(ru
     for i, key in enumerate(keys):
         assert bytes(dst[i]) == block_content(key, BLOCK), f"block {i} differs"
     assert run.num_jobs_in_flight == 0
+
+
+def test_a_job_of_the_threshold_or_more_starts_without_a_step(runner) -> None:
+    run, _, tier = runner
+    keys = [k(100), k(101)]
+    src = Slots(2)
+    for i, key in enumerate(keys):
+        src[i][:] = block_content(key, BLOCK)
+    run.submit_store(7, keys, [[src[0]], [src[1]]])      # 2 blocks: HOLD bytes, not held
+    deadline = time.monotonic() + 30
+    results: list[JobResult] = []
+    while not results:                                   # no step(): it must run anyway
+        assert time.monotonic() < deadline, "a job at the threshold waited for a step"
+        run.wait_for_finished(0.05)
+        results = run.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in results] == [(7, True)]
+    assert tier.probe(keys) == [True, True]
 
 
 def test_a_failed_job_in_a_burst_fails_alone(runner) -> None:
@@ -154,7 +173,7 @@ def test_a_job_stuck_in_the_kernel_holds_up_only_itself(runner) -> None:
 
 def test_shutdown_runs_what_was_held(tmp_path) -> None:
     tier = FsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False)
-    run = TierRunner(tier, read_threads=1, write_threads=1, hold_jobs=True)
+    run = TierRunner(tier, read_threads=1, write_threads=1, hold_below_bytes=HOLD)
     keys = [k(i) for i in range(5)]
     slots = Slots(len(keys))
     for i, key in enumerate(keys):
@@ -184,7 +203,7 @@ class CountingFsTier(FsTier):
 def test_small_loads_share_a_call_and_each_job_keeps_its_own_outcome(tmp_path) -> None:
     tier = CountingFsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False)
     tier.merge_load_blocks = 4
-    run = TierRunner(tier, read_threads=1, write_threads=1, hold_jobs=True)
+    run = TierRunner(tier, read_threads=1, write_threads=1, hold_below_bytes=HOLD)
     try:
         keys = [k(i) for i in range(8)]
         stored = [key for i, key in enumerate(keys) if i != 1]     # k(1): never stored
