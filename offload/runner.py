@@ -16,11 +16,11 @@ what every tier needs around it, and is what ``OffloadManager`` holds:
   blocks of the other parts still load, and the engine uses the prefix before the
   first failure). With ``hold_below_bytes``, jobs too small to cut and smaller than
   that wait for the next ``step`` (or ``flush_jobs``), which hands them to at most one
-  drainer per thread:
-  each drainer takes the burst's jobs one at a time until none is left, so a burst of
-  hundreds of one-chunk jobs (vLLM submits one per request, all in one step) costs a
-  pool hand-off per thread, not per job, and a job stuck in the kernel holds up only
-  its own drainer (the others take the rest);
+  drainer per thread. Each drainer takes the burst's jobs until none is left, so a
+  burst of hundreds of one-chunk jobs (vLLM submits one per request, all in one step)
+  costs a pool hand-off per thread, not per job, and a job stuck in the kernel holds
+  up only its own drainer (the others take the rest). Loads of a tier whose
+  ``merge_load_blocks`` allows it share a call, each job keeping its own outcome;
 * ``get_finished_jobs`` (scheduler thread) reports each job once and, for a failed
   load, flips exactly the failed keys to a miss with ``mark_miss``: the runner
   corrects its own cache from its own jobs; the manager has no failure callback.
