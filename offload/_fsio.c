@@ -53,24 +53,26 @@
 #define EXISTED (-2)
 #define DIRECT_ALIGN 4096
 
+/* what every item of a batch has first: its buffers and its outcome */
 typedef struct {
-    char path[PATH_MAX];
-    int direct;
-    int num_buffers;
+    int num_buffers;      /* held: released even when the item failed to parse */
     Py_ssize_t total;
     Py_buffer buffers[MAX_BUFFERS];
     int status;
+} head_t;
+
+typedef struct {
+    head_t h;             /* first: a batch sees every item as a head_t */
+    char path[PATH_MAX];
+    int direct;
 } item_t;
 
 typedef struct {
+    head_t h;
     char path[PATH_MAX];
     char temp[PATH_MAX];
     int direct;
     int fsync;
-    int num_buffers;
-    Py_ssize_t total;
-    Py_buffer buffers[MAX_BUFFERS];
-    int status;
 } witem_t;
 
 /* O_DIRECT needs page-aligned buffer addresses and lengths: checked here, so the caller
@@ -103,7 +105,7 @@ static void advance_iovec(struct iovec **rest, int *rest_count, size_t n) {
 }
 
 static int read_one(item_t *item) {
-    int direct = item->direct && direct_allowed(item->buffers, item->num_buffers);
+    int direct = item->direct && direct_allowed(item->h.buffers, item->h.num_buffers);
     int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0);
     int fd = open(item->path, flags);
     if (fd < 0)
@@ -114,17 +116,17 @@ static int read_one(item_t *item) {
         close(fd);
         return err;
     }
-    if (!S_ISREG(st.st_mode) || st.st_size != (off_t)item->total) {
+    if (!S_ISREG(st.st_mode) || st.st_size != (off_t)item->h.total) {
         close(fd);
         return NOT_A_BLOCK_FILE;
     }
     struct iovec iov[MAX_BUFFERS];
-    to_iovec(item->buffers, item->num_buffers, iov);
+    to_iovec(item->h.buffers, item->h.num_buffers, iov);
     struct iovec *rest = iov;
-    int rest_count = item->num_buffers;
+    int rest_count = item->h.num_buffers;
     off_t done = 0;
     int status = 0;
-    while (done < (off_t)item->total) {
+    while (done < (off_t)item->h.total) {
         ssize_t n = preadv(fd, rest, rest_count, done);
         if (n < 0) {
             if (errno == EINTR)
@@ -160,94 +162,123 @@ static int copy_path(PyObject *path, char *dst, const char *fn) {
     return 0;
 }
 
-/* a tuple of 1 to MAX_BUFFERS buffers into out (*num_buffers counts the ones held, to be
- * released by the caller even on failure); 0, or -1 with an exception set */
-static int get_buffers(PyObject *buffers, int flags, Py_buffer *out, int *num_buffers,
-                       Py_ssize_t *total, const char *fn) {
+/* a tuple of 1 to MAX_BUFFERS buffers into out (out->num_buffers counts the ones held,
+ * released by the batch even on failure); 0, or -1 with an exception set */
+static int get_buffers(PyObject *buffers, int flags, head_t *out, const char *fn) {
     if (!PyTuple_Check(buffers) || PyTuple_GET_SIZE(buffers) < 1
             || PyTuple_GET_SIZE(buffers) > MAX_BUFFERS) {
         PyErr_Format(PyExc_ValueError, "%s: buffers are a tuple of 1 to %d", fn, MAX_BUFFERS);
         return -1;
     }
     for (Py_ssize_t b = 0; b < PyTuple_GET_SIZE(buffers); b++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(buffers, b), &out[b], flags) != 0)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(buffers, b), &out->buffers[b], flags) != 0)
             return -1;
-        (*num_buffers)++;
-        if (out[b].len > PY_SSIZE_T_MAX - *total) {
+        out->num_buffers++;
+        if (out->buffers[b].len > PY_SSIZE_T_MAX - out->total) {
             PyErr_Format(PyExc_OverflowError, "%s: buffers too large", fn);
             return -1;
         }
-        *total += out[b].len;
+        out->total += out->buffers[b].len;
     }
     return 0;
 }
 
-static void release_items(item_t *items, Py_ssize_t count) {
-    for (Py_ssize_t i = 0; i < count; i++)
-        for (int b = 0; b < items[i].num_buffers; b++)
-            PyBuffer_Release(&items[i].buffers[b]);
+/* one kind of batch: its items' size, how an item tuple is parsed into one (0, or -1
+ * with an exception set; the item's head_t counts what it holds) and how one is
+ * done without the GIL (its status) */
+typedef struct {
+    const char *name;
+    size_t item_size;
+    int (*parse)(PyObject *tuple, void *item);
+    int (*run)(void *item);
+} batch_t;
+
+static head_t *item_head(const batch_t *kind, char *items, Py_ssize_t i) {
+    return (head_t *)(items + (size_t)i * kind->item_size);
 }
 
-static PyObject *read_files(PyObject *self, PyObject *arg) {
-    (void)self;
-    PyObject *seq = PySequence_Fast(arg, "read_files expects a list of items");
+static void release_items(const batch_t *kind, char *items, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        head_t *head = item_head(kind, items, i);
+        for (int b = 0; b < head->num_buffers; b++)
+            PyBuffer_Release(&head->buffers[b]);
+    }
+}
+
+/* parse every item of arg (at most MAX_ITEMS, bounded before anything is allocated), do
+ * them all with the GIL released, answer their statuses as a list of ints */
+static PyObject *run_batch(const batch_t *kind, PyObject *arg) {
+    if (!PyList_Check(arg) && !PyTuple_Check(arg))
+        return PyErr_Format(PyExc_TypeError, "%s expects a list of items", kind->name);
+    PyObject *seq = PySequence_Fast(arg, "expected a list of items");
     if (seq == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     if (count > MAX_ITEMS) {
         Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "read_files: %zd items, at most %d", count,
+        return PyErr_Format(PyExc_ValueError, "%s: %zd items, at most %d", kind->name, count,
                             MAX_ITEMS);
     }
-    item_t *items = PyMem_Calloc(count ? (size_t)count : 1, sizeof(item_t));
+    char *items = PyMem_Calloc(count ? (size_t)count : 1, kind->item_size);
     if (items == NULL) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
     Py_ssize_t filled = 0;
     for (; filled < count; filled++) {
-        item_t *item = &items[filled];
-        PyObject *tuple = PySequence_Fast_GET_ITEM(seq, filled);
-        PyObject *path, *direct, *buffers;
-        if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 3) {
-            PyErr_SetString(PyExc_TypeError, "read_files: an item is (path, direct, buffers)");
-            goto fail;
+        if (kind->parse(PySequence_Fast_GET_ITEM(seq, filled),
+                        item_head(kind, items, filled)) != 0) {
+            /* the item being filled holds buffers too */
+            release_items(kind, items, filled + 1);
+            PyMem_Free(items);
+            Py_DECREF(seq);
+            return NULL;
         }
-        path = PyTuple_GET_ITEM(tuple, 0);
-        direct = PyTuple_GET_ITEM(tuple, 1);
-        buffers = PyTuple_GET_ITEM(tuple, 2);
-        if (copy_path(path, item->path, "read_files") != 0)
-            goto fail;
-        item->direct = PyObject_IsTrue(direct);
-        if (item->direct < 0)
-            goto fail;
-        if (get_buffers(buffers, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS, item->buffers,
-                        &item->num_buffers, &item->total, "read_files") != 0)
-            goto fail;
     }
     Py_DECREF(seq);
-    seq = NULL;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++)
-        items[i].status = read_one(&items[i]);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        head_t *item = item_head(kind, items, i);
+        item->status = kind->run(item);
+    }
     Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(count);
     for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
-        PyObject *status = PyLong_FromLong(items[i].status);
+        PyObject *status = PyLong_FromLong(item_head(kind, items, i)->status);
         if (status == NULL)
             Py_CLEAR(out);
         else
             PyList_SET_ITEM(out, i, status);
     }
-    release_items(items, count);
+    release_items(kind, items, count);
     PyMem_Free(items);
     return out;
-fail:
-    /* the item being filled holds num_buffers buffers too */
-    release_items(items, filled + 1);
-    PyMem_Free(items);
-    Py_XDECREF(seq);
-    return NULL;
+}
+
+static int parse_read(PyObject *tuple, void *out) {
+    item_t *item = out;
+    if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 3) {
+        PyErr_SetString(PyExc_TypeError, "read_files: an item is (path, direct, buffers)");
+        return -1;
+    }
+    if (copy_path(PyTuple_GET_ITEM(tuple, 0), item->path, "read_files") != 0)
+        return -1;
+    item->direct = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 1));
+    if (item->direct < 0)
+        return -1;
+    return get_buffers(PyTuple_GET_ITEM(tuple, 2), PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS,
+                       &item->h, "read_files");
+}
+
+static int run_read(void *item) {
+    return read_one(item);
+}
+
+static const batch_t READ_BATCH = {"read_files", sizeof(item_t), parse_read, run_read};
+
+static PyObject *read_files(PyObject *self, PyObject *arg) {
+    (void)self;
+    return run_batch(&READ_BATCH, arg);
 }
 
 /* the temp file of a failed write: unlink it, report err */
@@ -262,18 +293,18 @@ static int write_one(witem_t *item) {
         return S_ISREG(st.st_mode) ? EXISTED : NOT_A_BLOCK_FILE;
     if (errno != ENOENT)
         return errno;
-    int direct = item->direct && direct_allowed(item->buffers, item->num_buffers);
+    int direct = item->direct && direct_allowed(item->h.buffers, item->h.num_buffers);
     int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | (direct ? O_DIRECT : 0);
     int fd = open(item->temp, flags, 0644);
     if (fd < 0)
         return errno;   /* not made by this call (O_EXCL): never unlinked here */
     struct iovec iov[MAX_BUFFERS];
-    to_iovec(item->buffers, item->num_buffers, iov);
+    to_iovec(item->h.buffers, item->h.num_buffers, iov);
     struct iovec *rest = iov;
-    int rest_count = item->num_buffers;
+    int rest_count = item->h.num_buffers;
     off_t done = 0;
     int status = 0;
-    while (done < (off_t)item->total) {
+    while (done < (off_t)item->h.total) {
         ssize_t n = pwritev(fd, rest, rest_count, done);
         if (n < 0) {
             if (errno == EINTR)
@@ -306,78 +337,40 @@ static int write_one(witem_t *item) {
     return 0;
 }
 
-static void release_witems(witem_t *items, Py_ssize_t count) {
-    for (Py_ssize_t i = 0; i < count; i++)
-        for (int b = 0; b < items[i].num_buffers; b++)
-            PyBuffer_Release(&items[i].buffers[b]);
+static int parse_write(PyObject *tuple, void *out) {
+    witem_t *item = out;
+    if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 5) {
+        PyErr_SetString(PyExc_TypeError, "write_files: an item is (path, temp path, "
+                        "direct, fsync, buffers)");
+        return -1;
+    }
+    if (copy_path(PyTuple_GET_ITEM(tuple, 0), item->path, "write_files") != 0
+            || copy_path(PyTuple_GET_ITEM(tuple, 1), item->temp, "write_files") != 0)
+        return -1;
+    if (strcmp(item->path, item->temp) == 0) {
+        /* a failed write unlinks its temp path: never the block's own */
+        PyErr_SetString(PyExc_ValueError, "write_files: the temp path is the path");
+        return -1;
+    }
+    item->direct = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 2));
+    if (item->direct < 0)
+        return -1;
+    item->fsync = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 3));
+    if (item->fsync < 0)
+        return -1;
+    return get_buffers(PyTuple_GET_ITEM(tuple, 4), PyBUF_C_CONTIGUOUS, &item->h,
+                       "write_files");
 }
+
+static int run_write(void *item) {
+    return write_one(item);
+}
+
+static const batch_t WRITE_BATCH = {"write_files", sizeof(witem_t), parse_write, run_write};
 
 static PyObject *write_files(PyObject *self, PyObject *arg) {
     (void)self;
-    PyObject *seq = PySequence_Fast(arg, "write_files expects a list of items");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    if (count > MAX_ITEMS) {
-        Py_DECREF(seq);
-        return PyErr_Format(PyExc_ValueError, "write_files: %zd items, at most %d", count,
-                            MAX_ITEMS);
-    }
-    witem_t *items = PyMem_Calloc(count ? (size_t)count : 1, sizeof(witem_t));
-    if (items == NULL) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
-    }
-    Py_ssize_t filled = 0;
-    for (; filled < count; filled++) {
-        witem_t *item = &items[filled];
-        PyObject *tuple = PySequence_Fast_GET_ITEM(seq, filled);
-        if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 5) {
-            PyErr_SetString(PyExc_TypeError, "write_files: an item is (path, temp path, "
-                            "direct, fsync, buffers)");
-            goto fail;
-        }
-        if (copy_path(PyTuple_GET_ITEM(tuple, 0), item->path, "write_files") != 0
-                || copy_path(PyTuple_GET_ITEM(tuple, 1), item->temp, "write_files") != 0)
-            goto fail;
-        if (strcmp(item->path, item->temp) == 0) {
-            /* a failed write unlinks its temp path: never the block's own */
-            PyErr_SetString(PyExc_ValueError, "write_files: the temp path is the path");
-            goto fail;
-        }
-        item->direct = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 2));
-        if (item->direct < 0)
-            goto fail;
-        item->fsync = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 3));
-        if (item->fsync < 0)
-            goto fail;
-        if (get_buffers(PyTuple_GET_ITEM(tuple, 4), PyBUF_C_CONTIGUOUS, item->buffers,
-                        &item->num_buffers, &item->total, "write_files") != 0)
-            goto fail;
-    }
-    Py_DECREF(seq);
-    seq = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++)
-        items[i].status = write_one(&items[i]);
-    Py_END_ALLOW_THREADS
-    PyObject *out = PyList_New(count);
-    for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
-        PyObject *status = PyLong_FromLong(items[i].status);
-        if (status == NULL)
-            Py_CLEAR(out);
-        else
-            PyList_SET_ITEM(out, i, status);
-    }
-    release_witems(items, count);
-    PyMem_Free(items);
-    return out;
-fail:
-    /* the item being filled holds num_buffers buffers too */
-    release_witems(items, filled + 1);
-    PyMem_Free(items);
-    Py_XDECREF(seq);
-    return NULL;
+    return run_batch(&WRITE_BATCH, arg);
 }
 
 static PyMethodDef methods[] = {

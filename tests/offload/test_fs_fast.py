@@ -172,6 +172,13 @@ def test_extension_bounds(tmp_path: object) -> None:
         fs_fast.read_files([(b"a", False, (buf,) * (fs_fast.max_buffers() + 1))])
     with pytest.raises(BufferError):
         fs_fast.read_files([(b"a", False, (memoryview(b"read-only"),))])
+    with pytest.raises(TypeError):
+        fs_fast.read_files(iter([]))   # type: ignore[arg-type]
+    # a bad item after a good one: the good one's buffer is released (else a resize fails)
+    held = bytearray(8)
+    with pytest.raises(TypeError):
+        fs_fast.read_files([(b"a", False, (held,)), (b"b",)])  # type: ignore[list-item]
+    held.extend(b"resized")
     path = os.path.join(str(tmp_path), "f")
     with open(path, "wb") as fh:
         fh.write(b"0123456789abcdef")
@@ -208,6 +215,11 @@ def test_write_extension_bounds_and_statuses(tmp_path: object) -> None:
         fs_fast.write_files([(b"a", b"a.t", False, (buf,))])  # type: ignore[list-item]
     with pytest.raises(TypeError):
         fs_fast.write_files([item(b"a", b"a.t", "not a buffer")])  # type: ignore[arg-type]
+    held = bytearray(8)
+    with pytest.raises(TypeError):
+        fs_fast.write_files([item(b"a", b"a.t", held),  # type: ignore[arg-type]
+                             (b"b", b"b.t", False, (buf,))])  # type: ignore[list-item]
+    held.extend(b"resized")
     root = str(tmp_path)
     path, temp = os.path.join(root, "f"), os.path.join(root, "f.tmp")
     raw, raw_temp = os.fsencode(path), os.fsencode(temp)
