@@ -19,8 +19,11 @@ what every tier needs around it, and is what ``OffloadManager`` holds:
   drainer per thread. Each drainer takes the burst's jobs until none is left, so a
   burst of hundreds of one-chunk jobs (vLLM submits one per request, all in one step)
   costs a pool hand-off per thread, not per job, and a job stuck in the kernel holds
-  up only its own drainer (the others take the rest). Loads of a tier whose
-  ``merge_load_blocks`` allows it share a call, each job keeping its own outcome;
+  up only its own drainer (the others take the rest). With ``hold_loads``, every load
+  waits for the step the same way (each part of a cut one too), whatever its size.
+  Held jobs of
+  a tier whose ``merge_load_blocks``/``merge_store_blocks`` allows it share a call,
+  each job keeping its own outcome;
 * ``get_finished_jobs`` (scheduler thread) reports each job once and, for a failed
   load, flips exactly the failed keys to a miss with ``mark_miss``: the runner
   corrects its own cache from its own jobs; the manager has no failure callback.
@@ -118,6 +121,14 @@ class _Held:
     digests: Sequence[LayerDigests | None] | None
 
 
+@dataclass(frozen=True)
+class _HeldPart:
+    """A part of a cut job, waiting for a drainer (``hold_loads``); run as it is."""
+
+    kind: JobKind
+    run: Callable[[], None]
+
+
 class _Gather:
     """The parts of a split job: when the last one ends, one record for the whole job.
 
@@ -185,7 +196,8 @@ class TierRunner:
                  probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
                  load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
-                 remember_present: int = 0, hold_below_bytes: int = 0) -> None:
+                 remember_present: int = 0, hold_below_bytes: int = 0,
+                 hold_loads: bool = False) -> None:
         if read_threads <= 0 or write_threads <= 0:
             raise OffloadError("threads", "expected at least one read and one write thread")
         #: the tier whose calls this runner runs
@@ -215,7 +227,11 @@ class TierRunner:
         #: docstring; 0: none waits). Larger ones start at once: their I/O outweighs a
         #: pool hand-off, and a store held to the step's end would start later for nothing
         self.hold_below_bytes = hold_below_bytes
-        self._held: list[_Held] = []
+        #: every load (and each part of a cut one) waits for the step, whatever its size:
+        #: for a scheduler that submits its loads just before the step (vLLM's tiering
+        #: submits promotions right before its tiers' ``on_schedule_end``)
+        self.hold_loads = hold_loads
+        self._held: list[_Held | _HeldPart] = []
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
@@ -305,9 +321,10 @@ class TierRunner:
         parts = split_job(len(frozen), pool.num_threads,
                           self.tier.load_part_blocks if kind is JobKind.LOAD
                           else self.tier.store_part_blocks)
+        hold = self.hold_loads and kind is JobKind.LOAD
         if len(parts) == 1:
             held = _Held(kind, job_id, frozen, buffers, digests)
-            if len(frozen) * self.block_bytes < self.hold_below_bytes:
+            if hold or len(frozen) * self.block_bytes < self.hold_below_bytes:
                 self._held.append(held)
             else:
                 pool.submit(functools.partial(self._run_held, held))
@@ -317,74 +334,89 @@ class TierRunner:
             part_keys = frozen[start:end]
             part_buffers = buffers[start:end]
             part_digests = None if digests is None else digests[start:end]
-            pool.submit(functools.partial(self._run_part, gather, start, job_id, kind,
-                                          part_keys, part_buffers, part_digests))
+            run = functools.partial(self._run_part, gather, start, job_id, kind,
+                                    part_keys, part_buffers, part_digests)
+            if hold:
+                self._held.append(_HeldPart(kind, run))
+            else:
+                pool.submit(run)
 
     def flush_jobs(self) -> None:
-        """Hand the held jobs to their pools: per pool, at most one drainer per thread,
-        each taking the next held job until none is left (scheduler thread)."""
+        """Hand the held jobs (and held parts) to their pools: per pool, at most one
+        drainer per thread, each taking the next until none is left (scheduler thread)."""
         if not self._held:
             return
         held, self._held = self._held, []
         for kind, pool in ((JobKind.LOAD, self._read_pool), (JobKind.STORE, self._write_pool)):
             burst = deque(h for h in held if h.kind is kind)
             drainers = min(pool.num_threads, len(burst))
-            # loads the tier lets share a call: up to its block budget, and no more jobs
+            # jobs the tier lets share a call: up to its block budget, and no more jobs
             # per call than leaves every drainer some (a short burst keeps its parallelism)
-            budget = self.tier.merge_load_blocks if kind is JobKind.LOAD else 1
+            budget = (self.tier.merge_load_blocks if kind is JobKind.LOAD
+                      else self.tier.merge_store_blocks)
             most = -(-len(burst) // drainers) if drainers else 1
             for _ in range(drainers):
                 pool.submit(functools.partial(self._drain_burst, burst, budget, most))
 
-    def _drain_burst(self, burst: deque[_Held], budget: int = 1, most: int = 1) -> None:
-        """Worker thread: run the burst's jobs until another drainer or this one took the
-        last (``popleft`` is atomic). With ``budget`` > 1, loads of up to ``budget`` blocks
-        in all (at most ``most`` jobs) share one tier call (``_run_joined``)."""
+    def _drain_burst(self, burst: deque[_Held | _HeldPart], budget: int = 1,
+                     most: int = 1) -> None:
+        """Worker thread: run the burst's jobs and parts until another drainer or this one
+        took the last (``popleft`` is atomic). With ``budget`` > 1, whole jobs of up to
+        ``budget`` blocks in all (at most ``most`` jobs) share one tier call
+        (``_run_joined``)."""
         while True:
-            group: list[_Held] = []
-            blocks = 0
-            while len(group) < most:
+            try:
+                item = burst.popleft()
+            except IndexError:
+                return
+            if isinstance(item, _HeldPart):
+                item.run()
+                continue
+            group = [item]
+            blocks = len(item.keys)
+            while budget > 1 and len(group) < most:
                 try:
                     held = burst.popleft()
                 except IndexError:
                     break
-                if group and blocks + len(held.keys) > budget:
+                if isinstance(held, _HeldPart) or blocks + len(held.keys) > budget:
                     burst.appendleft(held)   # the next call's (or another drainer's)
                     break
                 group.append(held)
                 blocks += len(held.keys)
-                if len(group) == 1 and budget <= 1:
-                    break
-            if not group:
-                return
             if len(group) == 1:
                 self._run_held(group[0])
             else:
                 self._run_joined(group)
 
     def _run_joined(self, group: list[_Held]) -> None:
-        """Worker thread: several load jobs in one tier call; each job gets the record it
-        would have had alone. Jobs after a failure that stopped the call (inside an
-        earlier job) were never reached: they are loaded in the next call, not failed,
-        unless the failure may still write their buffers (a fence: they fail with it)."""
+        """Worker thread: several jobs of one kind in one tier call; each job gets the
+        record it would have had alone. Jobs after a failure that stopped the call (inside
+        an earlier job) were never reached: they run in the next call, not failed, unless
+        the failure may still touch their buffers (a fence: they fail with it)."""
+        kind = group[0].kind
         while group:
             keys = tuple(k for h in group for k in h.keys)
             loaded: list[LayerDigests | None] = []
             try:
-                self.tier.load(keys, join_buffers([h.buffers for h in group]), loaded)
+                if kind is JobKind.LOAD:
+                    self.tier.load(keys, join_buffers([h.buffers for h in group]), loaded)
+                else:
+                    self.tier.store(keys, join_buffers([h.buffers for h in group]),
+                                    [d for h in group
+                                     for d in (h.digests or [None] * len(h.keys))])
                 failure: BatchIOError | None = None
             except BatchIOError as exc:
                 failure = exc
             except BaseException as exc:  # a bug in a tier must still finish the jobs
-                logger.exception("%s load jobs %s failed: %s", self.name,
+                logger.exception("%s %s jobs %s failed: %s", self.name, kind.value,
                                  [h.job_id for h in group], exc)
                 for h in group:
-                    self._finish(_Done(h.job_id, JobKind.LOAD, False,
-                                       frozenset(range(len(h.keys)))))
+                    self._finish(_Done(h.job_id, kind, False, frozenset(range(len(h.keys)))))
                 return
             stop = len(keys) if failure is None else failure.num_succeeded
             skipped = {} if failure is None else failure.skipped
-            digests = iter(loaded)
+            digests = iter(loaded)   # loads: one per block that loaded, in order
             start = 0
             rest: list[_Held] = []
             for n, h in enumerate(group):
@@ -394,14 +426,15 @@ class TierRunner:
                     break
                 own_skipped = {i - start: c for i, c in skipped.items() if start <= i < end}
                 reached = min(max(stop - start, 0), len(h.keys))
-                ok = [next(digests) for i in range(reached) if i not in own_skipped]
+                ok = [next(digests) for i in range(reached) if i not in own_skipped] \
+                    if kind is JobKind.LOAD else []
                 if failure is None or (reached == len(h.keys) and not own_skipped):
-                    self._finish(_Done(h.job_id, JobKind.LOAD, True, digests=tuple(ok)))
+                    self._finish(_Done(h.job_id, kind, True, digests=tuple(ok)))
                 else:
                     cause = failure.cause if reached < len(h.keys) else \
                         own_skipped[min(own_skipped)]
                     own = BatchIOError(reached, cause, failure.fence, own_skipped)
-                    self._finish(self._failed(JobKind.LOAD, h.job_id, h.keys, own, ok, 0,
+                    self._finish(self._failed(kind, h.job_id, h.keys, own, ok, 0,
                                               len(h.keys)))
                 start = end
             group = rest

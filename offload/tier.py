@@ -123,6 +123,8 @@ class Tier(abc.ABC):
     #: to this many blocks (1: a call per job); the tier's ``load`` must then keep each
     #: block's outcome its own, as ``BatchIOError.skipped`` allows
     merge_load_blocks: int = 1
+    #: the same for small store jobs and ``store``
+    merge_store_blocks: int = 1
 
     def __init__(self, name: str, block_bytes: int, *, verify: VerifyPolicy = DEFAULT_VERIFY,
                  num_layers: int = 1) -> None:

@@ -28,7 +28,7 @@ import logging
 import mmap
 import threading
 from collections.abc import Sequence
-from typing import overload
+from typing import Generic, TypeVar, overload
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from kvbridge.offload.tier import BlockBuffers, Tier
 from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: arenas whose slots an abandoned call may still write into at shutdown: never unmapped
 _KEPT_ALIVE: list[object] = []
@@ -195,6 +197,34 @@ class JobBlocks(Sequence[Sequence[memoryview]]):
         return [self.arena[index]]
 
 
+def _gate_runs(gates: Sequence[JobGate], positions: Sequence[int]) -> list[Sequence[int]]:
+    """``positions`` cut into runs of consecutive positions with one gate (one job's)."""
+    runs: list[Sequence[int]] = []
+    start = 0
+    while start < len(positions):
+        gate = gates[positions[start]]
+        end = start + 1
+        while end < len(positions) and gates[positions[end]] is gate:
+            end += 1
+        runs.append(positions[start:end])
+        start = end
+    return runs
+
+
+class _InnerAttr(Generic[T]):
+    """An attribute of a ``GatedTier`` that is its inner tier's (read and written there)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: GatedTier | None, owner: type) -> T:
+        value: T = getattr(obj.inner, self.name) if obj is not None else getattr(Tier, self.name)
+        return value
+
+    def __set__(self, obj: GatedTier, value: T) -> None:
+        setattr(obj.inner, self.name, value)
+
+
 class GatedTier(Tier):
     """``inner`` with its I/O on arena slots; bytes cross to vLLM's slots under the gate.
 
@@ -212,31 +242,12 @@ class GatedTier(Tier):
         self.medium = inner.medium
         self.locality = inner.locality
 
-    # the runner reads these when it cuts a job; the inner tier may change them when it
-    # attaches memory (fs: batched reads)
-    @property
-    def load_part_blocks(self) -> int:
-        return self.inner.load_part_blocks
-
-    @load_part_blocks.setter
-    def load_part_blocks(self, value: int) -> None:
-        self.inner.load_part_blocks = value
-
-    @property
-    def store_part_blocks(self) -> int:
-        return self.inner.store_part_blocks
-
-    @store_part_blocks.setter
-    def store_part_blocks(self, value: int) -> None:
-        self.inner.store_part_blocks = value
-
-    @property
-    def merge_load_blocks(self) -> int:
-        return self.inner.merge_load_blocks
-
-    @merge_load_blocks.setter
-    def merge_load_blocks(self, value: int) -> None:
-        self.inner.merge_load_blocks = value
+    # the runner reads these when it cuts or joins jobs; the inner tier may change them
+    # when it attaches memory (fs: batched reads)
+    load_part_blocks = _InnerAttr[int]()
+    store_part_blocks = _InnerAttr[int]()
+    merge_load_blocks = _InnerAttr[int]()
+    merge_store_blocks = _InnerAttr[int]()
 
     def attach_primary(self, buffer: memoryview) -> None:
         """``buffer`` is the arena (the only memory the inner tier's I/O touches)."""
@@ -268,14 +279,8 @@ class GatedTier(Tier):
             loaded = [i for i in range(min(exc.num_succeeded, len(keys)))
                       if i not in exc.skipped]
         given_up: dict[int, OSError] = {}
-        gates = blocks.gates
-        run_start = 0
-        while run_start < len(loaded):   # runs of loaded blocks of one gate (one job)
-            gate = gates[loaded[run_start]]
-            run_end = run_start
-            while run_end < len(loaded) and gates[loaded[run_end]] is gate:
-                run_end += 1
-            run = loaded[run_start:run_end]
+        for run in _gate_runs(blocks.gates, loaded):
+            gate = blocks.gates[run[0]]
             if gate.enter_copy():
                 try:
                     for i in run:
@@ -286,7 +291,6 @@ class GatedTier(Tier):
                 for i in run:
                     given_up[i] = TimeoutError(errno.ETIMEDOUT, "given up at its deadline "
                                                "before its bytes were copied")
-            run_start = run_end
         digests_out.extend(d for i, d in zip(loaded, landed, strict=True) if i not in given_up)
         if not given_up:
             if failure is not None:
@@ -300,15 +304,39 @@ class GatedTier(Tier):
 
     def store(self, keys: Sequence[OffloadKey], buffers: BlockBuffers,
               digests: Sequence[LayerDigests | None]) -> None:
+        """Copy vLLM's slots into the arena, job by job under each job's gate, then write
+        from the arena. A job given up before its copy is not stored (its blocks are
+        ``skipped`` with a TimeoutError; the other jobs of a joined call are stored)."""
         blocks = self._blocks(buffers)
-        if not blocks.gate.enter_copy():
-            raise BatchIOError(0, TimeoutError("given up at its deadline before it started"))
+        copied: list[int] = []
+        given_up: dict[int, OSError] = {}
+        for run in _gate_runs(blocks.gates, range(len(keys))):
+            gate = blocks.gates[run[0]]
+            if gate.enter_copy():
+                try:
+                    for i in run:
+                        copy_bytes(blocks.arena[i], blocks.primary[i])
+                finally:
+                    gate.leave_copy()
+                copied.extend(run)
+            else:
+                for i in run:
+                    given_up[i] = TimeoutError(errno.ETIMEDOUT, "given up at its deadline "
+                                               "before it started")
+        if not given_up:
+            self.inner.store(keys, [[v] for v in blocks.arena], digests)
+            return
         try:
-            for i in range(len(keys)):
-                copy_bytes(blocks.arena[i], blocks.primary[i])
-        finally:
-            blocks.gate.leave_copy()
-        self.inner.store(keys, [[v] for v in blocks.arena], digests)
+            if copied:
+                self.inner.store([keys[i] for i in copied],
+                                 [[blocks.arena[i]] for i in copied],
+                                 [digests[i] for i in copied])
+        except BatchIOError as exc:   # its positions are those of ``copied``: map them back
+            stop = copied[exc.num_succeeded] if exc.num_succeeded < len(copied) else len(keys)
+            skipped = {copied[i]: c for i, c in exc.skipped.items()}
+            skipped.update((i, c) for i, c in given_up.items() if i < stop)
+            raise BatchIOError(stop, exc.cause, exc.fence, skipped) from exc
+        raise BatchIOError(len(keys), given_up[min(given_up)], None, given_up)
 
     def close(self) -> None:
         self.inner.close()

@@ -9,6 +9,7 @@ step, a job stuck in the kernel holds up only itself, and a shutdown runs what w
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Iterator
@@ -133,6 +134,43 @@ def test_a_job_of_the_threshold_or_more_starts_without_a_step(runner) -> None:
     assert tier.probe(keys) == [True, True]
 
 
+def test_with_hold_loads_every_load_and_part_waits_for_the_step(tmp_path) -> None:
+    """``hold_loads``: a load of any size waits for the step, each part of a cut one too
+    (vLLM submits promotions just before the step); a store at the threshold does not."""
+    tier = CountingFsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False)
+    tier.load_part_blocks = 2
+    run = TierRunner(tier, read_threads=3, write_threads=1, hold_below_bytes=HOLD,
+                     hold_loads=True)
+    try:
+        keys = [k(i) for i in range(7)]
+        src = Slots(len(keys))
+        for i, key in enumerate(keys):
+            src[i][:] = block_content(key, BLOCK)
+        run.submit_store(1, keys[:6], [[src[i]] for i in range(6)])   # not held: runs
+        run.submit_store(2, keys[6:], [[src[6]]])                      # held
+        first = run.get_finished_jobs()
+        deadline = time.monotonic() + 30
+        while not first:
+            assert time.monotonic() < deadline, "a store at the threshold waited for a step"
+            run.wait_for_finished(0.05)
+            first = run.get_finished_jobs()
+        assert [(r.job_id, r.success) for r in first] == [(1, True)]
+        collect(run, 1)
+        dst = Slots(len(keys))
+        run.submit_load(10, keys[:6], [[dst[i]] for i in range(6)])   # 3 parts of 2
+        run.submit_load(11, keys[6:], [[dst[6]]])
+        time.sleep(0.2)
+        assert tier.calls == [] and run.get_finished_jobs() == []
+        loaded = collect(run, 2)
+        assert sorted(tier.calls) == [1, 2, 2, 2]
+        assert all(r.success for r in loaded.values())
+        assert loaded[10].successful_keys == tuple(keys[:6])
+        for i, key in enumerate(keys):
+            assert bytes(dst[i]) == block_content(key, BLOCK), f"block {i} differs"
+    finally:
+        run.shutdown()
+
+
 def test_a_failed_job_in_a_burst_fails_alone(runner) -> None:
     run, _, _ = runner
     keys = [k(i) for i in range(6)]
@@ -189,15 +227,64 @@ def test_shutdown_runs_what_was_held(tmp_path) -> None:
 
 
 class CountingFsTier(FsTier):
-    """The real fs tier; records how many keys each ``load`` call carried."""
+    """The real fs tier; records how many keys each ``load`` and ``store`` call carried."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.calls: list[int] = []
+        self.store_calls: list[int] = []
 
     def load(self, keys, buffers, digests_out) -> None:  # type: ignore[no-untyped-def]
         self.calls.append(len(keys))
         super().load(keys, buffers, digests_out)
+
+    def store(self, keys, buffers, digests) -> None:  # type: ignore[no-untyped-def]
+        self.store_calls.append(len(keys))
+        super().store(keys, buffers, digests)
+
+
+class FailingWriteIO(FsIO):
+    """The real fs I/O; a temp file for a path in ``fail`` cannot be made (EIO)."""
+
+    def __init__(self) -> None:
+        self.fail: set[str] = set()
+
+    def open_write(self, path: str, direct: bool) -> int:
+        if any(path.startswith(f + ".") for f in self.fail):
+            raise OSError(errno.EIO, "injected write error")
+        return super().open_write(path, direct)
+
+
+def test_small_stores_share_a_call_and_each_job_keeps_its_own_outcome(tmp_path) -> None:
+    io = FailingWriteIO()
+    tier = CountingFsTier(str(tmp_path / "store"), BLOCK, FP, use_o_direct=False, io=io)
+    tier.merge_store_blocks = 4
+    run = TierRunner(tier, read_threads=1, write_threads=1, hold_below_bytes=HOLD)
+    try:
+        keys = [k(i) for i in range(8)]
+        io.fail.add(tier.block_path(keys[1]))
+        src = Slots(len(keys))
+        for i, key in enumerate(keys):
+            src[i][:] = block_content(key, BLOCK)
+            run.submit_store(i, [key], [[src[i]]])
+        results = collect(run, len(keys))
+        # one drainer: [0 1 2 3] stops at k(1)'s write; 2 and 3 were never reached and
+        # go again in their own call, not failed; [4 5 6 7] in one call
+        assert tier.store_calls == [4, 2, 4]
+        assert {i for i, r in results.items() if not r.success} == {1}
+        assert tier.probe(keys) == [i != 1 for i in range(8)]
+        assert run.stats.stores_failed == 1 and run.stats.stores_ok == 7
+        dst = Slots(len(keys))
+        for i, key in enumerate(keys):
+            if i != 1:
+                run.submit_load(100 + i, [key], [[dst[i]]])
+        loaded = collect(run, len(keys) - 1)
+        assert all(r.success for r in loaded.values())
+        for i in range(8):
+            if i != 1:
+                assert bytes(dst[i]) == block_content(keys[i], BLOCK), f"block {i} differs"
+    finally:
+        run.shutdown()
 
 
 def test_small_loads_share_a_call_and_each_job_keeps_its_own_outcome(tmp_path) -> None:

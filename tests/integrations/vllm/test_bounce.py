@@ -7,6 +7,7 @@ job's gate is open.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from kvbridge.integrations.vllm.bounce import (
     JobGate,
 )
 from kvbridge.offload.fs import FsTier
+from kvbridge.offload.fs_io import FsIO
 from kvbridge.offload.types import BatchIOError
 
 BLOCK = 16 << 10
@@ -118,6 +120,72 @@ def test_a_store_given_up_before_it_starts_stores_nothing(tmp_path: Path) -> Non
     with pytest.raises(BatchIOError):
         tier.store(keys, blocks(gate, arena, slots, primary, range(1)), [None])
     assert tier.probe(keys) == [False]
+
+
+def test_a_joined_store_copies_each_job_under_its_own_gate(tmp_path: Path) -> None:
+    """Four one-block jobs in one store call (the runner joins small stores): the job
+    given up is not stored and fails alone; a write that fails stops the call there, in
+    the call's own positions (the store below saw only the three jobs copied)."""
+    tier, arena, primary, keys = make(tmp_path, 4)
+    for i in range(4):
+        primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
+    slots = arena.take(4)
+    assert slots is not None
+    gates = [JobGate() for _ in range(4)]
+    assert gates[1].abandon()
+    joined = JobBlocks.join([blocks(gates[i], arena, [slots[i]], primary, range(i, i + 1))
+                             for i in range(4)])
+    with pytest.raises(BatchIOError) as info:
+        tier.store(keys, joined, [None] * 4)
+    assert info.value.num_succeeded == 4 and set(info.value.skipped) == {1}
+    assert isinstance(info.value.skipped[1], TimeoutError)
+    assert tier.probe(keys) == [True, False, True, True]
+    loaded = bytearray(BLOCK)
+    for i in (0, 2, 3):
+        tier.inner.load([keys[i]], [[memoryview(loaded)]], [])
+        assert bytes(loaded) == content(i), f"block {i} differs"
+    assert bytes(arena.view(slots[1])) == bytes(BLOCK)     # never copied
+
+
+
+class FailingWriteIO(FsIO):
+    """The real fs I/O; a temp file for a path in ``fail`` cannot be made (EIO)."""
+
+    def __init__(self) -> None:
+        self.fail: set[str] = set()
+
+    def open_write(self, path: str, direct: bool) -> int:
+        if any(path.startswith(f + ".") for f in self.fail):
+            raise OSError(errno.EIO, "injected write error")
+        return super().open_write(path, direct)
+
+
+def test_a_failed_write_in_a_joined_store_stops_it_in_the_calls_positions(
+        tmp_path: Path) -> None:
+    """Job 1 given up, job 2's write fails: the store below saw jobs 0, 2, 3 only, and its
+    failure (at its own position 1) is job 2's in the joined call; job 3 was never reached
+    (the runner runs it again), job 1 fails alone."""
+    io = FailingWriteIO()
+    tier = GatedTier(FsTier(str(tmp_path), BLOCK, "0123456789abcdef", io=io))
+    arena = BounceArena(4, BLOCK)
+    tier.attach_primary(arena.buffer)
+    primary = bytearray(4 * BLOCK)
+    keys = [b"key-%d" % i for i in range(4)]
+    for i in range(4):
+        primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
+    io.fail.add(tier.inner.block_path(keys[2]))
+    slots = arena.take(4)
+    assert slots is not None
+    gates = [JobGate() for _ in range(4)]
+    assert gates[1].abandon()
+    joined = JobBlocks.join([blocks(gates[i], arena, [slots[i]], primary, range(i, i + 1))
+                             for i in range(4)])
+    with pytest.raises(BatchIOError) as info:
+        tier.store(keys, joined, [None] * 4)
+    assert info.value.num_succeeded == 2
+    assert isinstance(info.value.cause, OSError) and info.value.cause.errno == errno.EIO
+    assert set(info.value.skipped) == {1} and isinstance(info.value.skipped[1], TimeoutError)
+    assert tier.probe(keys) == [True, False, False, False]
 
 
 def test_the_gate_refuses_to_give_up_a_job_while_it_copies() -> None:
