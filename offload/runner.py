@@ -21,9 +21,8 @@ what every tier needs around it, and is what ``OffloadManager`` holds:
   costs a pool hand-off per thread, not per job, and a job stuck in the kernel holds
   up only its own drainer (the others take the rest). With ``hold_loads``, every load
   waits for the step the same way (each part of a cut one too), whatever its size.
-  Held jobs of
-  a tier whose ``merge_load_blocks``/``merge_store_blocks`` allows it share a call,
-  each job keeping its own outcome;
+  Held jobs of a tier whose ``merge_load_blocks``/``merge_store_blocks`` allows it
+  share a call, each job keeping its own outcome;
 * ``get_finished_jobs`` (scheduler thread) reports each job once and, for a failed
   load, flips exactly the failed keys to a miss with ``mark_miss``: the runner
   corrects its own cache from its own jobs; the manager has no failure callback.

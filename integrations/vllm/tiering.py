@@ -145,10 +145,10 @@ MAX_THREADS = 64
 #: and step, often of one chunk, so a job rarely fills more than one thread and the
 #: parallelism the disk sees is the number of jobs in flight. vLLM's own fs tier runs 16
 #: load-first and 16 store-first threads, each taking the other queue when its own is
-#: empty: 32 reads in flight when nothing is stored. With 16 read threads this tier's
-#: 2 MiB loads trailed it by a median 0.77 (paired rounds), 0.92 with 32; 16 KiB
-#: one-chunk loads went from 1.9x to 2.6x vLLM's. Threads start as jobs arrive (an idle
-#: tier holds none of them).
+#: empty: 32 reads in flight when nothing is stored. Jobs of one 16 KiB chunk loaded at
+#: 1.9x vLLM's fs tier with 16 read threads and 2.6x with 32 (both in one process,
+#: paired rounds); at 2 MiB the count made no difference beyond the noise. Threads start
+#: as jobs arrive (an idle tier holds none of them).
 FS_READ_THREADS = 32
 FS_WRITE_THREADS = 32
 #: keys the fs tier remembers having stored or loaded (a lookup of one is a hit at
@@ -176,8 +176,8 @@ HOLD_BELOW_BYTES = 128 << 10
 #: loads of any size wait for ``on_schedule_end`` too (``TierRunner(hold_loads=...)``):
 #: vLLM submits every promotion in its ``on_schedule_end`` just before the tiers' own, so
 #: the wait is nothing, and a step's promotions then cost the scheduler a pool hand-off
-#: per thread, not per job or part. Jobs of one 2 MiB chunk loaded at a paired-round
-#: median of 0.94-1.00 of vLLM's fs tier held, against 0.80-0.89 started at submission
+#: per thread, not per job or part. Jobs of one 256 KiB chunk loaded at 1.20 of vLLM's
+#: fs tier held against 1.07 not (one process, paired rounds); 2 MiB: no difference
 HOLD_LOADS = True
 
 
