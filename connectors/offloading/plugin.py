@@ -124,8 +124,10 @@ def multi_cases() -> tuple[ConformanceCase, ...]:
 
     @contextmanager
     def nixl_pd(tmp: Path) -> Iterator[CaseEnv]:
+        from kvbridge.connectors.pd.conformance import LEASE_S
+
         _, offload = dirs(tmp)
-        nixl = {"mode": "pull", "transfer_timeout_s": 10.0, "lease_s": 30.0}
+        nixl = {"mode": "pull", "transfer_timeout_s": 10.0, "lease_s": LEASE_S}
 
         def pair(role: KVRole, fs_dir: Path) -> ConnectorConfig:
             return ConnectorConfig("multi", role, extra={"connectors": [

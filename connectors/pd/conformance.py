@@ -20,6 +20,12 @@ from kvbridge.connectors.params import TransferMode
 from kvbridge.connectors.testing import CaseEnv, CaseKind, ConformanceCase
 from kvbridge.layouts import ParallelTopology
 
+#: the producer's lease in the cases: a failed load's blocks (whose consumer lost its
+#: peer, so no release reaches the producer) are freed when it runs out, and the
+#: failed_load case runs until they are; heartbeats (every lease / 3) keep the loads
+#: that do run leased
+LEASE_S = 10.0
+
 
 def _break_loads(engine: Any, step: Any) -> None:
     from kvbridge.connectors.pd.faults import fail_next_loads
@@ -32,7 +38,7 @@ def _setup(connector: str, mode: TransferMode
            ) -> Callable[[Path], AbstractContextManager[CaseEnv]]:
     @contextmanager
     def setup(tmp: Path) -> Iterator[CaseEnv]:
-        extra = {"mode": mode.value, "transfer_timeout_s": 10.0, "lease_s": 30.0}
+        extra = {"mode": mode.value, "transfer_timeout_s": 10.0, "lease_s": LEASE_S}
         yield CaseEnv(producer=ConnectorConfig(connector, KVRole.PRODUCER, extra=extra),
                       consumer=ConnectorConfig(connector, KVRole.CONSUMER, extra=extra),
                       break_loads=_break_loads, async_loads=True)

@@ -28,6 +28,9 @@ from tests.conftest import require
 from tests.connectors.nixl.nixl_helpers import nixl_config
 
 PULL = TransferMode.PULL
+#: the failed load's blocks stay with the producer until its lease runs out (its
+#: consumer cannot reach it over NIXL to release them); the default is 30 s
+LEASE_S = 10.0
 
 
 def _run(announce: tuple[str, int] | None, monkeypatch: pytest.MonkeyPatch
@@ -35,8 +38,10 @@ def _run(announce: tuple[str, int] | None, monkeypatch: pytest.MonkeyPatch
     with monkeypatch.context() as patch:
         if announce is not None:
             patch.setattr(NixlTransport, "memory_type", property(lambda self: announce))
-        producer = Engine(nixl_config("tiny-gqa", KVRole.PRODUCER, ParallelTopology(), PULL))
-    consumer = Engine(nixl_config("tiny-gqa", KVRole.CONSUMER, ParallelTopology(), PULL))
+        producer = Engine(nixl_config("tiny-gqa", KVRole.PRODUCER, ParallelTopology(), PULL,
+                                      lease_s=LEASE_S))
+    consumer = Engine(nixl_config("tiny-gqa", KVRole.CONSUMER, ParallelTopology(), PULL,
+                                  lease_s=LEASE_S))
     try:
         seen: list[tuple[str, int]] = []  # (mem_type, device column) per remote list
         for w in consumer.workers:
