@@ -124,8 +124,7 @@ def test_a_store_given_up_before_it_starts_stores_nothing(tmp_path: Path) -> Non
 
 def test_a_joined_store_copies_each_job_under_its_own_gate(tmp_path: Path) -> None:
     """Four one-block jobs in one store call (the runner joins small stores): the job
-    given up is not stored and fails alone; a write that fails stops the call there, in
-    the call's own positions (the store below saw only the three jobs copied)."""
+    given up is not stored and fails alone; the other three are stored from the arena."""
     tier, arena, primary, keys = make(tmp_path, 4)
     for i in range(4):
         primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
@@ -145,7 +144,6 @@ def test_a_joined_store_copies_each_job_under_its_own_gate(tmp_path: Path) -> No
         tier.inner.load([keys[i]], [[memoryview(loaded)]], [])
         assert bytes(loaded) == content(i), f"block {i} differs"
     assert bytes(arena.view(slots[1])) == bytes(BLOCK)     # never copied
-
 
 
 class FailingWriteIO(FsIO):
