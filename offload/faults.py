@@ -30,6 +30,9 @@ neither thread interleaving nor where the store lives (a fresh temp directory
 per run) changes which opens fail. Drawn from the absolute path, every new
 directory was a new draw: a seed picked for its mix of faults gave, in an estimated
 one run in two thousand, one kind only or none.
+
+``FailingWriteIO`` is the write side, for tests: the stores of listed block paths fail
+with EIO when their temp file is opened (nothing written).
 """
 
 from __future__ import annotations
@@ -245,6 +248,21 @@ class FaultyFsIO(FsIO):
     def close_injector(self) -> None:
         """Remove the symlink loop directory."""
         self._remove_loop()
+
+
+class FailingWriteIO(FsIO):
+    """The real ``FsIO``, except that the temp file of a store to a path in ``fail``
+    cannot be made (EIO, before anything is written): a failed write the tier must
+    report as that block's (``FaultyFsIO`` faults reads only)."""
+
+    def __init__(self, fail: set[str] | None = None) -> None:
+        #: block paths (``FsTier.block_path``) whose stores fail
+        self.fail: set[str] = set() if fail is None else fail
+
+    def open_write(self, path: str, direct: bool) -> int:
+        if any(path.startswith(f + ".") for f in self.fail):
+            raise OSError(errno.EIO, "injected write error")
+        return super().open_write(path, direct)
 
 
 class FaultInjectors:

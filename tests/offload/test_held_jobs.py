@@ -9,13 +9,13 @@ step, a job stuck in the kernel holds up only itself, and a shutdown runs what w
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from kvbridge.offload.faults import FailingWriteIO
 from kvbridge.offload.fs import FsTier
 from kvbridge.offload.fs_io import FsIO
 from kvbridge.offload.runner import TierRunner
@@ -241,18 +241,6 @@ class CountingFsTier(FsTier):
     def store(self, keys, buffers, digests) -> None:  # type: ignore[no-untyped-def]
         self.store_calls.append(len(keys))
         super().store(keys, buffers, digests)
-
-
-class FailingWriteIO(FsIO):
-    """The real fs I/O; a temp file for a path in ``fail`` cannot be made (EIO)."""
-
-    def __init__(self) -> None:
-        self.fail: set[str] = set()
-
-    def open_write(self, path: str, direct: bool) -> int:
-        if any(path.startswith(f + ".") for f in self.fail):
-            raise OSError(errno.EIO, "injected write error")
-        return super().open_write(path, direct)
 
 
 def test_small_stores_share_a_call_and_each_job_keeps_its_own_outcome(tmp_path) -> None:

@@ -21,8 +21,8 @@ from kvbridge.integrations.vllm.bounce import (
     JobBlocks,
     JobGate,
 )
+from kvbridge.offload.faults import FailingWriteIO
 from kvbridge.offload.fs import FsTier
-from kvbridge.offload.fs_io import FsIO
 from kvbridge.offload.types import BatchIOError
 
 BLOCK = 16 << 10
@@ -144,18 +144,6 @@ def test_a_joined_store_copies_each_job_under_its_own_gate(tmp_path: Path) -> No
         tier.inner.load([keys[i]], [[memoryview(loaded)]], [])
         assert bytes(loaded) == content(i), f"block {i} differs"
     assert bytes(arena.view(slots[1])) == bytes(BLOCK)     # never copied
-
-
-class FailingWriteIO(FsIO):
-    """The real fs I/O; a temp file for a path in ``fail`` cannot be made (EIO)."""
-
-    def __init__(self) -> None:
-        self.fail: set[str] = set()
-
-    def open_write(self, path: str, direct: bool) -> int:
-        if any(path.startswith(f + ".") for f in self.fail):
-            raise OSError(errno.EIO, "injected write error")
-        return super().open_write(path, direct)
 
 
 def test_a_failed_write_in_a_joined_store_stops_it_in_the_calls_positions(
