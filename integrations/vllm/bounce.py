@@ -197,18 +197,34 @@ class JobBlocks(Sequence[Sequence[memoryview]]):
         return [self.arena[index]]
 
 
-def _gate_runs(gates: Sequence[JobGate], positions: Sequence[int]) -> list[Sequence[int]]:
-    """``positions`` cut into runs of consecutive positions with one gate (one job's)."""
-    runs: list[Sequence[int]] = []
+def _copy_by_job(blocks: JobBlocks, positions: Sequence[int], into_primary: bool,
+                 late: str) -> dict[int, OSError]:
+    """Copy the blocks at ``positions`` between the arena and vLLM's slots
+    (``into_primary``: arena to vLLM's), job by job (runs of consecutive positions with
+    one gate) under each job's gate. A job given up is not copied: its blocks get a
+    TimeoutError (``late``: when it was given up), returned by position."""
+    given_up: dict[int, OSError] = {}
     start = 0
     while start < len(positions):
-        gate = gates[positions[start]]
+        gate = blocks.gates[positions[start]]
         end = start + 1
-        while end < len(positions) and gates[positions[end]] is gate:
+        while end < len(positions) and blocks.gates[positions[end]] is gate:
             end += 1
-        runs.append(positions[start:end])
+        run = positions[start:end]
+        if gate.enter_copy():
+            try:
+                for i in run:
+                    if into_primary:
+                        copy_bytes(blocks.primary[i], blocks.arena[i])
+                    else:
+                        copy_bytes(blocks.arena[i], blocks.primary[i])
+            finally:
+                gate.leave_copy()
+        else:
+            for i in run:
+                given_up[i] = TimeoutError(errno.ETIMEDOUT, f"given up at its deadline {late}")
         start = end
-    return runs
+    return given_up
 
 
 class _InnerAttr(Generic[T]):
@@ -278,19 +294,7 @@ class GatedTier(Tier):
             failure = exc
             loaded = [i for i in range(min(exc.num_succeeded, len(keys)))
                       if i not in exc.skipped]
-        given_up: dict[int, OSError] = {}
-        for run in _gate_runs(blocks.gates, loaded):
-            gate = blocks.gates[run[0]]
-            if gate.enter_copy():
-                try:
-                    for i in run:
-                        copy_bytes(blocks.primary[i], blocks.arena[i])
-                finally:
-                    gate.leave_copy()
-            else:
-                for i in run:
-                    given_up[i] = TimeoutError(errno.ETIMEDOUT, "given up at its deadline "
-                                               "before its bytes were copied")
+        given_up = _copy_by_job(blocks, loaded, True, "before its bytes were copied")
         digests_out.extend(d for i, d in zip(loaded, landed, strict=True) if i not in given_up)
         if not given_up:
             if failure is not None:
@@ -308,24 +312,11 @@ class GatedTier(Tier):
         from the arena. A job given up before its copy is not stored (its blocks are
         ``skipped`` with a TimeoutError; the other jobs of a joined call are stored)."""
         blocks = self._blocks(buffers)
-        copied: list[int] = []
-        given_up: dict[int, OSError] = {}
-        for run in _gate_runs(blocks.gates, range(len(keys))):
-            gate = blocks.gates[run[0]]
-            if gate.enter_copy():
-                try:
-                    for i in run:
-                        copy_bytes(blocks.arena[i], blocks.primary[i])
-                finally:
-                    gate.leave_copy()
-                copied.extend(run)
-            else:
-                for i in run:
-                    given_up[i] = TimeoutError(errno.ETIMEDOUT, "given up at its deadline "
-                                               "before it started")
+        given_up = _copy_by_job(blocks, range(len(keys)), False, "before it started")
         if not given_up:
             self.inner.store(keys, [[v] for v in blocks.arena], digests)
             return
+        copied = [i for i in range(len(keys)) if i not in given_up]
         try:
             if copied:
                 self.inner.store([keys[i] for i in copied],
