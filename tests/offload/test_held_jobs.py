@@ -159,7 +159,7 @@ def test_with_hold_loads_every_load_and_part_waits_for_the_step(tmp_path) -> Non
         dst = Slots(len(keys))
         run.submit_load(10, keys[:6], [[dst[i]] for i in range(6)])   # 3 parts of 2
         run.submit_load(11, keys[6:], [[dst[6]]])
-        time.sleep(0.2)
+        assert not run.wait_for_finished(0.2)      # nothing runs before the step
         assert tier.calls == [] and run.get_finished_jobs() == []
         loaded = collect(run, 2)
         assert sorted(tier.calls) == [1, 2, 2, 2]

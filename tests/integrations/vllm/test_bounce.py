@@ -122,18 +122,25 @@ def test_a_store_given_up_before_it_starts_stores_nothing(tmp_path: Path) -> Non
     assert tier.probe(keys) == [False]
 
 
-def test_a_joined_store_copies_each_job_under_its_own_gate(tmp_path: Path) -> None:
-    """Four one-block jobs in one store call (the runner joins small stores): the job
-    given up is not stored and fails alone; the other three are stored from the arena."""
-    tier, arena, primary, keys = make(tmp_path, 4)
+def four_jobs_with_job_1_given_up(arena: BounceArena, primary: bytearray
+                                  ) -> tuple[JobBlocks, list[int]]:
+    """Four one-block store jobs joined in one call, ``content(i)`` in vLLM's slot of
+    job ``i``; job 1 was given up at its deadline. Also the arena slots taken."""
     for i in range(4):
         primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
     slots = arena.take(4)
     assert slots is not None
     gates = [JobGate() for _ in range(4)]
     assert gates[1].abandon()
-    joined = JobBlocks.join([blocks(gates[i], arena, [slots[i]], primary, range(i, i + 1))
-                             for i in range(4)])
+    return JobBlocks.join([blocks(gates[i], arena, [slots[i]], primary, range(i, i + 1))
+                           for i in range(4)]), slots
+
+
+def test_a_joined_store_copies_each_job_under_its_own_gate(tmp_path: Path) -> None:
+    """Four one-block jobs in one store call (the runner joins small stores): the job
+    given up is not stored and fails alone; the other three are stored from the arena."""
+    tier, arena, primary, keys = make(tmp_path, 4)
+    joined, slots = four_jobs_with_job_1_given_up(arena, primary)
     with pytest.raises(BatchIOError) as info:
         tier.store(keys, joined, [None] * 4)
     assert info.value.num_succeeded == 4 and set(info.value.skipped) == {1}
@@ -157,15 +164,8 @@ def test_a_failed_write_in_a_joined_store_stops_it_in_the_calls_positions(
     tier.attach_primary(arena.buffer)
     primary = bytearray(4 * BLOCK)
     keys = [b"key-%d" % i for i in range(4)]
-    for i in range(4):
-        primary[i * BLOCK:(i + 1) * BLOCK] = content(i)
     io.fail.add(tier.inner.block_path(keys[2]))
-    slots = arena.take(4)
-    assert slots is not None
-    gates = [JobGate() for _ in range(4)]
-    assert gates[1].abandon()
-    joined = JobBlocks.join([blocks(gates[i], arena, [slots[i]], primary, range(i, i + 1))
-                             for i in range(4)])
+    joined, _ = four_jobs_with_job_1_given_up(arena, primary)
     with pytest.raises(BatchIOError) as info:
         tier.store(keys, joined, [None] * 4)
     assert info.value.num_succeeded == 2
