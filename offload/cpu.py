@@ -45,6 +45,7 @@ from kvbridge.offload.blockdigest import (
     layer_digests,
 )
 from kvbridge.offload.policy import EvictionPolicy, make_policy
+from kvbridge.offload.private_memory import PrivateMemory
 from kvbridge.offload.types import EventKind, OffloadError, OffloadEvent, OffloadKey
 
 TIER_CPU = "cpu"
@@ -80,9 +81,11 @@ class Slot:
 
 
 class SlotMemory:
-    """``num_slots * block_bytes`` page-aligned bytes: anonymous, or a shared file.
+    """``num_slots * block_bytes`` page-aligned bytes: private, or a shared file.
 
-    With ``path`` (e.g. under /dev/shm) the memory is a MAP_SHARED mapping of
+    Without ``path`` the slots are :class:`PrivateMemory` (advised for huge pages: the
+    fs tier reads into them and writes from them with O_DIRECT, which wants the
+    physically contiguous pages). With ``path`` (e.g. under /dev/shm) the memory is a MAP_SHARED mapping of
     that file, so worker processes can ``SlotMemory.attach`` the same slots the
     scheduler-side tier manages; the creator removes the file on ``close``.
 
@@ -103,8 +106,11 @@ class SlotMemory:
         self.path = path
         self._owner = create and path is not None
         nbytes = num_slots * block_bytes
+        #: what ``buffer`` views: process-private memory, or the shared file's mapping
+        self._private: PrivateMemory | None = None
+        self._mmap: mmap.mmap | None = None
         if path is None:
-            self._mmap = mmap.mmap(-1, nbytes)
+            self._private = PrivateMemory(nbytes)
         else:
             flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
             fd = os.open(path, flags, 0o600)
@@ -117,7 +123,8 @@ class SlotMemory:
                 self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             finally:
                 os.close(fd)
-        self.buffer = memoryview(self._mmap)
+        self.buffer = (self._private.view if self._private is not None
+                       else memoryview(self._mmap))
         self._pin_lock = threading.Lock()
         self.pinned = False
 
@@ -136,7 +143,11 @@ class SlotMemory:
             return self.pinned
 
     def _address(self) -> int:
-        return ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        anchor = ctypes.c_char.from_buffer(self.buffer)
+        try:
+            return ctypes.addressof(anchor)
+        finally:
+            del anchor   # releases its export of the buffer
 
     @classmethod
     def attach(cls, path: str, num_slots: int, block_bytes: int) -> SlotMemory:
@@ -151,7 +162,7 @@ class SlotMemory:
         """The slots as a torch uint8 tensor ``[num_slots, block_bytes]`` (no copy)."""
         import torch
 
-        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        flat = torch.frombuffer(self.buffer, dtype=torch.uint8)
         return flat.view(self.num_slots, self.block_bytes)
 
     def close(self) -> None:
@@ -163,11 +174,14 @@ class SlotMemory:
 
                 unpin_host_memory(self._address())
                 self.pinned = False
-        try:
-            self.buffer.release()
-            self._mmap.close()
-        except BufferError:
-            pass
+        if self._private is not None:
+            self._private.close()
+        elif self._mmap is not None:
+            try:
+                self.buffer.release()
+                self._mmap.close()
+            except BufferError:
+                pass
         if self._owner and self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)

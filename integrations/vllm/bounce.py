@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 import errno
 import logging
-import mmap
 import threading
 from collections.abc import Sequence
 from typing import Generic, TypeVar, overload
@@ -33,6 +32,7 @@ from typing import Generic, TypeVar, overload
 import numpy as np
 
 from kvbridge.offload.blockdigest import LayerDigests
+from kvbridge.offload.private_memory import PrivateMemory
 from kvbridge.offload.tier import BlockBuffers, Tier
 from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey
 
@@ -89,8 +89,9 @@ class JobGate:
 
 
 class BounceArena:
-    """``num_slots`` page-aligned slots of ``block_bytes`` each (anonymous memory, touched
-    only when used). Slots are taken and given back on the scheduler thread only."""
+    """``num_slots`` page-aligned slots of ``block_bytes`` each (private memory advised for
+    huge pages, touched only when used: :class:`PrivateMemory` says why the disk wants
+    that). Slots are taken and given back on the scheduler thread only."""
 
     def __init__(self, num_slots: int, block_bytes: int) -> None:
         if num_slots < 1 or block_bytes < 1:
@@ -98,9 +99,9 @@ class BounceArena:
                                                f"{block_bytes} bytes")
         self.num_slots = num_slots
         self.block_bytes = block_bytes
-        self._map: mmap.mmap | None = mmap.mmap(-1, num_slots * block_bytes)
+        self._memory: PrivateMemory | None = PrivateMemory(num_slots * block_bytes)
         #: the whole arena (what a tier registers for zero-copy or batched I/O)
-        self.buffer: memoryview = memoryview(self._map)
+        self.buffer: memoryview = self._memory.view
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -124,19 +125,16 @@ class BounceArena:
 
     def close(self) -> None:
         """Unmap, unless a slot is still out (an abandoned call may write it): then kept."""
-        if self._map is None:
+        if self._memory is None:
             return
         if len(self._free) != self.num_slots:
             logger.error("bounce arena: %d slot(s) still held by I/O that never ended; "
                          "keeping the arena mapped", self.num_slots - len(self._free))
             _KEPT_ALIVE.append(self)
             return
-        self.buffer.release()
-        try:
-            self._map.close()
-        except BufferError:   # a view of it is still alive somewhere: leave it to the GC
-            _KEPT_ALIVE.append(self._map)
-        self._map = None
+        if not self._memory.close():   # a view of it is still alive somewhere: the GC
+            _KEPT_ALIVE.append(self._memory)
+        self._memory = None
 
 
 #: up to this many bytes a copy is a plain slice assignment (under the GIL, but with no
