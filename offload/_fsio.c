@@ -104,6 +104,33 @@ static void advance_iovec(struct iovec **rest, int *rest_count, size_t n) {
     }
 }
 
+typedef enum { MOVE_READ, MOVE_WRITE } move_t;
+
+/* all of h's buffers from (MOVE_READ) or to (MOVE_WRITE) fd at offset 0, by preadv or
+ * pwritev until h->total bytes moved, EINTR retried: 0, an errno, or `stalled` when a
+ * call moved nothing (what that means is the caller's: a short file, a full disk) */
+static int move_all(int fd, const head_t *h, move_t how, int stalled) {
+    struct iovec iov[MAX_BUFFERS];
+    to_iovec(h->buffers, h->num_buffers, iov);
+    struct iovec *rest = iov;
+    int rest_count = h->num_buffers;
+    off_t done = 0;
+    while (done < (off_t)h->total) {
+        ssize_t n = how == MOVE_READ ? preadv(fd, rest, rest_count, done)
+                                     : pwritev(fd, rest, rest_count, done);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (n == 0)
+            return stalled;
+        done += n;
+        advance_iovec(&rest, &rest_count, (size_t)n);
+    }
+    return 0;
+}
+
 static int read_one(item_t *item) {
     int direct = item->direct && direct_allowed(item->h.buffers, item->h.num_buffers);
     int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0);
@@ -120,27 +147,8 @@ static int read_one(item_t *item) {
         close(fd);
         return NOT_A_BLOCK_FILE;
     }
-    struct iovec iov[MAX_BUFFERS];
-    to_iovec(item->h.buffers, item->h.num_buffers, iov);
-    struct iovec *rest = iov;
-    int rest_count = item->h.num_buffers;
-    off_t done = 0;
-    int status = 0;
-    while (done < (off_t)item->h.total) {
-        ssize_t n = preadv(fd, rest, rest_count, done);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            status = errno;
-            break;
-        }
-        if (n == 0) {   /* shorter than fstat said: the plain read proves and handles it */
-            status = NOT_A_BLOCK_FILE;
-            break;
-        }
-        done += n;
-        advance_iovec(&rest, &rest_count, (size_t)n);
-    }
+    /* no progress: shorter than fstat said, which the plain read proves and handles */
+    int status = move_all(fd, &item->h, MOVE_READ, NOT_A_BLOCK_FILE);
     if (close(fd) != 0 && status == 0)
         status = errno;   /* a close error: the plain read decides what it means */
     return status;
@@ -298,27 +306,8 @@ static int write_one(witem_t *item) {
     int fd = open(item->temp, flags, 0644);
     if (fd < 0)
         return errno;   /* not made by this call (O_EXCL): never unlinked here */
-    struct iovec iov[MAX_BUFFERS];
-    to_iovec(item->h.buffers, item->h.num_buffers, iov);
-    struct iovec *rest = iov;
-    int rest_count = item->h.num_buffers;
-    off_t done = 0;
-    int status = 0;
-    while (done < (off_t)item->h.total) {
-        ssize_t n = pwritev(fd, rest, rest_count, done);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            status = errno;
-            break;
-        }
-        if (n == 0) {
-            status = EIO;   /* no progress: the plain write names it */
-            break;
-        }
-        done += n;
-        advance_iovec(&rest, &rest_count, (size_t)n);
-    }
+    /* no progress: EIO, and the plain write names it */
+    int status = move_all(fd, &item->h, MOVE_WRITE, EIO);
     if (status == 0 && item->fsync) {
         while (fsync(fd) != 0) {
             if (errno != EINTR) {
