@@ -111,6 +111,7 @@ class SlotMemory:
         self._mmap: mmap.mmap | None = None
         if path is None:
             self._private = PrivateMemory(nbytes)
+            self.buffer = self._private.view
         else:
             flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
             fd = os.open(path, flags, 0o600)
@@ -123,8 +124,7 @@ class SlotMemory:
                 self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             finally:
                 os.close(fd)
-        self.buffer = (self._private.view if self._private is not None
-                       else memoryview(self._mmap))
+            self.buffer = memoryview(self._mmap)
         self._pin_lock = threading.Lock()
         self.pinned = False
 
