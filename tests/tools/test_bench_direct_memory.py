@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.offload.fs_io import probe_o_direct
 from kvbridge.tools.bench import direct_memory
 from tests.conftest import assert_figures
 
@@ -17,7 +18,7 @@ from tests.conftest import assert_figures
 def _direct_dir(tmp_path: Path) -> str:
     """A directory where O_DIRECT works: the test's own, else /var/tmp (tmpfs /tmp)."""
     for candidate in (str(tmp_path), "/var/tmp"):
-        if direct_memory.direct_supported(candidate):
+        if probe_o_direct(candidate):
             return candidate
     pytest.skip("no directory here takes O_DIRECT (not a backend: a file system)")
 
@@ -73,6 +74,6 @@ def test_bad_input_is_refused(argv: list[str], message: str,
 def test_a_directory_without_o_direct_is_refused(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(direct_memory, "direct_supported", lambda directory: False)
+    monkeypatch.setattr(direct_memory, "probe_o_direct", lambda directory: False)
     assert direct_memory.main(["--dir", str(tmp_path)]) == 2
     assert "O_DIRECT is not supported" in capsys.readouterr().err

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.offload.fs_io import probe_o_direct
 from kvbridge.offload.private_memory import PrivateMemory
 from kvbridge.offload.testing import bench_workdir
 from kvbridge.tools.bench.render import write_json
@@ -102,25 +103,6 @@ def _kvbridge(nbytes: int) -> _Buffer:
 
 MAKERS: dict[str, Callable[[int], _Buffer]] = {
     "shared": _shared, "shm": _shm, "private": _private, "kvbridge": _kvbridge}
-
-
-def direct_supported(directory: str) -> bool:
-    """Whether ``O_DIRECT`` writes work in ``directory`` (tmpfs and overlayfs refuse it)."""
-    path = os.path.join(directory, f".direct-probe-{uuid.uuid4().hex[:8]}")
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_DIRECT, 0o600)
-        try:
-            os.write(fd, page)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        page.close()
-        if os.path.exists(path):
-            os.unlink(path)
 
 
 def _run(jobs: int, threads: int, one: Callable[[int], None]) -> tuple[float, float]:
@@ -295,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dir is not None and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir}: no such directory")
     with bench_workdir(args.dir, "kvbridge-direct-") as work:
-        if not direct_supported(work):
+        if not probe_o_direct(work):
             print(f"kvbridge: O_DIRECT is not supported in {os.path.dirname(work)} (tmpfs "
                   f"and overlayfs refuse it); pass --dir on a disk", file=sys.stderr)
             return 2
