@@ -49,8 +49,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvbridge.offload.fs import BLOCK_SUFFIX, FileMapper
 from kvbridge.offload.fs_io import FsIO
+from kvbridge.offload.fs_layout import BLOCK_SUFFIX, FileMapper
 from kvbridge.offload.types import OffloadError, OffloadKey
 
 

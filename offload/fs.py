@@ -89,12 +89,8 @@ calls around it.
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
-import re
-import stat
 import threading
 import time
 from collections import OrderedDict
@@ -133,7 +129,6 @@ from kvbridge.offload.fs_io import (
     buffer_address,
     byte_views,
     check_block_header,
-    describe_mode,
     direct_ok,
     encode_block_header,
     load_block,
@@ -141,6 +136,13 @@ from kvbridge.offload.fs_io import (
     remove_entry,
     store_block,
     temp_path_for,
+)
+from kvbridge.offload.fs_layout import (
+    DEFAULT_FANOUT_RECHECK_S,
+    FanoutRefusedError,
+    Fanouts,
+    FileMapper,
+    ensure_header,
 )
 from kvbridge.offload.tier import BlockBuffers, Tier
 from kvbridge.offload.types import (
@@ -155,13 +157,6 @@ from kvbridge.offload.types import (
 
 logger = logging.getLogger(__name__)
 
-BLOCK_SUFFIX = ".kvb"
-#: format of the layout header; 2: block files carry a header with their digests
-HEADER_FORMAT = 2
-FINGERPRINT_RE = re.compile(r"^[0-9a-f]{8,64}$")
-#: block file name: <hash>.<fingerprint>.kvb
-BLOCK_NAME_RE = re.compile(r"^([0-9a-f]{32})\.([0-9a-f]{8,64})\.kvb$")
-HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
 #: I/O threads of the tier by default (reads: promotions, which a request waits for;
 #: writes: stores, which nobody waits for). A job runs one part per thread of its pool
 #: (``load_part_blocks``). Measured with ``python -m kvbridge.tools.bench.vllm_fs``
@@ -170,8 +165,6 @@ HEADER_NAME_RE = re.compile(r"^layout-([0-9a-f]{8,64})\.json$")
 #: creation, not bytes, bounds them; 2 MiB blocks: no difference).
 DEFAULT_READ_THREADS = 4
 DEFAULT_WRITE_THREADS = 4
-#: how often (seconds, at most) the tier judges its fan-out directories again
-DEFAULT_FANOUT_RECHECK_S = 10.0
 #: keys whose failed-load counts are remembered (oldest forgotten first)
 QUARANTINE_TRACKED = 4096
 #: header bytes a fast read lands, or a fast write takes, per call at most
@@ -197,79 +190,6 @@ class QuarantinedError(StoredCopyError):
         self.failures = failures
         self.cause = cause
         self.deleted = deleted
-
-
-class FanoutRefusedError(OSError):
-    """A block whose fan-out directory is not the store's own (a symlink, or a path
-    that resolves outside the root): its store or load fails, alone, before any
-    system call on its path; counted in ``fanout_refused``. Never counted towards
-    quarantine, which would remove a file through that directory."""
-
-    def __init__(self, directory: str, why: str) -> None:
-        super().__init__(errno.EXDEV, why)
-        self.directory = directory
-
-
-def header_name(fingerprint: str) -> str:
-    return f"layout-{fingerprint}.json"
-
-
-class FileMapper:
-    """Key -> block file path (hash of the key only)."""
-
-    def __init__(self, root: str, fingerprint: str) -> None:
-        if not FINGERPRINT_RE.match(fingerprint):
-            raise OffloadError("fingerprint",
-                               f"expected 8-64 lowercase hex digits, got {fingerprint!r}")
-        self.root = root
-        self.fingerprint = fingerprint
-
-    @staticmethod
-    def key_hash(key: OffloadKey) -> str:
-        return hashlib.blake2b(key, digest_size=16).hexdigest()
-
-    @staticmethod
-    def key_hash_bytes(key: OffloadKey) -> bytes:
-        """The 16 bytes a block header names its key by (``key_hash`` in hex)."""
-        return hashlib.blake2b(key, digest_size=16).digest()
-
-    def directory(self, key_hash: str) -> str:
-        return os.path.join(self.root, key_hash[0:2])
-
-    def all_directories(self) -> list[str]:
-        return [os.path.join(self.root, f"{i:02x}") for i in range(256)]
-
-    def path(self, key: OffloadKey) -> str:
-        return self.path_of_hash(self.key_hash(key))
-
-    def path_of_hash(self, key_hash: str) -> str:
-        return os.path.join(self.directory(key_hash),
-                            f"{key_hash}.{self.fingerprint}{BLOCK_SUFFIX}")
-
-
-def ensure_header(root: str, fingerprint: str, block_bytes: int) -> None:
-    """Create or check ``layout-<fp>.json``; a different block size is an error."""
-    path = os.path.join(root, header_name(fingerprint))
-    wanted = {"format": HEADER_FORMAT, "fingerprint": fingerprint, "block_bytes": block_bytes}
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        pass
-    else:
-        # write-then-rename is overkill for a tiny file made once; O_EXCL decides who writes
-        with os.fdopen(fd, "w") as fh:
-            json.dump(wanted, fh)
-        return
-    try:
-        with open(path) as fh:
-            found = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise OffloadError("store_header", f"{path} unreadable: {exc}") from None
-    if not isinstance(found, dict) or found.get("block_bytes") != block_bytes:
-        got = found.get("block_bytes") if isinstance(found, dict) else found
-        raise OffloadError("block_bytes",
-                           f"store {root} holds fingerprint {fingerprint} with block_bytes={got}, "
-                           f"expected {block_bytes}")
 
 
 class FsTier(Tier):
@@ -316,19 +236,8 @@ class FsTier(Tier):
         ensure_header(root, fingerprint, block_bytes)
         # probed once for the store directory (the fan-out dirs are on the same file system)
         self.o_direct = bool(use_o_direct) and probe_o_direct(root, self.io)
-        #: per fan-out directory (index: the key hash's first byte), why blocks may not
-        #: go through it (None: a real directory inside the root). Judged once, here and
-        #: when a store makes a removed one again, so a block's check is a list index.
-        self._real_root = os.path.realpath(root)
-        self._fanout_refused: list[str | None] = self._judge_fanouts([None] * 256)
-        if not fanout_recheck_s >= 0:
-            raise OffloadError("fanout_recheck_s", f"expected seconds >= 0, got "
-                               f"{fanout_recheck_s!r}")
-        #: a job judges every fan-out directory again when this long passed since the last
-        #: time (256 lstat + realpath: a directory swapped for a symlink while the tier
-        #: runs is refused from then on)
-        self.fanout_recheck_s = fanout_recheck_s
-        self._fanouts_judged_at = self.clock()
+        #: which fan-out directories blocks may go through (judged now, made if missing)
+        self.fanouts = Fanouts(self.mapper, name, fanout_recheck_s, clock)
         #: the engine asked for (``batched``: what loads use now)
         self.io_engine = io_engine
         self._readers: Readers | None = None
@@ -363,95 +272,16 @@ class FsTier(Tier):
     def path(self, key: OffloadKey) -> str:
         return self.mapper.path(key)
 
-    def _recheck_fanouts(self) -> None:
-        """Judge every fan-out directory again if ``fanout_recheck_s`` passed (a job's
-        start: one clock read per job, not per block)."""
-        now = self.clock()
-        if now - self._fanouts_judged_at < self.fanout_recheck_s:
-            return
-        self._fanouts_judged_at = now
-        self._fanout_refused = self._judge_fanouts(self._fanout_refused)
-
-    def _judge_fanouts(self, before: list[str | None]) -> list[str | None]:
-        """Every fan-out directory's verdict (``_judge_fanout``), from one scan of the root.
-
-        A real directory (not a symlink: ``d_type`` from the scan, no ``lstat``) named
-        ``ab`` directly in the root resolves to the root's own resolved path + ``ab`` by
-        definition, so only the root is resolved again (one ``realpath``, which catches a
-        root swapped for a symlink): 256 ``lstat`` + ``realpath`` calls were half of a
-        restarted tier's time to its first loaded byte. A missing entry (made here), or
-        anything else (a symlink, a file) is judged alone, by ``_judge_fanout``."""
-        directories = self.mapper.all_directories()
-        real: set[str] = set()
-        try:
-            if os.path.realpath(self.root) == self._real_root:
-                with os.scandir(self.root) as scan:
-                    real = {entry.name for entry in scan
-                            if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False)}
-        except OSError:
-            real = set()   # judged one by one below, which names what is wrong
-        verdicts: list[str | None] = []
-        for index, (directory, was) in enumerate(zip(directories, before, strict=True)):
-            if f"{index:02x}" in real:
-                if was is not None:
-                    logger.warning("%s: fan-out directory %s is the store's own again",
-                                   self.name, directory)
-                verdicts.append(None)
-            else:
-                verdicts.append(self._judge_fanout(directory, was))
-        return verdicts
-
-    def _judge_fanout(self, directory: str, before: str | None) -> str | None:
-        """Make ``directory`` if it is missing; why blocks may not go through it, or None.
-
-        Only a real directory whose resolved path is its own place under the root is
-        used: through a symlink (or anything that resolves elsewhere) the tier would
-        read and write block files outside the store. Logged when the verdict changes
-        from ``before``."""
-        why: str | None = None
-        try:
-            os.mkdir(directory)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            why = f"cannot be made ({exc.strerror})"
-        if why is None:
-            try:
-                mode = os.lstat(directory).st_mode
-                resolved = os.path.realpath(directory)
-            except OSError as exc:
-                why = f"cannot be checked ({exc.strerror})"
-            else:
-                if stat.S_ISLNK(mode):
-                    why = f"is a symlink to {resolved!r}, outside the store"
-                elif not stat.S_ISDIR(mode):
-                    why = f"is {describe_mode(mode)}, not a directory"
-                elif resolved != os.path.join(self._real_root, os.path.basename(directory)):
-                    why = f"resolves to {resolved!r}, outside the store"
-        if why is not None:
-            why = f"fan-out directory {directory} {why}: its blocks are neither stored nor " \
-                  "loaded"
-            if why != before:
-                logger.warning("%s: %s", self.name, why)
-        elif before is not None:
-            logger.warning("%s: fan-out directory %s is the store's own again", self.name,
-                           directory)
-        return why
-
     def block_path(self, key: OffloadKey) -> str:
         """``key``'s block file, or ``FanoutRefusedError`` when its fan-out directory is
         not the store's own (the verdict taken when the directory was judged: a list
         index per block, no system call)."""
-        digest = self.mapper.key_hash(key)
-        why = self._fanout_refused[int(digest[:2], 16)]
-        if why is not None:
-            raise FanoutRefusedError(self.mapper.directory(digest), why)
-        return self.mapper.path_of_hash(digest)
+        return self.fanouts.path(key)
 
     def probe(self, keys: Sequence[OffloadKey]) -> list[bool]:
         # lstat: only a regular file is a block (a directory, FIFO or symlink is absent);
         # a block behind a refused fan-out directory is absent, and is not looked at
-        self._recheck_fanouts()
+        self.fanouts.recheck()
         found: list[bool] = []
         for key in keys:
             try:
@@ -468,7 +298,7 @@ class FsTier(Tier):
         the digests stored with it (None: stored without). A block that is provably
         corrupt (digests, torn header) fails alone: the rest of the batch is loaded."""
         header = self._header()
-        self._recheck_fanouts()
+        self.fanouts.recheck()
         #: blocks that failed on their own (provably corrupt, removed): the batch goes on
         corrupt: dict[int, OSError] = {}
         reader = self._readers.get() if self._readers is not None else None
@@ -642,7 +472,7 @@ class FsTier(Tier):
         """Write each block with a header holding its layer digests: ``digests[i]`` (taken
         where the bytes were written), else taken here; none with ``verify`` off."""
         header = self._header()
-        self._recheck_fanouts()
+        self.fanouts.recheck()
         #: blocks refused for their fan-out directory: they fail alone, the batch goes on
         refused: dict[int, OSError] = {}
         #: block positions the extension stored (or found stored): done
@@ -675,9 +505,7 @@ class FsTier(Tier):
                 except FileNotFoundError:
                     # the fan-out directory was removed behind our back (an operator
                     # cleaning up): make it again, once, and judge what is there now
-                    index = int(self.mapper.key_hash(key)[:2], 16)
-                    why = self._fanout_refused[index] = \
-                        self._judge_fanout(os.path.dirname(path), None)
+                    why = self.fanouts.rejudge(key)
                     if why is not None:
                         self.counters.count("fanout_refused")
                         refused[i] = FanoutRefusedError(os.path.dirname(path), why)

@@ -59,7 +59,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.layouts.digests import digest_bytes
-from kvbridge.offload.fs import BLOCK_NAME_RE, HEADER_NAME_RE, FileMapper
 from kvbridge.offload.fs_io import (
     BLOCK_MAGIC,
     MAX_BLOCK_HEADER_BYTES,
@@ -72,6 +71,7 @@ from kvbridge.offload.fs_io import (
     describe_mode,
     remove_entry,
 )
+from kvbridge.offload.fs_layout import BLOCK_NAME_RE, HEADER_NAME_RE, FileMapper
 
 #: a layout header is a few dozen bytes of JSON; anything longer is not one
 MAX_HEADER_BYTES = 64 * 1024

@@ -59,7 +59,6 @@ from kvbridge.offload.blockdigest import (
     verify_views,
     wants_key,
 )
-from kvbridge.offload.fs import FINGERPRINT_RE, FileMapper
 from kvbridge.offload.fs_io import (
     BadBlockHeaderError,
     ForeignKeyError,
@@ -69,6 +68,7 @@ from kvbridge.offload.fs_io import (
     decode_block_header,
     encode_block_header,
 )
+from kvbridge.offload.fs_layout import FINGERPRINT_RE, FileMapper
 from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.tier import WHOLE_JOB, BlockBuffers, Tier
 from kvbridge.offload.types import BatchIOError, OffloadError, OffloadKey, ShortReadError

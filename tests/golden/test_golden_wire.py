@@ -129,7 +129,6 @@ from kvbridge.layouts import (
 from kvbridge.layouts.digests import ALGORITHMS, DIGEST_VERSION
 from kvbridge.layouts.hashing import hash_blocks, root_hash
 from kvbridge.layouts.namespaces import BlockKey, KeyNamespace, namespace_for
-from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import (
     BlockHeader,
     block_header_bytes,
@@ -137,6 +136,7 @@ from kvbridge.offload.fs_io import (
     decode_block_header,
     encode_block_header,
 )
+from kvbridge.offload.fs_layout import FileMapper
 
 VECTORS_DIR = Path(__file__).parent / "vectors"
 #: Set to 1 to rewrite the vector files (a wire-format change; see the docstring).

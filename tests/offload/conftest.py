@@ -8,7 +8,8 @@ import pytest
 
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.faults import FaultyFsIO
-from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FileMapper, FsTier
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.runner import TierRunner
 

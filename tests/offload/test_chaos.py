@@ -17,7 +17,8 @@ import pytest
 
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.faults import LOAD_FAILURE_KINDS, FaultKind, FaultPlan, FaultyFsIO
-from kvbridge.offload.fs import DEFAULT_READ_THREADS, FileMapper, FsTier
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, FsTier
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import RequestSimulator

@@ -11,8 +11,8 @@ import pytest
 
 from kvbridge.offload import FsTier
 from kvbridge.offload.faults import ALL_KINDS, FaultKind, FaultPlan, FaultyFsIO
-from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import encode_block_header, load_block, store_block
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.types import BatchIOError, OffloadError, ShortReadError
 
 BLOCK = 4096

@@ -20,9 +20,10 @@ import pytest
 from kvbridge.backends.nixl.files import MAX_SEGMENTS, FileReader, FileReadError
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload.cpu import CpuTier
-from kvbridge.offload.fs import DEFAULT_WRITE_THREADS, FileMapper, FsTier
+from kvbridge.offload.fs import DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.fs_batch import BATCH_MIN_PART
 from kvbridge.offload.fs_io import FsIO, encode_block_header
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.runner import TierRunner, split_job
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.tier import WHOLE_JOB

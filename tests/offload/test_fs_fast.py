@@ -21,8 +21,9 @@ import pytest
 from kvbridge.layouts.digests import DigestMode, VerifyPolicy
 from kvbridge.offload import fs_fast
 from kvbridge.offload.blockdigest import layer_digests
-from kvbridge.offload.fs import FileMapper, FsTier
+from kvbridge.offload.fs import FsTier
 from kvbridge.offload.fs_io import decode_block_header, describe_mode
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import BatchIOError
 from tests.conftest import missing_backend

@@ -17,7 +17,6 @@ import time
 import pytest
 
 from kvbridge.offload.faults import FaultKind, FaultPlan, FaultyFsIO
-from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import (
     TEMP_SUFFIX,
     FsIO,
@@ -26,6 +25,7 @@ from kvbridge.offload.fs_io import (
     load_block,
     store_block,
 )
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content
 from kvbridge.offload.types import EventKind, JobResult, OffloadError, ShortReadError

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvbridge.offload.fs import FileMapper
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.fsck import FindingKind, StoreUnreadableError, fsck
 from kvbridge.tools.cli import main
 from tests.conftest import assert_figures, missing_backend

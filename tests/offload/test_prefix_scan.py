@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.offload.cpu import SlotState
-from kvbridge.offload.fs import FileMapper
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.prefix_scan import (
     Act,

@@ -18,8 +18,9 @@ from kvbridge.layouts.digests import DigestMode, VerifyPolicy, combine
 from kvbridge.offload.blockdigest import layer_digests
 from kvbridge.offload.cpu import CpuTier
 from kvbridge.offload.faults import FaultKind, FaultPlan, FaultyFsIO
-from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FileMapper, FsTier
+from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsTier
 from kvbridge.offload.fs_io import decode_block_header
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.manager import OffloadManager
 from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import block_content

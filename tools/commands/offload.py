@@ -199,7 +199,7 @@ def _fsck_obj(args: argparse.Namespace) -> Any:
 
 
 def run_fsck(args: argparse.Namespace) -> int:
-    from kvbridge.offload.fs import FINGERPRINT_RE
+    from kvbridge.offload.fs_layout import FINGERPRINT_RE
     from kvbridge.offload.fsck import StoreUnreadableError, fsck
 
     if args.fingerprint is not None and not FINGERPRINT_RE.match(args.fingerprint):

@@ -26,8 +26,8 @@ from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.events import BlockRemoved, BlockStored
 from kvbridge.layouts import ParallelTopology, load_spec
 from kvbridge.offload.faults import FaultInjectors, FaultKind, FaultPlan
-from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import block_header_bytes
+from kvbridge.offload.fs_layout import FileMapper
 from tests.conftest import require
 
 MAX_STEPS = 400  # per run: a livelock would spin far beyond this

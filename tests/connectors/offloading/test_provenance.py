@@ -25,8 +25,8 @@ from kvbridge.engine.core import Engine, EngineConfig
 from kvbridge.engine.request import RequestResult, RequestSpec
 from kvbridge.engine.workload import check_outputs, make_requests
 from kvbridge.layouts import ParallelTopology, hash_blocks, load_spec
-from kvbridge.offload.fs import FileMapper
 from kvbridge.offload.fs_io import block_header_bytes, decode_block_header
+from kvbridge.offload.fs_layout import FileMapper
 from kvbridge.offload.obj import OBJECT_ROOT
 from tests.conftest import require
 
