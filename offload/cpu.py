@@ -84,10 +84,10 @@ class SlotMemory:
     """``num_slots * block_bytes`` page-aligned bytes: private, or a shared file.
 
     Without ``path`` the slots are :class:`PrivateMemory` (advised for huge pages: the
-    fs tier reads into them and writes from them with O_DIRECT, which wants the
-    physically contiguous pages). With ``path`` (e.g. under /dev/shm) the memory is a MAP_SHARED mapping of
-    that file, so worker processes can ``SlotMemory.attach`` the same slots the
-    scheduler-side tier manages; the creator removes the file on ``close``.
+    fs tier reads into them and writes from them with O_DIRECT, which wants physically
+    contiguous pages). With ``path`` (e.g. under /dev/shm) the memory is a MAP_SHARED
+    mapping of that file, so worker processes can ``SlotMemory.attach`` the same slots
+    the scheduler-side tier manages; the creator removes the file on ``close``.
 
     A worker whose KV is on a CUDA device pins the mapping (:meth:`pin`, once,
     whichever worker asks first) so that its copies to and from the slots run

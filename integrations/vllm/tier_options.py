@@ -24,14 +24,14 @@ from typing import Any
 from kvbridge.connectors.errors import ConfigError
 from kvbridge.connectors.verify_config import parse_verify
 from kvbridge.layouts.digests import DigestMode
-from kvbridge.offload.fs import IO_ENGINES
+from kvbridge.offload.fs_batch import IO_ENGINES
 
 # ---- config ------------------------------------------------------------------------
 #: keys every kvbridge tier takes (beside ``type``/``module_path``/``backpressure``,
 #: which vLLM's factory takes away)
 COMMON_KEYS = ("verify", "verify_sample", "verify_allow_unverified", "probe_timeout_s",
-           "load_timeout_s", "store_timeout_s", "read_threads", "write_threads",
-           "bounce_bytes", "enable_kv_events", "locality", "namespace")
+               "load_timeout_s", "store_timeout_s", "read_threads", "write_threads",
+               "bounce_bytes", "enable_kv_events", "locality", "namespace")
 FS_KEYS = ("root_dir", "o_direct", "io_engine", "quarantine_after", "fsync") + COMMON_KEYS
 OBJ_KEYS = ("mooncake",) + COMMON_KEYS
 #: default arena of a tier: the bytes of I/O in flight (and given up) at once
