@@ -1,6 +1,7 @@
 """The ``fs`` secondary tier: one file per block under a content-addressed path.
 
-Store directory layout (``fsck`` reads the same constants)::
+Store directory layout (its names and checks: :mod:`kvbridge.offload.fs_layout`, which
+``fsck`` reads too)::
 
     ROOT/layout-<fingerprint>.json          header: format, fingerprint, block_bytes
     ROOT/ab/<32 hex>.<fingerprint>.kvb      one block: a header with its digests
