@@ -4,12 +4,12 @@ Why: ``mmap.mmap(-1, n)`` maps *shared* anonymous memory (Python's default flags
 MAP_SHARED), which Linux backs with shmem pages: no transparent huge pages (shmem's own
 setting, ``shmem_enabled``, is usually ``never``) and pages scattered in physical
 memory. A direct read or write hands the disk one segment per physically contiguous
-run, so scattered pages split a 2 MiB transfer into hundreds of segments (virtio-blk
-takes at most ``max_segments``, 254 here, per request): the likely reason for what
-was measured on the 2-core VM (/var/tmp, ext4;
-``python -m kvbridge.tools.bench.direct_memory``, 64 files of 2 MiB, 32 threads,
-medians of 8 rounds, three runs): into this memory reads were 1.51-1.71x and writes
-1.30-1.38x as fast as into Python's default mapping, CPU per read 189-238 -> 159-162 us.
+run, so scattered pages split a 2 MiB transfer into hundreds of segments, and
+virtio-blk takes at most ``max_segments`` (254 here) per request. Measured on the
+2-core VM (/var/tmp, ext4; ``python -m kvbridge.tools.bench.direct_memory``, 64 files
+of 2 MiB, 32 threads, six runs): a file took 1.8-2.0 disk requests from shared memory
+and one from this memory, and reads into this memory were 1.49-1.71x and writes
+1.28-1.38x as fast, CPU per read 189-238 -> 131-167 us (docs/backends.md).
 
 A :class:`PrivateMemory` is a MAP_PRIVATE mapping, advised ``MADV_HUGEPAGE`` and
 aligned to the huge page size when it is that large, and ``MADV_DONTFORK``: a child

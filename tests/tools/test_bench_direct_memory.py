@@ -37,6 +37,10 @@ def test_every_kind_moves_the_same_bytes(tmp_path: Path,
                                                 "read_cpu_us"])
         assert report["median"][kind]["read"] > 0
     assert report["ratio"]["shared"] == {"write": 1.0, "read": 1.0}
+    if report["disk_stat"] is not None:
+        # O_DIRECT bypasses the page cache: every file read reached the disk at least once
+        for kind in direct_memory.KINDS:
+            assert report["median"][kind]["read_requests"] >= 1.0
     assert "every read verified byte for byte" in capsys.readouterr().out
     assert not [p for p in os.listdir(where) if p.startswith("kvbridge-direct-")]
 
@@ -77,3 +81,14 @@ def test_a_directory_without_o_direct_is_refused(tmp_path: Path,
     monkeypatch.setattr(direct_memory, "probe_o_direct", lambda directory: False)
     assert direct_memory.main(["--dir", str(tmp_path)]) == 2
     assert "O_DIRECT is not supported" in capsys.readouterr().err
+
+
+def test_the_disk_statistics_file_is_the_directorys_device(tmp_path: Path) -> None:
+    path = direct_memory.disk_stat_path(str(tmp_path))
+    if path is None:       # tmpfs or overlay: no block device, and no request counts
+        assert direct_memory._completed(None) is None
+        return
+    dev = os.stat(tmp_path).st_dev
+    assert path == f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+    counts = direct_memory._completed(path)
+    assert counts is not None and min(counts) >= 0

@@ -172,23 +172,55 @@ def _buffers(nbytes: int) -> Iterator[dict[str, _Buffer]]:
             buffer.close()
 
 
+def disk_stat_path(directory: str) -> str | None:
+    """The statistics file of the block device holding ``directory``
+    (``/sys/dev/block/MAJOR:MINOR/stat``), or None (tmpfs, overlay, NFS: no such device)."""
+    dev = os.stat(directory).st_dev
+    path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+    return path if os.path.exists(path) else None
+
+
+def _completed(stat_path: str | None) -> tuple[int, int] | None:
+    """(reads, writes) the device completed so far (its requests, every process's)."""
+    if stat_path is None:
+        return None
+    try:
+        with open(stat_path) as f:
+            fields = f.read().split()
+        return int(fields[0]), int(fields[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _one_kind(where: str, view: memoryview, pattern: np.ndarray, files: int, size: int,
-              threads: int) -> tuple[float, float, float, float, bool]:
+              threads: int, stat_path: str | None) -> tuple[dict[str, float], bool]:
     """``files`` files written from ``view`` into a new directory ``where``, read back
-    into it zeroed, compared with ``pattern`` and removed: (write s, its CPU s, read s,
-    its CPU s, whether every byte came back)."""
+    into it zeroed, compared with ``pattern`` and removed: the figures (GB/s, CPU per
+    file, and disk requests per file where the device says), and whether every byte
+    came back."""
     array = np.frombuffer(view, dtype=np.uint8)
     array[:] = pattern
     os.makedirs(where)
     paths = [os.path.join(where, f"{i}.bin") for i in range(files)]
+    figures: dict[str, float] = {}
     try:
-        os.sync()
-        write_s, write_cpu = _run(files, threads, lambda i: _write(
-            paths[i], view[i * size:(i + 1) * size]))
-        array[:] = 0                   # reads must really refill it
-        os.sync()
-        read_s, read_cpu = _run(files, threads, lambda i: _read(
-            paths[i], view[i * size:(i + 1) * size]))
+        for op in ("write", "read"):
+            if op == "read":
+                array[:] = 0                   # reads must really refill it
+            os.sync()
+            one: Callable[[str, memoryview], None] = _write if op == "write" else _read
+
+            def each(i: int, one: Callable[[str, memoryview], None] = one) -> None:
+                one(paths[i], view[i * size:(i + 1) * size])
+
+            before = _completed(stat_path)
+            seconds, cpu = _run(files, threads, each)
+            after = _completed(stat_path)
+            figures[op] = files * size / seconds / GB
+            figures[f"{op}_cpu_us"] = cpu / files * 1e6
+            if before is not None and after is not None:
+                column = 0 if op == "read" else 1
+                figures[f"{op}_requests"] = (after[column] - before[column]) / files
         same = bool(np.array_equal(array, pattern))
     finally:
         del array
@@ -196,34 +228,32 @@ def _one_kind(where: str, view: memoryview, pattern: np.ndarray, files: int, siz
             if os.path.exists(path):
                 os.unlink(path)
         os.rmdir(where)
-    return write_s, write_cpu, read_s, read_cpu, same
+    return figures, same
 
 
 def run(directory: str, files: int, size: int, threads: int, rounds: int,
         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every kind, ``rounds`` timed rounds after one untimed; a JSON-able report."""
+    """Every kind, ``rounds`` timed rounds after one untimed; a JSON-able report.
+    ``*_requests``: the disk's requests per file (absent where the directory is on no
+    block device; every process's requests count, so a busy disk inflates them)."""
     total = files * size
     pattern = np.random.default_rng(20261205).integers(0, 256, total, dtype=np.uint8)
-    samples: dict[str, dict[str, list[float]]] = {
-        k: {"write": [], "read": [], "write_cpu_us": [], "read_cpu_us": []}
-        for k in KINDS}
+    stat_path = disk_stat_path(directory)
+    samples: dict[str, dict[str, list[float]]] = {k: {} for k in KINDS}
     verified = True
     with _buffers(total) as buffers:
         huge = buffers["kvbridge"].huge
         for r in range(rounds + 1):
             order = KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]
             for kind in order:
-                write_s, write_cpu, read_s, read_cpu, same = _one_kind(
-                    os.path.join(directory, f"{kind}-{r}"), buffers[kind].view, pattern,
-                    files, size, threads)
+                figures, same = _one_kind(os.path.join(directory, f"{kind}-{r}"),
+                                          buffers[kind].view, pattern, files, size,
+                                          threads, stat_path)
                 verified = verified and same
                 if r == 0:
                     continue                   # untimed: every buffer touched once
-                by = samples[kind]
-                by["write"].append(total / write_s / GB)
-                by["read"].append(total / read_s / GB)
-                by["write_cpu_us"].append(write_cpu / files * 1e6)
-                by["read_cpu_us"].append(read_cpu / files * 1e6)
+                for metric, value in figures.items():
+                    samples[kind].setdefault(metric, []).append(value)
             if progress is not None and r:
                 progress(f"round {r}/{rounds}")
     median = {k: {m: statistics.median(v) for m, v in by.items()} for k, by in samples.items()}
@@ -231,7 +261,7 @@ def run(directory: str, files: int, size: int, threads: int, rounds: int,
              for k in KINDS}
     return {"files": files, "size": size, "threads": threads, "rounds": rounds,
             "median": median, "ratio": ratio, "verified": verified,
-            "huge_pages": huge}
+            "huge_pages": huge, "disk_stat": stat_path}
 
 
 def _size(text: str) -> int:
@@ -255,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         description="The same O_DIRECT writes and reads of block files, landing in four "
                     "kinds of host memory: Python's default shared anonymous mmap, a "
                     "populated /dev/shm mapping, private memory, and kvbridge's "
-                    "PrivateMemory (private, huge pages). GB/s and CPU per file, every "
-                    "read checked byte for byte; ratio against the shared mmap.")
+                    "PrivateMemory (private, huge pages). GB/s, CPU and the disk's "
+                    "requests per file, every read checked byte for byte; ratio against "
+                    "the shared mmap.")
     parser.add_argument("--files", type=int, default=64, help="files per round (default 64)")
     parser.add_argument("--size", type=_size, default=2 << 20,
                         help="bytes per file, a multiple of 4 KiB (default 2M)")
@@ -288,12 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         write_json({"direct_memory": report}, args.json)
     if args.json != "-":
-        print(f"{'memory':>9} {'write GB/s':>10} {'ratio':>6} {'CPU us':>7} "
-              f"{'read GB/s':>10} {'ratio':>6} {'CPU us':>7}   (ratio: against shared)")
+        def requests(m: dict[str, float], op: str) -> str:
+            value = m.get(f"{op}_requests")
+            return "-" if value is None else f"{value:.1f}"
+
+        print(f"{'memory':>9} {'write GB/s':>10} {'ratio':>6} {'CPU us':>7} {'reqs':>5} "
+              f"{'read GB/s':>10} {'ratio':>6} {'CPU us':>7} {'reqs':>5}   (ratio: against "
+              f"shared; reqs: disk requests per file)")
         for kind in KINDS:
             m, r = report["median"][kind], report["ratio"][kind]
             print(f"{kind:>9} {m['write']:>10.2f} {r['write']:>6.2f} {m['write_cpu_us']:>7.0f} "
-                  f"{m['read']:>10.2f} {r['read']:>6.2f} {m['read_cpu_us']:>7.0f}")
+                  f"{requests(m, 'write'):>5} {m['read']:>10.2f} {r['read']:>6.2f} "
+                  f"{m['read_cpu_us']:>7.0f} {requests(m, 'read'):>5}")
         print(f"kvbridge's memory on huge pages: {'yes' if report['huge_pages'] else 'no'}; "
               + ("every read verified byte for byte" if report["verified"]
                  else "BYTES DIFFER"))
