@@ -24,7 +24,6 @@ request pins it and no job reads it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import mmap
 import os
@@ -44,6 +43,7 @@ from kvbridge.offload.blockdigest import (
     first_mismatch,
     layer_digests,
 )
+from kvbridge.offload.fs_io import buffer_address
 from kvbridge.offload.policy import EvictionPolicy, make_policy
 from kvbridge.offload.private_memory import PrivateMemory
 from kvbridge.offload.types import EventKind, OffloadError, OffloadEvent, OffloadKey
@@ -143,11 +143,7 @@ class SlotMemory:
             return self.pinned
 
     def _address(self) -> int:
-        anchor = ctypes.c_char.from_buffer(self.buffer)
-        try:
-            return ctypes.addressof(anchor)
-        finally:
-            del anchor   # releases its export of the buffer
+        return buffer_address(self.buffer)
 
     @classmethod
     def attach(cls, path: str, num_slots: int, block_bytes: int) -> SlotMemory:

@@ -24,8 +24,9 @@ does with a path).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
+
+from kvbridge.offload.fs_io import buffer_address
 
 #: where the kernel says how large a transparent huge page is
 _HPAGE_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
@@ -68,29 +69,17 @@ class PrivateMemory:
         pad = huge if nbytes >= huge else 0
         self._map: mmap.mmap | None = mmap.mmap(
             -1, nbytes + pad, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
-        skew = 0
-        if pad:
-            anchor = ctypes.c_char.from_buffer(self._map)
-            try:
-                skew = -ctypes.addressof(anchor) % huge
-            finally:
-                del anchor   # releases its export of the mapping
+        self._whole = memoryview(self._map)
+        skew = -buffer_address(self._whole) % huge if pad else 0
         #: whether the kernel took the huge page advice (False: no THP, or too small)
         self.huge = bool(pad) and _advise(self._map, getattr(mmap, "MADV_HUGEPAGE", None),
                                           skew, nbytes)
-        self.dontfork = _advise(self._map, getattr(mmap, "MADV_DONTFORK", None), 0,
-                                nbytes + pad)
-        self.nbytes = nbytes
-        self._whole = memoryview(self._map)
+        _advise(self._map, getattr(mmap, "MADV_DONTFORK", None), 0, nbytes + pad)
         self.view: memoryview = self._whole[skew:skew + nbytes]
 
     def address(self) -> int:
         """The address of ``view``'s first byte."""
-        anchor = ctypes.c_char.from_buffer(self.view)
-        try:
-            return ctypes.addressof(anchor)
-        finally:
-            del anchor
+        return buffer_address(self.view)
 
     @property
     def closed(self) -> bool:
