@@ -44,6 +44,7 @@ from kvbridge.offload.fs_io import probe_o_direct
 from kvbridge.offload.private_memory import PrivateMemory
 from kvbridge.offload.testing import bench_workdir
 from kvbridge.tools.bench.render import write_json
+from kvbridge.tools.bench.rows import parse_size
 
 GB = 1e9
 KINDS = ("shared", "shm", "private", "kvbridge")
@@ -265,12 +266,8 @@ def run(directory: str, files: int, size: int, threads: int, rounds: int,
 
 
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in units else text
     try:
-        value = int(number) * scale
+        value = parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size like 2M or 256K") from None
     if value <= 0 or value % mmap.PAGESIZE:

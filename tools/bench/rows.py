@@ -47,15 +47,27 @@ class Skipped(Exception):
     """The path's backend is not available here (reported, not a failure)."""
 
 
+def parse_size(text: str) -> int:
+    """``"2MiB"``, ``"256K"``, ``"16384"`` -> bytes; ValueError when it is not a number with
+    one of the units (b, k/KiB, m/MiB, g/GiB)."""
+    size = text.strip()
+    digits = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = size[len(digits):].lower()
+    if not digits.isdigit() or unit not in _UNITS:
+        raise ValueError(f"expected a size such as 2MiB, 256K or 16384, got {text!r}")
+    return int(digits) * _UNITS[unit]
+
+
 def parse_pattern(text: str) -> tuple[int, int]:
     """``"64x2MiB"`` -> ``(64, 2097152)``; ValueError naming the expected form."""
     count, sep, size = text.strip().partition("x")
-    digits = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = size[len(digits):].lower()
-    if not sep or not count.isdigit() or not digits.isdigit() or unit not in _UNITS:
+    try:
+        if not sep or not count.isdigit():
+            raise ValueError(text)
+        num_blocks, block_bytes = int(count), parse_size(size)
+    except ValueError:
         raise ValueError(f"--pattern: expected NUMxSIZE such as 64x2MiB or 4096x16384, "
-                         f"got {text!r}")
-    num_blocks, block_bytes = int(count), int(digits) * _UNITS[unit]
+                         f"got {text!r}") from None
     if num_blocks < 1 or block_bytes < 1:
         raise ValueError(f"--pattern: needs >= 1 block of >= 1 byte, got {text!r}")
     return num_blocks, block_bytes
