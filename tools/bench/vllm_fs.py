@@ -42,6 +42,7 @@ from kvbridge.offload.fs import DEFAULT_READ_THREADS, DEFAULT_WRITE_THREADS, FsT
 from kvbridge.offload.runner import TierRunner
 from kvbridge.offload.testing import bench_workdir, block_content
 from kvbridge.tools.bench.render import write_json
+from kvbridge.tools.bench.rows import parse_size
 
 GB = 1e9
 #: the tiers compared: name -> kvbridge verify mode (None: vLLM's tier)
@@ -229,19 +230,10 @@ def run_fs_vs_vllm(directory: str | None = None, *, num_blocks: int = 128,
     }
 
 
-def _size(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "k": 1 << 10, "m": 1 << 20}
-    low = text.strip().lower()
-    for unit, mult in units.items():
-        if low.endswith(unit):
-            return int(low[:-len(unit)]) * mult
-    return int(low)
-
-
 def _pattern(text: str) -> tuple[int, int]:
     num, _, size = text.lower().partition("x")
     try:
-        return int(num), _size(size)
+        return int(num), parse_size(size)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected NUMxSIZE such as 128x256KiB, got {text!r}") from None
